@@ -1,0 +1,79 @@
+"""`kvroute` command line. Each subcommand lives with its process: router/, worker/; this file wires them.
+
+Every failure a user can cause (bad flag, missing model, unreachable endpoint) ends in one line on stderr
+and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+from kvroute import __version__
+from kvroute.model import ModelError, resolve_model
+
+# name -> (module, help). A module provides add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("kvroute.serve", "start the router and local workers and serve the default model"),
+    "router": ("router.main", "run the router process alone (workers connect to it)"),
+    "worker": ("worker.main", "run one worker process: one llama context on one device"),
+}
+
+
+class UsageError(Exception):
+    """A problem the user can fix; printed as one line."""
+
+
+def _model_path(args: argparse.Namespace) -> int:
+    print(resolve_model(None))
+    return 0
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
+    parser = argparse.ArgumentParser(
+        prog="kvroute",
+        description="Serve llama.cpp models without recomputing prompt prefixes: a prefix-aware router and workers.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvroute {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    runners: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.split(".")[0] in {"kvroute", "router", "worker"}:
+                continue  # that part is not built yet
+            raise
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        runners[name] = module.run
+
+    model = sub.add_parser("model", help="the default model", description="Manage the default model file.")
+    model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    model_sub.add_parser(
+        "path", help="assemble the default model on first use and print its path", description="Print the default GGUF's path."
+    )
+    runners["model"] = _model_path
+    return parser, runners
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, runners = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return runners[args.command](args)
+    except (ModelError, UsageError) as exc:
+        print(f"kvroute {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Encoding and total decoding: every decoder returns a message or an `Invalid`, never raises."""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from protocol.common import MAX_FRAME_BYTES, PROTOCOL_VERSION, ErrorCode, Message
+from protocol.client_messages import ClientRequest, RouterReply
+from protocol.worker_messages import RouterToWorker, WorkerToRouter
+
+M = TypeVar("M", bound=Message)
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Message) -> bytes:
+    """A message -> one msgpack frame."""
+    return _encoder.encode(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class Invalid:
+    """Why a frame was refused. `id` is the request id when one could be read."""
+
+    code: ErrorCode
+    reason: str
+    id: str | None = None
+
+
+class Decoder(Generic[M]):
+    """Decodes the union of messages that one socket may receive.
+
+    `decode(frame)` returns a message of the union or an `Invalid` naming the problem: frame over the
+    size cap, bytes that are not msgpack, not a map, missing/ill-typed `v` or `type`, a version other
+    than PROTOCOL_VERSION, a type this socket does not take, or a missing/ill-typed field (with its path).
+    """
+
+    def __init__(self, union: Any, max_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.by_tag: dict[str, type[M]] = {cls.__struct_config__.tag: cls for cls in typing.get_args(union)}
+        self._raw = msgspec.msgpack.Decoder()
+
+    @property
+    def types(self) -> list[str]:
+        return sorted(self.by_tag)
+
+    def decode(self, frame: bytes | memoryview) -> M | Invalid:
+        if len(frame) > self.max_bytes:
+            return Invalid(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes is over the {self.max_bytes}-byte cap")
+        try:
+            raw = self._raw.decode(frame)
+        except Exception as exc:  # msgspec.DecodeError, or anything a hostile frame provokes
+            return Invalid(ErrorCode.BAD_REQUEST, f"frame is not valid msgpack: {exc}")
+        if not isinstance(raw, dict):
+            return Invalid(ErrorCode.BAD_REQUEST, f"message must be a msgpack map, got {type(raw).__name__}")
+        rid = raw.get("id")
+        rid = rid if isinstance(rid, str) and 0 < len(rid) <= 128 else None
+        version = raw.get("v")
+        if version is None:
+            return Invalid(ErrorCode.BAD_REQUEST, "missing field `v` (protocol version)", rid)
+        if type(version) is not int:
+            return Invalid(ErrorCode.BAD_REQUEST, f"field `v` must be an integer, got {type(version).__name__}", rid)
+        if version != PROTOCOL_VERSION:
+            return Invalid(
+                ErrorCode.UNSUPPORTED_VERSION, f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})", rid
+            )
+        tag = raw.get("type")
+        if tag is None:
+            return Invalid(ErrorCode.BAD_REQUEST, "missing field `type`", rid)
+        if not isinstance(tag, str):
+            return Invalid(ErrorCode.BAD_REQUEST, f"field `type` must be a string, got {type(tag).__name__}", rid)
+        cls = self.by_tag.get(tag)
+        if cls is None:
+            return Invalid(ErrorCode.BAD_REQUEST, f"unknown message type {tag!r} here; expected one of {self.types}", rid)
+        try:
+            return msgspec.convert(raw, cls)
+        except msgspec.ValidationError as exc:
+            return Invalid(ErrorCode.BAD_REQUEST, f"{tag}: {exc}", rid)
+        except Exception as exc:  # a validator hit something unforeseen: still an answer, not a crash
+            return Invalid(ErrorCode.BAD_REQUEST, f"{tag}: {type(exc).__name__}: {exc}", rid)
+
+
+def client_request_decoder(max_bytes: int = MAX_FRAME_BYTES) -> Decoder[Any]:
+    """What the router's client socket receives."""
+    return Decoder(ClientRequest, max_bytes)
+
+
+def router_reply_decoder(max_bytes: int = MAX_FRAME_BYTES) -> Decoder[Any]:
+    """What a client receives."""
+    return Decoder(RouterReply, max_bytes)
+
+
+def worker_to_router_decoder(max_bytes: int = MAX_FRAME_BYTES) -> Decoder[Any]:
+    """What the router's worker socket receives."""
+    return Decoder(WorkerToRouter, max_bytes)
+
+
+def router_to_worker_decoder(max_bytes: int = MAX_FRAME_BYTES) -> Decoder[Any]:
+    """What a worker receives."""
+    return Decoder(RouterToWorker, max_bytes)

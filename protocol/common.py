@@ -1,0 +1,132 @@
+"""Pieces shared by both sockets: version, error codes, sampling, usage, timings, token packing."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import sys
+from array import array
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+PROTOCOL_VERSION = 1
+"""Integer major version carried as `v` in every message; see PROTOCOL.md, "Versioning"."""
+
+MAX_FRAME_BYTES = 8 * 1024 * 1024
+"""Default cap on one message frame; larger frames get `too_large` without being decoded."""
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+
+
+class ErrorCode(enum.StrEnum):
+    """Stable error codes. Clients may switch on these; the message text is for humans."""
+
+    BAD_REQUEST = "bad_request"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    TOO_LARGE = "too_large"
+    CONTEXT_OVERFLOW = "context_overflow"
+    QUEUE_FULL = "queue_full"
+    NO_WORKERS = "no_workers"
+    WORKER_LOST = "worker_lost"
+    CANCELLED = "cancelled"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    INTERNAL = "internal"
+    NOT_FOUND = "not_found"
+    MODEL_MISMATCH = "model_mismatch"
+    DRAINING = "draining"
+    UNAUTHORIZED = "unauthorized"
+
+
+class FinishReason(enum.StrEnum):
+    """Why a generation ended."""
+
+    STOP = "stop"  # end-of-generation token or a stop string
+    LENGTH = "length"  # max_tokens reached, or the slot's context is full
+    CANCELLED = "cancelled"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+
+
+class Struct(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    """Base for nested (untagged) structures."""
+
+
+class Message(Struct, tag_field="type"):
+    """Base for every top-level message: a `type` tag and the protocol version `v`."""
+
+    v: int = PROTOCOL_VERSION
+
+
+NonNeg = Annotated[int, Meta(ge=0)]
+NonNegFloat = Annotated[float, Meta(ge=0.0)]
+TokenBytes = bytes
+"""Token ids as little-endian int32, packed back to back (msgpack `bin`)."""
+
+
+class Sampling(Struct, kw_only=True):
+    """How to pick tokens and when to stop. Defaults follow the OpenAI API."""
+
+    max_tokens: Annotated[int, Meta(ge=1)] = 256
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
+    top_k: NonNeg = 0  # 0 = off
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    seed: Annotated[int, Meta(ge=0, le=2**32 - 2)] | None = None  # None = random
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] = {}
+    stop: list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LEN)]] = []
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for key in self.logit_bias:
+            if not key.isdigit() or len(key) > 10:
+                raise ValueError(f"logit_bias keys are token ids as decimal strings, got {key!r}")
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): v for k, v in self.logit_bias.items()}
+
+
+class Usage(Struct, kw_only=True):
+    """Token counts of one request."""
+
+    prompt_tokens: NonNeg
+    cached_tokens: NonNeg  # prompt tokens whose KV was reused, not computed
+    completion_tokens: NonNeg
+
+
+class Timings(Struct, kw_only=True):
+    """Milliseconds spent in each phase of one request."""
+
+    queue_ms: NonNegFloat = 0.0  # waiting for a slot (router queue + worker queue)
+    prefill_ms: NonNegFloat = 0.0  # from first prefill step to first sampled token
+    decode_ms: NonNegFloat = 0.0  # from first sampled token to the end
+    ttft_ms: NonNegFloat = 0.0  # from arrival to first token
+    total_ms: NonNegFloat = 0.0
+
+
+def pack_tokens(tokens: list[int] | array) -> bytes:
+    """Token ids -> little-endian int32 bytes."""
+    packed = tokens if isinstance(tokens, array) and tokens.typecode == "i" else array("i", tokens)
+    if sys.byteorder != "little":
+        packed = array("i", packed)
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    """Little-endian int32 bytes -> token ids. Raises ValueError on a length not divisible by 4."""
+    if len(data) % 4:
+        raise ValueError(f"token bytes length {len(data)} is not a multiple of 4")
+    out = array("i")
+    out.frombytes(data)
+    if sys.byteorder != "little":
+        out.byteswap()
+    return out.tolist()
+
+
+def token_hash(tokens: list[int]) -> str:
+    """Hash that a worker reports for a slot's tokens: blake2b-64 of the packed tokens, hex."""
+    return hashlib.blake2b(pack_tokens(tokens), digest_size=8).hexdigest()

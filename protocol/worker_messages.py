@@ -1,0 +1,129 @@
+"""Messages between the router's worker socket (ROUTER, bound) and workers (DEALER, identity = worker id)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from protocol.client_messages import RequestId
+from protocol.common import Message, NonNeg, Sampling, Struct, Timings, TokenBytes
+
+WorkerId = Annotated[str, Meta(min_length=1, max_length=64)]
+
+
+# ---- worker -> router -------------------------------------------------------------------------
+
+
+class Hello(Message, tag="hello", kw_only=True):
+    """First message of a worker; repeated until `accept` or `refuse` arrives."""
+
+    worker_id: WorkerId
+    incarnation: NonNeg  # grows each time this worker id starts; a new one means empty slots
+    slots: Annotated[int, Meta(ge=1, le=256)]
+    ctx_per_slot: Annotated[int, Meta(ge=1)]
+    model_fingerprint: str
+    device: str  # "cpu" or "cuda:0" ...
+    kv_bytes: NonNeg = 0  # KV memory reserved for all slots
+    n_batch: NonNeg = 0
+    deterministic: bool = False
+    pid: NonNeg = 0
+
+
+class SlotState(Struct, kw_only=True):
+    slot: NonNeg
+    busy: bool
+    n_tokens: NonNeg
+    job_id: str | None = None
+
+
+class Heartbeat(Message, tag="heartbeat", kw_only=True):
+    """Every second: what the worker is doing."""
+
+    worker_id: WorkerId
+    incarnation: NonNeg
+    slots: list[SlotState]
+    queue: NonNeg  # jobs waiting for a slot inside the worker
+    draining: bool = False
+
+
+class JobDelta(Message, tag="job_delta", kw_only=True):
+    id: RequestId
+    text: str
+    tokens: TokenBytes
+
+
+class JobDone(Message, tag="job_done", kw_only=True):
+    """A job ended. The slot now holds `slot_tokens` tokens: the prompt plus the generated ones it kept."""
+
+    id: RequestId
+    slot: NonNeg
+    finish_reason: str
+    text: str
+    tokens: TokenBytes  # generated token ids
+    prompt_tokens: NonNeg
+    reused_tokens: NonNeg  # prompt tokens whose KV was already in the slot
+    prefilled_tokens: NonNeg  # prompt tokens computed for this job
+    generated_tokens: NonNeg
+    slot_tokens: NonNeg  # the slot's token count after the job
+    slot_hash: str  # token_hash() of the slot's tokens after the job
+    timings: Timings
+    stop: str | None = None
+
+
+class JobError(Message, tag="job_error", kw_only=True):
+    """A job failed. `slot`, `slot_tokens`, `slot_hash` say what the slot holds now (slot -1: none taken)."""
+
+    id: RequestId
+    code: str
+    message: str
+    error_id: str | None = None
+    slot: int = -1
+    slot_tokens: NonNeg = 0
+    slot_hash: str = ""
+
+
+WorkerToRouter = Hello | Heartbeat | JobDelta | JobDone | JobError
+
+
+# ---- router -> worker -------------------------------------------------------------------------
+
+
+class Accept(Message, tag="accept", kw_only=True):
+    worker_id: WorkerId
+    router_id: str = ""  # changes when the router restarts
+
+
+class Refuse(Message, tag="refuse", kw_only=True):
+    """The router will not use this worker. `code` is an ErrorCode (`model_mismatch`, `bad_request`...)."""
+
+    code: str
+    reason: str
+
+
+class Job(Message, tag="job", kw_only=True):
+    """Run one generation. `slot` -1 lets the worker choose."""
+
+    id: RequestId
+    slot: Annotated[int, Meta(ge=-1)] = -1
+    tokens: TokenBytes  # the whole prompt
+    sampling: Sampling = msgspec.field(default_factory=Sampling)
+    deadline_ms: Annotated[int, Meta(ge=1)] | None = None  # relative to the worker's receipt
+    predicted_reuse: NonNeg = 0  # what the router expects the slot to reuse (for logs)
+    prefix_cache: bool = True  # False: clear the slot and compute the whole prompt
+
+    def __post_init__(self) -> None:
+        if not self.tokens or len(self.tokens) % 4:
+            raise ValueError("tokens must be non-empty little-endian int32 bytes")
+
+
+class JobCancel(Message, tag="job_cancel", kw_only=True):
+    id: RequestId
+
+
+class Drain(Message, tag="drain", kw_only=True):
+    """Stop taking jobs; finish the running ones."""
+
+
+RouterToWorker = Accept | Refuse | Job | JobCancel | Drain
