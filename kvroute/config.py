@@ -38,7 +38,9 @@ def add_args(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...
         tp, _ = _base_type(hints[f.name])
         default = f.default
         if tp is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+            parser.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"]
+            )
             continue
         shown = "" if default is None else f" (default: {default})"
         parser.add_argument(

