@@ -68,7 +68,7 @@ TokenBytes = bytes
 class Sampling(Struct, kw_only=True):
     """How to pick tokens and when to stop. Defaults follow the OpenAI API."""
 
-    max_tokens: Annotated[int, Meta(ge=1)] = 256
+    max_tokens: Annotated[int, Meta(ge=1)] | None = 256  # None: until the slot's context is full
     temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
     top_k: NonNeg = 0  # 0 = off
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
