@@ -14,11 +14,25 @@ from collections.abc import Callable, Sequence
 from kvroute import __version__
 from kvroute.model import ModelError, resolve_model
 
-# name -> (module, help). A module provides add_arguments(parser) and run(args) -> int.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("kvroute.serve", "start the router and local workers and serve the default model"),
-    "router": ("router.main", "run the router process alone (workers connect to it)"),
-    "worker": ("worker.main", "run one worker process: one llama context on one device"),
+# name -> (module, help, add_arguments name, run name)
+SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "serve": (
+        "kvroute.serve",
+        "start the router, local workers and the HTTP API; serve the default model",
+        "add_arguments",
+        "run",
+    ),
+    "router": ("router.main", "run the router process alone (workers and clients connect to it)", "add_arguments", "run"),
+    "worker": ("worker.main", "run one worker process: one llama context on one device", "add_arguments", "run"),
+    "http": ("gateway.main", "run the OpenAI-compatible HTTP API in front of a running router", "add_arguments", "run"),
+    "complete": (
+        "kvroute.talk",
+        "complete a prompt on a running server, streaming to the terminal",
+        "add_complete_arguments",
+        "run_complete",
+    ),
+    "chat": ("kvroute.talk", "chat with a running server, streaming to the terminal", "add_chat_arguments", "run_chat"),
+    "status": ("kvroute.talk", "show workers, slots and what each slot holds", "add_status_arguments", "run_status"),
 }
 
 
@@ -40,7 +54,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     runners: dict[str, Callable[[argparse.Namespace], int]] = {}
 
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
+    for name, (module_name, help_text, add_name, run_name) in SUBCOMMANDS.items():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -48,8 +62,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
                 continue  # that part is not built yet
             raise
         p = sub.add_parser(name, help=help_text, description=help_text)
-        module.add_arguments(p)
-        runners[name] = module.run
+        getattr(module, add_name)(p)
+        runners[name] = getattr(module, run_name)
 
     model = sub.add_parser("model", help="the default model", description="Manage the default model file.")
     model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)

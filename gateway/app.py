@@ -1,0 +1,316 @@
+"""The OpenAI-compatible HTTP API (Starlette), in front of the router's ZMQ client socket.
+
+It is one more client of the protocol: every request becomes a `submit` through `AsyncClient`, so HTTP
+and ZMQ clients share one queue, one routing decision path and one set of error codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway.openai_schema import (
+    RequestError,
+    chat_body,
+    chat_submit,
+    completion_body,
+    completion_submit,
+    finish_reason,
+    now,
+    usage_body,
+)
+from gateway.openapi import OPENAPI
+from kvroute import logs
+from kvroute.client import AsyncClient, KvrouteError
+from protocol import Delta, ErrorCode, Result, Submit
+
+log = logs.get(__name__)
+
+HTTP_REQUESTS = Counter("kvroute_http_requests_total", "HTTP requests by endpoint and status", ["endpoint", "status"])
+HTTP_TTFT = Histogram(
+    "kvroute_http_time_to_first_token_seconds",
+    "Time from HTTP request to first streamed token",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+
+# protocol error code -> (HTTP status, OpenAI error type)
+ERROR_STATUS: dict[str, tuple[int, str]] = {
+    ErrorCode.BAD_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.CONTEXT_OVERFLOW: (400, "invalid_request_error"),
+    ErrorCode.TOO_LARGE: (413, "invalid_request_error"),
+    ErrorCode.UNAUTHORIZED: (401, "authentication_error"),
+    ErrorCode.NOT_FOUND: (404, "invalid_request_error"),
+    ErrorCode.QUEUE_FULL: (429, "rate_limit_error"),
+    ErrorCode.NO_WORKERS: (503, "service_unavailable"),
+    ErrorCode.WORKER_LOST: (503, "service_unavailable"),
+    ErrorCode.DRAINING: (503, "service_unavailable"),
+    ErrorCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    ErrorCode.CANCELLED: (499, "cancelled"),
+}
+
+
+def error_response(
+    message: str,
+    status: int,
+    *,
+    type_: str,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def kvroute_error_response(exc: KvrouteError) -> JSONResponse:
+    status, type_ = ERROR_STATUS.get(exc.code, (500, "internal_error"))
+    message = exc.message if not exc.error_id else f"{exc.message} (error id {exc.error_id})"
+    headers = None
+    if exc.code == ErrorCode.QUEUE_FULL:
+        headers = {"Retry-After": str(max(1, round((exc.retry_after_ms or 1000) / 1000)))}
+    return error_response(message, status, type_=type_, code=exc.code, headers=headers)
+
+
+class Gateway:
+    """State behind the routes: the ZMQ client, the served model name, the optional API key."""
+
+    def __init__(self, client: AsyncClient, model_name: str, api_key: str | None = None) -> None:
+        self.client = client
+        self.model_name = model_name
+        self.api_key = api_key
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def authorized(self, request: Request) -> bool:
+        if not self.api_key:
+            return True
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        return hmac.compare_digest(token.encode(), self.api_key.encode())
+
+    async def body(self, request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise RequestError("request body must be a JSON object")
+        model = body.get("model")
+        if model not in (None, "", "default", self.model_name):
+            raise RequestError(
+                f"model {model!r} not found; this server serves {self.model_name!r}",
+                param="model",
+                status=404,
+                code="model_not_found",
+            )
+        return body
+
+    # ---- routes ---------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        try:
+            status = await asyncio.wait_for(self.client.status(), 2.0)
+        except (TimeoutError, KvrouteError) as exc:
+            return JSONResponse({"status": "unavailable", "reason": str(exc) or "router not answering"}, status_code=503)
+        ready = [w for w in status.workers if w.state == "ready"]
+        if not ready:
+            return JSONResponse({"status": "loading", "workers": 0}, status_code=503)
+        return JSONResponse({"status": "ok", "workers": len(ready)})
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(
+            {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvroute"}]}
+        )
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(OPENAPI)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completions")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        rid = uuid.uuid4().hex[:24]
+        body = await self.body(request)
+        sub, stream, include_usage = (completion_submit if kind == "completions" else chat_submit)(body, rid)
+        created = now()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        messages = self.client.stream_submit(sub)
+        first = await anext(messages)  # errors before the first token become an HTTP status
+        if not stream:
+            result = first if isinstance(first, Result) else await self._drain(messages, request, sub)
+            if result is None:
+                return Response(status_code=499)
+            make = completion_body if kind == "completions" else chat_body
+            return JSONResponse(make(result, self.model_name, created))
+        return StreamingResponse(
+            self._sse(kind, first, messages, rid, created, include_usage, t0),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _drain(self, messages: AsyncIterator[Delta | Result], request: Request, sub: Submit) -> Result | None:
+        """Consume to the Result, but give up (cancelling the job) if the HTTP client goes away."""
+
+        async def consume() -> Result:
+            async for msg in messages:
+                if isinstance(msg, Result):
+                    return msg
+            raise KvrouteError("stream ended without a result", code=ErrorCode.INTERNAL)
+
+        task = asyncio.ensure_future(consume())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                await messages.aclose()  # sends the cancel
+                log.info("http_client_gone", request_id=sub.id)
+                return None
+        return task.result()
+
+    async def _sse(
+        self,
+        kind: str,
+        first: Delta | Result,
+        messages: AsyncIterator[Delta | Result],
+        rid: str,
+        created: int,
+        include_usage: bool,
+        t0: float,
+    ) -> AsyncIterator[bytes]:
+        chat = kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        cid = f"chatcmpl-{rid}" if chat else f"cmpl-{rid}"
+
+        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            body: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            if include_usage:
+                body["usage"] = usage
+            return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+        def choice(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, Any] = {}
+                if role:
+                    delta["role"] = "assistant"
+                if text is not None:
+                    delta["content"] = text
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+        first_token = True
+        try:
+            if chat:
+                yield chunk([choice("", None, role=True)])
+
+            async def all_messages() -> AsyncIterator[Delta | Result]:
+                yield first
+                async for m in messages:
+                    yield m
+
+            async for msg in all_messages():
+                if isinstance(msg, Delta):
+                    if first_token:
+                        HTTP_TTFT.observe(asyncio.get_running_loop().time() - t0)
+                        first_token = False
+                    if msg.text:
+                        yield chunk([choice(msg.text, None)])
+                else:
+                    yield chunk([choice(None if chat else "", finish_reason(msg))])
+                    if include_usage:
+                        yield chunk([], usage_body(msg))
+            yield b"data: [DONE]\n\n"
+        except KvrouteError as exc:
+            type_ = ERROR_STATUS.get(exc.code, (500, "internal_error"))[1]
+            err = {"error": {"message": str(exc), "type": type_, "code": exc.code, "param": None}}
+            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            await messages.aclose()  # on client disconnect this sends the cancel
+
+
+class Guard:
+    """Pure ASGI middleware: API key check (all but /health) and request counting by status."""
+
+    def __init__(self, app: Any, gateway: Gateway, paths: set[str]) -> None:
+        self.app, self.gateway, self.paths = app, gateway, paths
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path in self.paths else "other"
+        status = {"code": 500}
+
+        async def counting_send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if path != "/health" and not self.gateway.authorized(Request(scope)):
+                response = error_response("missing or wrong API key", 401, type_="authentication_error", code="invalid_api_key")
+                await response(scope, receive, counting_send)
+            else:
+                await self.app(scope, receive, counting_send)
+        finally:
+            HTTP_REQUESTS.labels(endpoint, str(status["code"])).inc()
+
+
+def build_app(gateway: Gateway) -> Starlette:
+    routes = [
+        Route("/health", gateway.health, methods=["GET"]),
+        Route("/v1/models", gateway.models, methods=["GET"]),
+        Route("/metrics", gateway.metrics, methods=["GET"]),
+        Route("/openapi.json", gateway.openapi, methods=["GET"]),
+        Route("/v1/completions", gateway.completions, methods=["POST"]),
+        Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+    ]
+
+    async def on_request_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestError)
+        return error_response(exc.message, exc.status, type_=exc.type, code=exc.code, param=exc.param)
+
+    async def on_kvroute_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, KvrouteError)
+        return kvroute_error_response(exc)
+
+    async def on_timeout(request: Request, exc: Exception) -> Response:
+        return error_response(str(exc), 504, type_="timeout", code="timeout")
+
+    async def on_internal(request: Request, exc: Exception) -> Response:
+        error_id = uuid.uuid4().hex[:12]
+        log.error("http_internal_error", error_id=error_id, path=request.url.path, error=repr(exc))
+        return error_response(
+            f"internal error {type(exc).__name__} (error id {error_id})", 500, type_="internal_error", code=ErrorCode.INTERNAL
+        )
+
+    return Starlette(
+        routes=routes,
+        middleware=[Middleware(Guard, gateway=gateway, paths={r.path for r in routes})],
+        exception_handlers={
+            RequestError: on_request_error,
+            KvrouteError: on_kvroute_error,
+            TimeoutError: on_timeout,
+            Exception: on_internal,
+        },
+    )

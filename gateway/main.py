@@ -1,0 +1,82 @@
+"""`kvroute http`: the OpenAI-compatible HTTP API as its own process, in front of a running router."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from dataclasses import dataclass
+
+from kvroute import logs
+from kvroute.config import add_args, from_args, opt
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    http: str = opt("127.0.0.1:8000", "HOST:PORT the HTTP API listens on (loopback by default)", metavar="HOST:PORT")
+    router: str = opt("tcp://127.0.0.1:5555", "the router's client endpoint", metavar="ENDPOINT")
+    model_name: str = opt("default", "model name listed by /v1/models (kvroute serve sets it from the GGUF)")
+    api_key: str | None = opt(
+        None,
+        "require this key (Authorization: Bearer KEY) on every endpoint but /health; default: $KVROUTE_API_KEY",
+        metavar="KEY",
+    )
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """'HOST:PORT' -> (host, port); raises ValueError naming the problem."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT with a port in 1..65535, got {value!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None) -> None:
+    """Run the HTTP API until cancelled."""
+    import uvicorn
+
+    from gateway.app import Gateway, build_app
+    from kvroute.client import AsyncClient
+
+    host, port = parse_host_port(cfg.http)
+    client = AsyncClient(cfg.router)
+    api_key = cfg.api_key or os.environ.get("KVROUTE_API_KEY") or None
+    app = build_app(Gateway(client, cfg.model_name, api_key))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False))
+    log = logs.get(__name__)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if task.done():
+        await task  # raises the bind error
+        raise OSError(f"HTTP server on {cfg.http} stopped at start-up")
+    log.info("http_listening", url=f"http://{host}:{port}", router=cfg.router, auth=bool(api_key))
+    if ready:
+        ready.set()
+    try:
+        await task
+    finally:
+        server.should_exit = True
+        await client.close()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_args(parser, HttpConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvroute.cli import UsageError
+
+    cfg = from_args(HttpConfig, args)
+    try:
+        parse_host_port(cfg.http)
+    except ValueError as exc:
+        raise UsageError(f"--http: {exc}") from None
+    logs.setup(process="http")
+    import uvloop
+
+    try:
+        uvloop.run(serve_http(cfg))
+    except OSError as exc:
+        raise UsageError(f"cannot serve HTTP on {cfg.http}: {exc.strerror or exc}") from None
+    return 0

@@ -1,0 +1,361 @@
+"""Python client for the kvroute ZMQ protocol, sync (`Client`) and asyncio (`AsyncClient`).
+
+One DEALER socket carries many requests at once; replies are sorted by request id. Errors from the
+router raise `KvrouteError` subclasses keyed by the stable error code. ZMQ reconnects the transport by
+itself; a request whose replies stop for `timeout_s` raises `TimeoutError`, and the socket is then
+re-created so that late replies from a restarted router cannot be mistaken for new ones.
+
+    with Client("tcp://127.0.0.1:5555") as c:
+        for delta in c.stream(prompt="The capital of France is", max_tokens=8):
+            print(delta.text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from protocol import (
+    Cancel,
+    ChatMessage,
+    Delta,
+    Error,
+    ErrorCode,
+    Invalid,
+    Result,
+    Sampling,
+    StatusReply,
+    StatusRequest,
+    Submit,
+    encode,
+    pack_tokens,
+    router_reply_decoder,
+)
+
+DEFAULT_ENDPOINT = os.environ.get("KVROUTE_ENDPOINT", "tcp://127.0.0.1:5555")
+
+
+class KvrouteError(Exception):
+    """The router answered with an error. `code` is a protocol ErrorCode value."""
+
+    code: str = ErrorCode.INTERNAL
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        error_id: str | None = None,
+        request_id: str | None = None,
+        retry_after_ms: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code or self.code
+        self.message = message
+        self.error_id = error_id
+        self.request_id = request_id
+        self.retry_after_ms = retry_after_ms
+
+    def __str__(self) -> str:
+        tail = f" (error id {self.error_id})" if self.error_id else ""
+        return f"{self.code}: {self.message}{tail}"
+
+
+class BadRequest(KvrouteError):
+    code = ErrorCode.BAD_REQUEST
+
+
+class ContextOverflow(KvrouteError):
+    code = ErrorCode.CONTEXT_OVERFLOW
+
+
+class QueueFull(KvrouteError):
+    code = ErrorCode.QUEUE_FULL
+
+
+class NoWorkers(KvrouteError):
+    code = ErrorCode.NO_WORKERS
+
+
+class WorkerLost(KvrouteError):
+    code = ErrorCode.WORKER_LOST
+
+
+class DeadlineExceeded(KvrouteError):
+    code = ErrorCode.DEADLINE_EXCEEDED
+
+
+class Unauthorized(KvrouteError):
+    code = ErrorCode.UNAUTHORIZED
+
+
+_ERRORS: dict[str, type[KvrouteError]] = {
+    cls.code: cls for cls in (BadRequest, ContextOverflow, QueueFull, NoWorkers, WorkerLost, DeadlineExceeded, Unauthorized)
+}
+
+
+def error_from(msg: Error) -> KvrouteError:
+    cls = _ERRORS.get(msg.code, KvrouteError)
+    return cls(msg.message, code=msg.code, error_id=msg.error_id, request_id=msg.id, retry_after_ms=msg.retry_after_ms)
+
+
+def build_submit(
+    *,
+    prompt: str | None = None,
+    messages: list[dict[str, str]] | list[ChatMessage] | None = None,
+    tokens: list[int] | None = None,
+    stream: bool = True,
+    deadline_ms: int | None = None,
+    request_id: str | None = None,
+    **sampling: Any,
+) -> Submit:
+    """A `submit` from keyword arguments; sampling keywords are those of protocol.Sampling."""
+    chat = None if messages is None else [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
+    try:
+        params = msgspec.convert(sampling, Sampling)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(str(exc)) from None
+    return Submit(
+        id=request_id or uuid.uuid4().hex[:16],
+        prompt=prompt,
+        messages=chat,
+        tokens=None if tokens is None else pack_tokens(tokens),
+        sampling=params,
+        stream=stream,
+        deadline_ms=deadline_ms,
+    )
+
+
+class Stream:
+    """Iterates the deltas of one request; `result` is set once iteration ends."""
+
+    def __init__(self, client: Client, request_id: str) -> None:
+        self.client, self.id = client, request_id
+        self.result: Result | None = None
+
+    def __iter__(self) -> Iterator[Delta]:
+        while True:
+            msg = self.client._next_for(self.id)
+            if isinstance(msg, Delta):
+                yield msg
+            elif isinstance(msg, Result):
+                self.result = msg
+                return
+
+    def cancel(self) -> None:
+        self.client.cancel(self.id)
+
+
+class Client:
+    """Synchronous client. Not thread safe: use one per thread."""
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        *,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float | None = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.ctx = context or zmq.Context.instance()
+        self._decoder = router_reply_decoder()
+        self._inbox: dict[str, collections.deque[Any]] = collections.defaultdict(collections.deque)
+        self._sock: zmq.Socket[Any] = self._connect()
+
+    def _connect(self) -> zmq.Socket[Any]:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        return sock
+
+    def reconnect(self) -> None:
+        """Drop the socket and every buffered reply, and connect afresh."""
+        self._sock.close(0)
+        self._inbox.clear()
+        self._sock = self._connect()
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send(self, msg: Any) -> None:
+        self._sock.send(encode(msg))
+
+    def _next_for(self, request_id: str) -> Any:
+        """Next reply for `request_id`, buffering replies for other ids. Raises on error or timeout."""
+        box = self._inbox[request_id]
+        deadline = time.monotonic() + self.timeout_s
+        while not box:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+                if time.monotonic() >= deadline:
+                    self.reconnect()
+                    raise TimeoutError(f"no reply from the router at {self.endpoint} in {self.timeout_s:g} s")
+                continue
+            msg = self._decoder.decode(self._sock.recv())
+            if isinstance(msg, Invalid):
+                raise KvrouteError(f"unreadable reply from router: {msg.reason}", code=ErrorCode.INTERNAL)
+            if msg.id is None and isinstance(msg, Error):
+                raise error_from(msg)  # the router could not read our frame at all
+            self._inbox[msg.id or ""].append(msg)
+        msg = box.popleft()
+        if isinstance(msg, Error):
+            self._inbox.pop(request_id, None)
+            raise error_from(msg)
+        if isinstance(msg, (Result, StatusReply)):
+            self._inbox.pop(request_id, None)
+        return msg
+
+    def stream(self, **kwargs: Any) -> Stream:
+        """Submit and return a Stream of deltas (see build_submit for the keywords)."""
+        sub = build_submit(stream=True, **kwargs)
+        self.send(sub)
+        assert sub.id is not None
+        return Stream(self, sub.id)
+
+    def submit(self, **kwargs: Any) -> Result:
+        """Submit and wait for the result (no deltas)."""
+        sub = build_submit(stream=False, **kwargs)
+        self.send(sub)
+        assert sub.id is not None
+        while True:
+            msg = self._next_for(sub.id)
+            if isinstance(msg, Result):
+                return msg
+
+    def cancel(self, request_id: str) -> None:
+        self.send(Cancel(id=request_id))
+
+    def status(self) -> StatusReply:
+        rid = "status-" + uuid.uuid4().hex[:8]
+        self.send(StatusRequest(id=rid))
+        msg = self._next_for(rid)
+        assert isinstance(msg, StatusReply)
+        return msg
+
+
+class AsyncClient:
+    """asyncio client; many requests may be in flight from many tasks at once."""
+
+    _ids = itertools.count()
+
+    def __init__(
+        self, endpoint: str = DEFAULT_ENDPOINT, *, timeout_s: float = 300.0, context: zmq.asyncio.Context | None = None
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.ctx = context or zmq.asyncio.Context.instance()
+        self._decoder = router_reply_decoder()
+        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._sock = self._connect()
+        self._reader: asyncio.Task[None] | None = None
+
+    def _connect(self) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        return sock
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            msg = self._decoder.decode(frame)
+            if isinstance(msg, Invalid):
+                continue
+            q = self._queues.get(msg.id or "")
+            if q is not None:
+                q.put_nowait(msg)
+            elif msg.id is None and isinstance(msg, Error):
+                for q in self._queues.values():  # cannot tell whose frame it was: tell everyone waiting
+                    q.put_nowait(msg)
+
+    async def close(self) -> None:
+        if self._reader:
+            self._reader.cancel()
+        self._sock.close(0)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _next(self, q: asyncio.Queue[Any]) -> Any:
+        try:
+            msg = await asyncio.wait_for(q.get(), self.timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"no reply from the router at {self.endpoint} in {self.timeout_s:g} s") from None
+        if isinstance(msg, Error):
+            raise error_from(msg)
+        return msg
+
+    def stream(self, **kwargs: Any) -> AsyncIterator[Delta | Result]:
+        """Submit; yields each Delta, then the final Result. Leaving early cancels the request."""
+        return self.stream_submit(build_submit(stream=True, **kwargs))
+
+    async def stream_submit(self, sub: Submit) -> AsyncIterator[Delta | Result]:
+        """Send a ready-made Submit (it must carry an id); yields each Delta, then the Result."""
+        assert sub.id is not None
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[sub.id] = q
+        self._ensure_reader()
+        done = False
+        try:
+            await self._sock.send(encode(sub))
+            while True:
+                msg = await self._next(q)
+                if isinstance(msg, Result):
+                    done = True
+                    yield msg
+                    return
+                yield msg
+        except KvrouteError:
+            done = True
+            raise
+        finally:
+            self._queues.pop(sub.id, None)
+            if not done:
+                await self._sock.send(encode(Cancel(id=sub.id)))
+
+    async def submit(self, **kwargs: Any) -> Result:
+        result = None
+        async for msg in self.stream(**kwargs):
+            if isinstance(msg, Result):
+                result = msg
+        assert result is not None
+        return result
+
+    async def cancel(self, request_id: str) -> None:
+        await self._sock.send(encode(Cancel(id=request_id)))
+
+    async def status(self) -> StatusReply:
+        rid = f"status-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[rid] = q
+        self._ensure_reader()
+        try:
+            await self._sock.send(encode(StatusRequest(id=rid)))
+            return await self._next(q)
+        finally:
+            self._queues.pop(rid, None)
