@@ -1,0 +1,77 @@
+#!/usr/bin/env node
+// Submit one prompt to a kvroute router over ZMQ and print the streamed text.
+//   node client.mjs "Once upon a time" [--endpoint tcp://127.0.0.1:5555] [--max-tokens 32]
+// Written from protocol/PROTOCOL.md: one DEALER socket, one msgpack map per frame, `type` + `v` on
+// every message, token ids as little-endian int32 bytes.
+import { Dealer } from "zeromq";
+import { encode, decode } from "@msgpack/msgpack";
+
+const PROTOCOL_VERSION = 1;
+
+function parseArgs(argv) {
+  const opts = { endpoint: process.env.KVROUTE_ENDPOINT ?? "tcp://127.0.0.1:5555", maxTokens: 32, timeoutMs: 120000 };
+  const rest = [];
+  for (let i = 0; i < argv.length; i++) {
+    if (argv[i] === "--endpoint") opts.endpoint = argv[++i];
+    else if (argv[i] === "--max-tokens") opts.maxTokens = Number(argv[++i]);
+    else if (argv[i] === "--timeout-ms") opts.timeoutMs = Number(argv[++i]);
+    else rest.push(argv[i]);
+  }
+  opts.prompt = rest.join(" ") || "Once upon a time";
+  return opts;
+}
+
+// Token ids travel as packed little-endian int32.
+function unpackTokens(bytes) {
+  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  const out = [];
+  for (let i = 0; i + 4 <= bytes.byteLength; i += 4) out.push(view.getInt32(i, true));
+  return out;
+}
+
+async function main() {
+  const opts = parseArgs(process.argv.slice(2));
+  const sock = new Dealer({ receiveTimeout: opts.timeoutMs, linger: 0 });
+  sock.connect(opts.endpoint);
+  const id = `node-${process.pid}-${Date.now()}`;
+  await sock.send(encode({
+    type: "submit",
+    v: PROTOCOL_VERSION,
+    id,
+    prompt: opts.prompt,
+    sampling: { max_tokens: opts.maxTokens, temperature: 0 },
+    stream: true,
+  }));
+  let streamed = 0;
+  try {
+    for (;;) {
+      const [frame] = await sock.receive();
+      const msg = decode(frame);
+      if (msg.id !== id && msg.id !== null) continue; // not ours
+      if (msg.type === "delta") {
+        streamed += unpackTokens(msg.tokens).length;
+        process.stdout.write(msg.text);
+      } else if (msg.type === "result") {
+        const u = msg.usage;
+        process.stdout.write("\n");
+        console.error(JSON.stringify({
+          finish_reason: msg.finish_reason, prompt_tokens: u.prompt_tokens, cached_tokens: u.cached_tokens,
+          completion_tokens: u.completion_tokens, streamed_tokens: streamed, result_tokens: unpackTokens(msg.tokens).length,
+          worker: msg.worker, slot: msg.slot,
+        }));
+        return 0;
+      } else if (msg.type === "error") {
+        console.error(`kvroute error ${msg.code}: ${msg.message}`);
+        return 1;
+      }
+    }
+  } catch (err) {
+    if (err.code === "EAGAIN") console.error(`no reply from ${opts.endpoint} in ${opts.timeoutMs} ms`);
+    else console.error(String(err));
+    return 1;
+  } finally {
+    sock.close();
+  }
+}
+
+process.exitCode = await main();
