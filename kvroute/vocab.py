@@ -1,0 +1,166 @@
+"""The model's vocabulary: tokenize, detokenize, end-of-generation tokens, and a fingerprint.
+
+Shared by the router (which loads the vocab alone, no weights) and the worker (which wraps its already
+loaded model), so both sides turn text into exactly the same tokens. The fingerprint is a hash of the
+whole vocabulary (every token's text and attributes plus the special ids): equal on both sides iff they
+tokenize alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+def init_backend() -> None:
+    """Initialise llama.cpp once per process and silence its stderr chatter (errors still print)."""
+    global _backend_ready
+    with _backend_lock:
+        if _backend_ready:
+            return
+        from llama_cpp import _logger
+
+        _logger.set_verbose(os.environ.get("KVROUTE_LLAMA_VERBOSE", "") not in ("", "0"))
+        llama_cpp.llama_backend_init()
+        _backend_ready = True
+
+
+class VocabError(Exception):
+    """The file could not be loaded as a vocabulary."""
+
+
+def _meta_str(model: Any, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(256)
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    if n < 0:
+        return None
+    if n >= len(buf):
+        buf = ctypes.create_string_buffer(n + 1)
+        llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", "replace")
+
+
+class Vocab:
+    """Tokenizer of one GGUF model. Thread-safe for reads (llama.cpp's vocab is immutable after load)."""
+
+    n_vocab: int
+    bos: int | None
+    eos: int | None
+    add_bos: bool
+    name: str
+    chat_template: str | None
+    fingerprint: str
+
+    def __init__(self, model: Any, path: str | os.PathLike[str], *, owned: bool) -> None:
+        self._model = model  # keeps the llama_model alive as long as the vocab pointer is used
+        self._owned = owned
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        v = self._vocab
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(v)
+        bos, eos = llama_cpp.llama_vocab_bos(v), llama_cpp.llama_vocab_eos(v)
+        self.bos = bos if bos >= 0 else None
+        self.eos = eos if eos >= 0 else None
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(v))
+        self.name = _meta_str(model, "general.name") or Path(path).stem
+        tmpl = llama_cpp.llama_model_chat_template(model, None)
+        self.chat_template = tmpl.decode("utf-8", "replace") if tmpl else None
+        self._eog = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(v, t))
+        self._pieces: dict[int, bytes] = {}
+        self._piece_buf = ctypes.create_string_buffer(256)
+        self.fingerprint = self._fingerprint()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Vocab:
+        """Load only the vocabulary of the GGUF at `path` (no weights; fast). Raises VocabError."""
+        init_backend()
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        if not model:
+            raise VocabError(f"cannot load the vocabulary of {path}")
+        return cls(model, path, owned=True)
+
+    @classmethod
+    def from_model(cls, model_ptr: Any, path: str | os.PathLike[str]) -> Vocab:
+        """Wrap an already loaded llama_model (the worker's); the caller keeps ownership of the model."""
+        return cls(model_ptr, path, owned=False)
+
+    def close(self) -> None:
+        if self._owned and self._model:
+            llama_cpp.llama_model_free(self._model)
+        self._model = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _fingerprint(self) -> str:
+        v = self._vocab
+        h = hashlib.blake2b(digest_size=16)
+        h.update(
+            struct.pack(
+                "<iiiii?",
+                llama_cpp.llama_vocab_type(v),
+                self.n_vocab,
+                -1 if self.bos is None else self.bos,
+                -1 if self.eos is None else self.eos,
+                llama_cpp.llama_vocab_eot(v),
+                self.add_bos,
+            )
+        )
+        get_text, get_attr = llama_cpp.llama_vocab_get_text, llama_cpp.llama_vocab_get_attr
+        for t in range(self.n_vocab):
+            h.update(get_text(v, t) or b"")
+            h.update(struct.pack("<Bi", 0, get_attr(v, t)))
+        return h.hexdigest()
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Text -> token ids. `add_special` adds BOS when the model wants it; `parse_special` turns
+        special-token text such as `<start_of_turn>` into its id."""
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        while True:
+            out = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self._vocab, data, len(data), out, cap, add_special, parse_special)
+            if n >= 0:
+                return out[:n]
+            cap = -n
+
+    def piece(self, token: int) -> bytes:
+        """Raw bytes of one token (special tokens rendered); may be part of a UTF-8 sequence."""
+        cached = self._pieces.get(token)
+        if cached is not None:
+            return cached
+        if not 0 <= token < self.n_vocab:
+            raise ValueError(f"token id {token} is outside the vocabulary (0..{self.n_vocab - 1})")
+        buf = self._piece_buf
+        n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+        out = buf.raw[:n]
+        self._pieces[token] = out
+        return out
+
+    def detokenize(self, tokens: list[int]) -> str:
+        """Token ids -> text: the pieces joined, invalid UTF-8 replaced (the same text the worker streams)."""
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        """True for end-of-generation tokens (EOS, EOT, <end_of_turn> ...)."""
+        return token in self._eog
+
+    @property
+    def eog_tokens(self) -> frozenset[int]:
+        return self._eog
