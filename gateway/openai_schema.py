@@ -47,7 +47,9 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> Sampling:
     n = _get(body, "n", (int,), 1)
     if n != 1:
         raise RequestError("only n=1 is supported", param="n")
-    max_tokens = _get(body, "max_completion_tokens", (int,)) or _get(body, "max_tokens", (int,)) or default_max_tokens
+    max_tokens = _get(body, "max_completion_tokens", (int,))
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", (int,), default_max_tokens)
     stop = _get(body, "stop", (str, list), [])
     if isinstance(stop, str):
         stop = [stop]

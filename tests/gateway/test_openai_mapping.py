@@ -1,0 +1,227 @@
+"""Unit tests (no model): OpenAI bodies -> protocol submits, errors -> OpenAI envelopes, via a fake router backend."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.app import Gateway, build_app
+from gateway.openai_schema import RequestError, chat_submit, completion_submit
+from kvroute.client import KvrouteError
+from protocol import Delta, ErrorCode, Result, SlotStatus, StatusReply, Submit, Timings, Usage, WorkerStatus, pack_tokens
+
+
+def test_completion_defaults_follow_openai() -> None:
+    sub, stream, usage = completion_submit({"prompt": "hi"}, "r1")
+    assert sub.prompt == "hi" and sub.sampling.max_tokens == 16 and sub.sampling.temperature == 1.0
+    assert (stream, usage) == (False, False)
+
+
+def test_completion_fields_map_onto_sampling() -> None:
+    body = {
+        "prompt": [1, 2, 3],
+        "max_tokens": 5,
+        "temperature": 0,
+        "top_p": 0.5,
+        "top_k": 7,
+        "min_p": 0.1,
+        "seed": 42,
+        "logit_bias": {"17": -100},
+        "stop": "\n",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "user": "x",
+    }
+    sub, stream, usage = completion_submit(body, "r1")
+    s = sub.sampling
+    assert sub.tokens == pack_tokens([1, 2, 3]) and sub.prompt is None
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (5, 0.0, 0.5, 7, 0.1, 42)
+    assert s.logit_bias == {"17": -100.0} and s.stop == ["\n"]
+    assert (stream, usage) == (True, True)
+
+
+def test_chat_maps_roles_and_text_parts() -> None:
+    body = {
+        "messages": [
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ]
+    }
+    sub, _, _ = chat_submit(body, "r2")
+    assert [(m.role, m.content) for m in sub.messages or []] == [("system", "be brief"), ("user", "ab")]
+    assert sub.sampling.max_tokens is None  # chat: until the context is full, as OpenAI does
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "stop": [1]}, "stop"),
+        ({"prompt": "x", "logit_bias": {"abc": 1}}, None),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": None}, "prompt"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
+    ],
+)
+def test_unsupported_values_name_the_field(body: dict[str, Any], param: str | None) -> None:
+    with pytest.raises(RequestError) as info:
+        completion_submit(body, "r")
+    assert info.value.status == 400
+    if param:
+        assert info.value.param == param
+
+
+def test_chat_bad_messages_name_the_field() -> None:
+    for body, param in [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ]:
+        with pytest.raises(RequestError) as info:
+            chat_submit(body, "r")
+        assert info.value.param == param
+
+
+class FakeRouter:
+    """Stands in for AsyncClient: answers every submit with two deltas and a result, or with a chosen error."""
+
+    def __init__(self) -> None:
+        self.error: KvrouteError | None = None
+        self.cancelled: list[str] = []
+        self.workers_ready = True
+
+    async def stream_submit(self, sub: Submit) -> AsyncIterator[Delta | Result]:
+        if self.error:
+            raise self.error
+        assert sub.id
+        yield Delta(id=sub.id, text="Hel", tokens=pack_tokens([1]))
+        yield Delta(id=sub.id, text="lo", tokens=pack_tokens([2]))
+        yield Result(
+            id=sub.id,
+            finish_reason="length",
+            text="Hello",
+            tokens=pack_tokens([1, 2]),
+            usage=Usage(prompt_tokens=7, cached_tokens=5, completion_tokens=2),
+            timings=Timings(),
+            worker="w0",
+            slot=1,
+        )
+
+    async def status(self) -> StatusReply:
+        slots = [SlotStatus(slot=0, busy=False, n_tokens=0)]
+        workers = [WorkerStatus(worker="w0", incarnation=0, device="cpu", state="ready", queue=0, slots=slots)]
+        return StatusReply(model="m", policy="prefix", queued=0, workers=workers if self.workers_ready else [])
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake() -> FakeRouter:
+    return FakeRouter()
+
+
+def client_for(fake: FakeRouter, api_key: str | None = None) -> httpx.AsyncClient:
+    app = build_app(Gateway(fake, "gemma", api_key))  # type: ignore[arg-type]
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+async def _post(fake: FakeRouter, path: str, body: Any, **kw: Any) -> httpx.Response:
+    async with client_for(fake, kw.pop("api_key", None)) as c:
+        return await c.post(path, json=body, **kw)
+
+
+@pytest.mark.anyio
+async def test_completion_response_carries_cached_tokens(fake: FakeRouter) -> None:
+    r = await _post(fake, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "Hello"
+    assert body["usage"] == {
+        "prompt_tokens": 7,
+        "completion_tokens": 2,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 5},
+    }
+
+
+@pytest.mark.anyio
+async def test_streamed_chat_ends_with_usage_and_done(fake: FakeRouter) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"include_usage": True}}
+    r = await _post(fake, "/v1/chat/completions", body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "Hello"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 5
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (ErrorCode.BAD_REQUEST, 400),
+        (ErrorCode.CONTEXT_OVERFLOW, 400),
+        (ErrorCode.QUEUE_FULL, 429),
+        (ErrorCode.NO_WORKERS, 503),
+        (ErrorCode.DEADLINE_EXCEEDED, 504),
+        (ErrorCode.INTERNAL, 500),
+    ],
+)
+async def test_router_errors_become_http_statuses(fake: FakeRouter, code: str, status: int) -> None:
+    fake.error = KvrouteError(
+        "it failed", code=code, error_id="abc123" if code == ErrorCode.INTERNAL else None, retry_after_ms=2000
+    )
+    r = await _post(fake, "/v1/completions", {"prompt": "hi"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["code"] == code and "it failed" in err["message"]
+    if code == ErrorCode.QUEUE_FULL:
+        assert r.headers["retry-after"] == "2"
+    if code == ErrorCode.INTERNAL:
+        assert "abc123" in err["message"]
+
+
+@pytest.mark.anyio
+async def test_model_names_and_json_errors(fake: FakeRouter) -> None:
+    assert (await _post(fake, "/v1/completions", {"prompt": "hi", "model": "gemma"})).status_code == 200
+    assert (await _post(fake, "/v1/completions", {"prompt": "hi", "model": "default"})).status_code == 200
+    r = await _post(fake, "/v1/completions", {"prompt": "hi", "model": "gpt-4"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    async with client_for(fake) as c:
+        r = await c.post("/v1/completions", content=b"{not json")
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        r = await c.post("/v1/completions", content=b"[1,2]")
+        assert r.status_code == 400
+
+
+@pytest.mark.anyio
+async def test_api_key_everywhere_but_health(fake: FakeRouter) -> None:
+    async with client_for(fake, api_key="sekrit") as c:
+        assert (await c.get("/v1/models")).status_code == 401
+        assert (await c.get("/metrics", headers={"Authorization": "Bearer nope"})).status_code == 401
+        assert (await c.get("/v1/models", headers={"Authorization": "Bearer sekrit"})).status_code == 200
+        assert (await c.get("/health")).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_health_is_503_until_a_worker_is_ready(fake: FakeRouter) -> None:
+    fake.workers_ready = False
+    async with client_for(fake) as c:
+        assert (await c.get("/health")).status_code == 503
+        fake.workers_ready = True
+        assert (await c.get("/health")).json() == {"status": "ok", "workers": 1}
+        models = (await c.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["gemma"]
+        metrics = await c.get("/metrics")
+        assert "kvroute_http_requests_total" in metrics.text
