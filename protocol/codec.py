@@ -8,8 +8,8 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from protocol.common import MAX_FRAME_BYTES, PROTOCOL_VERSION, ErrorCode, Message
 from protocol.client_messages import ClientRequest, RouterReply
+from protocol.common import MAX_FRAME_BYTES, PROTOCOL_VERSION, ErrorCode, Message
 from protocol.worker_messages import RouterToWorker, WorkerToRouter
 
 M = TypeVar("M", bound=Message)
@@ -66,7 +66,9 @@ class Decoder(Generic[M]):
             return Invalid(ErrorCode.BAD_REQUEST, f"field `v` must be an integer, got {type(version).__name__}", rid)
         if version != PROTOCOL_VERSION:
             return Invalid(
-                ErrorCode.UNSUPPORTED_VERSION, f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})", rid
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})",
+                rid,
             )
         tag = raw.get("type")
         if tag is None:
@@ -77,7 +79,8 @@ class Decoder(Generic[M]):
         if cls is None:
             return Invalid(ErrorCode.BAD_REQUEST, f"unknown message type {tag!r} here; expected one of {self.types}", rid)
         try:
-            return msgspec.convert(raw, cls)
+            # builtin_types=(bytes,): a `bin` field takes msgpack bin only, not a str (convert would base64-decode it)
+            return msgspec.convert(raw, cls, builtin_types=(bytes, bytearray))
         except msgspec.ValidationError as exc:
             return Invalid(ErrorCode.BAD_REQUEST, f"{tag}: {exc}", rid)
         except Exception as exc:  # a validator hit something unforeseen: still an answer, not a crash

@@ -82,7 +82,8 @@ class Sampling(Struct, kw_only=True):
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for key in self.logit_bias:
-            if not key.isdigit() or len(key) > 10:
+            # isascii: str.isdigit() also accepts digits like "²" that int() refuses
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:
                 raise ValueError(f"logit_bias keys are token ids as decimal strings, got {key!r}")
 
     def logit_bias_ids(self) -> dict[int, float]:
