@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from kvroute import __version__
+from kvroute.config import ConfigFileError, load_config_file
 from kvroute.model import ModelError, resolve_model
 
 # name -> (module, help, add_arguments name, run name)
@@ -36,6 +37,10 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
+# Subcommands that run a daemon and so may read their flags from a TOML file (--config).
+CONFIGURABLE = {"serve", "router", "worker", "http"}
+
+
 class UsageError(Exception):
     """A problem the user can fix; printed as one line."""
 
@@ -45,7 +50,9 @@ def _model_path(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]]]:
+def build_parser() -> tuple[
+    argparse.ArgumentParser, dict[str, Callable[[argparse.Namespace], int]], dict[str, argparse.ArgumentParser]
+]:
     parser = argparse.ArgumentParser(
         prog="kvroute",
         description="Serve llama.cpp models without recomputing prompt prefixes: a prefix-aware router and workers.",
@@ -53,6 +60,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
     parser.add_argument("--version", action="version", version=f"kvroute {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     runners: dict[str, Callable[[argparse.Namespace], int]] = {}
+    subparsers: dict[str, argparse.ArgumentParser] = {}
 
     for name, (module_name, help_text, add_name, run_name) in SUBCOMMANDS.items():
         try:
@@ -63,7 +71,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
             raise
         p = sub.add_parser(name, help=help_text, description=help_text)
         getattr(module, add_name)(p)
+        if name in CONFIGURABLE:
+            p.add_argument("--config", metavar="FILE", help=f"TOML file whose [{name}] table sets these flags (flags given win)")
         runners[name] = getattr(module, run_name)
+        subparsers[name] = p
 
     model = sub.add_parser("model", help="the default model", description="Manage the default model file.")
     model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
@@ -71,18 +82,22 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[[argpars
         "path", help="assemble the default model on first use and print its path", description="Print the default GGUF's path."
     )
     runners["model"] = _model_path
-    return parser, runners
+    return parser, runners, subparsers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser, runners = build_parser()
+    parser, runners, subparsers = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "config", None):
+            sub = subparsers[args.command]
+            sub.set_defaults(**load_config_file(args.config, args.command, sub))
+            args = parser.parse_args(argv)  # flags on the command line still win over the file
         return runners[args.command](args)
-    except (ModelError, UsageError) as exc:
+    except (ModelError, UsageError, ConfigFileError) as exc:
         print(f"kvroute {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -59,3 +59,53 @@ def from_args(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}  # type: ignore[arg-type]
     values.update(overrides)
     return cls(**values)
+
+
+class ConfigFileError(Exception):
+    """A config file that cannot be used; the message names the file, the key and the problem."""
+
+
+def _check_value(path: str, section: str, key: str, value: Any, action: argparse.Action) -> Any:
+    where = f"{path}: [{section}] {key}"
+    if isinstance(action, argparse.BooleanOptionalAction):
+        if not isinstance(value, bool):
+            raise ConfigFileError(f"{where}: expected true or false, got {value!r}")
+        return value
+    want = action.type or str
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, want) or isinstance(value, bool):  # type: ignore[arg-type]
+        name = {int: "an integer", float: "a number", str: "a string"}.get(want, str(want))  # type: ignore[call-overload]
+        raise ConfigFileError(f"{where}: expected {name}, got {value!r}")
+    if action.choices is not None and value not in action.choices:
+        raise ConfigFileError(f"{where}: {value!r} is not one of {sorted(action.choices)}")  # type: ignore[type-var]
+    return value
+
+
+def load_config_file(path: str, section: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Values for `parser` from the `[section]` table of a TOML file, checked against the parser's flags.
+
+    Keys are flag names without the dashes, with `-` or `_` (`ctx-per-slot` or `ctx_per_slot`). An unknown
+    section or key, or a value of the wrong type, raises ConfigFileError naming it.
+    """
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigFileError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigFileError(f"{path}: not valid TOML: {exc}") from None
+    table = data.get(section, {})
+    if not isinstance(table, dict):
+        raise ConfigFileError(f"{path}: [{section}] must be a table")
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        dest = key.replace("-", "_")
+        if dest not in actions:
+            known = ", ".join(sorted(k.replace("_", "-") for k in actions))
+            raise ConfigFileError(f"{path}: [{section}] unknown key {key!r} (known: {known})")
+        values[dest] = _check_value(path, section, key, value, actions[dest])
+    return values

@@ -1,0 +1,71 @@
+"""The TOML config file maps onto the same settings as the CLI flags; bad keys and values stop start-up with one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvroute.cli import build_parser
+from kvroute.config import ConfigFileError, load_config_file
+
+
+def http_parser():  # the `http` command exists from the foundation on; the others share the same code path
+    return build_parser()[2]["http"]
+
+
+def write(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "kvroute.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_values_are_read_with_dash_or_underscore(tmp_path: Path) -> None:
+    path = write(tmp_path, '[http]\nhttp = "127.0.0.1:9001"\nmodel-name = "gemma"\n[other]\nx = 1\n')
+    assert load_config_file(path, "http", http_parser()) == {"http": "127.0.0.1:9001", "model_name": "gemma"}
+
+
+def test_flags_on_the_command_line_win(tmp_path: Path) -> None:
+    parser, _, subs = build_parser()
+    path = write(tmp_path, '[http]\nhttp = "127.0.0.1:9001"\nmodel_name = "from-file"\n')
+    subs["http"].set_defaults(**load_config_file(path, "http", subs["http"]))
+    args = parser.parse_args(["http", "--config", path, "--model-name", "from-flag"])
+    assert (args.http, args.model_name) == ("127.0.0.1:9001", "from-flag")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[http]\nmodle_name = "x"\n', "unknown key 'modle_name'"),
+        ("[http]\nhttp = 8000\n", "[http] http: expected a string, got 8000"),
+        ("[http]\nhttp = \n", "not valid TOML"),
+        ('[router]\nslots = 2\n', None),
+        ("http = 3\n", "[http] must be a table"),
+    ],
+)
+def test_bad_files_name_the_problem(tmp_path: Path, text: str, message: str | None) -> None:
+    path = write(tmp_path, text)
+    if message is None:
+        assert load_config_file(path, "http", http_parser()) == {}
+        return
+    with pytest.raises(ConfigFileError) as info:
+        load_config_file(path, "http", http_parser())
+    assert message in str(info.value)
+
+
+def test_cli_stops_with_one_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "[http]\nbogus = true\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvroute.cli", "http", "--config", path], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 1
+    assert out.stderr.strip().count("\n") == 0 and "unknown key 'bogus'" in out.stderr
+    missing = subprocess.run(
+        [sys.executable, "-m", "kvroute.cli", "http", "--config", str(tmp_path / "none.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 1 and "cannot read config file" in missing.stderr
