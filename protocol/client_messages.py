@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from protocol.common import Message, Sampling, Struct, Timings, TokenBytes, Usage
+from protocol.common import Message, Sampling, Struct, Timings, TokenBytes, Usage, check_token_bytes
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
 
@@ -35,8 +35,7 @@ class Submit(Message, tag="submit", kw_only=True):
         given = sum(x is not None for x in (self.prompt, self.messages, self.tokens))
         if given != 1:
             raise ValueError(f"exactly one of prompt, messages, tokens must be set, got {given}")
-        if self.tokens is not None and len(self.tokens) % 4:
-            raise ValueError("tokens must be little-endian int32 bytes (length a multiple of 4)")
+        check_token_bytes("tokens", self.tokens, empty_ok=False)
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
 
@@ -66,6 +65,9 @@ class Delta(Message, tag="delta", kw_only=True):
     text: str
     tokens: TokenBytes
 
+    def __post_init__(self) -> None:
+        check_token_bytes("tokens", self.tokens)
+
 
 class Result(Message, tag="result", kw_only=True):
     """The end of a request: always the last message for its id (unless an `error` is)."""
@@ -79,6 +81,9 @@ class Result(Message, tag="result", kw_only=True):
     worker: str = ""
     slot: int = -1
     stop: str | None = None  # the stop string that ended it, if any
+
+    def __post_init__(self) -> None:
+        check_token_bytes("tokens", self.tokens)
 
 
 class Error(Message, tag="error", kw_only=True):

@@ -108,6 +108,16 @@ class Timings(Struct, kw_only=True):
     total_ms: NonNegFloat = 0.0
 
 
+def check_token_bytes(field: str, data: bytes | None, *, empty_ok: bool = True) -> None:
+    """Raise ValueError unless `data` is packed int32 (length a multiple of 4; non-empty unless empty_ok)."""
+    if data is None:
+        return
+    if len(data) % 4:
+        raise ValueError(f"{field} must be little-endian int32 bytes: length {len(data)} is not a multiple of 4")
+    if not data and not empty_ok:
+        raise ValueError(f"{field} must hold at least one token")
+
+
 def pack_tokens(tokens: list[int] | array) -> bytes:
     """Token ids -> little-endian int32 bytes."""
     packed = tokens if isinstance(tokens, array) and tokens.typecode == "i" else array("i", tokens)

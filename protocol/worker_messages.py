@@ -8,7 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from protocol.client_messages import RequestId
-from protocol.common import Message, NonNeg, Sampling, Struct, Timings, TokenBytes
+from protocol.common import Message, NonNeg, Sampling, Struct, Timings, TokenBytes, check_token_bytes
 
 WorkerId = Annotated[str, Meta(min_length=1, max_length=64)]
 
@@ -53,6 +53,9 @@ class JobDelta(Message, tag="job_delta", kw_only=True):
     text: str
     tokens: TokenBytes
 
+    def __post_init__(self) -> None:
+        check_token_bytes("tokens", self.tokens)
+
 
 class JobDone(Message, tag="job_done", kw_only=True):
     """A job ended. The slot now holds `slot_tokens` tokens: the prompt plus the generated ones it kept."""
@@ -70,6 +73,9 @@ class JobDone(Message, tag="job_done", kw_only=True):
     slot_hash: str  # token_hash() of the slot's tokens after the job
     timings: Timings
     stop: str | None = None
+
+    def __post_init__(self) -> None:
+        check_token_bytes("tokens", self.tokens)
 
 
 class JobError(Message, tag="job_error", kw_only=True):
@@ -114,8 +120,7 @@ class Job(Message, tag="job", kw_only=True):
     prefix_cache: bool = True  # False: clear the slot and compute the whole prompt
 
     def __post_init__(self) -> None:
-        if not self.tokens or len(self.tokens) % 4:
-            raise ValueError("tokens must be non-empty little-endian int32 bytes")
+        check_token_bytes("tokens", self.tokens, empty_ok=False)
 
 
 class JobCancel(Message, tag="job_cancel", kw_only=True):
