@@ -33,6 +33,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
         "run_complete",
     ),
     "chat": ("kvroute.talk", "chat with a running server, streaming to the terminal", "add_chat_arguments", "run_chat"),
+    "keys": ("kvroute.keys", "generate CurveZMQ key pairs for secured TCP between hosts", "add_arguments", "run"),
     "status": ("kvroute.talk", "show workers, slots and what each slot holds", "add_status_arguments", "run_status"),
 }
 
