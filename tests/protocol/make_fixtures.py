@@ -1,0 +1,456 @@
+"""Golden protocol fixtures and the field tables of protocol/PROTOCOL.md, both generated from protocol/.
+
+    .venv/bin/python tests/protocol/make_fixtures.py          # rewrite tests/fixtures/protocol/* and the tables
+
+Fixtures are fixed example values (deterministic bytes). Canonical fixtures are `protocol.encode(msg)`: every
+field present, in declaration order, `type` and `v` first. `submit_minimal` is what a hand-written client in
+another language sends (plain msgpack, defaults left out); it is the worked example in PROTOCOL.md.
+The tables keep the "Meaning" cells already written in PROTOCOL.md; a new field gets an empty one, which
+tests/protocol/test_spec.py refuses until someone writes it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import msgspec
+import msgspec.inspect as mi
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+import protocol as p  # noqa: E402
+
+FIXTURES = ROOT / "tests" / "fixtures" / "protocol"
+SPEC = ROOT / "protocol" / "PROTOCOL.md"
+
+# Which decoder takes each union; the direction names used in index.json and PROTOCOL.md.
+UNIONS: dict[str, Any] = {
+    "client_request": p.ClientRequest,
+    "router_reply": p.RouterReply,
+    "worker_to_router": p.WorkerToRouter,
+    "router_to_worker": p.RouterToWorker,
+}
+DECODERS = {
+    "client_request": p.client_request_decoder,
+    "router_reply": p.router_reply_decoder,
+    "worker_to_router": p.worker_to_router_decoder,
+    "router_to_worker": p.router_to_worker_decoder,
+}
+
+PROMPT_TOKENS = [2, 9259, 1902, 563]
+GEN_TOKENS = [1437, 236764, 1]
+FIRST = GEN_TOKENS[:1]
+TIMINGS = p.Timings(queue_ms=1.5, prefill_ms=12.25, decode_ms=40.0, ttft_ms=14.0, total_ms=55.75)
+SAMPLING = p.Sampling(
+    max_tokens=16,
+    temperature=0.7,
+    top_k=40,
+    top_p=0.9,
+    min_p=0.05,
+    seed=42,
+    logit_bias={"106": -100.0, "9259": 2.5},
+    stop=["\n\n", "END"],
+    ignore_eos=False,
+)
+SLOT_TOKENS = PROMPT_TOKENS + GEN_TOKENS[:-1]
+
+
+@dataclass(frozen=True)
+class Example:
+    name: str  # file stem
+    direction: str  # key of UNIONS
+    msg: p.Message
+    tokens: dict[str, list[int]]  # field path -> the token ids its `bin` holds
+    raw: dict[str, Any] | None = None  # hand-written map (not canonical) packed with plain msgpack
+
+
+EXAMPLES: list[Example] = [
+    # ---- client -> router
+    Example(
+        "submit",
+        "client_request",
+        p.Submit(id="req-1", prompt="The capital of France is", sampling=SAMPLING, stream=True, deadline_ms=30000),
+        {},
+    ),
+    Example(
+        "submit_messages",
+        "client_request",
+        p.Submit(
+            id="req-2",
+            messages=[
+                p.ChatMessage(role="system", content="Answer in one word."),
+                p.ChatMessage(role="user", content="Capital of France?"),
+            ],
+            sampling=p.Sampling(max_tokens=None, temperature=0.0),
+            stream=False,
+        ),
+        {},
+    ),
+    Example(
+        "submit_tokens",
+        "client_request",
+        p.Submit(id="req-3", tokens=p.pack_tokens(PROMPT_TOKENS), sampling=p.Sampling(max_tokens=8, seed=7)),
+        {"tokens": PROMPT_TOKENS},
+    ),
+    Example(
+        "submit_minimal",
+        "client_request",
+        p.Submit(id="r1", tokens=p.pack_tokens([2, 9259]), sampling=p.Sampling(max_tokens=4, temperature=0), stream=False),
+        {"tokens": [2, 9259]},
+        raw={
+            "type": "submit",
+            "v": 1,
+            "id": "r1",
+            "tokens": p.pack_tokens([2, 9259]),
+            "sampling": {"max_tokens": 4, "temperature": 0},
+            "stream": False,
+        },
+    ),
+    Example("cancel", "client_request", p.Cancel(id="req-1"), {}),
+    Example("status", "client_request", p.StatusRequest(id="st-1"), {}),
+    # ---- router -> client
+    Example("delta", "router_reply", p.Delta(id="req-1", text=" Paris", tokens=p.pack_tokens(FIRST)), {"tokens": FIRST}),
+    Example(
+        "result",
+        "router_reply",
+        p.Result(
+            id="req-1",
+            finish_reason=p.FinishReason.STOP,
+            text=" Paris.",
+            tokens=p.pack_tokens(GEN_TOKENS),
+            usage=p.Usage(prompt_tokens=4, cached_tokens=3, completion_tokens=3),
+            timings=TIMINGS,
+            worker="w0",
+            slot=2,
+            stop="\n\n",
+        ),
+        {"tokens": GEN_TOKENS},
+    ),
+    Example(
+        "error",
+        "router_reply",
+        p.Error(
+            id="req-4",
+            code=p.ErrorCode.QUEUE_FULL,
+            message="queue is full (64 requests waiting)",
+            error_id="e-7f3a",
+            retry_after_ms=250,
+        ),
+        {},
+    ),
+    Example(
+        "status_reply",
+        "router_reply",
+        p.StatusReply(
+            id="st-1",
+            model="gemma-3-270m",
+            policy="longest_prefix",
+            queued=1,
+            workers=[
+                p.WorkerStatus(
+                    worker="w0",
+                    incarnation=3,
+                    device="cpu",
+                    state="ready",
+                    queue=0,
+                    slots=[
+                        p.SlotStatus(slot=0, busy=True, n_tokens=120, request_id="req-1", reused_total=900, last_used_s=0.0),
+                        p.SlotStatus(slot=1, busy=False, n_tokens=0, request_id=None, reused_total=0, last_used_s=12.5),
+                    ],
+                    restarts=1,
+                )
+            ],
+        ),
+        {},
+    ),
+    # ---- worker -> router
+    Example(
+        "hello",
+        "worker_to_router",
+        p.Hello(
+            worker_id="w0",
+            incarnation=3,
+            slots=4,
+            ctx_per_slot=4096,
+            model_fingerprint="9f86d081884c7d65",
+            device="cpu",
+            kv_bytes=150994944,
+            n_batch=512,
+            deterministic=True,
+            pid=4242,
+        ),
+        {},
+    ),
+    Example(
+        "heartbeat",
+        "worker_to_router",
+        p.Heartbeat(
+            worker_id="w0",
+            incarnation=3,
+            slots=[p.SlotState(slot=0, busy=True, n_tokens=6, job_id="req-1"), p.SlotState(slot=1, busy=False, n_tokens=0)],
+            queue=2,
+            draining=False,
+        ),
+        {},
+    ),
+    Example(
+        "job_delta", "worker_to_router", p.JobDelta(id="req-1", text=" Paris", tokens=p.pack_tokens(FIRST)), {"tokens": FIRST}
+    ),
+    Example(
+        "job_done",
+        "worker_to_router",
+        p.JobDone(
+            id="req-1",
+            slot=2,
+            finish_reason=p.FinishReason.STOP,
+            text=" Paris.",
+            tokens=p.pack_tokens(GEN_TOKENS),
+            prompt_tokens=4,
+            reused_tokens=3,
+            prefilled_tokens=1,
+            generated_tokens=3,
+            slot_tokens=len(SLOT_TOKENS),
+            slot_hash=p.token_hash(SLOT_TOKENS),
+            timings=TIMINGS,
+            stop="\n\n",
+        ),
+        {"tokens": GEN_TOKENS},
+    ),
+    Example(
+        "job_error",
+        "worker_to_router",
+        p.JobError(
+            id="req-5",
+            code=p.ErrorCode.CONTEXT_OVERFLOW,
+            message="prompt of 4100 tokens + max_tokens 16 > ctx_per_slot 4096",
+            error_id=None,
+            slot=-1,
+            slot_tokens=0,
+            slot_hash="",
+        ),
+        {},
+    ),
+    # ---- router -> worker
+    Example("accept", "router_to_worker", p.Accept(worker_id="w0", router_id="r-5f2c"), {}),
+    Example(
+        "refuse",
+        "router_to_worker",
+        p.Refuse(code=p.ErrorCode.MODEL_MISMATCH, reason="model fingerprint 9f86d081884c7d65 != router's 3a7bd3e2360a3d29"),
+        {},
+    ),
+    Example(
+        "job",
+        "router_to_worker",
+        p.Job(
+            id="req-1",
+            slot=2,
+            tokens=p.pack_tokens(PROMPT_TOKENS),
+            sampling=SAMPLING,
+            deadline_ms=29990,
+            predicted_reuse=3,
+            prefix_cache=True,
+        ),
+        {"tokens": PROMPT_TOKENS},
+    ),
+    Example("job_cancel", "router_to_worker", p.JobCancel(id="req-1"), {}),
+    Example("drain", "router_to_worker", p.Drain(), {}),
+]
+
+
+def frame_of(ex: Example) -> bytes:
+    if ex.raw is not None:
+        return msgpack.packb(ex.raw, use_bin_type=True)
+    return p.encode(ex.msg)
+
+
+def to_json(value: Any) -> Any:
+    """A decoded msgpack value as JSON for index.json: `bin` becomes {"bin_hex": ...}."""
+    if isinstance(value, bytes):
+        return {"bin_hex": value.hex()}
+    if isinstance(value, dict):
+        return {k: to_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_json(v) for v in value]
+    return value
+
+
+def index() -> dict[str, Any]:
+    out = {}
+    for ex in EXAMPLES:
+        frame = frame_of(ex)
+        out[f"{ex.name}.msgpack"] = {
+            "direction": ex.direction,
+            "type": ex.msg.__struct_config__.tag,
+            "canonical": ex.raw is None,
+            "tokens": ex.tokens,
+            "map": to_json(msgpack.unpackb(frame, raw=False)),
+        }
+    return out
+
+
+# ---- field tables -------------------------------------------------------------------------------
+
+ALL_STRUCTS: list[type[msgspec.Struct]] = [
+    *[cls for union in UNIONS.values() for cls in typing.get_args(union)],
+    p.Sampling,
+    p.Usage,
+    p.Timings,
+    p.ChatMessage,
+    p.SlotStatus,
+    p.WorkerStatus,
+    p.SlotState,
+]
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if isinstance(x, float) and x.is_integer() and abs(x) < 2**53 else str(x)
+
+
+def type_name(t: mi.Type, field: str = "") -> str:
+    if isinstance(t, mi.UnionType):
+        return " or ".join(type_name(x, field) for x in t.types)
+    if isinstance(t, mi.NoneType):
+        return "nil"
+    if isinstance(t, mi.BoolType):
+        return "bool"
+    if isinstance(t, mi.IntType):
+        return "int"
+    if isinstance(t, mi.FloatType):
+        return "float (int accepted)"
+    if isinstance(t, mi.StrType):
+        return "str"
+    if isinstance(t, mi.LiteralType):
+        return "str"
+    if isinstance(t, mi.BytesType):
+        return "bin (int32 LE token ids)" if field == "tokens" else "bin"
+    if isinstance(t, mi.ListType):
+        return f"array of {type_name(t.item_type)}"
+    if isinstance(t, mi.DictType):
+        return f"map {type_name(t.key_type)} → {type_name(t.value_type)}"
+    if isinstance(t, mi.StructType):
+        return f"map ([{t.cls.__name__}](#{t.cls.__name__.lower()}))"
+    raise TypeError(f"no wire name for {t!r}")
+
+
+def constraints(t: mi.Type) -> list[str]:
+    out: list[str] = []
+    if isinstance(t, mi.UnionType):
+        for x in t.types:
+            out += constraints(x)
+    elif isinstance(t, mi.IntType | mi.FloatType):
+        low = f"≥ {_num(t.ge)}" if t.ge is not None else f"> {_num(t.gt)}" if t.gt is not None else None
+        high = f"≤ {_num(t.le)}" if t.le is not None else f"< {_num(t.lt)}" if t.lt is not None else None
+        if low and high:  # "0 ≤ x ≤ 1" / "0 < x ≤ 1"
+            lo_op, lo_val = low.split(" ")
+            out.append(f"{lo_val} {'≤' if lo_op == '≥' else '<'} x {high}")
+        elif low or high:
+            out.append(str(low or high))
+    elif isinstance(t, mi.StrType):
+        if t.min_length is not None or t.max_length is not None:
+            out.append(f"length {t.min_length or 0}..{t.max_length if t.max_length is not None else ''}".rstrip("."))
+    elif isinstance(t, mi.LiteralType):
+        out.append("one of " + ", ".join(f'`"{v}"`' for v in t.values))
+    elif isinstance(t, mi.ListType):
+        out += [f"each item: {c}" for c in constraints(t.item_type)]
+    elif isinstance(t, mi.DictType):
+        out += [f"each value: {c}" for c in constraints(t.value_type)]
+    return out
+
+
+def default_text(f: mi.Field) -> str:
+    if f.required:
+        return "—"
+    if f.default_factory is not msgspec.NODEFAULT:
+        made = f.default_factory()
+        if isinstance(made, msgspec.Struct):
+            return "all defaults"
+        return f"`{json.dumps(msgspec.to_builtins(made))}`"
+    d = f.default
+    if d is None:
+        return "nil"
+    if isinstance(d, bool):
+        return "true" if d else "false"
+    if isinstance(d, str):
+        return f'`"{d}"`'
+    return f"`{d!r}`"
+
+
+TABLE_HEAD = "| Field | msgpack type | Required | Default | Constraints | Meaning |\n|---|---|---|---|---|---|"
+ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|")
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in re.split(r"(?<!\\)\|", row.strip().strip("|"))]
+
+
+def table(cls: type[msgspec.Struct], meanings: dict[str, str]) -> str:
+    info = mi.type_info(cls)
+    assert isinstance(info, mi.StructType)
+    rows = [TABLE_HEAD]
+    if info.tag_field:
+        rows.append(f'| `type` | str | yes | — | `"{info.tag}"` | {meanings.get("type", "")} |')
+    for f in info.fields:
+        cons = ", ".join(constraints(f.type)).replace("|", "\\|")
+        if f.name == "v":
+            cons = f"= {p.PROTOCOL_VERSION}"
+            req = "yes"
+            default = "—"
+        else:
+            req = "yes" if f.required else "no"
+            default = default_text(f)
+        rows.append(f"| `{f.name}` | {type_name(f.type, f.name)} | {req} | {default} | {cons} | {meanings.get(f.name, '')} |")
+    return "\n".join(rows)
+
+
+BLOCK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(\n<!-- /table -->)", re.S)
+
+
+def existing_meanings(block: str) -> dict[str, str]:
+    out = {}
+    for line in block.splitlines():
+        m = ROW.match(line)
+        if m:
+            out[m.group(1)] = _cells(line)[-1]
+    return out
+
+
+def render_spec(text: str) -> str:
+    """PROTOCOL.md with every `<!-- table:Name -->` block regenerated from the struct `Name`."""
+    by_name = {cls.__name__: cls for cls in ALL_STRUCTS}
+
+    def sub(m: re.Match[str]) -> str:
+        cls = by_name[m.group(2)]
+        return m.group(1) + table(cls, existing_meanings(m.group(3))) + m.group(4)
+
+    return BLOCK.sub(sub, text)
+
+
+def spec_tables(text: str) -> list[str]:
+    return [m.group(2) for m in BLOCK.finditer(text)]
+
+
+def main() -> int:
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    for ex in EXAMPLES:
+        (FIXTURES / f"{ex.name}.msgpack").write_bytes(frame_of(ex))
+    (FIXTURES / "index.json").write_text(json.dumps(index(), indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {len(EXAMPLES)} fixtures and index.json to {FIXTURES.relative_to(ROOT)}")
+    if SPEC.exists():
+        text = SPEC.read_text()
+        new = render_spec(text)
+        if new != text:
+            SPEC.write_text(new)
+            print(f"updated the field tables in {SPEC.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
