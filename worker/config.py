@@ -1,0 +1,37 @@
+"""Worker configuration: one frozen dataclass; the CLI flags are generated from it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvroute.config import opt
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str | None = opt(None, "GGUF model file (default: the bundled Gemma 3 270M)", metavar="PATH")
+    slots: int = opt(4, "number of slots (parallel sequences, llama seq_ids 0..N-1)")
+    ctx_per_slot: int = opt(4096, "context length of each slot, in tokens")
+    threads: int = opt(os.cpu_count() or 1, "CPU threads for llama.cpp")
+    n_batch: int = opt(512, "most prompt tokens computed in one engine step (chunked prefill)")
+    gpu: int | None = opt(None, "GPU index to pin the context to (all layers offloaded); default: CPU", metavar="I")
+    connect: str = opt("tcp://127.0.0.1:5556", "router's worker endpoint to connect to")
+    worker_id: str = opt("w0", "this worker's id (its ZMQ identity)")
+    incarnation: int = opt(0, "incarnation number; grows each time this worker id is restarted")
+    deterministic: bool = opt(
+        False, "bit-identical greedy output cached vs cold and batched vs alone (no weight repacking, no flash attention)"
+    )
+    snapshots: bool = opt(
+        False, "restore per-slot state snapshots instead of trimming KV (automatic for recurrent/hybrid models)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.slots < 1 or self.slots > 256:
+            raise ValueError(f"slots must be in 1..256, got {self.slots}")
+        if self.ctx_per_slot < 16:
+            raise ValueError(f"ctx_per_slot must be at least 16, got {self.ctx_per_slot}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if self.n_batch < 1:
+            raise ValueError(f"n_batch must be at least 1, got {self.n_batch}")

@@ -1,0 +1,602 @@
+"""The engine: one compute thread owns the llama context and runs the step loop over the slots.
+
+Each step is one `llama_decode`: one decode row for every generating slot first, then prefill chunks of
+the slots still reading their prompt, up to `n_batch` prompt tokens (chunked prefill). Logits are asked
+only for rows that are sampled. Jobs join and leave between steps; with nothing to do the thread blocks.
+
+Other threads talk to the engine only through `submit`, `cancel`, `drain`, `reset` and `call` (a queue to the
+compute thread); results come back as protocol messages (JobDelta, then one JobDone or JobError) passed to the
+job's sink, on the compute thread.
+
+Invariant (checked after every decode, and before building a batch): for every slot,
+`llama_memory_seq_pos_max(slot) + 1 == len(slot.tokens)`. A violation is counted, logged with an id, reported
+to the slot's job as an `internal` error carrying that id, and the slot is cleared.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvroute import logs
+from kvroute.model import resolve_model
+from protocol import (
+    ErrorCode,
+    FinishReason,
+    Job,
+    JobDelta,
+    JobDone,
+    JobError,
+    Message,
+    SlotState,
+    Timings,
+    pack_tokens,
+    token_hash,
+    unpack_tokens,
+)
+from worker.config import WorkerConfig
+from worker.llama import Llama
+from worker.sampling import Sampler, SamplingError
+from worker.slots import Slot, SlotPhase, SlotTable, Snapshot, common_prefix
+from worker.stopping import TextStream
+
+log = logs.get(__name__)
+
+Sink = Callable[[Message], None]
+MS = 1000.0
+
+
+@dataclass
+class Counters:
+    """Monotonic counters for metrics and benchmarks (written by the compute thread only)."""
+
+    steps: int = 0
+    batch_rows: int = 0
+    decode_rows: int = 0
+    prefill_rows: int = 0
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    jobs_done: int = 0
+    jobs_failed: int = 0
+    invariant_violations: int = 0
+    decode_errors: int = 0
+    decode_retries: int = 0
+    snapshot_restores: int = 0
+    decode_s: float = 0.0  # time inside llama_decode
+    step_s: float = 0.0  # time of whole steps (batch building + decode + sampling + messages)
+
+
+@dataclass(eq=False)
+class Request:
+    """One job inside the worker. Progress is derived: prefilling while nothing is sampled, then decoding."""
+
+    id: str
+    job: Job
+    prompt: list[int]
+    sink: Sink
+    max_gen: int
+    t_arrival: float
+    deadline: float | None
+    slot: int = -1
+    reused: int = 0
+    sampler: Sampler | None = None
+    stream: TextStream = field(default_factory=TextStream)
+    generated: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    silent: bool = False  # reset by a router restart: the new router does not know this job
+    t_assigned: float = 0.0
+    t_first: float = 0.0
+
+
+class JobStream:
+    """In-process view of one job's messages: iterate for JobDelta..., then JobDone or JobError."""
+
+    def __init__(self, job_id: str) -> None:
+        self.id = job_id
+        self._q: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self.final: JobDone | JobError | None = None
+
+    def put(self, msg: Message) -> None:
+        self._q.put(msg)
+
+    def __iter__(self) -> Iterator[Message]:
+        while self.final is None:
+            msg = self._q.get()
+            if isinstance(msg, JobDone | JobError):
+                self.final = msg
+            yield msg
+
+    def result(self, timeout: float | None = None) -> JobDone | JobError:
+        """Wait for the end; returns the JobDone or JobError (deltas are dropped)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.final is None:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                msg = self._q.get(timeout=left)
+            except queue.Empty:
+                raise TimeoutError(f"job {self.id} did not finish in {timeout} s") from None
+            if isinstance(msg, JobDone | JobError):
+                self.final = msg
+        return self.final
+
+
+class Engine:
+    """Continuous batching over the slots of one llama context. Start with `start()`, stop with `stop()`."""
+
+    def __init__(self, cfg: WorkerConfig, llama: Llama | None = None) -> None:
+        self.cfg = cfg
+        self.llama = llama or Llama(
+            resolve_model(cfg.model),
+            slots=cfg.slots,
+            ctx_per_slot=cfg.ctx_per_slot,
+            n_batch=cfg.n_batch,
+            threads=cfg.threads,
+            gpu=cfg.gpu,
+            deterministic=cfg.deterministic,
+        )
+        self.vocab = self.llama.vocab
+        self.n_ctx = self.llama.ctx_per_slot
+        self.n_batch = cfg.n_batch
+        self.snapshots = cfg.snapshots or self.llama.info.recurrent  # trim by restoring, not by seq_rm
+        self.table = SlotTable(cfg.slots)
+        self.counters = Counters()
+        self.draining = False
+        self.waiting: collections.deque[Request] = collections.deque()
+        self._by_id: dict[str, Request] = {}
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._decode = self.llama.decode  # tests replace this to inject failures
+
+    # ---- any thread ----
+
+    def start(self) -> Engine:
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="kvroute-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, close: bool = True) -> None:
+        """Stop the compute thread (running jobs are dropped) and free the context when `close`."""
+        if self._thread is not None:
+            self._inbox.put(("stop", None))
+            self._thread.join()
+            self._thread = None
+        if close:
+            self.llama.close()
+
+    def submit(self, job: Job, sink: Sink | None = None) -> JobStream | None:
+        """Queue a job. Its messages go to `sink`, or, without one, to the returned JobStream."""
+        stream = None
+        if sink is None:
+            stream = JobStream(job.id)
+            sink = stream.put
+        self._inbox.put(("job", (job, sink, time.monotonic())))
+        return stream
+
+    def cancel(self, job_id: str) -> None:
+        self._inbox.put(("cancel", job_id))
+
+    def drain(self) -> None:
+        self._inbox.put(("drain", None))
+
+    def reset(self) -> None:
+        """Forget every job without reporting and clear every slot (the router restarted with an empty mirror)."""
+        self._inbox.put(("reset", None))
+
+    def call(self, fn: Callable[[Engine], Any]) -> Future[Any]:
+        """Run `fn(engine)` on the compute thread between two steps."""
+        fut: Future[Any] = Future()
+        self._inbox.put(("call", (fn, fut)))
+        return fut
+
+    def slot_states(self) -> list[SlotState]:
+        """Heartbeat view (plain reads of compute-thread state; good enough for a once-a-second report)."""
+        busy = SlotPhase.BUSY
+        return [SlotState(slot=s.id, busy=s.phase is busy, n_tokens=s.n_tokens, job_id=s.job_id) for s in self.table.slots]
+
+    @property
+    def queue_len(self) -> int:
+        return len(self.waiting)
+
+    # ---- compute thread ----
+
+    def _loop(self) -> None:
+        while self._running:
+            idle = not self.waiting and not self.table.busy()
+            with contextlib.suppress(queue.Empty):  # block only when there is nothing to compute
+                self._handle(*self._inbox.get() if idle else self._inbox.get_nowait())
+            while True:  # take every command that arrived during the last step
+                try:
+                    self._handle(*self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            if not self._running:
+                break
+            try:
+                self._step()
+            except Exception as exc:  # a bug: fail the running jobs, keep the worker alive
+                self._fail_all(exc)
+
+    def _handle(self, kind: str, arg: Any) -> None:
+        if kind == "job":
+            self._accept(*arg)
+        elif kind == "cancel":
+            req = self._by_id.get(arg)
+            if req is not None:
+                req.cancelled = True
+        elif kind == "drain":
+            self.draining = True
+        elif kind == "reset":
+            self._reset()
+        elif kind == "call":
+            fn, fut = arg
+            try:
+                fut.set_result(fn(self))
+            except Exception as exc:
+                fut.set_exception(exc)
+        elif kind == "stop":
+            self._running = False
+
+    def _accept(self, job: Job, sink: Sink, t_arrival: float) -> None:
+        """Validate a job and queue it, or answer with an error before any work."""
+        prompt = unpack_tokens(job.tokens)
+        err = self._refusal(job, prompt)
+        if err is not None:
+            code, message = err
+            self._send(sink, JobError(id=job.id, code=code, message=message))
+            self.counters.jobs_failed += 1
+            return
+        max_tokens = job.sampling.max_tokens
+        max_gen = self.n_ctx - len(prompt) if max_tokens is None else max_tokens
+        deadline = t_arrival + job.deadline_ms / MS if job.deadline_ms else None
+        req = Request(id=job.id, job=job, prompt=prompt, sink=sink, max_gen=max_gen, t_arrival=t_arrival, deadline=deadline)
+        req.stream = TextStream(job.sampling.stop)
+        try:
+            req.sampler = Sampler(job.sampling, self.vocab.n_vocab)
+        except SamplingError as exc:
+            self._send(sink, JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=str(exc)))
+            self.counters.jobs_failed += 1
+            return
+        self._by_id[job.id] = req
+        self.waiting.append(req)
+
+    def _refusal(self, job: Job, prompt: list[int]) -> tuple[ErrorCode, str] | None:
+        if self.draining:
+            return ErrorCode.DRAINING, "this worker is draining and takes no new jobs"
+        if job.id in self._by_id:
+            return ErrorCode.BAD_REQUEST, f"job id {job.id!r} is already running on this worker"
+        if job.slot >= len(self.table):
+            return ErrorCode.BAD_REQUEST, f"slot {job.slot} does not exist (this worker has slots 0..{len(self.table) - 1})"
+        n_vocab = self.vocab.n_vocab
+        if any(t < 0 or t >= n_vocab for t in prompt):
+            bad = next(t for t in prompt if t < 0 or t >= n_vocab)
+            return ErrorCode.BAD_REQUEST, f"prompt token id {bad} is outside the vocabulary (0..{n_vocab - 1})"
+        n, ctx = len(prompt), self.n_ctx
+        if n >= ctx:
+            return ErrorCode.CONTEXT_OVERFLOW, f"prompt of {n} tokens does not fit a slot's context of {ctx} tokens"
+        mt = job.sampling.max_tokens
+        if mt is not None and n + mt > ctx:
+            return (
+                ErrorCode.CONTEXT_OVERFLOW,
+                f"prompt of {n} tokens + max_tokens {mt} = {n + mt} is over a slot's context of {ctx} tokens",
+            )
+        return None
+
+    # -- admission --
+
+    def _admit(self) -> None:
+        """Give idle slots to waiting jobs, in arrival order; a job naming a busy slot waits for it (FIFO)."""
+        if not self.waiting:
+            return
+        claimed: set[int] = set()
+        still: collections.deque[Request] = collections.deque()
+        for req in self.waiting:
+            if req.cancelled or (req.deadline is not None and time.monotonic() >= req.deadline):
+                code = ErrorCode.CANCELLED if req.cancelled else ErrorCode.DEADLINE_EXCEEDED
+                self._error(req, code, f"job {code.value} while waiting for a slot")
+                continue
+            if req.job.slot >= 0:
+                slot = self.table[req.job.slot]
+                if slot.phase is SlotPhase.BUSY or slot.id in claimed:
+                    claimed.add(slot.id)
+                    still.append(req)
+                    continue
+            else:
+                slot = self.table.pick(req.prompt, claimed)
+                if slot is None:
+                    still.append(req)
+                    continue
+            claimed.add(slot.id)
+            self._assign(req, slot)
+        self.waiting = still
+
+    def _assign(self, req: Request, slot: Slot) -> None:
+        """Reuse the slot's longest common prefix with the prompt (minus one on a full match); trim the rest."""
+        self.table.assign(slot, req)
+        req.slot, req.t_assigned = slot.id, time.monotonic()
+        prompt = req.prompt
+        if not req.job.prefix_cache:
+            self._clear(slot)
+        lcp = common_prefix(slot.tokens, prompt)
+        if lcp == len(prompt):
+            lcp -= 1  # logits are not cached: the last prompt token must be computed again
+        if lcp < slot.n_tokens:
+            self._trim(slot, lcp)
+        req.reused = slot.n_tokens
+        self.counters.reused_tokens += req.reused
+        self.counters.prefilled_tokens += len(prompt) - req.reused
+        log.debug(
+            "slot_assigned",
+            request_id=req.id,
+            slot=slot.id,
+            reused=req.reused,
+            prefilled=len(prompt) - req.reused,
+            predicted_reuse=req.job.predicted_reuse,
+        )
+
+    def _trim(self, slot: Slot, n: int) -> None:
+        """Make the slot hold only its first n tokens, or fewer if its memory cannot be cut there."""
+        if not self.snapshots:
+            if self.llama.seq_rm(slot.id, n, -1):
+                slot.keep(n)
+                return
+            log.warning("seq_rm_refused", slot=slot.id, keep=n, held=slot.n_tokens)
+            self._clear(slot)
+            return
+        snap = slot.snapshot
+        if snap is not None and snap.n_tokens <= n and self.llama.state_set(slot.id, snap.data):
+            slot.keep(snap.n_tokens)
+            self.counters.snapshot_restores += 1
+            return
+        self._clear(slot)
+
+    def _clear(self, slot: Slot) -> None:
+        self.llama.seq_clear(slot.id)
+        slot.keep(0)
+        slot.snapshot = None
+
+    # -- the step --
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        self._expire()
+        self._admit()
+        busy = self.table.busy()
+        if not busy:
+            return
+        self._check(busy)
+        busy = self.table.busy()
+        budget = self.n_batch
+        while True:
+            plan = self._build(busy, budget)
+            if not plan:
+                return
+            t1 = time.perf_counter()
+            ret = self._decode()
+            self.counters.decode_s += time.perf_counter() - t1
+            if ret == 1 and budget > 1 and any(n > 1 for _, n, _ in plan):
+                self.counters.decode_retries += 1
+                budget //= 2  # no KV room for this batch: retry with a smaller prefill chunk (memory is unchanged)
+                continue
+            break
+        c = self.counters
+        c.steps += 1
+        c.batch_rows += self.llama.batch.n
+        if ret != 0:
+            self._decode_failed(plan, ret)
+        else:
+            self._commit(plan)
+        c.step_s += time.perf_counter() - t0
+
+    def _build(self, busy: list[Slot], budget: int) -> list[tuple[Slot, int, int]]:
+        """Fill the batch: decode rows first, then prefill chunks. Returns (slot, tokens added, sampled row or -1)."""
+        batch = self.llama.batch
+        batch.clear()
+        plan: list[tuple[Slot, int, int]] = []
+        prefilling: list[Slot] = []
+        for slot in busy:
+            req: Request = slot.job
+            if req.generated:
+                plan.append((slot, 1, batch.add(req.generated[-1], slot.n_tokens, slot.id, True)))
+            else:
+                prefilling.append(slot)
+        self.counters.decode_rows += len(plan)
+        prefilling.sort(key=lambda s: s.job.t_assigned)  # oldest prompt first: it finishes soonest
+        for slot in prefilling:
+            if budget <= 0:
+                break
+            req = slot.job
+            start, end = slot.n_tokens, len(req.prompt)
+            take = min(end - start, budget)
+            if self.snapshots and start < end - 1:
+                take = min(take, end - 1 - start)  # stop one short of the end so a snapshot can be taken there
+            last = start + take == end
+            row = batch.add_run(req.prompt[start : start + take], start, slot.id, last)
+            plan.append((slot, take, row if last else -1))
+            budget -= take
+            self.counters.prefill_rows += take
+        return plan
+
+    def _commit(self, plan: list[tuple[Slot, int, int]]) -> None:
+        """The decode succeeded: record the tokens now in KV, check the invariant, sample the output rows."""
+        for slot, n, _ in plan:
+            req: Request = slot.job
+            if req.generated:
+                slot.tokens.append(req.generated[-1])
+            else:
+                start = slot.n_tokens
+                slot.tokens.extend(req.prompt[start : start + n])
+                if self.snapshots and slot.n_tokens == len(req.prompt) - 1:
+                    slot.snapshot = Snapshot(slot.n_tokens, self.llama.state_get(slot.id))
+        self._check([slot for slot, _, _ in plan])
+        ctx = self.llama.ctx
+        now = time.monotonic()
+        for slot, _, row in plan:
+            req = slot.job
+            if row < 0 or req is None:  # mid-prompt chunk, or the job was ended by the invariant check
+                continue
+            tok = req.sampler.sample(ctx, row)
+            self._on_token(req, slot, tok, now)
+
+    def _on_token(self, req: Request, slot: Slot, tok: int, now: float) -> None:
+        if not req.generated:
+            req.t_first = now
+        req.generated.append(tok)
+        self.counters.generated_tokens += 1
+        if tok in self.vocab.eog_tokens and not req.job.sampling.ignore_eos:
+            self._done(req, slot, FinishReason.STOP)
+            return
+        stream = req.stream
+        text = stream.push(self.vocab.piece(tok))
+        if stream.stop is not None:
+            self._send(req.sink, JobDelta(id=req.id, text=text, tokens=pack_tokens([tok])))
+            self._done(req, slot, FinishReason.STOP)
+        elif len(req.generated) >= req.max_gen:
+            text += stream.flush()
+            self._send(req.sink, JobDelta(id=req.id, text=text, tokens=pack_tokens([tok])))
+            self._done(req, slot, FinishReason.LENGTH)
+        else:
+            self._send(req.sink, JobDelta(id=req.id, text=text, tokens=pack_tokens([tok])))
+
+    def _expire(self) -> None:
+        """End running jobs that were cancelled or ran past their deadline; their slots keep the valid KV."""
+        now = time.monotonic()
+        for slot in self.table.busy():
+            req: Request = slot.job
+            if req.cancelled:
+                self._flush_and_done(req, slot, FinishReason.CANCELLED)
+            elif req.deadline is not None and now >= req.deadline:
+                self._flush_and_done(req, slot, FinishReason.DEADLINE_EXCEEDED)
+
+    def _flush_and_done(self, req: Request, slot: Slot, reason: FinishReason) -> None:
+        text = req.stream.flush()
+        if text:
+            self._send(req.sink, JobDelta(id=req.id, text=text, tokens=b""))
+        self._done(req, slot, reason)
+
+    # -- endings --
+
+    def _done(self, req: Request, slot: Slot, reason: FinishReason) -> None:
+        now = time.monotonic()
+        t_first = req.t_first or now
+        timings = Timings(
+            queue_ms=(req.t_assigned - req.t_arrival) * MS,
+            prefill_ms=(t_first - req.t_assigned) * MS,
+            decode_ms=(now - t_first) * MS,
+            ttft_ms=(t_first - req.t_arrival) * MS,
+            total_ms=(now - req.t_arrival) * MS,
+        )
+        done = JobDone(
+            id=req.id,
+            slot=slot.id,
+            finish_reason=reason.value,
+            text=req.stream.full_text(),
+            tokens=pack_tokens(req.generated),
+            prompt_tokens=len(req.prompt),
+            reused_tokens=req.reused,
+            prefilled_tokens=len(req.prompt) - req.reused,
+            generated_tokens=len(req.generated),
+            slot_tokens=slot.n_tokens,
+            slot_hash=token_hash(slot.tokens),
+            timings=timings,
+            stop=req.stream.stop,
+        )
+        self._release(req, slot)
+        self.counters.jobs_done += 1
+        log.debug("job_done", request_id=req.id, slot=slot.id, finish=reason.value, generated=len(req.generated))
+        self._send(req.sink, done, req.silent)
+
+    def _error(self, req: Request, code: ErrorCode, message: str, error_id: str | None = None) -> None:
+        """End a job with an error, reporting what its slot (if any) holds now."""
+        slot = self.table[req.slot] if req.slot >= 0 else None
+        msg = JobError(id=req.id, code=code, message=message, error_id=error_id)
+        if slot is not None:
+            msg.slot, msg.slot_tokens, msg.slot_hash = slot.id, slot.n_tokens, token_hash(slot.tokens)
+            self._release(req, slot)
+        else:
+            self._forget(req)
+        self.counters.jobs_failed += 1
+        self._send(req.sink, msg, req.silent)
+
+    def _release(self, req: Request, slot: Slot) -> None:
+        self.table.release(slot)
+        self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        self._by_id.pop(req.id, None)
+        if req.sampler is not None:
+            req.sampler.free()
+            req.sampler = None
+
+    def _send(self, sink: Sink, msg: Message, silent: bool = False) -> None:
+        if silent:
+            return
+        try:
+            sink(msg)
+        except Exception:
+            log.exception("sink_failed", message=type(msg).__name__)
+
+    # -- failures --
+
+    def _check(self, slots: list[Slot]) -> None:
+        """The invariant: each slot's KV holds exactly len(slot.tokens) positions. A violation is a bug."""
+        for slot in slots:
+            held = self.llama.seq_len(slot.id)
+            if held == slot.n_tokens:
+                continue
+            error_id = uuid.uuid4().hex[:16]
+            self.counters.invariant_violations += 1
+            log.error("slot_invariant_violated", error_id=error_id, slot=slot.id, believed=slot.n_tokens, kv=held)
+            believed = slot.n_tokens
+            self._clear(slot)
+            if slot.job is not None:
+                self._error(
+                    slot.job,
+                    ErrorCode.INTERNAL,
+                    f"slot {slot.id} believed it held {believed} tokens but its KV holds {held}; slot cleared (error {error_id})",
+                    error_id,
+                )
+
+    def _decode_failed(self, plan: list[tuple[Slot, int, int]], ret: int) -> None:
+        """llama_decode failed: put each affected slot back to what it held before, end its job with an error."""
+        self.counters.decode_errors += 1
+        error_id = uuid.uuid4().hex[:16]
+        log.error("decode_failed", error_id=error_id, ret=ret, rows=self.llama.batch.n, slots=[s.id for s, _, _ in plan])
+        for slot, _, _ in plan:
+            if self.llama.seq_len(slot.id) != slot.n_tokens:  # ubatches processed before the failure are kept
+                trimmed = not self.snapshots and self.llama.seq_rm(slot.id, slot.n_tokens, -1)
+                if not trimmed or self.llama.seq_len(slot.id) != slot.n_tokens:
+                    self._clear(slot)
+            if slot.job is not None:
+                self._error(slot.job, ErrorCode.INTERNAL, f"llama_decode failed with code {ret} (error {error_id})", error_id)
+
+    def _fail_all(self, exc: Exception) -> None:
+        error_id = uuid.uuid4().hex[:16]
+        log.exception("engine_step_failed", error_id=error_id)
+        for slot in self.table.busy():
+            self._clear(slot)
+            if slot.job is not None:
+                message = f"engine error {type(exc).__name__}: {exc} (error {error_id})"
+                self._error(slot.job, ErrorCode.INTERNAL, message, error_id)
+
+    def _reset(self) -> None:
+        for req in list(self.waiting):
+            req.silent = True
+            self._forget(req)
+        self.waiting.clear()
+        for slot in self.table.slots:
+            if slot.job is not None:
+                slot.job.silent = True
+                self._release(slot.job, slot)
+            self._clear(slot)
+        log.info("slots_reset", slots=len(self.table))

@@ -1,0 +1,199 @@
+"""Thin ctypes layer over llama.cpp: the model, the context (one stream per slot), the batch, the memory calls.
+
+Only the compute thread may call into a `Llama` after construction (llama.cpp contexts are not thread safe).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp
+
+from kvroute.model import ModelError
+from kvroute.vocab import Vocab, init_backend
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    n_layer: int
+    n_swa: int
+    recurrent: bool  # memory cannot be trimmed partially (recurrent or hybrid)
+    kv_bytes: int
+
+
+def _meta_int(model: object, key: str) -> int | None:
+    buf = ctypes.create_string_buffer(64)
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    if n < 0:
+        return None
+    try:
+        return int(buf.value)
+    except ValueError:
+        return None
+
+
+def _meta_str(model: object, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(128)
+    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode() if n >= 0 else None
+
+
+class Batch:
+    """One reusable llama_batch with direct views on its arrays (no per-step allocation)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.raw = llama_cpp.llama_batch_init(capacity, 0, 1)
+        addr = ctypes.addressof
+        self.token = (ctypes.c_int32 * capacity).from_address(addr(self.raw.token.contents))
+        self.pos = (ctypes.c_int32 * capacity).from_address(addr(self.raw.pos.contents))
+        self.logits = (ctypes.c_int8 * capacity).from_address(addr(self.raw.logits.contents))
+        n_seq = (ctypes.c_int32 * capacity).from_address(addr(self.raw.n_seq_id.contents))
+        n_seq[:] = [1] * capacity
+        self.seq = [self.raw.seq_id[i] for i in range(capacity)]  # row -> int32* (one seq id per row)
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+
+    def add(self, token: int, pos: int, seq: int, logits: bool) -> int:
+        """Append one row; returns its index."""
+        i = self.n
+        self.token[i] = token
+        self.pos[i] = pos
+        self.seq[i][0] = seq
+        self.logits[i] = logits
+        self.n = i + 1
+        return i
+
+    def add_run(self, tokens: list[int], pos0: int, seq: int, last_logits: bool) -> int:
+        """Append consecutive tokens of one sequence; only the last row may ask for logits. Returns its index."""
+        i, n = self.n, len(tokens)
+        j = i + n
+        self.token[i:j] = tokens
+        self.pos[i:j] = range(pos0, pos0 + n)
+        self.logits[i:j] = bytes(n)
+        seq_rows = self.seq
+        for r in range(i, j):
+            seq_rows[r][0] = seq
+        self.logits[j - 1] = last_logits
+        self.n = j
+        return j - 1
+
+    def free(self) -> None:
+        if self.raw is not None:
+            llama_cpp.llama_batch_free(self.raw)
+            self.raw = None
+
+
+class Llama:
+    """The model and one context with `slots` independent streams of `ctx_per_slot` cells each."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        slots: int,
+        ctx_per_slot: int,
+        n_batch: int,
+        threads: int,
+        gpu: int | None = None,
+        deterministic: bool = False,
+    ) -> None:
+        init_backend()
+        self.path = Path(path)
+        mp = llama_cpp.llama_model_default_params()
+        if gpu is None:
+            mp.n_gpu_layers = 0
+        else:
+            if not llama_cpp.llama_supports_gpu_offload():
+                raise ModelError(f"--gpu {gpu} asked for, but this llama.cpp build has no GPU support")
+            mp.n_gpu_layers = -1  # all layers
+            mp.split_mode = 0  # LLAMA_SPLIT_MODE_NONE: the whole model on main_gpu
+            mp.main_gpu = gpu
+        if deterministic:
+            mp.use_extra_bufts = False  # repacked CPU weights change results with the batch shape
+        self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self.model:
+            raise ModelError(f"llama.cpp could not load the model {self.path}")
+        self.vocab = Vocab.from_model(self.model, self.path)
+
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_seq_max = slots
+        cp.n_ctx = slots * ctx_per_slot
+        self.rows = n_batch + slots  # decode rows of every slot plus a full prefill chunk
+        cp.n_batch = self.rows
+        cp.n_ubatch = self.rows
+        cp.kv_unified = False  # one stream per slot: a slot can never run out of cells because of another
+        cp.swa_full = True  # sliding-window layers keep every position, so partial trims stay valid
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        cp.no_perf = True
+        if deterministic:
+            cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            llama_cpp.llama_model_free(self.model)
+            raise ModelError(f"llama.cpp could not create a context of {slots} x {ctx_per_slot} tokens for {self.path}")
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.slots = slots
+        self.ctx_per_slot = llama_cpp.llama_n_ctx_seq(self.ctx)
+        self.batch = Batch(self.rows)
+        self.info = self._info(slots * ctx_per_slot)
+        self.device = "cpu" if gpu is None else f"cuda:{gpu}"
+
+    def _info(self, n_cells: int) -> ModelInfo:
+        m = self.model
+        arch = _meta_str(m, "general.architecture") or ""
+        n_layer = llama_cpp.llama_model_n_layer(m)
+        n_head = max(llama_cpp.llama_model_n_head(m), 1)
+        n_head_kv = llama_cpp.llama_model_n_head_kv(m)
+        head = llama_cpp.llama_model_n_embd(m) // n_head
+        k = _meta_int(m, f"{arch}.attention.key_length") or head
+        v = _meta_int(m, f"{arch}.attention.value_length") or head
+        recurrent = bool(llama_cpp.llama_model_is_recurrent(m) or llama_cpp.llama_model_is_hybrid(m))
+        kv = 0 if llama_cpp.llama_model_is_recurrent(m) else n_layer * n_cells * n_head_kv * (k + v) * 2  # f16 K and V
+        return ModelInfo(n_layer=n_layer, n_swa=llama_cpp.llama_model_n_swa(m), recurrent=recurrent, kv_bytes=kv)
+
+    # ---- calls the engine makes (compute thread only) ----
+
+    def decode(self) -> int:
+        self.batch.raw.n_tokens = self.batch.n
+        return llama_cpp.llama_decode(self.ctx, self.batch.raw)
+
+    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> bool:
+        return bool(llama_cpp.llama_memory_seq_rm(self.mem, seq, p0, p1))
+
+    def seq_clear(self, seq: int) -> None:
+        if not llama_cpp.llama_memory_seq_rm(self.mem, seq, -1, -1):
+            raise RuntimeError(f"llama.cpp refused to remove whole sequence {seq}")  # documented never to fail
+
+    def seq_len(self, seq: int) -> int:
+        """Positions the KV holds for `seq` (pos_max + 1; 0 when empty)."""
+        return llama_cpp.llama_memory_seq_pos_max(self.mem, seq) + 1
+
+    def seq_pos_min(self, seq: int) -> int:
+        return llama_cpp.llama_memory_seq_pos_min(self.mem, seq)
+
+    def state_get(self, seq: int) -> bytes:
+        size = llama_cpp.llama_state_seq_get_size(self.ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, seq)
+        return bytes(buf)[:n]
+
+    def state_set(self, seq: int, data: bytes) -> bool:
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(data), seq) != 0
+
+    def close(self) -> None:
+        self.batch.free()
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            self.vocab.close()
+            llama_cpp.llama_model_free(self.model)
+            self.model = None

@@ -1,0 +1,116 @@
+"""The slot table: slot i is llama seq_id i and remembers exactly the tokens whose KV it holds.
+
+Owned by the compute thread. Other threads may read `n_tokens`/`job_id` for heartbeats (plain attribute
+reads; never mutate).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SlotPhase(enum.Enum):
+    IDLE = "idle"
+    BUSY = "busy"
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists (C-speed slice compares, binary search)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass
+class Snapshot:
+    """Saved sequence state after the first `n_tokens` of the slot's tokens (for memories that cannot be trimmed)."""
+
+    n_tokens: int
+    data: bytes
+
+
+@dataclass
+class Slot:
+    id: int
+    tokens: list[int] = field(default_factory=list)  # exactly the tokens whose KV this seq holds, in position order
+    phase: SlotPhase = SlotPhase.IDLE
+    job: Any = None  # the running request (worker.engine.Request) while BUSY
+    last_used: int = 0
+    snapshot: Snapshot | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def job_id(self) -> str | None:
+        job = self.job
+        return job.id if job is not None else None
+
+    def keep(self, n: int) -> None:
+        """The KV now holds only the first n tokens (after a trim); drop a snapshot that no longer fits."""
+        del self.tokens[n:]
+        if self.snapshot is not None and self.snapshot.n_tokens > n:
+            self.snapshot = None
+
+
+class SlotTable:
+    """Slots plus the choice of a slot for a job that did not name one."""
+
+    MIN_SIMILARITY = 0.1  # a cached prefix must cover >10% of the prompt to attract it (llama-server's default)
+
+    def __init__(self, n: int) -> None:
+        self.slots = [Slot(i) for i in range(n)]
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __getitem__(self, i: int) -> Slot:
+        return self.slots[i]
+
+    def busy(self) -> list[Slot]:
+        return [s for s in self.slots if s.phase is SlotPhase.BUSY]
+
+    def pick(self, prompt: list[int], exclude: set[int]) -> Slot | None:
+        """An idle slot for `prompt`: the longest useful cached prefix, else an empty slot, else the least recently used.
+
+        None when every slot is busy or excluded. Mutates nothing.
+        """
+        idle = [s for s in self.slots if s.phase is SlotPhase.IDLE and s.id not in exclude]
+        if not idle:
+            return None
+        best, best_lcp = None, 0
+        for s in idle:
+            lcp = common_prefix(s.tokens, prompt)
+            if lcp > best_lcp or (lcp == best_lcp and best is not None and s.last_used < best.last_used):
+                best, best_lcp = s, lcp
+        if best is not None and best_lcp > 1 and best_lcp > self.MIN_SIMILARITY * len(prompt):
+            return best
+        empty = [s for s in idle if not s.tokens]
+        if empty:
+            return empty[0]
+        return min(idle, key=lambda s: s.last_used)
+
+    def assign(self, slot: Slot, job: Any) -> None:
+        assert slot.phase is SlotPhase.IDLE, f"slot {slot.id} is busy"
+        slot.phase, slot.job = SlotPhase.BUSY, job
+        self._touch(slot)
+
+    def release(self, slot: Slot) -> None:
+        slot.phase, slot.job = SlotPhase.IDLE, None
+        self._touch(slot)
+
+    def _touch(self, slot: Slot) -> None:
+        self._clock += 1
+        slot.last_used = self._clock
