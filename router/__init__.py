@@ -1,0 +1,1 @@
+"""The router process: tokenizes, mirrors every slot, picks slots, supervises workers."""

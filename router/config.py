@@ -1,0 +1,45 @@
+"""Router configuration: one frozen dataclass; `kvroute router` flags are generated from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvroute.config import opt
+
+POLICIES = ["prefix", "round-robin", "least-loaded"]
+CHAT_FORMATS = ["gemma", "chatml"]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str | None = opt(
+        None, "GGUF model whose vocabulary the router tokenizes with (default: bundled Gemma 3 270M)", metavar="PATH"
+    )
+    client_endpoint: str = opt("tcp://127.0.0.1:5555", "endpoint bound for clients (ZMQ ROUTER)", flag="--listen")
+    worker_endpoint: str = opt("tcp://127.0.0.1:5556", "endpoint bound for workers (ZMQ ROUTER)", flag="--workers")
+    policy: str = opt("prefix", "slot selection policy", choices=POLICIES)
+    chat_format: str = opt("gemma", "built-in chat format used when the GGUF has no chat template", choices=CHAT_FORMATS)
+    prefix_cache: bool = opt(True, "reuse cached prefixes; --no-prefix-cache sends every job with a cleared slot")
+    min_match: int = opt(16, "fewest matching prompt tokens before a slot's cached prefix counts as affinity")
+    busy_slot_cost: int = opt(32, "cost of each busy slot on a worker, in prompt-token equivalents")
+    evict_weight: float = opt(1.0, "weight of the cached tokens a choice would overwrite (0 = ignore evictions)")
+    evict_half_life_s: float = opt(60.0, "a slot's overwrite cost halves for every this many idle seconds")
+    imbalance_abs: int = opt(
+        4, "imbalance guard: busy-slot gap (max - min) above which affinity is limited to lightly loaded workers"
+    )
+    imbalance_rel: float = opt(1.5, "imbalance guard: and max busy > this x min busy")
+    busy_wait_ms: int = opt(500, "how long a request may wait for its best slot while that slot is busy")
+    queue_size: int = opt(0, "most requests waiting for a slot; 0 = 2 x total slots (at least 8)")
+    no_workers_grace_s: float = opt(20.0, "with no worker connected for this long, requests get no_workers")
+    heartbeat_timeout_s: float = opt(3.0, "a worker silent for this long is dead")
+    max_frame_bytes: int = opt(8 * 1024 * 1024, "largest client frame accepted")
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.chat_format not in CHAT_FORMATS:
+            raise ValueError(f"chat_format must be one of {CHAT_FORMATS}, got {self.chat_format!r}")
+        if self.min_match < 1:
+            raise ValueError(f"min_match must be at least 1, got {self.min_match}")
+        if self.heartbeat_timeout_s <= 0 or self.no_workers_grace_s < 0 or self.busy_wait_ms < 0:
+            raise ValueError("timeouts must be positive")

@@ -1,0 +1,163 @@
+"""The router's exact mirror of every slot: which tokens each slot's KV holds, and whether it is busy.
+
+Contract (the worker's invariant, protocol/worker_messages.py): after a job the slot holds exactly the
+first `slot_tokens` tokens of (prompt + generated tokens), and `slot_hash` is their token_hash.
+- `assign` (dispatch): the slot becomes busy and is recorded as holding the prompt, so the index
+  already routes on it; the previous contents are kept until the worker answers.
+- `finish` / `fail` (the worker's report): the slot becomes idle holding what the report says. The
+  mirror's own prediction is checked against the reported length and hash; on a mismatch it is
+  counted, the slot is recorded as empty and marked `dirty`, and the next job on it is sent with
+  prefix_cache=False so the worker clears it: the mirror is exact again after one job, never trusted
+  while wrong.
+- The mirror owns the `Index`; every change to a slot's tokens goes through here, so the two agree.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from router.index import Index, Tokens, as_tokens
+
+EMPTY: Tokens = np.empty(0, dtype=np.int32)
+
+
+def hash_tokens(tokens: Tokens) -> str:
+    """Same value as protocol.token_hash(list(tokens)), without the list."""
+    return hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i4").tobytes(), digest_size=8).hexdigest()
+
+
+class SlotPhase(enum.Enum):
+    IDLE = "idle"
+    BUSY = "busy"
+
+
+@dataclass(eq=False)
+class Slot:
+    """One slot of one worker incarnation. Identity-hashed: it is the index's owner key."""
+
+    worker: str
+    index: int
+    tokens: Tokens = field(default_factory=lambda: EMPTY)
+    phase: SlotPhase = SlotPhase.IDLE
+    job: str | None = None
+    dirty: bool = False  # contents unknown: the next job clears the slot
+    last_used: float = field(default_factory=time.monotonic)
+    hits: int = 0  # jobs that reused at least min_match tokens here
+    reused_total: int = 0
+    before: Tokens | None = None  # contents before the running job, restored if the worker never touched it
+
+    @property
+    def busy(self) -> bool:
+        return self.phase is SlotPhase.BUSY
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"Slot({self.worker}/{self.index}, {self.phase.value}, n={len(self.tokens)})"
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A report that disagreed with the mirror. `error_id` appears in the log line and the metrics."""
+
+    worker: str
+    slot: int
+    job: str
+    expected_tokens: int
+    reported_tokens: int
+    expected_hash: str
+    reported_hash: str
+    error_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+
+class Mirror:
+    """Every slot of every connected worker, and the one index over them."""
+
+    def __init__(self) -> None:
+        self.index = Index()
+        self.workers: dict[str, list[Slot]] = {}
+        self.mismatches = 0
+
+    def add_worker(self, worker: str, n_slots: int, *, contents_known: bool = True) -> list[Slot]:
+        """Slots of a newly accepted worker incarnation: empty, or `dirty` when its KV may hold anything."""
+        self.remove_worker(worker)
+        slots = [Slot(worker, i, dirty=not contents_known) for i in range(n_slots)]
+        self.workers[worker] = slots
+        return slots
+
+    def remove_worker(self, worker: str) -> list[Slot]:
+        """Forget a worker: all its slots leave the index at once."""
+        slots = self.workers.pop(worker, [])
+        for s in slots:
+            self.index.remove(s)
+        return slots
+
+    def slots(self) -> list[Slot]:
+        return [s for slots in self.workers.values() for s in slots]
+
+    def assign(self, slot: Slot, job: str, prompt: Tokens) -> None:
+        if slot.busy:
+            raise RuntimeError(f"{slot!r} is busy with {slot.job}, cannot take {job}")
+        slot.phase, slot.job = SlotPhase.BUSY, job
+        slot.before = None if slot.dirty else slot.tokens
+        slot.tokens = as_tokens(prompt)
+        slot.dirty = False  # the job goes with prefix_cache=False when the slot was dirty
+        self.index.insert(slot, slot.tokens)
+        slot.last_used = time.monotonic()
+
+    def finish(
+        self, slot: Slot, job: str, prompt: Tokens, generated: Tokens, slot_tokens: int, slot_hash: str
+    ) -> Mismatch | None:
+        """A JobDone: the slot holds the first `slot_tokens` of prompt + generated."""
+        full = np.concatenate([prompt, generated]) if len(generated) else prompt
+        return self._settle(slot, job, full, slot_tokens, slot_hash)
+
+    def fail(
+        self, slot: Slot, job: str, prompt: Tokens, streamed: Tokens, touched: bool, slot_tokens: int, slot_hash: str
+    ) -> Mismatch | None:
+        """A JobError. Untouched (slot -1): the slot holds what it held before the job."""
+        if not touched:
+            before = slot.before
+            self._idle(slot, EMPTY if before is None else before, dirty=before is None)
+            return None
+        full = np.concatenate([prompt, streamed]) if len(streamed) else prompt
+        return self._settle(slot, job, full, slot_tokens, slot_hash)
+
+    def lost(self, slot: Slot) -> None:
+        """The job's outcome is unknown (cancelled without report): the slot's contents are unknown."""
+        self._idle(slot, EMPTY, dirty=True)
+
+    def check_idle(self, slot: Slot, n_tokens: int) -> bool:
+        """A heartbeat's view of an idle slot; False (and the slot marked dirty) when the lengths differ."""
+        if slot.busy or slot.dirty or n_tokens == len(slot.tokens):
+            return True
+        self.mismatches += 1
+        self._idle(slot, EMPTY, dirty=True)
+        return False
+
+    def _settle(self, slot: Slot, job: str, full: Tokens, slot_tokens: int, slot_hash: str) -> Mismatch | None:
+        held = full[:slot_tokens]
+        if slot_tokens <= len(full) and hash_tokens(held) == slot_hash:
+            self._idle(slot, held, dirty=False)
+            return None
+        self.mismatches += 1
+        mm = Mismatch(slot.worker, slot.index, job, len(full), slot_tokens, hash_tokens(held), slot_hash)
+        self._idle(slot, EMPTY, dirty=True)
+        return mm
+
+    def _idle(self, slot: Slot, tokens: Tokens, *, dirty: bool) -> None:
+        slot.phase, slot.job, slot.before = SlotPhase.IDLE, None, None
+        slot.tokens, slot.dirty = tokens, dirty
+        if len(tokens) and not dirty:
+            self.index.insert(slot, tokens)
+        else:
+            self.index.remove(slot)
+        slot.last_used = time.monotonic()

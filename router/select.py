@@ -1,0 +1,165 @@
+"""Slot selection: the cost model and the comparison policies, as pure functions over a snapshot.
+
+Cost of sending a prompt of L tokens to idle slot s of worker w, in prompt-token equivalents (lowest wins):
+
+    reuse(s)   = LCP(prompt, tokens held by s), minus 1 when the whole prompt matches (the worker
+                 backs off one token to get logits); 0 for a dirty slot or with prefix caching off.
+    cost(w, s) = (L - affine(s))                              prompt tokens still to prefill here
+               + queued_prefill(w)                             prefill already sent to w, not yet done
+               + busy_slot_cost * busy(w)                      each running slot shares w's compute
+               + evict_weight * (n(s) - reuse(s)) * recency(s) what the choice overwrites
+    affine(s)  = reuse(s) if reuse(s) >= min_match else 0     a tiny match (BOS, "The") is no affinity
+    recency(s) = 0.5 ** (idle seconds of s / evict_half_life_s) a hot, recently used prefix is dear
+
+Guards:
+- Imbalance: when busy(max) - busy(min) > imbalance_abs and busy(max) > imbalance_rel * busy(min)
+  (min over workers with an idle slot), only workers with busy <= busy(min) + imbalance_abs are
+  candidates: affinity is kept among lightly loaded workers instead of being dropped (SGLang #32195).
+- Ties are broken by a rotating worker order (`rotation`), never "always worker 0".
+- Busy best slot: when a busy slot would reuse at least `min_match` more tokens than the best idle
+  choice, the request waits for it (`Wait`) until it has waited `busy_wait_ms`, then takes the best
+  idle choice.
+Cold requests (no affinity anywhere) thus go to the least-loaded worker, to its empty or least
+recently used slot. `round-robin` and `least-loaded` ignore prefixes when choosing (for benchmarks);
+the worker still reuses whatever the chosen slot happens to share, and the reuse is still predicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.index import Match
+from router.mirror import Slot
+
+
+@dataclass(frozen=True)
+class Params:
+    policy: str = "prefix"
+    prefix_cache: bool = True
+    min_match: int = 16
+    busy_slot_cost: float = 32.0
+    evict_weight: float = 1.0
+    evict_half_life_s: float = 60.0
+    imbalance_abs: int = 4
+    imbalance_rel: float = 1.5
+    busy_wait_ms: float = 500.0
+
+
+@dataclass
+class WorkerLoad:
+    """One ready worker as selection sees it. `busy` and `queued_prefill` move at dispatch."""
+
+    worker: str
+    slots: list[Slot]
+    busy: int = 0
+    queued_prefill: int = 0
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    slot: Slot
+    reuse: int  # predicted reused tokens (what the worker must report)
+    cost: float
+    affinity: bool  # chosen for its cached prefix (reuse >= min_match)
+    guarded: bool = False  # the imbalance guard limited the candidates
+
+
+@dataclass(frozen=True)
+class Wait:
+    slot: Slot  # the busy slot worth waiting for
+    reuse: int
+
+
+Decision = Dispatch | Wait | None  # None: no idle slot anywhere
+
+
+def predicted_reuse(lcp: int, length: int, slot: Slot, params: Params) -> int:
+    if not params.prefix_cache or slot.dirty:
+        return 0
+    return min(lcp, length - 1)
+
+
+def _recency(slot: Slot, now: float, half_life: float) -> float:
+    return 0.5 ** (max(0.0, now - slot.last_used) / half_life)
+
+
+def _rotated(workers: list[WorkerLoad], rotation: int) -> list[WorkerLoad]:
+    if not workers:
+        return workers
+    k = rotation % len(workers)
+    return workers[k:] + workers[:k]
+
+
+def _cold_slot(w: WorkerLoad, now: float) -> Slot | None:
+    """Empty slot first, else the least recently used idle one."""
+    best: Slot | None = None
+    for s in w.slots:
+        if s.busy:
+            continue
+        if not s.tokens.size:
+            return s
+        if best is None or s.last_used < best.last_used:
+            best = s
+    return best
+
+
+def select(match: Match, workers: list[WorkerLoad], params: Params, now: float, rotation: int, waited_ms: float) -> Decision:
+    """Pick a slot for a prompt of `match.length` tokens. Pure: changes nothing."""
+    workers = _rotated([w for w in workers if any(not s.busy for s in w.slots)], rotation)
+    if not workers:
+        return None
+    if params.policy == "round-robin":
+        return _plain(workers[0], match, params, now)
+    if params.policy == "least-loaded":
+        return _plain(min(workers, key=lambda w: w.busy + w.queued_prefill / 512.0), match, params, now)
+    return _prefix(match, workers, params, now, waited_ms)
+
+
+def _plain(w: WorkerLoad, match: Match, params: Params, now: float) -> Dispatch:
+    slot = _cold_slot(w, now)
+    assert slot is not None
+    reuse = predicted_reuse(match.lcp(slot), match.length, slot, params)
+    return Dispatch(slot, reuse, float(match.length - reuse), reuse >= params.min_match)
+
+
+def _prefix(match: Match, workers: list[WorkerLoad], params: Params, now: float, waited_ms: float) -> Decision:
+    length = match.length
+    lcps = match.all() if params.prefix_cache else {}
+    guarded = False
+    lo = min(w.busy for w in workers)
+    hi = max(w.busy for w in workers)
+    if hi - lo > params.imbalance_abs and hi > params.imbalance_rel * lo:
+        workers = [w for w in workers if w.busy <= lo + params.imbalance_abs]
+        guarded = True
+    best: Dispatch | None = None
+    hl, ew, mm = params.evict_half_life_s, params.evict_weight, params.min_match
+    for w in workers:
+        load = w.queued_prefill + params.busy_slot_cost * w.busy
+        for s in w.slots:
+            if s.busy:
+                continue
+            reuse = predicted_reuse(lcps.get(s, 0), length, s, params)
+            affine = reuse if reuse >= mm else 0
+            lost = 0 if s.dirty else len(s.tokens) - reuse
+            cost = length - affine + load
+            if lost > 0 and ew > 0:
+                cost += ew * lost * _recency(s, now, hl)
+            if best is None or cost < best.cost:
+                best = Dispatch(s, reuse, cost, affine > 0, guarded)
+    assert best is not None
+    if waited_ms < params.busy_wait_ms and params.prefix_cache:
+        wait = _busy_better(lcps, length, params, best.reuse)
+        if wait is not None:
+            return wait
+    return best
+
+
+def _busy_better(lcps: dict, length: int, params: Params, idle_reuse: int) -> Wait | None:
+    top: Wait | None = None
+    for s, lcp in lcps.items():
+        if not s.busy:
+            continue
+        reuse = min(lcp, length - 1)
+        if reuse >= params.min_match and reuse - idle_reuse >= params.min_match and (top is None or reuse > top.reuse):
+            top = Wait(s, reuse)
+    return top

@@ -1,0 +1,96 @@
+"""The mirror follows the worker's reports, counts and repairs a mismatch, and keeps the index in step."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from protocol import token_hash
+from router.mirror import EMPTY, Mirror, hash_tokens
+from router.select import Params, predicted_reuse
+
+
+def toks(*xs: int) -> np.ndarray:
+    return np.array(xs, dtype=np.int32)
+
+
+def test_hash_tokens_equals_protocol_token_hash():
+    seq = [1, 2, 300_000, 7, 0]
+    assert hash_tokens(np.array(seq, dtype=np.int32)) == token_hash(seq)
+
+
+def test_finish_records_prompt_plus_generated_minus_last():
+    m = Mirror()
+    (s,) = m.add_worker("w0", 1)
+    prompt, gen = toks(1, 2, 3), toks(4, 5)
+    m.assign(s, "j1", prompt)
+    assert s.busy and m.index.match(prompt).lcp(s) == 3  # routes on the prompt while running
+    kept = [1, 2, 3, 4]
+    assert m.finish(s, "j1", prompt, gen, 4, token_hash(kept)) is None
+    assert not s.busy and s.tokens.tolist() == kept
+    assert m.index.match(toks(1, 2, 3, 4, 9)).lcp(s) == 4
+    assert m.mismatches == 0
+
+
+def test_mismatching_report_is_counted_and_repaired():
+    m = Mirror()
+    (s,) = m.add_worker("w0", 1)
+    prompt = toks(1, 2, 3)
+    m.assign(s, "j1", prompt)
+    mm = m.finish(s, "j1", prompt, toks(4), 4, token_hash([9, 9, 9, 9]))  # worker holds something else
+    assert mm is not None and mm.error_id and mm.reported_hash == token_hash([9, 9, 9, 9])
+    assert m.mismatches == 1
+    # repaired: the slot is empty in the mirror and out of the index, and dirty, so the next job clears it
+    assert s.dirty and len(s.tokens) == 0 and s not in m.index
+    assert predicted_reuse(3, 4, s, Params()) == 0
+    m.assign(s, "j2", prompt)
+    assert not s.dirty
+    assert m.finish(s, "j2", prompt, toks(8, 8), 4, token_hash([1, 2, 3, 8])) is None
+    assert s.tokens.tolist() == [1, 2, 3, 8] and m.mismatches == 1
+
+
+def test_report_longer_than_what_was_sent_is_a_mismatch():
+    m = Mirror()
+    (s,) = m.add_worker("w0", 1)
+    m.assign(s, "j1", toks(1, 2))
+    assert m.finish(s, "j1", toks(1, 2), EMPTY, 5, token_hash([1, 2])) is not None
+    assert s.dirty
+
+
+def test_untouched_error_restores_previous_contents():
+    m = Mirror()
+    (s,) = m.add_worker("w0", 1)
+    m.assign(s, "j1", toks(1, 2, 3))
+    m.finish(s, "j1", toks(1, 2, 3), EMPTY, 3, token_hash([1, 2, 3]))
+    m.assign(s, "j2", toks(5, 6))
+    assert m.fail(s, "j2", toks(5, 6), EMPTY, False, 0, "") is None
+    assert s.tokens.tolist() == [1, 2, 3] and m.index.match(toks(1, 2)).lcp(s) == 2
+
+
+def test_touched_error_keeps_what_the_worker_reports():
+    m = Mirror()
+    (s,) = m.add_worker("w0", 1)
+    m.assign(s, "j1", toks(1, 2, 3))
+    assert m.fail(s, "j1", toks(1, 2, 3), toks(4), True, 0, token_hash([])) is None
+    assert len(s.tokens) == 0 and s not in m.index and not s.dirty
+
+
+def test_heartbeat_length_disagreement_marks_slot_dirty():
+    m = Mirror()
+    (s,) = m.add_worker("w0", 1)
+    m.assign(s, "j1", toks(1, 2, 3))
+    assert m.check_idle(s, 0)  # busy: the heartbeat may predate the job
+    m.finish(s, "j1", toks(1, 2, 3), EMPTY, 3, token_hash([1, 2, 3]))
+    assert m.check_idle(s, 3)
+    assert not m.check_idle(s, 7)
+    assert s.dirty and m.mismatches == 1 and s not in m.index
+
+
+def test_remove_worker_purges_its_slots_from_the_index():
+    m = Mirror()
+    slots = m.add_worker("w0", 2) + m.add_worker("w1", 1)
+    for i, s in enumerate(slots):
+        m.assign(s, f"j{i}", toks(1, 2, 3, i))
+    m.remove_worker("w0")
+    assert set(m.index.match(toks(1, 2, 3)).all()) == {slots[2]}
+    new = m.add_worker("w1", 1, contents_known=False)  # a re-accepted worker whose KV we do not know
+    assert new[0].dirty and len(m.index) == 0

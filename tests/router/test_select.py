@@ -1,0 +1,159 @@
+"""The cost model picks the expected slot in named scenarios."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+
+from protocol import token_hash
+from router.mirror import Mirror, Slot
+from router.select import Dispatch, Params, Wait, WorkerLoad, select
+
+_ids = itertools.count()
+rng = np.random.default_rng(1)
+
+
+def seq(n: int) -> np.ndarray:
+    return rng.integers(10, 262_000, n).astype(np.int32)
+
+
+def hold(m: Mirror, s: Slot, tokens: np.ndarray, age_s: float = 0.0) -> None:
+    """Make slot `s` hold `tokens`, last used `age_s` ago, through the mirror's own path."""
+    job = f"j{next(_ids)}"
+    m.assign(s, job, tokens)
+    assert m.finish(s, job, tokens, tokens[:0], len(tokens), token_hash(tokens.tolist())) is None
+    s.last_used = time.monotonic() - age_s
+
+
+def loads(m: Mirror, busy: dict[str, int] | None = None) -> list[WorkerLoad]:
+    busy = busy or {}
+    return [WorkerLoad(w, slots, busy=busy.get(w, 0)) for w, slots in m.workers.items()]
+
+
+def pick(m: Mirror, prompt: np.ndarray, params: Params | None = None, rotation: int = 0, waited_ms: float = 0.0, busy=None):
+    return select(m.index.match(prompt), loads(m, busy), params or Params(), time.monotonic(), rotation, waited_ms)
+
+
+def test_hot_system_prompt_new_session_reuses_it_without_evicting_a_long_history():
+    m = Mirror()
+    w0 = m.add_worker("w0", 2)
+    w1 = m.add_worker("w1", 2)
+    system = seq(400)
+    hold(m, w0[0], np.concatenate([system, seq(600)]))  # long conversation on the system prompt
+    hold(m, w0[1], seq(300), age_s=3600)  # stale unrelated text
+    hold(m, w1[0], np.concatenate([system, seq(40)]))  # short conversation on the system prompt
+    hold(m, w1[1], seq(500))  # fresh unrelated text
+    d = pick(m, np.concatenate([system, seq(30)]))
+    assert isinstance(d, Dispatch)
+    assert d.slot is w1[0] and d.reuse == 400 and d.affinity
+
+
+def test_hot_system_prompt_is_not_evicted_by_a_cold_request():
+    m = Mirror()
+    (hot, stale) = m.add_worker("w0", 2)
+    hold(m, hot, seq(800))
+    hold(m, stale, seq(800), age_s=3600)
+    d = pick(m, seq(100))
+    assert isinstance(d, Dispatch) and d.slot is stale and d.reuse == 0 and not d.affinity
+
+
+def test_more_sessions_than_slots():
+    m = Mirror()
+    slots = m.add_worker("w0", 2) + m.add_worker("w1", 2)
+    histories = [seq(200) for _ in slots]
+    for i, (s, h) in enumerate(zip(slots, histories, strict=True)):
+        hold(m, s, h, age_s=100 - 10 * i)  # slot 0 least recently used
+    # a returning session lands on its own slot even though its worker is the busier one
+    d = pick(m, np.concatenate([histories[2], seq(20)]), busy={"w1": 1})
+    assert isinstance(d, Dispatch) and d.slot is slots[2] and d.reuse == 200
+    # a fifth, new session evicts the least recently used slot
+    d = pick(m, seq(200), params=Params(evict_half_life_s=30))
+    assert isinstance(d, Dispatch) and d.slot is slots[0]
+
+
+def test_imbalance_guard_keeps_a_hot_worker_from_taking_everything():
+    m = Mirror()
+    w0 = m.add_worker("w0", 10)
+    m.add_worker("w1", 10)
+    history = seq(600)
+    hold(m, w0[9], history)
+    prompt = np.concatenate([history, seq(50)])
+    # moderately busier: affinity wins
+    d = pick(m, prompt, busy={"w0": 3})
+    assert isinstance(d, Dispatch) and d.slot is w0[9]
+    # 9 busy vs 0: the guard limits candidates to w1
+    d = pick(m, prompt, busy={"w0": 9})
+    assert isinstance(d, Dispatch) and d.slot.worker == "w1" and d.guarded
+
+
+def test_ties_are_rotated_and_load_moves_at_dispatch():
+    m = Mirror()
+    for w in ("w0", "w1", "w2", "w3"):
+        m.add_worker(w, 2)
+    picked = [pick(m, seq(50), rotation=r).slot.worker for r in range(4)]  # type: ignore[union-attr]
+    assert sorted(picked) == ["w0", "w1", "w2", "w3"]
+    # cold requests spread as load counters move at dispatch
+    busy: dict[str, int] = {}
+    for r in range(8):
+        d = pick(m, seq(50), rotation=r, busy=busy)
+        assert isinstance(d, Dispatch)
+        m.assign(d.slot, f"x{r}", seq(50))
+        busy[d.slot.worker] = busy.get(d.slot.worker, 0) + 1
+    assert busy == {"w0": 2, "w1": 2, "w2": 2, "w3": 2}
+    assert pick(m, seq(50)) is None  # no idle slot anywhere
+
+
+def test_min_match_tiny_overlap_is_no_affinity():
+    m = Mirror()
+    (a,) = m.add_worker("w0", 1)
+    (b,) = m.add_worker("w1", 1)
+    hold(m, a, np.concatenate([[2, 3, 4], seq(100)]))
+    d = pick(m, np.concatenate([[2, 3, 4], seq(100)]), busy={"w0": 0})
+    assert isinstance(d, Dispatch) and d.slot is b and not d.affinity
+
+
+def test_full_match_backs_off_one_token():
+    m = Mirror()
+    (a,) = m.add_worker("w0", 1)
+    history = seq(100)
+    hold(m, a, history)
+    d = pick(m, history[:60])
+    assert isinstance(d, Dispatch) and d.slot is a and d.reuse == 59
+
+
+def test_busy_best_slot_waits_a_bounded_time():
+    m = Mirror()
+    (a,) = m.add_worker("w0", 1)
+    (b,) = m.add_worker("w1", 1)
+    history = seq(300)
+    hold(m, a, history)
+    m.assign(a, "running", np.concatenate([history, seq(5)]))
+    prompt = np.concatenate([history, seq(10)])
+    d = pick(m, prompt, waited_ms=0, busy={"w0": 1})
+    assert isinstance(d, Wait) and d.slot is a and d.reuse == 300
+    d = pick(m, prompt, waited_ms=10_000, busy={"w0": 1})
+    assert isinstance(d, Dispatch) and d.slot is b
+
+
+def test_comparison_policies_ignore_prefixes_but_predict_reuse():
+    m = Mirror()
+    slots = m.add_worker("w0", 2) + m.add_worker("w1", 2)
+    history = seq(100)
+    hold(m, slots[0], history)
+    rr = [pick(m, history, Params(policy="round-robin"), rotation=r).slot.worker for r in range(2)]  # type: ignore[union-attr]
+    assert rr == ["w0", "w1"]
+    d = pick(m, history, Params(policy="least-loaded"), busy={"w0": 1})
+    assert isinstance(d, Dispatch) and d.slot.worker == "w1" and d.reuse == 0
+    d = pick(m, np.concatenate([history, seq(3)]), Params(policy="round-robin"))
+    assert isinstance(d, Dispatch) and d.slot in slots[:2] and d.reuse == (100 if d.slot is slots[0] else 0)
+
+
+def test_prefix_cache_off_predicts_no_reuse():
+    m = Mirror()
+    (a,) = m.add_worker("w0", 1)
+    history = seq(100)
+    hold(m, a, history)
+    d = pick(m, history, Params(prefix_cache=False))
+    assert isinstance(d, Dispatch) and d.reuse == 0
