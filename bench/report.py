@@ -1,0 +1,261 @@
+"""Figures from samples, the markdown report, the PNG plots and the goals of issue 6.
+
+Every figure is computed from the raw samples kept in the run's JSON file, so a report can be rebuilt from it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+Samples = list[dict[str, Any]]
+
+# Long-session: TTFT "at turn 10" and "at the last turn" are medians of a few turns around them, so that one
+# noisy request (a GC pause, another process on the machine) does not decide the goal.
+EARLY_TURNS = range(7, 12)  # turns 8..12, 1-based
+LAST_N = 5
+
+
+def quantile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated quantile, q in [0, 1]; None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def turn_ttfts(samples: Samples) -> list[float | None]:
+    """TTFT of each turn of a single-session workload, in turn order."""
+    return [s["ttft"] for s in sorted(samples, key=lambda s: s["turn"])]
+
+
+def figures(workload: str, samples: Samples, wall: float) -> dict[str, Any]:
+    """The figures of one system on one workload."""
+    ok = [s for s in samples if not s["error"]]
+    ttfts = [s["ttft"] for s in ok if s["ttft"] is not None]
+    out_tokens = sum(s["output_tokens"] for s in ok)
+    known = [s for s in ok if s["cached_tokens"] is not None and s["prompt_tokens"]]
+    f: dict[str, Any] = {
+        "requests": len(samples),
+        "errors": len(samples) - len(ok),
+        "wall_s": wall,
+        "ttft_mean_s": mean(ttfts),
+        "ttft_p50_s": quantile(ttfts, 0.5),
+        "ttft_p90_s": quantile(ttfts, 0.9),
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / wall if wall > 0 else None,
+        "prompt_tokens": sum(s["prompt_tokens"] or 0 for s in ok),
+        # Reuse is only known where the server reports cached tokens for every request.
+        "reuse": (sum(s["cached_tokens"] for s in known) / sum(s["prompt_tokens"] for s in known))
+        if known and len(known) == len(ok)
+        else None,
+    }
+    if workload in ("agent-long", "long-session"):
+        per_turn = turn_ttfts(ok)
+        f["ttft_per_turn_s"] = per_turn
+        last10 = [t for t in per_turn[-10:] if t is not None]
+        f["ttft_p50_last10_s"] = quantile(last10, 0.5)
+    if workload == "long-session":
+        per_turn = f["ttft_per_turn_s"]
+        early = [per_turn[i] for i in EARLY_TURNS if i < len(per_turn) and per_turn[i] is not None]
+        late = [t for t in per_turn[-LAST_N:] if t is not None]
+        f["ttft_turn10_s"] = statistics.median(early) if early else None
+        f["ttft_last_s"] = statistics.median(late) if late else None
+        f["turns"] = len(per_turn)
+        f["last_over_turn10"] = f["ttft_last_s"] / f["ttft_turn10_s"] if f["ttft_last_s"] and f["ttft_turn10_s"] else None
+    return f
+
+
+# --- tables ------------------------------------------------------------------------------------------------
+
+# workload -> (headline figure, whether lower is better, the columns shown)
+COLUMNS: dict[str, tuple[str, bool, list[tuple[str, str]]]] = {
+    "agent-long": (
+        "ttft_p50_last10_s",
+        True,
+        [("ttft_p50_last10_s", "p50 TTFT last 10 turns"), ("ttft_mean_s", "mean TTFT"), ("wall_s", "wall"), ("reuse", "reuse")],
+    ),
+    "multi-agent": (
+        "ttft_mean_s",
+        True,
+        [("ttft_mean_s", "mean TTFT"), ("ttft_p90_s", "p90 TTFT"), ("wall_s", "wall"), ("reuse", "reuse")],
+    ),
+    "throughput": (
+        "output_tokens_per_s",
+        False,
+        [
+            ("output_tokens_per_s", "output tokens/s"),
+            ("output_tokens", "output tokens"),
+            ("wall_s", "wall"),
+            ("ttft_mean_s", "mean TTFT"),
+        ],
+    ),
+    "fanout": (
+        "ttft_mean_s",
+        True,
+        [("ttft_mean_s", "mean TTFT"), ("ttft_p90_s", "p90 TTFT"), ("wall_s", "wall"), ("reuse", "reuse")],
+    ),
+    "long-session": (
+        "ttft_last_s",
+        True,
+        [
+            ("ttft_turn10_s", "TTFT turn 10"),
+            ("ttft_last_s", "TTFT last turn"),
+            ("last_over_turn10", "last / turn 10"),
+            ("ttft_mean_s", "mean TTFT"),
+            ("wall_s", "wall"),
+            ("reuse", "reuse"),
+        ],
+    ),
+}
+
+
+def fmt(key: str, value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if key == "reuse":
+        return f"{100 * value:.1f}%"
+    if key == "output_tokens_per_s":
+        return f"{value:.1f}"
+    if key.endswith("_s"):
+        return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
+    if key == "last_over_turn10":
+        return f"{value:.2f}x"
+    return str(value)
+
+
+def table(workload: str, per_system: dict[str, dict[str, Any]]) -> str:
+    """One markdown table: a row per system, its figures and its headline figure's ratio to kvroute's."""
+    headline, _, cols = COLUMNS[workload]
+    base = per_system.get("kvroute", {}).get(headline)
+    head = ["system", *(label for _, label in cols), f"{dict(cols)[headline]} / kvroute", "errors"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, f in per_system.items():
+        value = f.get(headline)
+        ratio = f"{value / base:.2f}x" if value is not None and base else "n/a"
+        cells = [name, *(fmt(k, f.get(k)) for k, _ in cols), ratio, str(f.get("errors", 0))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# --- goals -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Goal:
+    workload: str
+    text: str
+    met: bool | None  # None: not evaluated (a system or workload was not run)
+    detail: str
+
+
+def _ratio_goal(
+    workload: str, text: str, results: dict[str, dict[str, dict[str, Any]]], key: str, other: str, limit: float, at_most: bool
+) -> Goal:
+    per = results.get(workload)
+    if per is None:
+        return Goal(workload, text, None, "workload not run")
+    mine, theirs = per.get("kvroute", {}).get(key), per.get(other, {}).get(key)
+    if mine is None or theirs is None or theirs == 0:
+        return Goal(workload, text, None, f"needs kvroute and {other} figures")
+    r = mine / theirs
+    met = r <= limit if at_most else r >= limit
+    bound = f"{'<=' if at_most else '>='} {limit}"
+    return Goal(workload, text, met, f"kvroute {fmt(key, mine)} vs {other} {fmt(key, theirs)}: ratio {r:.3f} (goal {bound})")
+
+
+def goals(results: dict[str, dict[str, dict[str, Any]]], long_turns_goal: int = 300) -> list[Goal]:
+    """The goals of issue 6, checked against this run's figures."""
+    out = [
+        _ratio_goal(
+            "agent-long", "p50 TTFT over the last 10 turns: kvroute <= 0.15 x kvroute-cold", results,
+            "ttft_p50_last10_s", "kvroute-cold", 0.15, True,
+        ),
+    ]  # fmt: skip
+    per = results.get("long-session", {}).get("kvroute")
+    text = f"long session: TTFT at turn {long_turns_goal} <= 1.5 x TTFT at turn 10 (kvroute)"
+    if per is None or per.get("last_over_turn10") is None:
+        out.append(Goal("long-session", text, None, "needs the long-session workload on kvroute (at least 12 turns)"))
+    else:
+        r = per["last_over_turn10"]
+        short = f"; this run had {per['turns']} turns, not {long_turns_goal}" if per["turns"] < long_turns_goal else ""
+        detail = (
+            f"median of turns 8-12 {fmt('x_s', per['ttft_turn10_s'])}, median of the last {LAST_N} turns "
+            f"{fmt('x_s', per['ttft_last_s'])}: ratio {r:.2f}{short}"
+        )
+        out.append(Goal("long-session", text, r <= 1.5, detail))
+    for w in ("multi-agent", "fanout"):
+        text = f"{w}: kvroute mean TTFT <= 0.5 x llama-cpp-python"
+        out.append(_ratio_goal(w, text, results, "ttft_mean_s", "llama-cpp-python", 0.5, True))
+    out.append(
+        _ratio_goal(
+            "throughput", "throughput: kvroute output tokens/s >= 1.5 x llama-cpp-python", results,
+            "output_tokens_per_s", "llama-cpp-python", 1.5, False,
+        )
+    )  # fmt: skip
+    return out
+
+
+def goal_line(g: Goal) -> str:
+    mark = {True: "MET", False: "MISSED", None: "NOT EVALUATED"}[g.met]
+    return f"{mark}: {g.text} — {g.detail}"
+
+
+# --- plots -------------------------------------------------------------------------------------------------
+
+
+def plot_turns(workload: str, per_system: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, f in per_system.items():
+        ys = f.get("ttft_per_turn_s") or []
+        ax.plot(range(1, len(ys) + 1), [float("nan") if y is None else y for y in ys], marker=".", label=name)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_title(f"{workload}: TTFT per turn")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_distribution(workload: str, samples: dict[str, Samples], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, ss in samples.items():
+        xs = sorted(s["ttft"] for s in ss if s["ttft"] is not None and not s["error"])
+        if xs:
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=f"{name} (n={len(xs)})")
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_title(f"{workload}: TTFT distribution (CDF)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,279 @@
+"""`python -m bench.run`: run the workloads against each system in turn and write a report.
+
+For each workload, each system is started fresh (same model, threads and context), warmed with one short
+request, measured, and stopped; so no system inherits another workload's cache. Output, under --out:
+`<timestamp>.json` (setup, every sample, every figure), `<timestamp>.md` (a table per workload, the goals),
+`<timestamp>-<workload>.png` plots, and `<timestamp>-logs/` with each server's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench import report
+from bench.client import CompletionClient, Sample, run_workload
+from bench.systems import DESCRIPTIONS, SYSTEMS, Server, Setup, SystemError_
+from bench.workloads import QUICK, WORKLOADS, Sizes, Workload, build, model_tokenizer
+from kvroute.config import add_args, from_args
+
+# A cold system on the long session computes every turn's whole history: hours at 300 turns on 2 cores.
+COLD_SKIPPED = {"long-session"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.run",
+        description="Benchmark kvroute against itself without prefix caching and against llama-cpp-python's server.",
+    )
+    known = ", ".join(WORKLOADS)
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated workloads to run (default: all: {known})")
+    p.add_argument("--systems", default=None, help=f"comma-separated systems (of {', '.join(SYSTEMS)}); default: all that apply")
+    p.add_argument("--model", default=None, help="GGUF path (default: kvroute's default model)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="threads of every system (default: cores)")
+    p.add_argument("--workers", type=int, default=1, help="kvroute workers; kvroute-rr runs only when > 1 (default: 1)")
+    p.add_argument("--slots", type=int, default=4, help="kvroute slots per worker (default: 4)")
+    p.add_argument("--ctx-per-slot", type=int, default=0, help="context per conversation; 0: what each workload needs")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, to check the harness in a minute or two")
+    p.add_argument("--cold-long-session", action="store_true", help="also run kvroute-cold on long-session (very slow)")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for the report (default: bench/results)")
+    p.add_argument("--request-timeout", type=float, default=900.0, help="seconds before one request is given up (default: 900)")
+    g = p.add_argument_group("workload sizes")
+    add_args(g, Sizes)  # type: ignore[arg-type]
+    if "--quick" in (sys.argv[1:] if argv is None else argv):
+        p.set_defaults(**QUICK)  # tiny defaults; size flags given explicitly still win
+    return p.parse_args(argv)
+
+
+def ctx_needed(workload: Workload, tokenize: Any) -> int:
+    """Context one conversation of `workload` needs: its longest prompt plus every completion, rounded up."""
+    need = 0
+    for s in workload.sessions:
+        n = 1 + len(tokenize(s.opening)) + sum(len(tokenize(m)) for m in s.messages) + len(s.messages) * s.max_tokens
+        need = max(need, n)
+    need += 64  # completions re-tokenize a little differently once they are part of the next prompt
+    return max(2048, -(-need // 256) * 256)
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) // (1 << 20)
+    try:
+        git = ["git", "rev-parse", "--short", "HEAD"]
+        commit = subprocess.run(git, capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        commit = ""
+    import llama_cpp
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": mem,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "llama_cpp_python": llama_cpp.__version__,
+        "git_commit": commit,
+    }
+
+
+def _progress(workload: str, system: str) -> Any:
+    def show(s: Sample) -> None:
+        ttft = "n/a" if s.ttft is None else f"{s.ttft:.3f}s"
+        err = f" ERROR {s.error}" if s.error else ""
+        print(
+            f"  {workload} {system} {s.session} turn {s.turn + 1}: ttft {ttft} total {s.total:.2f}s "
+            f"prompt {s.prompt_tokens} cached {s.cached_tokens} out {s.output_tokens}{err}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return show
+
+
+async def measure(server: Server, workload: Workload, timeout_s: float) -> tuple[list[Sample], float]:
+    client = CompletionClient(server.url, timeout_s=timeout_s)
+    try:
+        warm = await client.complete("Hello, world.", 4, session="warmup", turn=0, t0=time.perf_counter())
+        if warm.error:
+            raise SystemError_(f"{server.name}: the warm-up request failed: {warm.error}")
+        return await run_workload(client, workload, _progress(workload.name, server.name))
+    finally:
+        await client.aclose()
+
+
+@functools.cache
+def kvroute_serve_available() -> bool:
+    probe = subprocess.run([sys.executable, "-m", "kvroute.cli", "serve", "--help"], capture_output=True, check=False)
+    return probe.returncode == 0
+
+
+def systems_for(workload: str, chosen: list[str], args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """(system, reason it is skipped or None) for each chosen system."""
+    out: list[tuple[str, str | None]] = []
+    for name in chosen:
+        reason = None
+        if name == "kvroute-rr" and args.workers < 2:
+            reason = "round-robin needs more than one worker (--workers)"
+        elif name.startswith("kvroute") and not kvroute_serve_available():
+            reason = "`kvroute serve` is not available in this tree (router/ or worker/ not built yet)"
+        elif name == "kvroute-cold" and workload in COLD_SKIPPED and not args.cold_long_session:
+            reason = "every turn recomputed from scratch would take hours (--cold-long-session to run it)"
+        out.append((name, reason))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    for w in workloads:
+        if w not in WORKLOADS:
+            print(f"bench: error: unknown workload {w!r} (known: {', '.join(WORKLOADS)})", file=sys.stderr)
+            return 2
+    if args.systems:
+        chosen = [s.strip() for s in args.systems.split(",") if s.strip()]
+        for s in chosen:
+            if s not in SYSTEMS:
+                print(f"bench: error: unknown system {s!r} (known: {', '.join(SYSTEMS)})", file=sys.stderr)
+                return 2
+    else:
+        chosen = [s for s in SYSTEMS if s != "kvroute-rr" or args.workers > 1]
+    sizes = from_args(Sizes, args)
+    if args.model is None:
+        from kvroute.model import resolve_model
+
+        args.model = str(resolve_model(None))
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenize = model_tokenizer(args.model)
+    started = time.perf_counter()
+    run: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, "-m", "bench.run", *(argv if argv is not None else sys.argv[1:])]),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": machine(),
+        "sizes": asdict(sizes),
+        "systems": {s: DESCRIPTIONS[s] for s in chosen},
+        "workloads": {},
+    }
+    json_path = out / f"{stamp}.json"
+
+    for wname in workloads:
+        workload = build(wname, sizes, tokenize)
+        ctx = args.ctx_per_slot or ctx_needed(workload, tokenize)
+        setup = Setup(model=args.model, threads=args.threads, workers=args.workers, slots=args.slots, ctx_per_slot=ctx)
+        entry: dict[str, Any] = {"description": workload.description, "setup": asdict(setup), "systems": {}, "skipped": {}}
+        run["workloads"][wname] = entry
+        print(f"== {wname}: {workload.description}; context per conversation {ctx}", file=sys.stderr, flush=True)
+        for name, skip in systems_for(wname, chosen, args):
+            if skip:
+                entry["skipped"][name] = skip
+                print(f"-- {name}: skipped: {skip}", file=sys.stderr, flush=True)
+                continue
+            log_path = out / f"{stamp}-logs" / f"{wname}-{name}.log"
+            try:
+                with Server(name, setup, log_path) as server:
+                    print(f"-- {name}: ready in {server.startup_s:.1f}s on {server.url}", file=sys.stderr, flush=True)
+                    samples, wall = asyncio.run(measure(server, workload, args.request_timeout))
+            except SystemError_ as exc:
+                entry["skipped"][name] = f"failed: {exc}"
+                print(f"-- {name}: FAILED: {exc}", file=sys.stderr, flush=True)
+                continue
+            rows = [s.to_json() for s in samples]
+            for r in rows:  # servers that report no usage: count the prompt with the model's tokenizer (+BOS)
+                if r["prompt_tokens"] is None:
+                    r["prompt_tokens_source"] = "local tokenizer"
+                    r["prompt_tokens"] = None if r["error"] else 1 + len(tokenize(prompt_of(workload, r, rows)))
+            entry["systems"][name] = {"samples": rows, "figures": report.figures(wname, rows, wall)}
+            json_path.write_text(json.dumps(run, indent=1))  # keep what is done if a later system fails
+
+    run["duration_s"] = time.perf_counter() - started
+    results = {w: {s: v["figures"] for s, v in e["systems"].items()} for w, e in run["workloads"].items()}
+    run["goals"] = [asdict(g) for g in report.goals(results)]
+    json_path.write_text(json.dumps(run, indent=1))
+    md_path = write_markdown(run, out, stamp)
+    print(f"\nwrote {json_path} and {md_path} ({run['duration_s'] / 60:.1f} min)")
+    for g in report.goals(results):
+        print(report.goal_line(g))
+    return 0
+
+
+def prompt_of(workload: Workload, row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The prompt a sample was sent, rebuilt from its session and the completions of that session's earlier turns."""
+    session = next(s for s in workload.sessions if s.name == row["session"])
+    earlier = sorted((r for r in rows if r["session"] == row["session"] and r["turn"] < row["turn"]), key=lambda r: r["turn"])
+    return session.prompt(row["turn"], [r["text"] for r in earlier])
+
+
+def write_markdown(run: dict[str, Any], out: Path, stamp: str) -> Path:
+    m = run["machine"]
+    lines = [
+        f"# kvroute benchmark, {run['started']}",
+        "",
+        f"Command: `{run['command']}` (git {m['git_commit']}), {run.get('duration_s', 0) / 60:.1f} min.",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['platform']}, Python {m['python']}, "
+        f"llama-cpp-python {m['llama_cpp_python']}.",
+        "",
+        "Systems: " + "; ".join(f"`{k}` = {v}" for k, v in run["systems"].items()) + ".",
+        "",
+        "TTFT is measured by the client from sending the request to the first streamed text; reuse is cached tokens / "
+        "prompt tokens as the server reports them (n/a where it does not). Ratios are the headline figure over kvroute's.",
+        "",
+    ]
+    for wname, entry in run["workloads"].items():
+        setup = entry["setup"]
+        lines += [
+            f"## {wname}",
+            "",
+            f"{entry['description']}. Threads {setup['threads']}, kvroute {setup['workers']} worker(s) x {setup['slots']} "
+            f"slots, context per conversation {setup['ctx_per_slot']}.",
+            "",
+        ]
+        figs = {s: v["figures"] for s, v in entry["systems"].items()}
+        if figs:
+            lines += [report.table(wname, figs), ""]
+        for s, why in entry["skipped"].items():
+            lines += [f"- `{s}` not measured: {why.splitlines()[0]}"]
+        if entry["skipped"]:
+            lines.append("")
+        png = None
+        if figs and wname in ("agent-long", "long-session"):
+            png = out / f"{stamp}-{wname}.png"
+            report.plot_turns(wname, figs, png)
+        elif figs and wname == "multi-agent":
+            png = out / f"{stamp}-{wname}.png"
+            report.plot_distribution(wname, {s: v["samples"] for s, v in entry["systems"].items()}, png)
+        if png:
+            lines += [f"![{wname}]({png.name})", ""]
+    lines += ["## Goals", ""]
+    for g in run["goals"]:
+        lines.append("- " + report.goal_line(report.Goal(**g)))
+    lines.append("")
+    md_path = out / f"{stamp}.md"
+    md_path.write_text("\n".join(lines))
+    return md_path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

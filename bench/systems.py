@@ -1,0 +1,167 @@
+"""The systems compared: each one a server started as a subprocess on a free loopback port, then stopped.
+
+Every system gets the same model, the same thread count and the same context per conversation:
+- `kvroute`: `kvroute serve --policy prefix` (the default policy);
+- `kvroute-cold`: the same with `--no-prefix-cache` (every request computed from scratch);
+- `kvroute-rr`: `--policy round-robin`, only meaningful with more than one worker;
+- `llama-cpp-python`: `python -m llama_cpp.server`, the OpenAI server a Python user would pick instead. It is
+  run with `--interrupt_requests False` (its default cuts off a running stream whenever another request
+  arrives, which would leave nothing to measure under concurrency) and `--logits_all False` (its default
+  computes logits for every prompt token, ~10x slower prefill): the fairest setup it offers. It keeps one
+  sequence and reuses the longest common prefix with the previous prompt; it has no batching.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+SYSTEMS = ("kvroute", "kvroute-cold", "kvroute-rr", "llama-cpp-python")
+DESCRIPTIONS = {
+    "kvroute": "kvroute serve --policy prefix",
+    "kvroute-cold": "kvroute serve --no-prefix-cache",
+    "kvroute-rr": "kvroute serve --policy round-robin",
+    "llama-cpp-python": "python -m llama_cpp.server (interrupt_requests off, logits_all off)",
+}
+
+
+class SystemError_(Exception):
+    """A system that would not start or answer; the message says which and shows the end of its log."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every system shares in one run."""
+
+    model: str
+    threads: int
+    workers: int
+    slots: int
+    ctx_per_slot: int
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def command(name: str, setup: Setup, port: int) -> list[str]:
+    """The argv that starts system `name` listening on 127.0.0.1:`port`."""
+    if name.startswith("kvroute"):
+        argv = [
+            sys.executable, "-m", "kvroute.cli", "serve",
+            "--model", setup.model,
+            "--workers", str(setup.workers),
+            "--slots", str(setup.slots),
+            "--ctx-per-slot", str(setup.ctx_per_slot),
+            "--threads", str(setup.threads),
+            "--http", f"127.0.0.1:{port}",
+            "--zmq", f"tcp://127.0.0.1:{free_port()}",
+        ]  # fmt: skip
+        if name == "kvroute":
+            return [*argv, "--policy", "prefix"]
+        if name == "kvroute-cold":
+            return [*argv, "--policy", "prefix", "--no-prefix-cache"]
+        if name == "kvroute-rr":
+            return [*argv, "--policy", "round-robin"]
+    if name == "llama-cpp-python":
+        return [
+            sys.executable, "-m", "llama_cpp.server",
+            "--model", setup.model,
+            "--n_threads", str(setup.threads),
+            "--n_threads_batch", str(setup.threads),
+            "--n_ctx", str(setup.ctx_per_slot),
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--interrupt_requests", "False",
+            "--logits_all", "False",
+            "--verbose", "False",
+        ]  # fmt: skip
+    raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
+
+
+class Server:
+    """A running system. Use as a context manager: starts, waits until it answers, stops its process group."""
+
+    def __init__(self, name: str, setup: Setup, log_path: Path, *, ready_timeout_s: float = 300.0) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = command(name, setup, self.port)
+        self.log_path = log_path
+        self.ready_timeout_s = ready_timeout_s
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.startup_s = 0.0
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _log_tail(self, n: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            lines = self.log_path.read_text(errors="replace").splitlines()
+            return "\n".join(lines[-n:])
+        return ""
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        t0 = time.perf_counter()
+        # Its own session, so that stop() can end the server and every worker it spawned, and nothing else.
+        self._proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.perf_counter() - t0
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        assert self._proc is not None
+        with httpx.Client(timeout=5.0) as http:
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    raise SystemError_(
+                        f"{self.name} exited with status {self._proc.returncode} before it was ready; "
+                        f"command: {' '.join(self.argv)}\n{self._log_tail()}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    # kvroute answers /health 503 until a worker is ready; llama-cpp-python has no /health.
+                    health = http.get(f"{self.url}/health")
+                    if health.status_code == 200:
+                        return
+                    if health.status_code == 404 and http.get(f"{self.url}/v1/models").status_code == 200:
+                        return
+                time.sleep(0.5)
+        raise SystemError_(f"{self.name} was not ready after {self.ready_timeout_s:.0f} s\n{self._log_tail()}")
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=20)
+        # Whatever is left of the group (workers of a server that died or hung) goes too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
