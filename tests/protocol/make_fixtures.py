@@ -103,7 +103,7 @@ EXAMPLES: list[Example] = [
     Example(
         "submit_minimal",
         "client_request",
-        p.Submit(id="r1", tokens=p.pack_tokens([2, 9259]), sampling=p.Sampling(max_tokens=4, temperature=0), stream=False),
+        p.Submit(id="r1", tokens=p.pack_tokens([2, 9259]), sampling=p.Sampling(max_tokens=4, temperature=0.0), stream=False),
         {"tokens": [2, 9259]},
         raw={
             "type": "submit",
