@@ -8,6 +8,12 @@ Other threads talk to the engine only through `submit`, `cancel`, `drain`, `rese
 compute thread); results come back as protocol messages (JobDelta, then one JobDone or JobError) passed to the
 job's sink, on the compute thread.
 
+Deterministic mode (measured on CPU, see DESIGN.md): a token's KV is bit-reproducible only if it is computed
+the same way every time. llama.cpp computes ubatches of fewer than EXACT_ROWS rows with different kernels than
+larger ones, and pairs sequences inside a ubatch. So in this mode every slot gets its own `llama_decode` per
+step (decode rows alone, prefill chunks of at least EXACT_ROWS tokens), and a slot reuses only the prefix whose
+KV came from such prefill chunks (`Slot.n_exact`): generated tokens are recomputed as prompt on the next turn.
+
 Invariant (checked after every decode, and before building a batch): for every slot,
 `llama_memory_seq_pos_max(slot) + 1 == len(slot.tokens)`. A violation is counted, logged with an id, reported
 to the slot's job as an `internal` error carrying that id, and the slot is cleared.
@@ -52,6 +58,7 @@ log = logs.get(__name__)
 
 Sink = Callable[[Message], None]
 MS = 1000.0
+EXACT_ROWS = 8  # smallest ubatch computed with the same kernels as a long prompt (measured: tests/worker)
 
 
 @dataclass
@@ -147,6 +154,7 @@ class Engine:
         self.n_ctx = self.llama.ctx_per_slot
         self.n_batch = cfg.n_batch
         self.snapshots = cfg.snapshots or self.llama.info.recurrent  # trim by restoring, not by seq_rm
+        self.exact = cfg.deterministic
         self.table = SlotTable(cfg.slots)
         self.counters = Counters()
         self.draining = False
@@ -330,6 +338,8 @@ class Engine:
         lcp = common_prefix(slot.tokens, prompt)
         if lcp == len(prompt):
             lcp -= 1  # logits are not cached: the last prompt token must be computed again
+        if self.exact:  # reuse only KV computed as prompt, and leave a full-size chunk to compute
+            lcp = max(0, min(lcp, slot.n_exact, len(prompt) - EXACT_ROWS))
         if lcp < slot.n_tokens:
             self._trim(slot, lcp)
         req.reused = slot.n_tokens
@@ -375,12 +385,20 @@ class Engine:
         if not busy:
             return
         self._check(busy)
-        busy = self.table.busy()
         budget = self.n_batch
+        # one llama_decode for all slots; in deterministic mode one per slot (see the module docstring)
+        groups = [[s] for s in self.table.busy()] if self.exact else [self.table.busy()]
+        for group in groups:
+            budget = self._run(group, budget)
+        self.counters.step_s += time.perf_counter() - t0
+
+    def _run(self, group: list[Slot], budget: int) -> int:
+        """Build, decode and commit one batch for `group`. Returns the prefill budget left."""
+        group = [s for s in group if s.job is not None]
         while True:
-            plan = self._build(busy, budget)
+            plan = self._build(group, budget)
             if not plan:
-                return
+                return budget
             t1 = time.perf_counter()
             ret = self._decode()
             self.counters.decode_s += time.perf_counter() - t1
@@ -392,11 +410,12 @@ class Engine:
         c = self.counters
         c.steps += 1
         c.batch_rows += self.llama.batch.n
+        prefilled = sum(n for slot, n, _ in plan if not slot.job.generated)
         if ret != 0:
             self._decode_failed(plan, ret)
         else:
             self._commit(plan)
-        c.step_s += time.perf_counter() - t0
+        return budget - prefilled
 
     def _build(self, busy: list[Slot], budget: int) -> list[tuple[Slot, int, int]]:
         """Fill the batch: decode rows first, then prefill chunks. Returns (slot, tokens added, sampled row or -1)."""
@@ -418,6 +437,10 @@ class Engine:
             req = slot.job
             start, end = slot.n_tokens, len(req.prompt)
             take = min(end - start, budget)
+            if self.exact and 0 < end - start - take < EXACT_ROWS:
+                take = end - start - EXACT_ROWS  # never leave a remainder too small to compute exactly
+                if take < EXACT_ROWS:
+                    continue  # not enough budget left this step for an exact chunk
             if self.snapshots and start < end - 1:
                 take = min(take, end - 1 - start)  # stop one short of the end so a snapshot can be taken there
             last = start + take == end
@@ -436,6 +459,8 @@ class Engine:
             else:
                 start = slot.n_tokens
                 slot.tokens.extend(req.prompt[start : start + n])
+                if self.exact and slot.n_exact == start and n >= EXACT_ROWS:
+                    slot.n_exact = slot.n_tokens
                 if self.snapshots and slot.n_tokens == len(req.prompt) - 1:
                     slot.snapshot = Snapshot(slot.n_tokens, self.llama.state_get(slot.id))
         self._check([slot for slot, _, _ in plan])

@@ -47,6 +47,7 @@ class Slot:
     job: Any = None  # the running request (worker.engine.Request) while BUSY
     last_used: int = 0
     snapshot: Snapshot | None = None
+    n_exact: int = 0  # deterministic mode: leading tokens whose KV came from full-size prefill ubatches
 
     @property
     def n_tokens(self) -> int:
@@ -60,6 +61,7 @@ class Slot:
     def keep(self, n: int) -> None:
         """The KV now holds only the first n tokens (after a trim); drop a snapshot that no longer fits."""
         del self.tokens[n:]
+        self.n_exact = min(self.n_exact, n)
         if self.snapshot is not None and self.snapshot.n_tokens > n:
             self.snapshot = None
 

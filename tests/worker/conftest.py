@@ -1,0 +1,35 @@
+"""Shared, expensive fixtures for the worker tests: one loaded engine per session (deterministic mode)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvroute.vocab import Vocab
+from worker.config import WorkerConfig
+from worker.engine import Engine
+
+CTX = 4096
+SLOTS = 4
+
+
+@pytest.fixture(scope="session")
+def engine() -> Iterator[Engine]:
+    """Deterministic engine shared by the worker tests: 4 slots x 4096 tokens, 2 threads."""
+    eng = Engine(WorkerConfig(slots=SLOTS, ctx_per_slot=CTX, threads=2, deterministic=True)).start()
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="session")
+def vocab(engine: Engine) -> Vocab:
+    return engine.vocab
+
+
+@pytest.fixture(scope="session")
+def fast_engine() -> Iterator[Engine]:
+    """Default (fastest, not bit-reproducible) settings: 2 slots x 1024 tokens, for exact reuse accounting."""
+    eng = Engine(WorkerConfig(slots=2, ctx_per_slot=1024, threads=2)).start()
+    yield eng
+    eng.stop()

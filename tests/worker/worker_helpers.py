@@ -1,0 +1,88 @@
+"""Helpers for the worker tests: run a job on an engine and collect what it streamed."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from protocol import Job, JobDelta, JobDone, JobError, Message, Sampling, pack_tokens, token_hash, unpack_tokens
+from worker.engine import Engine
+
+_ids = itertools.count()
+
+
+def new_id(prefix: str = "t") -> str:
+    return f"{prefix}-{next(_ids)}"
+
+
+@dataclass
+class Run:
+    """What one job produced, with arrival times of its messages."""
+
+    prompt: list[int]
+    deltas: list[JobDelta] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    final: JobDone | JobError | None = None
+
+    def __call__(self, msg: Message) -> None:  # the job's sink (called on the compute thread)
+        self.times.append(time.monotonic())
+        if isinstance(msg, JobDelta):
+            self.deltas.append(msg)
+        else:
+            assert self.final is None, "two final messages for one job"
+            self.final = msg  # type: ignore[assignment]
+
+    @property
+    def tokens(self) -> list[int]:
+        assert isinstance(self.final, JobDone), self.final
+        return unpack_tokens(self.final.tokens)
+
+    @property
+    def streamed_tokens(self) -> list[int]:
+        return [t for d in self.deltas for t in unpack_tokens(d.tokens)]
+
+    def wait(self, timeout: float = 120.0) -> JobDone | JobError:
+        end = time.monotonic() + timeout
+        while self.final is None:
+            if time.monotonic() > end:
+                raise TimeoutError("job did not finish")
+            time.sleep(0.005)
+        return self.final
+
+
+def job(prompt: list[int], *, slot: int = -1, prefix_cache: bool = True, deadline_ms: int | None = None, **sampling) -> Job:
+    sampling.setdefault("temperature", 0.0)
+    sampling.setdefault("max_tokens", 8)
+    return Job(
+        id=new_id(),
+        slot=slot,
+        tokens=pack_tokens(prompt),
+        sampling=Sampling(**sampling),
+        prefix_cache=prefix_cache,
+        deadline_ms=deadline_ms,
+    )
+
+
+def start(engine: Engine, prompt: list[int], **kw) -> Run:
+    run = Run(prompt)
+    engine.submit(job(prompt, **kw), run)
+    return run
+
+
+def complete(engine: Engine, prompt: list[int], **kw) -> Run:
+    run = start(engine, prompt, **kw)
+    run.wait()
+    return run
+
+
+def assert_slot_invariant(engine: Engine, run: Run) -> None:
+    """The contract: the slot holds the first slot_tokens of prompt + generated, its hash matches, and the KV agrees."""
+    done = run.final
+    assert isinstance(done, JobDone), done
+    held = (run.prompt + unpack_tokens(done.tokens))[: done.slot_tokens]
+    assert done.slot_hash == token_hash(held)
+    assert done.reused_tokens + done.prefilled_tokens == done.prompt_tokens == len(run.prompt)
+    kv = engine.call(lambda e: (list(e.table[done.slot].tokens), e.llama.seq_len(done.slot))).result(30)
+    if kv[0][: done.slot_tokens] == held and len(kv[0]) == done.slot_tokens:  # slot untouched since
+        assert kv[1] == done.slot_tokens
