@@ -16,7 +16,7 @@ class RouterConfig:
         None, "GGUF model whose vocabulary the router tokenizes with (default: bundled Gemma 3 270M)", metavar="PATH"
     )
     client_endpoint: str = opt("tcp://127.0.0.1:5555", "endpoint bound for clients (ZMQ ROUTER)", flag="--listen")
-    worker_endpoint: str = opt("tcp://127.0.0.1:5556", "endpoint bound for workers (ZMQ ROUTER)", flag="--workers")
+    worker_endpoint: str = opt("tcp://127.0.0.1:5556", "endpoint bound for workers (ZMQ ROUTER)", flag="--worker-endpoint")
     policy: str = opt("prefix", "slot selection policy", choices=POLICIES)
     chat_format: str = opt("gemma", "built-in chat format used when the GGUF has no chat template", choices=CHAT_FORMATS)
     prefix_cache: bool = opt(True, "reuse cached prefixes; --no-prefix-cache sends every job with a cleared slot")

@@ -1,0 +1,66 @@
+"""`kvroute router`: the router process alone; workers and clients connect to its two endpoints."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+import zmq
+
+from kvroute import logs
+from kvroute.config import add_args, from_args
+from kvroute.model import resolve_model
+from router.config import RouterConfig
+from router.server import Router
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_args(parser, RouterConfig)
+
+
+def load_router(cfg: RouterConfig) -> Router:
+    """Load the vocabulary and bind both sockets; user errors raise kvroute.cli.UsageError."""
+    from kvroute.cli import UsageError
+    from kvroute.vocab import Vocab, VocabError
+
+    path = resolve_model(cfg.model)
+    try:
+        vocab = Vocab.load(path)
+    except VocabError as exc:
+        raise UsageError(str(exc)) from None
+    router = Router(cfg, vocab)
+    try:
+        router.bind()
+    except zmq.ZMQError as exc:
+        raise UsageError(f"cannot bind {cfg.client_endpoint} / {cfg.worker_endpoint}: {exc}") from None
+    return router
+
+
+async def serve_router(router: Router) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, router.stop)
+    await router.run()
+
+
+def run_loop(coro: object) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)  # type: ignore[arg-type]
+    except ImportError:
+        asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def run(args: argparse.Namespace) -> int:
+    logs.setup(process="router")
+    try:
+        cfg = from_args(RouterConfig, args)
+    except ValueError as exc:
+        from kvroute.cli import UsageError
+
+        raise UsageError(str(exc)) from None
+    router = load_router(cfg)
+    run_loop(serve_router(router))
+    return 0

@@ -1,0 +1,114 @@
+"""The router's counters and histograms, kept as plain Python objects in one place.
+
+Owned by the router's event loop. `snapshot()` is what a /metrics endpoint or a test reads.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Histogram:
+    """Bucketed counts plus the last `keep` raw values (for quantiles in tests and benchmarks)."""
+
+    def __init__(self, buckets: tuple[float, ...], keep: int = 4096) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+        self.count = 0
+        self.recent: deque[float] = deque(maxlen=keep)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+        self.recent.append(value)
+
+    def quantile(self, q: float) -> float:
+        if not self.recent:
+            return 0.0
+        values = sorted(self.recent)
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "sum": self.sum,
+            "p50": self.quantile(0.5),
+            "p99": self.quantile(0.99),
+            "buckets": dict(zip([*map(str, self.buckets), "+Inf"], self.counts, strict=True)),
+        }
+
+
+MS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request: where it went, and predicted vs actual reuse."""
+
+    id: str
+    worker: str
+    slot: int
+    prompt_tokens: int
+    predicted_reuse: int
+    reused_tokens: int
+    generated_tokens: int
+    finish_reason: str
+    ttft_ms: float
+    queue_ms: float
+    attempts: int
+
+
+@dataclass
+class Metrics:
+    decisions: Counter[str] = field(default_factory=Counter)  # "affinity", "cold", "guarded", "wait"
+    decision_ms: Histogram = field(default_factory=lambda: Histogram(MS_BUCKETS))
+    queue_wait_ms: Histogram = field(default_factory=lambda: Histogram(MS_BUCKETS))
+    ttft_ms: Histogram = field(default_factory=lambda: Histogram(MS_BUCKETS))
+    requests: Counter[str] = field(default_factory=Counter)  # by outcome: finish reason or error code
+    prompt_tokens: int = 0
+    predicted_reuse_tokens: int = 0
+    reused_tokens: int = 0
+    reuse_mispredictions: int = 0
+    mirror_mismatches: int = 0
+    dead_workers: int = 0
+    restarts: int = 0
+    redispatched: int = 0
+    bad_frames: int = 0
+    queue_depth: int = 0
+    worker_load: dict[str, dict[str, int]] = field(default_factory=dict)
+    recent: deque[RequestRecord] = field(default_factory=lambda: deque(maxlen=4096))
+
+    def finished(self, rec: RequestRecord) -> None:
+        self.recent.append(rec)
+        self.requests[rec.finish_reason] += 1
+        self.prompt_tokens += rec.prompt_tokens
+        self.predicted_reuse_tokens += rec.predicted_reuse
+        self.reused_tokens += rec.reused_tokens
+        self.ttft_ms.observe(rec.ttft_ms)
+        if rec.predicted_reuse != rec.reused_tokens:
+            self.reuse_mispredictions += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "decisions": dict(self.decisions),
+            "decision_ms": self.decision_ms.snapshot(),
+            "queue_wait_ms": self.queue_wait_ms.snapshot(),
+            "ttft_ms": self.ttft_ms.snapshot(),
+            "requests": dict(self.requests),
+            "prompt_tokens": self.prompt_tokens,
+            "predicted_reuse_tokens": self.predicted_reuse_tokens,
+            "reused_tokens": self.reused_tokens,
+            "reuse_mispredictions": self.reuse_mispredictions,
+            "mirror_mismatches": self.mirror_mismatches,
+            "dead_workers": self.dead_workers,
+            "restarts": self.restarts,
+            "redispatched": self.redispatched,
+            "bad_frames": self.bad_frames,
+            "queue_depth": self.queue_depth,
+            "worker_load": {k: dict(v) for k, v in self.worker_load.items()},
+        }

@@ -1,0 +1,724 @@
+"""The router's event loop: client socket, worker socket, queue, dispatch, relay, liveness.
+
+One asyncio task reads each socket and a ticker runs every 100 ms; all state (mirror, index, queue,
+requests, workers) is owned by this loop, so there are no locks. Every change that may free or fill a
+slot ends in `_pump()`, which dispatches queued requests in arrival order.
+
+Failure rules:
+- A frame a client sends that cannot be served gets an `error` reply naming the problem; the loop goes on.
+- A worker silent for `heartbeat_timeout_s`, or whose process exited (`worker_exited`, from the
+  supervisor), is dead at once: its slots leave the index in the same turn, its requests that have not
+  streamed to their client are queued again at the front, the others end with `worker_lost`.
+- A queued request whose deadline passes gets `deadline_exceeded`; with no worker for
+  `no_workers_grace_s`, queued and new requests get `no_workers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from kvroute import logs
+from kvroute.vocab import Vocab
+from protocol import (
+    Accept,
+    Cancel,
+    Delta,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    Invalid,
+    Job,
+    JobCancel,
+    JobDelta,
+    JobDone,
+    JobError,
+    Refuse,
+    Result,
+    SlotStatus,
+    StatusReply,
+    StatusRequest,
+    Submit,
+    Timings,
+    Usage,
+    WorkerStatus,
+    client_request_decoder,
+    encode,
+    worker_to_router_decoder,
+)
+from router.config import RouterConfig
+from router.metrics import Metrics, RequestRecord
+from router.mirror import Mirror
+from router.requests import Req, ReqState, WorkerConn, WorkerState
+from router.select import Dispatch, Params, Wait, select
+from router.templates import ChatRenderer, TemplateError
+
+log = logs.get(__name__)
+
+TICK_S = 0.1
+
+
+def params_from(cfg: RouterConfig) -> Params:
+    return Params(
+        policy=cfg.policy,
+        prefix_cache=cfg.prefix_cache,
+        min_match=cfg.min_match,
+        busy_slot_cost=float(cfg.busy_slot_cost),
+        evict_weight=cfg.evict_weight,
+        evict_half_life_s=cfg.evict_half_life_s,
+        imbalance_abs=cfg.imbalance_abs,
+        imbalance_rel=cfg.imbalance_rel,
+        busy_wait_ms=float(cfg.busy_wait_ms),
+    )
+
+
+class Router:
+    """The router process's state and loops. `await run()` serves until `stop()`."""
+
+    def __init__(self, cfg: RouterConfig, vocab: Vocab, *, context: zmq.asyncio.Context | None = None) -> None:
+        self.cfg = cfg
+        self.vocab = vocab
+        self.params = params_from(cfg)
+        self.router_id = uuid.uuid4().hex[:12]
+        self.ctx = context or zmq.asyncio.Context.instance()
+        bos = vocab.piece(vocab.bos).decode("utf-8", "replace") if vocab.bos is not None else ""
+        eos = vocab.piece(vocab.eos).decode("utf-8", "replace") if vocab.eos is not None else ""
+        self.chat = ChatRenderer(vocab.chat_template, cfg.chat_format, bos_text=bos, eos_text=eos)
+        self.mirror = Mirror()
+        self.metrics = Metrics()
+        self.workers: dict[str, WorkerConn] = {}
+        self.seen: set[tuple[str, int]] = set()  # (worker id, incarnation) ever accepted
+        self.restarts: dict[str, int] = {}  # filled by the supervisor
+        self.requests: dict[tuple[bytes, str], Req] = {}
+        self.jobs: dict[str, Req] = {}
+        self.queue: list[Req] = []
+        self.no_workers_since: float | None = time.monotonic()
+        self._job_ids = itertools.count(1)
+        self._rid = itertools.count(1)
+        self._rotation = 0
+        self._stop = asyncio.Event()
+        self.ready = asyncio.Event()
+        self.client_sock: zmq.asyncio.Socket | None = None
+        self.worker_sock: zmq.asyncio.Socket | None = None
+        self._client_decoder = client_request_decoder(cfg.max_frame_bytes)
+        self._worker_decoder = worker_to_router_decoder()
+        self.on_worker_dead: Callable[[str, str], None] | None = None  # supervisor hook
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def bind(self) -> None:
+        self.client_sock = self._router_socket(self.cfg.client_endpoint)
+        self.worker_sock = self._router_socket(self.cfg.worker_endpoint)
+        # synchronous twins for sending: a failed send raises here instead of inside a Future
+        self._client_tx = zmq.Socket.shadow(self.client_sock.underlying)
+        self._worker_tx = zmq.Socket.shadow(self.worker_sock.underlying)
+
+    def _router_socket(self, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of dropping
+        # frames over the cap still get a `too_large` reply; only far larger ones drop the connection
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.cfg.max_frame_bytes + 4096)
+        sock.bind(endpoint)
+        return sock
+
+    async def run(self) -> None:
+        if self.client_sock is None:
+            self.bind()
+        log.info(
+            "router_started",
+            router_id=self.router_id,
+            clients=self.cfg.client_endpoint,
+            workers=self.cfg.worker_endpoint,
+            policy=self.cfg.policy,
+            chat_format=self.chat.name,
+            model=self.vocab.name,
+        )
+        self.ready.set()
+        tasks = [
+            asyncio.ensure_future(self._client_loop()),
+            asyncio.ensure_future(self._worker_loop()),
+            asyncio.ensure_future(self._ticker()),
+        ]
+        try:
+            await self._stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            for sock in (self.client_sock, self.worker_sock):
+                if sock is not None:
+                    sock.close(0)
+            log.info("router_stopped", router_id=self.router_id)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # ---- client side ----------------------------------------------------------------------------
+
+    async def _client_loop(self) -> None:
+        assert self.client_sock is not None
+        while True:
+            frames = await self.client_sock.recv_multipart()
+            try:
+                self._on_client_frames(frames)
+            except Exception as exc:  # never let one request take the loop down
+                error_id = uuid.uuid4().hex[:12]
+                log.exception("client_frame_crashed", error_id=error_id, error=str(exc))
+                self._reply(frames[0], [], Error(code=ErrorCode.INTERNAL, message="internal error", error_id=error_id))
+
+    def _on_client_frames(self, frames: list[bytes]) -> None:
+        identity, rest = frames[0], frames[1:]
+        if len(rest) == 2 and rest[0] == b"":
+            envelope, payload = [b""], rest[1]
+        elif len(rest) == 1:
+            envelope, payload = [], rest[0]
+        else:
+            self.metrics.bad_frames += 1
+            self._reply(identity, [], Error(code=ErrorCode.BAD_REQUEST, message=f"expected one message frame, got {len(rest)}"))
+            return
+        msg = self._client_decoder.decode(payload)
+        if isinstance(msg, Invalid):
+            self.metrics.bad_frames += 1
+            log.info("bad_client_frame", code=msg.code, reason=msg.reason, request_id=msg.id)
+            self._reply(identity, envelope, Error(id=msg.id, code=msg.code, message=msg.reason))
+        elif isinstance(msg, Submit):
+            self._on_submit(identity, envelope, msg)
+        elif isinstance(msg, Cancel):
+            self._on_cancel(identity, msg.id)
+        elif isinstance(msg, StatusRequest):
+            self._reply(identity, envelope, self.status(msg.id))
+
+    def _reply(self, identity: bytes, envelope: list[bytes], msg: Any) -> bool:
+        """Send to a client; False when it is gone (its requests are then cancelled)."""
+        assert self.client_sock is not None
+        try:
+            self._client_tx.send_multipart([identity, *envelope, encode(msg)], flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                self._client_gone(identity)
+            else:
+                log.warning("client_send_failed", error=str(exc))
+            return False
+
+    def _fail(self, req: Req, code: str, message: str, **extra: Any) -> None:
+        self._finish_req(req)
+        self.metrics.requests[code] += 1
+        log.info("request_failed", request_id=req.rid, job=req.job, code=code, message=message)
+        if not req.gone:
+            self._reply(req.client, req.envelope, Error(id=req.rid, code=code, message=message, **extra))
+
+    def _tokenize(self, msg: Submit) -> np.ndarray:
+        if msg.prompt is not None:
+            return np.asarray(self.vocab.tokenize(msg.prompt), dtype=np.int32)
+        if msg.messages is not None:
+            text, add_bos = self.chat.render(msg.messages)
+            return np.asarray(self.vocab.tokenize(text, add_special=add_bos), dtype=np.int32)
+        assert msg.tokens is not None
+        toks = np.frombuffer(msg.tokens, dtype="<i4").astype(np.int32)
+        if len(toks) and (toks.min() < 0 or toks.max() >= self.vocab.n_vocab):
+            bad = int(toks[(toks < 0) | (toks >= self.vocab.n_vocab)][0])
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.vocab.n_vocab - 1})")
+        return toks
+
+    def _on_submit(self, identity: bytes, envelope: list[bytes], msg: Submit) -> None:
+        rid = msg.id or f"r{next(self._rid)}-{uuid.uuid4().hex[:8]}"
+        if (identity, rid) in self.requests:
+            self._reply(
+                identity, envelope, Error(id=rid, code=ErrorCode.BAD_REQUEST, message=f"request id {rid!r} is already in flight")
+            )
+            return
+        try:
+            tokens = self._tokenize(msg)
+        except (TemplateError, ValueError) as exc:
+            self._reply(identity, envelope, Error(id=rid, code=ErrorCode.BAD_REQUEST, message=str(exc)))
+            return
+        if not len(tokens):
+            self._reply(identity, envelope, Error(id=rid, code=ErrorCode.BAD_REQUEST, message="the prompt has no tokens"))
+            return
+        now = time.monotonic()
+        deadline = None if msg.deadline_ms is None else now + msg.deadline_ms / 1000.0
+        # REQ sockets take exactly one reply per request: no deltas for them
+        req = Req(identity, envelope, rid, tokens, msg.sampling, msg.stream and not envelope, deadline)
+        if err := self._admit(req):
+            code, text, extra = err
+            self.metrics.requests[code] += 1
+            self._reply(identity, envelope, Error(id=rid, code=code, message=text, **extra))
+            return
+        self.requests[req.key] = req
+        self.queue.append(req)
+        log.info("request_queued", request_id=rid, prompt_tokens=len(tokens), queued=len(self.queue))
+        self._pump()
+
+    def _admit(self, req: Req) -> tuple[str, str, dict[str, Any]] | None:
+        """Why a new request cannot be queued, or None."""
+        ready = [w for w in self.workers.values() if w.state is WorkerState.READY]
+        if not ready and self._no_workers_expired():
+            return ErrorCode.NO_WORKERS, "no worker is connected", {}
+        if ready:
+            ctx = max(w.hello.ctx_per_slot for w in ready)
+            need = len(req.tokens) + (req.sampling.max_tokens or 0)
+            if len(req.tokens) >= ctx or need > ctx:
+                return (
+                    ErrorCode.CONTEXT_OVERFLOW,
+                    f"prompt of {len(req.tokens)} tokens + max_tokens {req.sampling.max_tokens}"
+                    f" does not fit a slot of {ctx} tokens",
+                    {},
+                )
+        if len(self.queue) >= self.queue_limit():
+            return ErrorCode.QUEUE_FULL, f"{len(self.queue)} requests are already waiting", {"retry_after_ms": 1000}
+        return None
+
+    def queue_limit(self) -> int:
+        if self.cfg.queue_size > 0:
+            return self.cfg.queue_size
+        return max(8, 2 * sum(len(w.slots) for w in self.workers.values()))
+
+    def _no_workers_expired(self) -> bool:
+        return self.no_workers_since is not None and time.monotonic() - self.no_workers_since >= self.cfg.no_workers_grace_s
+
+    def _on_cancel(self, identity: bytes, rid: str) -> None:
+        req = self.requests.get((identity, rid))
+        if req is None:
+            return
+        req.cancelled = True
+        if req.state is ReqState.QUEUED:
+            self._send_result_empty(req, "cancelled")
+        elif req.state is ReqState.RUNNING:
+            self._cancel_job(req)
+        log.info("request_cancel", request_id=rid, job=req.job, state=req.state.value)
+
+    def _client_gone(self, identity: bytes) -> None:
+        for req in [r for r in self.requests.values() if r.client == identity]:
+            req.gone = req.cancelled = True
+            log.info("client_gone", request_id=req.rid, job=req.job)
+            if req.state is ReqState.QUEUED:
+                self._finish_req(req)
+            else:
+                self._cancel_job(req)
+
+    def _cancel_job(self, req: Req) -> None:
+        if req.worker in self.workers and req.job:
+            self._send_worker(self.workers[req.worker], JobCancel(id=req.job))
+
+    def _send_result_empty(self, req: Req, reason: str) -> None:
+        self._finish_req(req)
+        self.metrics.requests[reason] += 1
+        res = Result(
+            id=req.rid,
+            finish_reason=reason,
+            text="",
+            tokens=b"",
+            usage=Usage(prompt_tokens=len(req.tokens), cached_tokens=0, completion_tokens=0),
+            timings=Timings(queue_ms=(time.monotonic() - req.arrived) * 1000, total_ms=(time.monotonic() - req.arrived) * 1000),
+        )
+        if not req.gone:
+            self._reply(req.client, req.envelope, res)
+
+    def _finish_req(self, req: Req) -> None:
+        """Forget a request (it must no longer hold a slot)."""
+        req.state = ReqState.DONE
+        self.requests.pop(req.key, None)
+        if req in self.queue:
+            self.queue.remove(req)
+        if req.job:
+            self.jobs.pop(req.job, None)
+
+    # ---- dispatch -------------------------------------------------------------------------------
+
+    def _ready_loads(self) -> list:
+        return [w.load for w in self.workers.values() if w.state is WorkerState.READY]
+
+    def _pump(self) -> None:
+        """Dispatch queued requests, oldest first, while idle slots remain."""
+        if not self.queue:
+            self.metrics.queue_depth = 0
+            return
+        now = time.monotonic()
+        for req in list(self.queue):
+            loads = self._ready_loads()
+            if not any(not s.busy for w in loads for s in w.slots):
+                break
+            t0 = time.perf_counter()
+            match = self.mirror.index.match(req.tokens)
+            waited = 0.0 if req.wait_since is None else (now - req.wait_since) * 1000
+            decision = select(match, loads, self.params, now, self._rotation, waited)
+            self.metrics.decision_ms.observe((time.perf_counter() - t0) * 1000)
+            if isinstance(decision, Wait):
+                if req.wait_since is None:
+                    req.wait_since = now
+                    self.metrics.decisions["wait"] += 1
+                    log.info(
+                        "waiting_for_slot",
+                        request_id=req.rid,
+                        worker=decision.slot.worker,
+                        slot=decision.slot.index,
+                        reuse=decision.reuse,
+                    )
+                continue
+            if isinstance(decision, Dispatch):
+                self._dispatch(req, decision)
+        self.metrics.queue_depth = len(self.queue)
+
+    def _dispatch(self, req: Req, d: Dispatch) -> None:
+        conn = self.workers[d.slot.worker]
+        slot = d.slot
+        job = f"{req.rid[:100]}.{next(self._job_ids)}"
+        prefix_cache = self.cfg.prefix_cache and not slot.dirty
+        self.mirror.assign(slot, job, req.tokens)
+        self._rotation += 1
+        self.queue.remove(req)
+        now = time.monotonic()
+        req.queue_ms += (now - req.queued_at) * 1000
+        self.metrics.queue_wait_ms.observe((now - req.queued_at) * 1000)
+        req.state, req.job, req.worker, req.slot = ReqState.RUNNING, job, conn.id, slot
+        req.predicted, req.prefill_pending, req.attempts = d.reuse, len(req.tokens) - d.reuse, req.attempts + 1
+        req.streamed = []
+        self.jobs[job] = req
+        conn.jobs[job] = req
+        conn.load.busy += 1
+        conn.load.queued_prefill += req.prefill_pending
+        self.metrics.decisions["guarded" if d.guarded else "affinity" if d.affinity else "cold"] += 1
+        deadline_ms = None if req.deadline is None else max(1, int((req.deadline - now) * 1000))
+        log.info(
+            "slot_assigned",
+            request_id=req.rid,
+            job=job,
+            worker=conn.id,
+            slot=slot.index,
+            predicted_reuse=d.reuse,
+            prefill=len(req.tokens) - d.reuse,
+            cost=round(d.cost, 1),
+            affinity=d.affinity,
+        )
+        self._send_worker(
+            conn,
+            Job(
+                id=job,
+                slot=slot.index,
+                tokens=np.ascontiguousarray(req.tokens, dtype="<i4").tobytes(),
+                sampling=req.sampling,
+                deadline_ms=deadline_ms,
+                predicted_reuse=d.reuse,
+                prefix_cache=prefix_cache,
+            ),
+        )
+
+    def _release(self, conn: WorkerConn | None, req: Req) -> None:
+        """Undo a job's load counters on its worker."""
+        if conn is None or req.job not in conn.jobs:
+            return
+        del conn.jobs[req.job]
+        conn.load.busy -= 1
+        conn.load.queued_prefill -= req.prefill_pending
+        req.prefill_pending = 0
+
+    # ---- worker side ----------------------------------------------------------------------------
+
+    def _send_worker(self, conn: WorkerConn, msg: Any) -> None:
+        assert self.worker_sock is not None
+        try:
+            self._worker_tx.send_multipart([conn.identity, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("worker_send_failed", worker=conn.id, error=str(exc))
+            if exc.errno == zmq.EHOSTUNREACH:
+                self.worker_dead(conn.id, "unreachable")
+
+    def _send_identity(self, identity: bytes, msg: Any) -> None:
+        assert self.worker_sock is not None
+        with contextlib.suppress(zmq.ZMQError):
+            self._worker_tx.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
+
+    async def _worker_loop(self) -> None:
+        assert self.worker_sock is not None
+        while True:
+            frames = await self.worker_sock.recv_multipart()
+            try:
+                self._on_worker_frames(frames)
+            except Exception as exc:
+                log.exception("worker_frame_crashed", error=str(exc))
+
+    def _on_worker_frames(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        if len(frames) != 2:
+            log.warning("bad_worker_frame", identity=identity.hex(), reason=f"{len(frames) - 1} frames")
+            return
+        msg = self._worker_decoder.decode(frames[1])
+        if isinstance(msg, Invalid):
+            log.warning("bad_worker_frame", identity=identity.decode("utf-8", "replace"), code=msg.code, reason=msg.reason)
+            return
+        if isinstance(msg, Hello):
+            self._on_hello(identity, msg)
+            return
+        conn = self.workers.get(identity.decode("utf-8", "replace"))
+        if conn is None or (isinstance(msg, Heartbeat) and msg.incarnation != conn.hello.incarnation):
+            self._send_identity(
+                identity, Refuse(code=ErrorCode.NOT_FOUND, reason="this router does not know this worker; say hello")
+            )
+            return
+        conn.last_seen = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            self._on_heartbeat(conn, msg)
+        elif isinstance(msg, JobDelta):
+            self._on_delta(conn, msg)
+        elif isinstance(msg, JobDone):
+            self._on_done(conn, msg)
+        elif isinstance(msg, JobError):
+            self._on_job_error(conn, msg)
+
+    def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        if identity != msg.worker_id.encode():
+            self._send_identity(identity, Refuse(code=ErrorCode.BAD_REQUEST, reason="ZMQ identity must equal worker_id"))
+            return
+        if msg.model_fingerprint != self.vocab.fingerprint:
+            reason = (
+                f"model fingerprint {msg.model_fingerprint[:16]} differs from the router's"
+                f" {self.vocab.fingerprint[:16]} ({self.vocab.name})"
+            )
+            log.warning("worker_refused", worker=msg.worker_id, code="model_mismatch", reason=reason)
+            self._send_identity(identity, Refuse(code=ErrorCode.MODEL_MISMATCH, reason=reason))
+            return
+        old = self.workers.get(msg.worker_id)
+        if old is not None and old.hello.incarnation == msg.incarnation:
+            old.last_seen = time.monotonic()  # a repeated hello: our accept crossed it
+            self._send_identity(identity, Accept(worker_id=msg.worker_id, router_id=self.router_id))
+            return
+        if old is not None:
+            self.worker_dead(msg.worker_id, f"new incarnation {msg.incarnation}")
+        known = (msg.worker_id, msg.incarnation) not in self.seen  # a fresh process starts empty
+        self.seen.add((msg.worker_id, msg.incarnation))
+        slots = self.mirror.add_worker(msg.worker_id, msg.slots, contents_known=known)
+        self.workers[msg.worker_id] = WorkerConn(msg, slots)
+        self.no_workers_since = None
+        self._send_identity(identity, Accept(worker_id=msg.worker_id, router_id=self.router_id))
+        log.info(
+            "worker_accepted",
+            worker=msg.worker_id,
+            incarnation=msg.incarnation,
+            slots=msg.slots,
+            ctx_per_slot=msg.ctx_per_slot,
+            device=msg.device,
+            pid=msg.pid,
+        )
+        self._pump()
+
+    def _on_heartbeat(self, conn: WorkerConn, msg: Heartbeat) -> None:
+        conn.queue = msg.queue
+        conn.state = WorkerState.DRAINING if msg.draining else WorkerState.READY
+        for st in msg.slots:
+            if st.slot >= len(conn.slots) or st.busy:
+                continue
+            slot = conn.slots[st.slot]
+            if not self.mirror.check_idle(slot, st.n_tokens):
+                self.metrics.mirror_mismatches += 1
+                log.error(
+                    "mirror_mismatch",
+                    error_id=uuid.uuid4().hex[:12],
+                    worker=conn.id,
+                    slot=st.slot,
+                    mirror=0,
+                    reported=st.n_tokens,
+                    via="heartbeat",
+                )
+
+    def _on_delta(self, conn: WorkerConn, msg: JobDelta) -> None:
+        req = conn.jobs.get(msg.id)
+        if req is None:
+            return
+        if req.prefill_pending:
+            conn.load.queued_prefill -= req.prefill_pending
+            req.prefill_pending = 0
+        req.streamed.extend(np.frombuffer(msg.tokens, dtype="<i4").tolist())
+        if req.stream and not req.gone:
+            req.started = True
+            self._reply(req.client, req.envelope, Delta(id=req.rid, text=msg.text, tokens=msg.tokens))
+
+    def _on_done(self, conn: WorkerConn, msg: JobDone) -> None:
+        req = conn.jobs.get(msg.id)
+        if req is None or req.slot is None:
+            log.warning("unknown_job_done", worker=conn.id, job=msg.id)
+            return
+        self._release(conn, req)
+        generated = np.frombuffer(msg.tokens, dtype="<i4").astype(np.int32)
+        slot = req.slot
+        if msg.slot != slot.index:
+            mm = self.mirror.fail(slot, msg.id, req.tokens, generated, True, 0, "not-this-slot")
+        else:
+            mm = self.mirror.finish(slot, msg.id, req.tokens, generated, msg.slot_tokens, msg.slot_hash)
+        if mm is not None:
+            self.metrics.mirror_mismatches += 1
+            log.error("mirror_mismatch", **mm.__dict__, reported_slot=msg.slot, via="job_done")
+        if msg.reused_tokens >= self.params.min_match:
+            slot.hits += 1
+        slot.reused_total += msg.reused_tokens
+        if msg.reused_tokens != req.predicted:
+            log.warning("reuse_mispredicted", request_id=req.rid, job=msg.id, predicted=req.predicted, actual=msg.reused_tokens)
+        t = msg.timings
+        timings = Timings(
+            queue_ms=req.queue_ms + t.queue_ms,
+            prefill_ms=t.prefill_ms,
+            decode_ms=t.decode_ms,
+            ttft_ms=t.ttft_ms + req.queue_ms,
+            total_ms=(time.monotonic() - req.arrived) * 1000,
+        )
+        self.metrics.finished(
+            RequestRecord(
+                req.rid, conn.id, slot.index, msg.prompt_tokens, req.predicted, msg.reused_tokens,
+                msg.generated_tokens, msg.finish_reason, timings.ttft_ms, timings.queue_ms, req.attempts,
+            )
+        )  # fmt: skip
+        log.info(
+            "request_done",
+            request_id=req.rid,
+            job=msg.id,
+            worker=conn.id,
+            slot=slot.index,
+            finish_reason=msg.finish_reason,
+            predicted_reuse=req.predicted,
+            reused=msg.reused_tokens,
+            prefilled=msg.prefilled_tokens,
+            generated=msg.generated_tokens,
+            ttft_ms=round(timings.ttft_ms, 1),
+        )
+        self._finish_req(req)
+        if not req.gone:
+            self._reply(
+                req.client,
+                req.envelope,
+                Result(
+                    id=req.rid,
+                    finish_reason=msg.finish_reason,
+                    text=msg.text,
+                    tokens=msg.tokens,
+                    usage=Usage(
+                        prompt_tokens=msg.prompt_tokens, cached_tokens=msg.reused_tokens, completion_tokens=msg.generated_tokens
+                    ),
+                    timings=timings,
+                    worker=conn.id,
+                    slot=slot.index,
+                    stop=msg.stop,
+                ),
+            )
+        self._pump()
+
+    def _on_job_error(self, conn: WorkerConn, msg: JobError) -> None:
+        req = conn.jobs.get(msg.id)
+        if req is None or req.slot is None:
+            return
+        self._release(conn, req)
+        streamed = np.asarray(req.streamed, dtype=np.int32)
+        mm = self.mirror.fail(req.slot, msg.id, req.tokens, streamed, msg.slot >= 0, msg.slot_tokens, msg.slot_hash)
+        if mm is not None:
+            self.metrics.mirror_mismatches += 1
+            log.error("mirror_mismatch", **mm.__dict__, via="job_error")
+        if msg.code == ErrorCode.DRAINING and not req.started and not req.cancelled:
+            conn.state = WorkerState.DRAINING
+            self._requeue(req)
+        else:
+            self._fail(req, msg.code, msg.message, error_id=msg.error_id)
+        self._pump()
+
+    def _requeue(self, req: Req) -> None:
+        self.jobs.pop(req.job or "", None)
+        req.state, req.job, req.worker, req.slot = ReqState.QUEUED, None, None, None
+        req.queued_at, req.wait_since = time.monotonic(), None
+        self.queue.insert(0, req)
+        self.metrics.redispatched += 1
+        log.info("request_requeued", request_id=req.rid, attempts=req.attempts)
+
+    def worker_dead(self, worker: str, reason: str) -> None:
+        """A worker is gone: purge its slots now, re-dispatch what it had not streamed, fail the rest."""
+        conn = self.workers.pop(worker, None)
+        if conn is None:
+            return
+        self.mirror.remove_worker(worker)
+        self.metrics.dead_workers += 1
+        self.metrics.worker_load.pop(worker, None)
+        log.warning("worker_dead", worker=worker, incarnation=conn.hello.incarnation, reason=reason, jobs=len(conn.jobs))
+        for req in list(conn.jobs.values()):
+            self._release(conn, req)
+            self._send_identity(conn.identity, JobCancel(id=req.job or ""))  # in case it is only slow
+            if req.started or req.cancelled:
+                if req.cancelled:
+                    self._send_result_empty(req, "cancelled")
+                else:
+                    self._fail(req, ErrorCode.WORKER_LOST, f"worker {worker} died ({reason}) while streaming this request")
+            else:
+                self._requeue(req)
+        if not any(w.state is WorkerState.READY for w in self.workers.values()) and self.no_workers_since is None:
+            self.no_workers_since = time.monotonic()
+        if self.on_worker_dead is not None:
+            self.on_worker_dead(worker, reason)
+        self._pump()
+
+    def worker_exited(self, worker: str, incarnation: int, returncode: int | None) -> None:
+        """From the supervisor: the process of this worker incarnation exited."""
+        conn = self.workers.get(worker)
+        if conn is not None and conn.hello.incarnation == incarnation:
+            self.worker_dead(worker, f"process exited with status {returncode}")
+
+    # ---- time -----------------------------------------------------------------------------------
+
+    async def _ticker(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                self.tick(time.monotonic())
+            except Exception as exc:
+                log.exception("tick_crashed", error=str(exc))
+
+    def tick(self, now: float) -> None:
+        for conn in list(self.workers.values()):
+            if now - conn.last_seen > self.cfg.heartbeat_timeout_s:
+                self.worker_dead(conn.id, f"no heartbeat for {now - conn.last_seen:.1f} s")
+        for req in list(self.queue):
+            if req.deadline is not None and now >= req.deadline:
+                self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was queued")
+        if self.queue and not self.workers and self._no_workers_expired():
+            for req in list(self.queue):
+                self._fail(req, ErrorCode.NO_WORKERS, f"no worker connected for {self.cfg.no_workers_grace_s:g} s")
+        if any(r.wait_since is not None for r in self.queue):
+            self._pump()
+        for conn in self.workers.values():
+            self.metrics.worker_load[conn.id] = {"busy": conn.load.busy, "queued_prefill": conn.load.queued_prefill}
+
+    # ---- status ---------------------------------------------------------------------------------
+
+    def status(self, rid: str | None) -> StatusReply:
+        now = time.monotonic()
+        workers = [
+            WorkerStatus(
+                worker=c.id,
+                incarnation=c.hello.incarnation,
+                device=c.hello.device,
+                state=c.state.value,
+                queue=c.queue,
+                restarts=self.restarts.get(c.id, 0),
+                slots=[
+                    SlotStatus(
+                        slot=s.index,
+                        busy=s.busy,
+                        n_tokens=len(s.tokens),
+                        request_id=(self.jobs[s.job].rid if s.job in self.jobs else None),
+                        reused_total=s.reused_total,
+                        last_used_s=round(now - s.last_used, 3),
+                    )
+                    for s in c.slots
+                ],
+            )
+            for c in self.workers.values()
+        ]
+        return StatusReply(id=rid, model=self.vocab.name, policy=self.cfg.policy, queued=len(self.queue), workers=workers)

@@ -1,0 +1,131 @@
+"""Supervision of local worker processes, Erlang-style: a worker that exits is restarted with backoff.
+
+Each worker id runs one process at a time; every start is a new incarnation (so the router starts it
+with empty slots). An exit is reported to the router at once (`Router.worker_exited`), which purges
+the worker's slots and re-dispatches its unstarted requests in the same loop turn. More than
+`max_restarts` restarts within `restart_window_s` stop the restarts for that worker, with a log line
+saying so; exit status 3 (the router refused the worker) is not restarted either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvroute import logs
+from kvroute.config import opt
+from router.server import Router
+
+log = logs.get(__name__)
+
+REFUSED_EXIT = 3
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    restart_backoff_s: float = opt(0.5, "first delay before restarting a worker that exited; doubles per quick restart")
+    restart_backoff_max_s: float = opt(10.0, "longest delay before a restart")
+    max_restarts: int = opt(5, "restarts allowed per worker within --restart-window-s before giving up on it")
+    restart_window_s: float = opt(60.0, "window over which restarts are counted")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How to start one local worker: its id and its `kvroute worker` flags (except id/incarnation/connect)."""
+
+    worker_id: str
+    flags: tuple[str, ...] = ()
+
+
+@dataclass
+class _Child:
+    spec: WorkerSpec
+    incarnation: int = 0
+    proc: asyncio.subprocess.Process | None = None
+    restarts: deque[float] = field(default_factory=deque)
+    given_up: bool = False
+
+
+class Supervisor:
+    def __init__(self, router: Router, specs: list[WorkerSpec], cfg: SupervisorConfig, connect: str) -> None:
+        self.router = router
+        self.cfg = cfg
+        self.connect = connect
+        self.children = {s.worker_id: _Child(s) for s in specs}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+
+    def start(self) -> None:
+        self._tasks = [asyncio.ensure_future(self._keep(c)) for c in self.children.values()]
+
+    def pid(self, worker_id: str) -> int | None:
+        proc = self.children[worker_id].proc
+        return proc.pid if proc is not None and proc.returncode is None else None
+
+    def command(self, child: _Child) -> list[str]:
+        return [
+            sys.executable, "-m", "kvroute.cli", "worker", *child.spec.flags,
+            "--connect", self.connect, "--worker-id", child.spec.worker_id, "--incarnation", str(child.incarnation),
+        ]  # fmt: skip
+
+    async def _keep(self, child: _Child) -> None:
+        wid = child.spec.worker_id
+        delay = self.cfg.restart_backoff_s
+        while not self._stopping:
+            child.incarnation += 1
+            started = time.monotonic()
+            child.proc = await asyncio.create_subprocess_exec(*self.command(child))
+            log.info("worker_spawned", worker=wid, incarnation=child.incarnation, pid=child.proc.pid)
+            rc = await child.proc.wait()
+            self.router.worker_exited(wid, child.incarnation, rc)
+            if self._stopping:
+                return
+            log.warning("worker_exited", worker=wid, incarnation=child.incarnation, returncode=rc)
+            if rc == REFUSED_EXIT:
+                child.given_up = True
+                log.error("worker_not_restarted", worker=wid, reason="the router refused it (exit status 3)")
+                return
+            now = time.monotonic()
+            child.restarts.append(now)
+            while child.restarts and now - child.restarts[0] > self.cfg.restart_window_s:
+                child.restarts.popleft()
+            if len(child.restarts) > self.cfg.max_restarts:
+                child.given_up = True
+                log.error(
+                    "worker_restarts_exhausted",
+                    worker=wid,
+                    restarts=len(child.restarts),
+                    window_s=self.cfg.restart_window_s,
+                    reason="too many restarts; this worker stays down",
+                )
+                return
+            # a worker that ran a while before dying restarts quickly; one that crash-loops backs off
+            delay = self.cfg.restart_backoff_s if now - started > self.cfg.restart_window_s else delay
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.cfg.restart_backoff_max_s)
+            self.router.restarts[wid] = self.router.restarts.get(wid, 0) + 1
+            self.router.metrics.restarts += 1
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping = True
+        procs = [c.proc for c in self.children.values() if c.proc is not None and c.proc.returncode is None]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.terminate()
+        if procs:
+            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in procs], timeout=timeout_s)
+            for p in procs:
+                if p.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+            for p in procs:
+                await p.wait()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t

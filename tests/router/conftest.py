@@ -1,0 +1,33 @@
+"""Router test fixtures: the vocabulary (no weights) and a router in a thread for fake-worker tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from router_helpers import RouterThread, endpoints, start_router
+
+from kvroute.model import resolve_model
+from kvroute.vocab import Vocab
+from router.config import RouterConfig
+
+
+@pytest.fixture(scope="session")
+def vocab() -> Vocab:
+    return Vocab.load(resolve_model(None))
+
+
+@pytest.fixture
+def fake_router(vocab: Vocab) -> Iterator[tuple[RouterThread, str, str]]:
+    client_ep, worker_ep = endpoints()
+    cfg = RouterConfig(
+        client_endpoint=client_ep,
+        worker_endpoint=worker_ep,
+        heartbeat_timeout_s=1.0,
+        no_workers_grace_s=30.0,
+        min_match=4,
+        busy_wait_ms=0,
+    )
+    rt = start_router(cfg, vocab)
+    yield rt, client_ep, worker_ep
+    rt.stop()
