@@ -51,6 +51,9 @@ class Slot:
     hits: int = 0  # jobs that reused at least min_match tokens here
     reused_total: int = 0
     before: Tokens | None = None  # contents before the running job, restored if the worker never touched it
+    exact: bool = False  # the worker runs in deterministic mode (it reuses only KV computed as prompt)
+    n_exact: int = 0  # leading tokens computed as prompt (not generated): what a deterministic worker reuses
+    before_exact: int = 0
 
     @property
     def busy(self) -> bool:
@@ -86,10 +89,10 @@ class Mirror:
         self.workers: dict[str, list[Slot]] = {}
         self.mismatches = 0
 
-    def add_worker(self, worker: str, n_slots: int, *, contents_known: bool = True) -> list[Slot]:
+    def add_worker(self, worker: str, n_slots: int, *, contents_known: bool = True, exact: bool = False) -> list[Slot]:
         """Slots of a newly accepted worker incarnation: empty, or `dirty` when its KV may hold anything."""
         self.remove_worker(worker)
-        slots = [Slot(worker, i, dirty=not contents_known) for i in range(n_slots)]
+        slots = [Slot(worker, i, dirty=not contents_known, exact=exact) for i in range(n_slots)]
         self.workers[worker] = slots
         return slots
 
@@ -108,6 +111,7 @@ class Mirror:
             raise RuntimeError(f"{slot!r} is busy with {slot.job}, cannot take {job}")
         slot.phase, slot.job = SlotPhase.BUSY, job
         slot.before = None if slot.dirty else slot.tokens
+        slot.before_exact = slot.n_exact
         slot.tokens = as_tokens(prompt)
         slot.dirty = False  # the job goes with prefix_cache=False when the slot was dirty
         self.index.insert(slot, slot.tokens)
@@ -118,18 +122,19 @@ class Mirror:
     ) -> Mismatch | None:
         """A JobDone: the slot holds the first `slot_tokens` of prompt + generated."""
         full = np.concatenate([prompt, generated]) if len(generated) else prompt
-        return self._settle(slot, job, full, slot_tokens, slot_hash)
+        return self._settle(slot, job, full, slot_tokens, slot_hash, len(prompt))
 
     def fail(
         self, slot: Slot, job: str, prompt: Tokens, streamed: Tokens, touched: bool, slot_tokens: int, slot_hash: str
     ) -> Mismatch | None:
         """A JobError. Untouched (slot -1): the slot holds what it held before the job."""
         if not touched:
-            before = slot.before
+            before, before_exact = slot.before, slot.before_exact
             self._idle(slot, EMPTY if before is None else before, dirty=before is None)
+            slot.n_exact = before_exact if before is not None else 0
             return None
         full = np.concatenate([prompt, streamed]) if len(streamed) else prompt
-        return self._settle(slot, job, full, slot_tokens, slot_hash)
+        return self._settle(slot, job, full, slot_tokens, slot_hash, len(prompt))
 
     def lost(self, slot: Slot) -> None:
         """The job's outcome is unknown (cancelled without report): the slot's contents are unknown."""
@@ -143,10 +148,11 @@ class Mirror:
         self._idle(slot, EMPTY, dirty=True)
         return False
 
-    def _settle(self, slot: Slot, job: str, full: Tokens, slot_tokens: int, slot_hash: str) -> Mismatch | None:
+    def _settle(self, slot: Slot, job: str, full: Tokens, slot_tokens: int, slot_hash: str, n_prompt: int) -> Mismatch | None:
         held = full[:slot_tokens]
         if slot_tokens <= len(full) and hash_tokens(held) == slot_hash:
             self._idle(slot, held, dirty=False)
+            slot.n_exact = min(n_prompt, slot_tokens)
             return None
         self.mismatches += 1
         mm = Mismatch(slot.worker, slot.index, job, len(full), slot_tokens, hash_tokens(held), slot_hash)
@@ -155,7 +161,7 @@ class Mirror:
 
     def _idle(self, slot: Slot, tokens: Tokens, *, dirty: bool) -> None:
         slot.phase, slot.job, slot.before = SlotPhase.IDLE, None, None
-        slot.tokens, slot.dirty = tokens, dirty
+        slot.tokens, slot.dirty, slot.n_exact = tokens, dirty, 0
         if len(tokens) and not dirty:
             self.index.insert(slot, tokens)
         else:

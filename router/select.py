@@ -3,7 +3,8 @@
 Cost of sending a prompt of L tokens to idle slot s of worker w, in prompt-token equivalents (lowest wins):
 
     reuse(s)   = LCP(prompt, tokens held by s), minus 1 when the whole prompt matches (the worker
-                 backs off one token to get logits); 0 for a dirty slot or with prefix caching off.
+                 backs off one token to get logits); 0 for a dirty slot or with prefix caching off;
+                 on a deterministic worker at most the tokens computed as prompt and L - 8.
     cost(w, s) = (L - affine(s))                              prompt tokens still to prefill here
                + queued_prefill(w)                             prefill already sent to w, not yet done
                + busy_slot_cost * busy(w)                      each running slot shares w's compute
@@ -73,10 +74,17 @@ class Wait:
 Decision = Dispatch | Wait | None  # None: no idle slot anywhere
 
 
+EXACT_ROWS = 8  # a deterministic worker always computes at least this many prompt tokens (worker/engine.py)
+
+
 def predicted_reuse(lcp: int, length: int, slot: Slot, params: Params) -> int:
+    """What the worker will reuse on `slot` (its rule, worker/engine.py `_assign`)."""
     if not params.prefix_cache or slot.dirty:
         return 0
-    return min(lcp, length - 1)
+    reuse = min(lcp, length - 1)
+    if slot.exact:  # deterministic mode reuses only KV computed as prompt, leaving a full-size chunk
+        reuse = max(0, min(reuse, slot.n_exact, length - EXACT_ROWS))
+    return reuse
 
 
 def _recency(slot: Slot, now: float, half_life: float) -> float:
@@ -159,7 +167,7 @@ def _busy_better(lcps: dict, length: int, params: Params, idle_reuse: int) -> Wa
     for s, lcp in lcps.items():
         if not s.busy:
             continue
-        reuse = min(lcp, length - 1)
+        reuse = predicted_reuse(lcp, length, s, params)
         if reuse >= params.min_match and reuse - idle_reuse >= params.min_match and (top is None or reuse > top.reuse):
             top = Wait(s, reuse)
     return top

@@ -500,7 +500,7 @@ class Router:
             self.worker_dead(msg.worker_id, f"new incarnation {msg.incarnation}")
         known = (msg.worker_id, msg.incarnation) not in self.seen  # a fresh process starts empty
         self.seen.add((msg.worker_id, msg.incarnation))
-        slots = self.mirror.add_worker(msg.worker_id, msg.slots, contents_known=known)
+        slots = self.mirror.add_worker(msg.worker_id, msg.slots, contents_known=known, exact=msg.deterministic)
         self.workers[msg.worker_id] = WorkerConn(msg, slots)
         self.no_workers_since = None
         self._send_identity(identity, Accept(worker_id=msg.worker_id, router_id=self.router_id))

@@ -94,3 +94,18 @@ def test_remove_worker_purges_its_slots_from_the_index():
     assert set(m.index.match(toks(1, 2, 3)).all()) == {slots[2]}
     new = m.add_worker("w1", 1, contents_known=False)  # a re-accepted worker whose KV we do not know
     assert new[0].dirty and len(m.index) == 0
+
+
+def test_deterministic_worker_reuse_is_limited_to_prompt_computed_tokens():
+    m = Mirror()
+    (s,) = m.add_worker("w0", 1, exact=True)
+    prompt = toks(*range(1, 41))
+    m.assign(s, "j1", prompt)
+    gen = toks(90, 91, 92)
+    assert m.finish(s, "j1", prompt, gen, 42, token_hash([*range(1, 41), 90, 91])) is None
+    assert s.n_exact == 40
+    # the next turn shares all 42 held tokens, but generated KV is recomputed in deterministic mode
+    nxt = toks(*range(1, 41), 90, 91, *([7] * 10))
+    assert predicted_reuse(42, len(nxt), s, Params()) == 40
+    # and at least 8 prompt tokens are always computed
+    assert predicted_reuse(40, 44, s, Params()) == 36
