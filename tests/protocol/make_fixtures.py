@@ -375,9 +375,9 @@ def default_text(f: mi.Field) -> str:
         return f"`{json.dumps(msgspec.to_builtins(made))}`"
     d = f.default
     if d is None:
-        return "nil"
+        return "`nil`"
     if isinstance(d, bool):
-        return "true" if d else "false"
+        return "`true`" if d else "`false`"
     if isinstance(d, str):
         return f'`"{d}"`'
     return f"`{d!r}`"
@@ -398,7 +398,7 @@ def table(cls: type[msgspec.Struct], meanings: dict[str, str]) -> str:
     if info.tag_field:
         rows.append(f'| `type` | str | yes | — | `"{info.tag}"` | {meanings.get("type", "")} |')
     for f in info.fields:
-        cons = ", ".join(constraints(f.type)).replace("|", "\\|")
+        cons = ", ".join(constraints(f.type) + (["length a multiple of 4"] if f.name == "tokens" else []))
         if f.name == "v":
             cons = f"= {p.PROTOCOL_VERSION}"
             req = "yes"
