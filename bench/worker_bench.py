@@ -1,0 +1,85 @@
+"""Worker benchmark (run by hand): the three ratios of issue 3, side by side, in one run.
+
+    .venv/bin/python bench/worker_bench.py [--threads 2] [--deterministic]
+
+1. agent turn: cached time to first token / cold time to first token (~2,000-token history + ~50 new tokens)
+2. batching: aggregate decode tokens/s with 8 slots generating / with 1 slot
+3. engine overhead: time outside llama_decode as a share of step time, 8 slots decoding
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+from protocol import Job, JobDone, Sampling, pack_tokens
+from worker.config import WorkerConfig
+from worker.engine import Engine
+
+
+def run(engine: Engine, prompt: list[int], jid: str, *, slot: int, max_tokens: int, cache: bool = True) -> JobDone:
+    job = Job(
+        id=jid,
+        slot=slot,
+        tokens=pack_tokens(prompt),
+        sampling=Sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        prefix_cache=cache,
+    )
+    done = engine.submit(job).result(600)
+    assert isinstance(done, JobDone), done
+    return done
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--gen", type=int, default=64, help="tokens per slot in the batching run")
+    a = ap.parse_args()
+    engine = Engine(WorkerConfig(slots=8, ctx_per_slot=3072, threads=a.threads, deterministic=a.deterministic)).start()
+    v = engine.vocab
+    history = v.tokenize("Agent log: the tool returned a list of files and their sizes. " * 170)[:2000]
+    turn = v.tokenize(" Now summarise what the files contain and decide the next tool call to make.", add_special=False)
+    turn = (turn * 4)[:50]
+    prompt = history + turn
+
+    # 1. agent turn
+    cold = run(engine, prompt, "cold", slot=0, max_tokens=1, cache=False)
+    run(engine, history, "seed", slot=1, max_tokens=1, cache=False)  # slot 1 holds the history
+    cached = run(engine, prompt, "cached", slot=1, max_tokens=1)
+    agent = cached.timings.ttft_ms / cold.timings.ttft_ms
+
+    # 2 + 3. batching and overhead
+    prompts = [v.tokenize(f"Story {i}: once upon a time there was") for i in range(8)]
+    t = time.perf_counter()
+    one = run(engine, prompts[0], "one", slot=0, max_tokens=a.gen, cache=False)
+    tps1 = one.generated_tokens / (one.timings.decode_ms / 1000)
+    for s in range(8):  # prefill all eight, then measure decoding only
+        engine.call(lambda e, s=s: e._clear(e.table[s])).result()
+    c0 = dataclasses.replace(engine.counters)
+    t = time.perf_counter()
+    streams = [
+        engine.submit(
+            Job(id=f"b{i}", slot=i, tokens=pack_tokens(p), sampling=Sampling(temperature=0.0, max_tokens=a.gen, ignore_eos=True))
+        )
+        for i, p in enumerate(prompts)
+    ]
+    dones = [s.result(600) for s in streams]
+    wall = time.perf_counter() - t
+    c1 = engine.counters
+    first = min(d.timings.ttft_ms for d in dones) / 1000
+    tps8 = sum(d.generated_tokens for d in dones) / (wall - first)
+    overhead = 1 - (c1.decode_s - c0.decode_s) / (c1.step_s - c0.step_s)
+    engine.stop()
+
+    print(f"mode: {'deterministic' if a.deterministic else 'default'}, threads {a.threads}")
+    print(
+        f"agent turn   : cold TTFT {cold.timings.ttft_ms:8.1f} ms, cached TTFT {cached.timings.ttft_ms:7.1f} ms (reused {cached.reused_tokens}), ratio {agent:.3f} (target <= 0.10)"
+    )
+    print(f"batching     : 1 slot {tps1:6.1f} tok/s, 8 slots {tps8:6.1f} tok/s, ratio {tps8 / tps1:.2f} (target >= 1.3)")
+    print(f"overhead     : {overhead * 100:.1f}% of step time outside llama_decode at 8 slots (target <= 5%)")
+
+
+if __name__ == "__main__":
+    main()
