@@ -191,7 +191,7 @@ def test_maps_with_non_string_keys(extra: dict[Any, Any], tag: str) -> None:
     feed(pack({"type": tag, "v": 1, **extra}))
 
 
-@fuzz_settings(800)
+@fuzz_settings(500)
 @given(
     st.sampled_from(TAGS) | st.text(max_size=10),
     st.just(1) | values,
@@ -238,7 +238,7 @@ def check_names(got: dict[str, Any], ex_dir: str, path: tuple[Any, ...]) -> None
         assert str(top) in res.reason, f"mutating {describe(path)} gave {res.reason!r}"
 
 
-@fuzz_settings(1000)
+@fuzz_settings(700)
 @given(st.data())
 def test_mutated_fixtures(data: st.DataObject) -> None:
     i = data.draw(st.integers(0, len(EXAMPLES) - 1), label="fixture")
