@@ -75,7 +75,8 @@ def main() -> None:
 
     print(f"mode: {'deterministic' if a.deterministic else 'default'}, threads {a.threads}")
     print(
-        f"agent turn   : cold TTFT {cold.timings.ttft_ms:8.1f} ms, cached TTFT {cached.timings.ttft_ms:7.1f} ms (reused {cached.reused_tokens}), ratio {agent:.3f} (target <= 0.10)"
+        f"agent turn   : cold TTFT {cold.timings.ttft_ms:8.1f} ms, cached TTFT {cached.timings.ttft_ms:7.1f} ms "
+        f"(reused {cached.reused_tokens}), ratio {agent:.3f} (target <= 0.10)"
     )
     print(f"batching     : 1 slot {tps1:6.1f} tok/s, 8 slots {tps8:6.1f} tok/s, ratio {tps8 / tps1:.2f} (target >= 1.3)")
     print(f"overhead     : {overhead * 100:.1f}% of step time outside llama_decode at 8 slots (target <= 5%)")
