@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import json
 import os
 import platform
@@ -24,7 +23,7 @@ from typing import Any
 
 from bench import report
 from bench.client import CompletionClient, Sample, run_workload
-from bench.systems import DESCRIPTIONS, SYSTEMS, Server, Setup, SystemError_
+from bench.systems import DESCRIPTIONS, SYSTEMS, Server, Setup, SystemError_, serve_help
 from bench.workloads import QUICK, WORKLOADS, Sizes, Workload, build, model_tokenizer
 from kvroute.config import add_args, from_args
 
@@ -121,12 +120,6 @@ async def measure(server: Server, workload: Workload, timeout_s: float) -> tuple
         await client.aclose()
 
 
-@functools.cache
-def kvroute_serve_available() -> bool:
-    probe = subprocess.run([sys.executable, "-m", "kvroute.cli", "serve", "--help"], capture_output=True, check=False)
-    return probe.returncode == 0
-
-
 def systems_for(workload: str, chosen: list[str], args: argparse.Namespace) -> list[tuple[str, str | None]]:
     """(system, reason it is skipped or None) for each chosen system."""
     out: list[tuple[str, str | None]] = []
@@ -134,7 +127,7 @@ def systems_for(workload: str, chosen: list[str], args: argparse.Namespace) -> l
         reason = None
         if name == "kvroute-rr" and args.workers < 2:
             reason = "round-robin needs more than one worker (--workers)"
-        elif name.startswith("kvroute") and not kvroute_serve_available():
+        elif name.startswith("kvroute") and not serve_help():
             reason = "`kvroute serve` is not available in this tree (router/ or worker/ not built yet)"
         elif name == "kvroute-cold" and workload in COLD_SKIPPED and not args.cold_long_session:
             reason = "every turn recomputed from scratch would take hours (--cold-long-session to run it)"

@@ -14,6 +14,7 @@ Every system gets the same model, the same thread count and the same context per
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -55,27 +56,49 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def command(name: str, setup: Setup, port: int) -> list[str]:
-    """The argv that starts system `name` listening on 127.0.0.1:`port`."""
+@functools.cache
+def serve_help() -> str:
+    """`kvroute serve --help` of this tree ('' if the command does not exist yet)."""
+    probe = subprocess.run([sys.executable, "-m", "kvroute.cli", "serve", "--help"], capture_output=True, text=True, check=False)
+    return probe.stdout if probe.returncode == 0 else ""
+
+
+def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
+    """The processes (argv each) that make system `name`, serving HTTP on 127.0.0.1:`port`.
+
+    kvroute is one process when `kvroute serve` serves HTTP itself (--http), else `kvroute serve` plus
+    `kvroute http` in front of it. Its ZMQ endpoints get free ports too, so that nothing else on the
+    machine (a test run, a user's server) is reached by mistake."""
     if name.startswith("kvroute"):
-        argv = [
+        helptext = serve_help()
+        if not helptext:
+            raise SystemError_("`kvroute serve` is not available in this tree")
+        listen = f"tcp://127.0.0.1:{free_port()}"
+        workers = "--workers" if "--workers" in helptext else "--cpu-workers"
+        serve = [
             sys.executable, "-m", "kvroute.cli", "serve",
             "--model", setup.model,
-            "--workers", str(setup.workers),
+            workers, str(setup.workers),
             "--slots", str(setup.slots),
             "--ctx-per-slot", str(setup.ctx_per_slot),
             "--threads", str(setup.threads),
-            "--http", f"127.0.0.1:{port}",
-            "--zmq", f"tcp://127.0.0.1:{free_port()}",
+            "--listen", listen,
+            "--worker-endpoint", f"tcp://127.0.0.1:{free_port()}",
         ]  # fmt: skip
         if name == "kvroute":
-            return [*argv, "--policy", "prefix"]
-        if name == "kvroute-cold":
-            return [*argv, "--policy", "prefix", "--no-prefix-cache"]
-        if name == "kvroute-rr":
-            return [*argv, "--policy", "round-robin"]
+            serve += ["--policy", "prefix"]
+        elif name == "kvroute-cold":
+            serve += ["--policy", "prefix", "--no-prefix-cache"]
+        elif name == "kvroute-rr":
+            serve += ["--policy", "round-robin"]
+        else:
+            raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
+        if "--http " in helptext:
+            return [[*serve, "--http", f"127.0.0.1:{port}"]]
+        http = [sys.executable, "-m", "kvroute.cli", "http", "--http", f"127.0.0.1:{port}", "--router", listen]
+        return [serve, http]
     if name == "llama-cpp-python":
-        return [
+        argv = [
             sys.executable, "-m", "llama_cpp.server",
             "--model", setup.model,
             "--n_threads", str(setup.threads),
@@ -87,20 +110,23 @@ def command(name: str, setup: Setup, port: int) -> list[str]:
             "--logits_all", "False",
             "--verbose", "False",
         ]  # fmt: skip
+        return [argv]
     raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
 
 
 class Server:
-    """A running system. Use as a context manager: starts, waits until it answers, stops its process group."""
+    """A running system. Use as a context manager: starts its processes, waits until it answers (every
+    kvroute worker ready), and stops them: each process group, so kvroute's workers go too."""
 
     def __init__(self, name: str, setup: Setup, log_path: Path, *, ready_timeout_s: float = 300.0) -> None:
         self.name = name
+        self.workers = setup.workers if name.startswith("kvroute") else 1
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = command(name, setup, self.port)
-        self.log_path = log_path
+        self.argvs = commands(name, setup, self.port)
+        self.log_path = log_path  # every process of the system writes here
         self.ready_timeout_s = ready_timeout_s
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._procs: list[subprocess.Popen[bytes]] = []
         self.startup_s = 0.0
 
     def __enter__(self) -> Server:
@@ -110,6 +136,10 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    @property
+    def command_line(self) -> str:
+        return " & ".join(" ".join(argv) for argv in self.argvs)
+
     def _log_tail(self, n: int = 20) -> str:
         with contextlib.suppress(OSError):
             lines = self.log_path.read_text(errors="replace").splitlines()
@@ -118,50 +148,55 @@ class Server:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("wb")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         t0 = time.perf_counter()
-        # Its own session, so that stop() can end the server and every worker it spawned, and nothing else.
-        self._proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        log.close()
         try:
+            with self.log_path.open("ab") as log:
+                for argv in self.argvs:
+                    # Its own session, so that stop() ends this process and every child it spawned, and nothing else.
+                    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                    self._procs.append(proc)
             self._wait_ready()
         except BaseException:
             self.stop()
             raise
         self.startup_s = time.perf_counter() - t0
 
+    def _ready(self, http: httpx.Client) -> bool:
+        # kvroute answers /health 503 until a worker is ready, then {"workers": n}; llama-cpp-python has no /health.
+        health = http.get(f"{self.url}/health")
+        if health.status_code == 200:
+            with contextlib.suppress(ValueError, AttributeError):
+                return int(health.json().get("workers", self.workers)) >= self.workers
+            return True
+        return health.status_code == 404 and http.get(f"{self.url}/v1/models").status_code == 200
+
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
-        assert self._proc is not None
         with httpx.Client(timeout=5.0) as http:
             while time.monotonic() < deadline:
-                if self._proc.poll() is not None:
-                    raise SystemError_(
-                        f"{self.name} exited with status {self._proc.returncode} before it was ready; "
-                        f"command: {' '.join(self.argv)}\n{self._log_tail()}"
-                    )
+                for proc in self._procs:
+                    if proc.poll() is not None:
+                        raise SystemError_(
+                            f"{self.name} exited with status {proc.returncode} before it was ready; "
+                            f"command: {' '.join(str(a) for a in proc.args)}\n{self._log_tail()}"  # type: ignore[union-attr]
+                        )
                 with contextlib.suppress(httpx.HTTPError):
-                    # kvroute answers /health 503 until a worker is ready; llama-cpp-python has no /health.
-                    health = http.get(f"{self.url}/health")
-                    if health.status_code == 200:
-                        return
-                    if health.status_code == 404 and http.get(f"{self.url}/v1/models").status_code == 200:
+                    if self._ready(http):
                         return
                 time.sleep(0.5)
         raise SystemError_(f"{self.name} was not ready after {self.ready_timeout_s:.0f} s\n{self._log_tail()}")
 
     def stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
+        procs, self._procs = self._procs, []
+        for proc in reversed(procs):  # the HTTP front first, then the server behind it
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=20)
+            # Whatever is left of the group (workers of a server that died or hung) goes too.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=20)
-        # Whatever is left of the group (workers of a server that died or hung) goes too.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
+                proc.wait(timeout=10)
