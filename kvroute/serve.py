@@ -12,11 +12,13 @@ import asyncio
 import dataclasses
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvroute import logs
 from kvroute.config import add_args, from_args, opt
 from router.config import RouterConfig
+from router.server import Router
 from router.supervisor import Supervisor, SupervisorConfig, WorkerSpec
 
 
@@ -76,8 +78,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_args(parser, SupervisorConfig)
 
 
-async def serve(router_cfg: RouterConfig, local: LocalWorkers, sup_cfg: SupervisorConfig, *, signals: bool = True) -> None:
-    """Run the router and its supervised workers until the router stops (SIGINT/SIGTERM)."""
+async def serve(
+    router_cfg: RouterConfig,
+    local: LocalWorkers,
+    sup_cfg: SupervisorConfig,
+    *,
+    signals: bool = True,
+    started: Callable[[Router, Supervisor], None] | None = None,
+) -> None:
+    """Run the router and its supervised workers until the router stops (SIGINT/SIGTERM).
+    `started(router, supervisor)` is called once both exist (tests and benchmarks hold on to them)."""
     from kvroute.model import resolve_model
     from router.main import load_router
 
@@ -89,6 +99,8 @@ async def serve(router_cfg: RouterConfig, local: LocalWorkers, sup_cfg: Supervis
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, router.stop)
     sup.start()
+    if started is not None:
+        started(router, sup)
     try:
         await router.run()
     finally:

@@ -1,0 +1,185 @@
+"""The real router and 2 real workers (2 slots each, CPU, 1 thread) over real ZMQ sockets with the
+default model, shared by every test in this module: affinity with exact reuse prediction, bad input,
+and a worker killed with SIGKILL mid-load."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+from router_client import RawClient
+from router_helpers import RouterThread, endpoints
+
+from kvroute.serve import LocalWorkers, serve
+from protocol import ChatMessage, Delta, Error, Result, Sampling, StatusRequest, Submit
+from router.config import RouterConfig
+from router.supervisor import SupervisorConfig
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def system() -> Iterator[tuple[RouterThread, str]]:
+    cep, wep = endpoints()
+    cfg = RouterConfig(client_endpoint=cep, worker_endpoint=wep, busy_wait_ms=0)
+    local = LocalWorkers(cpu_workers=2, slots=2, ctx_per_slot=1024, threads=1)
+    sup_cfg = SupervisorConfig(restart_backoff_s=0.2)
+
+    async def main(rt: RouterThread) -> None:
+        await serve(cfg, local, sup_cfg, signals=False, started=lambda r, s: rt.extra.update(router=r, sup=s))
+
+    rt = RouterThread(main)
+    rt.thread.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        r = rt.extra.get("router")
+        if r is not None and len(r.workers) == 2:
+            break
+        time.sleep(0.2)
+    rt.router = rt.extra.get("router")
+    assert rt.router is not None and len(rt.router.workers) == 2, "workers did not connect in 120 s"
+    yield rt, cep
+    rt.stop()
+
+
+def collect(c: RawClient, ids: set[str], timeout_s: float = 120) -> dict[str, tuple[list[Delta], Any]]:
+    """Every request's deltas and final message; fails if any does not end in time (nothing hangs)."""
+    out: dict[str, tuple[list[Delta], Any]] = {i: ([], None) for i in ids}
+    deadline = time.monotonic() + timeout_s
+    while any(v[1] is None for v in out.values()):
+        msg = c.recv(max(0.1, deadline - time.monotonic()))
+        if msg.id not in out:
+            continue
+        if isinstance(msg, Delta):
+            out[msg.id][0].append(msg)
+        else:
+            out[msg.id] = (out[msg.id][0], msg)
+    return out
+
+
+def test_sessions_stick_to_their_slots_and_reuse_is_predicted_exactly(system):
+    rt, cep = system
+    router = rt.router
+    c = RawClient(cep)
+    users = ["Tell me about the sea.", "Name three colours.", "What is a cat?", "Count to five."]
+    history = {s: [ChatMessage(role="system", content=f"You are assistant number {s}. Answer briefly.")] for s in range(4)}
+    where: dict[int, tuple[str, int]] = {}
+    for turn in range(3):
+        ids = set()
+        for s in range(4):
+            history[s].append(ChatMessage(role="user", content=f"{users[s]} (turn {turn})"))
+            rid = f"s{s}t{turn}"
+            c.send(Submit(id=rid, messages=history[s], sampling=Sampling(max_tokens=6, temperature=0.0)))
+            ids.add(rid)
+        results = collect(c, ids)
+        for s in range(4):
+            res = results[f"s{s}t{turn}"][1]
+            assert isinstance(res, Result), res
+            history[s].append(ChatMessage(role="assistant", content=res.text))
+            rec = next(r for r in reversed(router.metrics.recent) if r.id == f"s{s}t{turn}")
+            assert rec.predicted_reuse == rec.reused_tokens == res.usage.cached_tokens
+            if turn == 0:
+                where[s] = (res.worker, res.slot)
+            else:
+                assert (res.worker, res.slot) == where[s], f"session {s} turn {turn} moved"
+                assert res.usage.cached_tokens > 20  # its history was reused
+        if turn == 0:
+            assert len(set(where.values())) == 4  # four sessions, four slots
+    assert router.metrics.reuse_mispredictions == 0 and router.metrics.mirror_mismatches == 0
+    c.close()
+
+
+def test_bad_client_input_gets_errors_while_others_complete(system):
+    _, cep = system
+    good, bad = RawClient(cep), RawClient(cep)
+    for i in range(3):
+        good.send(Submit(id=f"g{i}", prompt=f"The number {i} is", sampling=Sampling(max_tokens=16, temperature=0.0)))
+    frames = [
+        b"\xde\xad\xbe\xef",
+        msgpack.packb({"v": 1, "type": "submit", "id": "x", "prompt": ["not", "a", "string"]}),
+        msgpack.packb({"v": 1, "type": "submit", "id": "y", "sampling": {"max_tokens": "many"}, "prompt": "hi"}),
+        msgpack.packb({"v": 1, "type": "submit", "id": "z", "messages": [{"role": "wizard", "content": "hi"}]}),
+        b"\x91" * (9 * 1024 * 1024),
+        msgpack.packb({"v": 1, "type": "submit", "id": "big", "prompt": "word " * 2000}),  # over a 1024-token slot
+    ]
+    for frame in frames:
+        bad.send_raw(frame)
+        err = bad.recv(30)
+        assert isinstance(err, Error) and err.code in ("bad_request", "too_large", "context_overflow") and err.message
+    results = collect(good, {"g0", "g1", "g2"})
+    assert all(isinstance(v[1], Result) and v[1].usage.completion_tokens > 0 for v in results.values())
+    good.close()
+    bad.close()
+
+
+def test_kill_9_mid_load_nothing_hangs_and_the_worker_comes_back(system):
+    rt, cep = system
+    router = rt.router
+    sup = rt.extra["sup"]
+    c = RawClient(cep)
+    ids = set()
+    for i in range(8):
+        rid = f"k{i}"
+        sampling = Sampling(max_tokens=48, temperature=0.0, ignore_eos=True)
+        c.send(Submit(id=rid, prompt=f"Story number {i}: once upon a time", sampling=sampling, stream=i % 2 == 0))
+        ids.add(rid)
+    out: dict[str, tuple[list[Delta], Any]] = {i: ([], None) for i in ids}
+    # wait until some worker runs a non-streaming job and at least one stream has started
+    victim = None
+    deadline = time.monotonic() + 60
+    while victim is None and time.monotonic() < deadline:
+        while c.sock.poll(50):
+            msg = c.recv()
+            if isinstance(msg, Delta):
+                out[msg.id][0].append(msg)
+            else:
+                out[msg.id] = (out[msg.id][0], msg)
+        snap = rt.call(
+            lambda: {w: [(r.rid, r.stream, r.started) for r in conn.jobs.values()] for w, conn in router.workers.items()}
+        )
+        for w, jobs in snap.items():
+            if any(not stream for _, stream, _ in jobs) and any(started for *_, started in jobs):
+                victim, on_victim = w, jobs
+    assert victim is not None, "no worker had both a streamed and an unstreamed job"
+    old_inc = rt.call(lambda: router.workers[victim].hello.incarnation)
+    os.kill(sup.pid(victim), signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while any(v[1] is None for v in out.values()):
+        missing = sorted(k for k, v in out.items() if v[1] is None)
+        assert c.sock.poll(int(max(0.1, deadline - time.monotonic()) * 1000)), f"no end for {missing}"
+        msg = c.recv()
+        if isinstance(msg, Delta):
+            out[msg.id][0].append(msg)
+        else:
+            out[msg.id] = (out[msg.id][0], msg)
+    for rid, stream, started in on_victim:
+        final = out[rid][1]
+        if started:
+            assert isinstance(final, Error) and final.code == "worker_lost", (rid, final)
+        elif not stream:  # re-dispatched: to the other worker, or to the victim's next incarnation
+            assert isinstance(final, Result), (rid, final)
+            rec = next(r for r in router.metrics.recent if r.id == rid)
+            assert rec.attempts == 2 and rec.predicted_reuse == rec.reused_tokens
+    others = [v[1] for rid, v in out.items() if rid not in {j[0] for j in on_victim}]
+    assert all(isinstance(f, Result) for f in others)
+    assert router.metrics.redispatched >= 1 and router.metrics.dead_workers >= 1
+    # the supervisor restarts it as a new incarnation, with empty slots in the mirror
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        c.send(StatusRequest(id="st"))
+        st = c.recv(10)
+        back = [w for w in st.workers if w.worker == victim]
+        if back and back[0].incarnation > old_inc:
+            assert back[0].restarts >= 1
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"worker {victim} did not come back")
+    c.send(Submit(id="after", prompt="Back again", sampling=Sampling(max_tokens=4)))
+    assert isinstance(collect(c, {"after"})["after"][1], Result)
+    c.close()
