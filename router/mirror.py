@@ -54,6 +54,7 @@ class Slot:
     exact: bool = False  # the worker runs in deterministic mode (it reuses only KV computed as prompt)
     n_exact: int = 0  # leading tokens computed as prompt (not generated): what a deterministic worker reuses
     before_exact: int = 0
+    rev: list[int] = field(default_factory=lambda: [0])  # shared by a worker's slots; bumped on any change
 
     @property
     def busy(self) -> bool:
@@ -92,7 +93,8 @@ class Mirror:
     def add_worker(self, worker: str, n_slots: int, *, contents_known: bool = True, exact: bool = False) -> list[Slot]:
         """Slots of a newly accepted worker incarnation: empty, or `dirty` when its KV may hold anything."""
         self.remove_worker(worker)
-        slots = [Slot(worker, i, dirty=not contents_known, exact=exact) for i in range(n_slots)]
+        rev = [0]
+        slots = [Slot(worker, i, dirty=not contents_known, exact=exact, rev=rev) for i in range(n_slots)]
         self.workers[worker] = slots
         return slots
 
@@ -116,6 +118,7 @@ class Mirror:
         slot.dirty = False  # the job goes with prefix_cache=False when the slot was dirty
         self.index.insert(slot, slot.tokens)
         slot.last_used = time.monotonic()
+        slot.rev[0] += 1
 
     def finish(
         self, slot: Slot, job: str, prompt: Tokens, generated: Tokens, slot_tokens: int, slot_hash: str
@@ -167,3 +170,4 @@ class Mirror:
         else:
             self.index.remove(slot)
         slot.last_used = time.monotonic()
+        slot.rev[0] += 1

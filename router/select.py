@@ -27,7 +27,8 @@ the worker still reuses whatever the chosen slot happens to share, and the reuse
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from router.index import Match
 from router.mirror import Slot
@@ -54,6 +55,8 @@ class WorkerLoad:
     slots: list[Slot]
     busy: int = 0
     queued_prefill: int = 0
+    cold: Slot | None = field(default=None, repr=False)  # cache of _coldest, valid while cold_rev holds
+    cold_rev: object = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -98,39 +101,51 @@ def _rotated(workers: list[WorkerLoad], rotation: int) -> list[WorkerLoad]:
     return workers[k:] + workers[:k]
 
 
-def _cold_slot(w: WorkerLoad, now: float) -> Slot | None:
-    """Empty slot first, else the least recently used idle one."""
+def _coldest(w: WorkerLoad, half_life: float) -> Slot | None:
+    """The idle slot of `w` that is cheapest to overwrite: empty or dirty first, else the smallest
+    n_tokens * recency. That order does not change with time (recency is exponential), so it is
+    cached until one of the worker's slots changes (`Slot.rev`)."""
+    rev = (w.slots[0].rev[0], half_life) if w.slots else None
+    if w.cold_rev == rev:
+        return w.cold
     best: Slot | None = None
+    best_key = math.inf
     for s in w.slots:
         if s.busy:
             continue
-        if not s.tokens.size:
-            return s
-        if best is None or s.last_used < best.last_used:
+        if s.dirty or not s.tokens.size:
             best = s
+            break
+        key = math.log2(len(s.tokens)) + s.last_used / half_life
+        if key < best_key:
+            best, best_key = s, key
+    w.cold, w.cold_rev = best, rev
     return best
 
 
 def select(match: Match, workers: list[WorkerLoad], params: Params, now: float, rotation: int, waited_ms: float) -> Decision:
-    """Pick a slot for a prompt of `match.length` tokens. Pure: changes nothing."""
-    workers = _rotated([w for w in workers if any(not s.busy for s in w.slots)], rotation)
+    """Pick a slot for a prompt of `match.length` tokens. Pure (only caches per-worker facts)."""
+    hl = params.evict_half_life_s
+    workers = _rotated([w for w in workers if _coldest(w, hl) is not None], rotation)
     if not workers:
         return None
     if params.policy == "round-robin":
-        return _plain(workers[0], match, params, now)
+        return _plain(workers[0], match, params)
     if params.policy == "least-loaded":
-        return _plain(min(workers, key=lambda w: w.busy + w.queued_prefill / 512.0), match, params, now)
+        return _plain(min(workers, key=lambda w: w.busy + w.queued_prefill / 512.0), match, params)
     return _prefix(match, workers, params, now, waited_ms)
 
 
-def _plain(w: WorkerLoad, match: Match, params: Params, now: float) -> Dispatch:
-    slot = _cold_slot(w, now)
+def _plain(w: WorkerLoad, match: Match, params: Params) -> Dispatch:
+    slot = _coldest(w, params.evict_half_life_s)
     assert slot is not None
     reuse = predicted_reuse(match.lcp(slot), match.length, slot, params)
     return Dispatch(slot, reuse, float(match.length - reuse), reuse >= params.min_match)
 
 
 def _prefix(match: Match, workers: list[WorkerLoad], params: Params, now: float, waited_ms: float) -> Decision:
+    """Cost over idle slots: every slot with a cached prefix, plus each worker's cheapest slot to
+    overwrite (the only cold candidate that can win on that worker)."""
     length = match.length
     lcps = match.all() if params.prefix_cache else {}
     guarded = False
@@ -139,27 +154,37 @@ def _prefix(match: Match, workers: list[WorkerLoad], params: Params, now: float,
     if hi - lo > params.imbalance_abs and hi > params.imbalance_rel * lo:
         workers = [w for w in workers if w.busy <= lo + params.imbalance_abs]
         guarded = True
-    best: Dispatch | None = None
+    rank = {w.worker: i for i, w in enumerate(workers)}  # rotated order breaks ties
+    load = {w.worker: w.queued_prefill + params.busy_slot_cost * w.busy for w in workers}
     hl, ew, mm = params.evict_half_life_s, params.evict_weight, params.min_match
+    best: tuple[float, int, int] | None = None
+    best_slot: Slot | None = None
+    best_reuse = 0
+
+    def consider(s: Slot, lcp: int) -> None:
+        nonlocal best, best_slot, best_reuse
+        reuse = predicted_reuse(lcp, length, s, params)
+        lost = 0 if s.dirty else len(s.tokens) - reuse
+        cost = length - (reuse if reuse >= mm else 0) + load[s.worker]
+        if lost > 0 and ew > 0:
+            cost += ew * lost * _recency(s, now, hl)
+        key = (cost, rank[s.worker], s.index)
+        if best is None or key < best:
+            best, best_slot, best_reuse = key, s, reuse
+
     for w in workers:
-        load = w.queued_prefill + params.busy_slot_cost * w.busy
-        for s in w.slots:
-            if s.busy:
-                continue
-            reuse = predicted_reuse(lcps.get(s, 0), length, s, params)
-            affine = reuse if reuse >= mm else 0
-            lost = 0 if s.dirty else len(s.tokens) - reuse
-            cost = length - affine + load
-            if lost > 0 and ew > 0:
-                cost += ew * lost * _recency(s, now, hl)
-            if best is None or cost < best.cost:
-                best = Dispatch(s, reuse, cost, affine > 0, guarded)
-    assert best is not None
+        cold = _coldest(w, hl)
+        if cold is not None:
+            consider(cold, lcps.get(cold, 0))
+    for s, lcp in lcps.items():
+        if not s.busy and s.worker in rank and lcp >= mm:
+            consider(s, lcp)
+    assert best is not None and best_slot is not None
     if waited_ms < params.busy_wait_ms and params.prefix_cache:
-        wait = _busy_better(lcps, length, params, best.reuse)
+        wait = _busy_better(lcps, length, params, best_reuse)
         if wait is not None:
             return wait
-    return best
+    return Dispatch(best_slot, best_reuse, best[0], best_reuse >= mm, guarded)
 
 
 def _busy_better(lcps: dict, length: int, params: Params, idle_reuse: int) -> Wait | None:
