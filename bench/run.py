@@ -92,6 +92,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "llama_cpp_python": llama_cpp.__version__,
         "git_commit": commit,
+        "load_average_at_start": round(os.getloadavg()[0], 2),
     }
 
 
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             json_path.write_text(json.dumps(run, indent=1))  # keep what is done if a later system fails
 
     run["duration_s"] = time.perf_counter() - started
+    run["machine"]["load_average_at_end"] = round(os.getloadavg()[0], 2)
     results = {w: {s: v["figures"] for s, v in e["systems"].items()} for w, e in run["workloads"].items()}
     run["goals"] = [asdict(g) for g in report.goals(results)]
     json_path.write_text(json.dumps(run, indent=1))
@@ -227,6 +229,9 @@ def write_markdown(run: dict[str, Any], out: Path, stamp: str) -> Path:
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, {m['platform']}, Python {m['python']}, "
         f"llama-cpp-python {m['llama_cpp_python']}.",
+        "",
+        f"Load average (1 min) at the start {m['load_average_at_start']}, at the end {m.get('load_average_at_end')} "
+        "(a load well above the benchmark's own means other processes shared the cores).",
         "",
         "Systems: " + "; ".join(f"`{k}` = {v}" for k, v in run["systems"].items()) + ".",
         "",
