@@ -80,6 +80,10 @@ def machine() -> dict[str, Any]:
     try:
         git = ["git", "rev-parse", "--short", "HEAD"]
         commit = subprocess.run(git, capture_output=True, text=True, check=False).stdout.strip()
+        status = ["git", "status", "--porcelain", "--untracked-files=no"]
+        dirty = subprocess.run(status, capture_output=True, text=True, check=False)
+        if dirty.stdout.strip():
+            commit += " with uncommitted changes"
     except OSError:
         commit = ""
     import llama_cpp
@@ -172,34 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     json_path = out / f"{stamp}.json"
 
-    for wname in workloads:
-        workload = build(wname, sizes, tokenize)
-        ctx = args.ctx_per_slot or ctx_needed(workload, tokenize)
-        setup = Setup(model=args.model, threads=args.threads, workers=args.workers, slots=args.slots, ctx_per_slot=ctx)
-        entry: dict[str, Any] = {"description": workload.description, "setup": asdict(setup), "systems": {}, "skipped": {}}
-        run["workloads"][wname] = entry
-        print(f"== {wname}: {workload.description}; context per conversation {ctx}", file=sys.stderr, flush=True)
-        for name, skip in systems_for(wname, chosen, args):
-            if skip:
-                entry["skipped"][name] = skip
-                print(f"-- {name}: skipped: {skip}", file=sys.stderr, flush=True)
-                continue
-            log_path = out / f"{stamp}-logs" / f"{wname}-{name}.log"
-            try:
-                with Server(name, setup, log_path) as server:
-                    print(f"-- {name}: ready in {server.startup_s:.1f}s on {server.url}", file=sys.stderr, flush=True)
-                    samples, wall = asyncio.run(measure(server, workload, args.request_timeout))
-            except SystemError_ as exc:
-                entry["skipped"][name] = f"failed: {exc}"
-                print(f"-- {name}: FAILED: {exc}", file=sys.stderr, flush=True)
-                continue
-            rows = [s.to_json() for s in samples]
-            for r in rows:  # servers that report no usage: count the prompt with the model's tokenizer (+BOS)
-                if r["prompt_tokens"] is None:
-                    r["prompt_tokens_source"] = "local tokenizer"
-                    r["prompt_tokens"] = None if r["error"] else 1 + len(tokenize(prompt_of(workload, r, rows)))
-            entry["systems"][name] = {"samples": rows, "figures": report.figures(wname, rows, wall)}
-            json_path.write_text(json.dumps(run, indent=1))  # keep what is done if a later system fails
+    try:
+        for wname in workloads:
+            run_one(wname, run, args, sizes, chosen, tokenize, out, stamp)
+    except KeyboardInterrupt:
+        run["interrupted"] = True  # the servers are stopped by now; report what was measured
+        print("\ninterrupted: writing the report of what was measured", file=sys.stderr)
 
     run["duration_s"] = time.perf_counter() - started
     run["machine"]["load_average_at_end"] = round(os.getloadavg()[0], 2)
@@ -210,7 +192,47 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nwrote {json_path} and {md_path} ({run['duration_s'] / 60:.1f} min)")
     for g in report.goals(results):
         print(report.goal_line(g))
-    return 0
+    return 130 if run.get("interrupted") else 0
+
+
+def run_one(
+    wname: str,
+    run: dict[str, Any],
+    args: argparse.Namespace,
+    sizes: Sizes,
+    chosen: list[str],
+    tokenize: Any,
+    out: Path,
+    stamp: str,
+) -> None:
+    """Run workload `wname` on every chosen system in turn; its entry goes into run["workloads"]."""
+    workload = build(wname, sizes, tokenize)
+    ctx = args.ctx_per_slot or ctx_needed(workload, tokenize)
+    setup = Setup(model=args.model, threads=args.threads, workers=args.workers, slots=args.slots, ctx_per_slot=ctx)
+    entry: dict[str, Any] = {"description": workload.description, "setup": asdict(setup), "systems": {}, "skipped": {}}
+    run["workloads"][wname] = entry
+    print(f"== {wname}: {workload.description}; context per conversation {ctx}", file=sys.stderr, flush=True)
+    for name, skip in systems_for(wname, chosen, args):
+        if skip:
+            entry["skipped"][name] = skip
+            print(f"-- {name}: skipped: {skip}", file=sys.stderr, flush=True)
+            continue
+        log_path = out / f"{stamp}-logs" / f"{wname}-{name}.log"
+        try:
+            with Server(name, setup, log_path) as server:
+                print(f"-- {name}: ready in {server.startup_s:.1f}s on {server.url}", file=sys.stderr, flush=True)
+                samples, wall = asyncio.run(measure(server, workload, args.request_timeout))
+        except SystemError_ as exc:
+            entry["skipped"][name] = f"failed: {exc}"
+            print(f"-- {name}: FAILED: {exc}", file=sys.stderr, flush=True)
+            continue
+        rows = [s.to_json() for s in samples]
+        for r in rows:  # servers that report no usage: count the prompt with the model's tokenizer (+BOS)
+            if r["prompt_tokens"] is None:
+                r["prompt_tokens_source"] = "local tokenizer"
+                r["prompt_tokens"] = None if r["error"] else 1 + len(tokenize(prompt_of(workload, r, rows)))
+        entry["systems"][name] = {"samples": rows, "figures": report.figures(wname, rows, wall)}
+        (out / f"{stamp}.json").write_text(json.dumps(run, indent=1))  # keep what is done if a later system fails
 
 
 def prompt_of(workload: Workload, row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -233,6 +255,7 @@ def write_markdown(run: dict[str, Any], out: Path, stamp: str) -> Path:
         f"Load average (1 min) at the start {m['load_average_at_start']}, at the end {m.get('load_average_at_end')} "
         "(a load well above the benchmark's own means other processes shared the cores).",
         "",
+        *(["**Interrupted**: only what was measured before Ctrl-C is here.", ""] if run.get("interrupted") else []),
         "Systems: " + "; ".join(f"`{k}` = {v}" for k, v in run["systems"].items()) + ".",
         "",
         "TTFT is measured by the client from sending the request to the first streamed text; reuse is cached tokens / "
