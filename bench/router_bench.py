@@ -190,8 +190,10 @@ async def run_policy(policy: str, args: argparse.Namespace) -> dict[str, float]:
 
 
 def policies_bench(args: argparse.Namespace) -> None:
+    from kvroute import logs
     from router.main import run_loop
 
+    logs.setup(args.log_level, process="bench")
     results: dict[str, dict[str, float]] = {}
 
     async def all_policies() -> None:
@@ -230,16 +232,17 @@ def main() -> None:
     d.add_argument("--seed", type=int, default=0)
     p = sub.add_parser("policies")
     p.add_argument("--policies", default="prefix,round-robin,least-loaded")
-    p.add_argument("--sessions", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--sessions", type=int, default=6)
+    p.add_argument("--turns", type=int, default=5)
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--doc-words", type=int, default=150)
     p.add_argument("--max-tokens", type=int, default=12)
-    p.add_argument("--think-s", type=float, default=0.5)
+    p.add_argument("--think-s", type=float, default=1.0, help="pause between turns: uniform 0..think-s")
     p.add_argument("--busy-wait-ms", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="warning")
     args = ap.parse_args()
     if args.what == "decision":
         out = decision_bench(args.workers, args.slots, args.ctx, args.systems, args.decisions, args.seed)

@@ -28,7 +28,10 @@ class RouterConfig:
         4, "imbalance guard: busy-slot gap (max - min) above which affinity is limited to lightly loaded workers"
     )
     imbalance_rel: float = opt(1.5, "imbalance guard: and max busy > this x min busy")
-    busy_wait_ms: int = opt(500, "how long a request may wait for its best slot while that slot is busy")
+    busy_wait_ms: int = opt(500, "how long a request may wait for its best slot while that slot is busy, or for a held slot")
+    hold_ms: int = opt(
+        1000, "after a job a slot is held this long for its own conversation's next turn; others wait (--busy-wait-ms at most)"
+    )
     queue_size: int = opt(0, "most requests waiting for a slot; 0 = 2 x total slots (at least 8)")
     no_workers_grace_s: float = opt(20.0, "with no worker connected for this long, requests get no_workers")
     heartbeat_timeout_s: float = opt(3.0, "a worker silent for this long is dead")
@@ -41,5 +44,5 @@ class RouterConfig:
             raise ValueError(f"chat_format must be one of {CHAT_FORMATS}, got {self.chat_format!r}")
         if self.min_match < 1:
             raise ValueError(f"min_match must be at least 1, got {self.min_match}")
-        if self.heartbeat_timeout_s <= 0 or self.no_workers_grace_s < 0 or self.busy_wait_ms < 0:
+        if self.heartbeat_timeout_s <= 0 or self.no_workers_grace_s < 0 or self.busy_wait_ms < 0 or self.hold_ms < 0:
             raise ValueError("timeouts must be positive")

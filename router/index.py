@@ -71,6 +71,15 @@ class Match:
                     out[o] = depth
         return out
 
+    def levels(self) -> Iterator[tuple[set[Hashable], int]]:
+        """(owners whose LCP is exactly `depth`, depth), deepest first. The sets must not be mutated."""
+        deeper: set[Hashable] = set()
+        for owners, depth in reversed(self.path):
+            new = owners - deeper if deeper else owners  # a child's owners are a subset of its parent's
+            if new:
+                yield new, depth
+            deeper = owners
+
     @property
     def best(self) -> int:
         return self.path[-1][1] if self.path else 0

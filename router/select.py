@@ -20,6 +20,10 @@ Guards:
 - Busy best slot: when a busy slot would reuse at least `min_match` more tokens than the best idle
   choice, the request waits for it (`Wait`) until it has waited `busy_wait_ms`, then takes the best
   idle choice.
+- Hold: a slot whose job ended less than `hold_ms` ago is kept for its own conversation (a prompt
+  that reuses at least `min_match` of it); another request skips it, and waits (`Wait`) when nothing
+  else is idle, until it has waited `busy_wait_ms`. With more conversations than slots this keeps
+  each returning turn on its history instead of every turn overwriting another's.
 Cold requests (no affinity anywhere) thus go to the least-loaded worker, to its empty or least
 recently used slot. `round-robin` and `least-loaded` ignore prefixes when choosing (for benchmarks);
 the worker still reuses whatever the chosen slot happens to share, and the reuse is still predicted.
@@ -29,6 +33,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from router.index import Match
 from router.mirror import Slot
@@ -45,6 +51,7 @@ class Params:
     imbalance_abs: int = 4
     imbalance_rel: float = 1.5
     busy_wait_ms: float = 500.0
+    hold_ms: float = 1000.0
 
 
 @dataclass
@@ -144,10 +151,9 @@ def _plain(w: WorkerLoad, match: Match, params: Params) -> Dispatch:
 
 
 def _prefix(match: Match, workers: list[WorkerLoad], params: Params, now: float, waited_ms: float) -> Decision:
-    """Cost over idle slots: every slot with a cached prefix, plus each worker's cheapest slot to
-    overwrite (the only cold candidate that can win on that worker)."""
+    """Cost over idle slots: each worker's cheapest slot to overwrite (the only cold candidate that can
+    win there), then the slots holding a prefix, deepest match first, until no shallower match can win."""
     length = match.length
-    lcps = match.all() if params.prefix_cache else {}
     guarded = False
     lo = min(w.busy for w in workers)
     hi = max(w.busy for w in workers)
@@ -156,14 +162,22 @@ def _prefix(match: Match, workers: list[WorkerLoad], params: Params, now: float,
         guarded = True
     rank = {w.worker: i for i, w in enumerate(workers)}  # rotated order breaks ties
     load = {w.worker: w.queued_prefill + params.busy_slot_cost * w.busy for w in workers}
+    min_load = min(load.values())
     hl, ew, mm = params.evict_half_life_s, params.evict_weight, params.min_match
     best: tuple[float, int, int] | None = None
     best_slot: Slot | None = None
     best_reuse = 0
 
+    holding = params.prefix_cache and waited_ms < params.busy_wait_ms and params.hold_ms > 0
+    hold_since = now - params.hold_ms / 1000.0
+    held: Slot | None = None
+
     def consider(s: Slot, lcp: int) -> None:
-        nonlocal best, best_slot, best_reuse
+        nonlocal best, best_slot, best_reuse, held
         reuse = predicted_reuse(lcp, length, s, params)
+        if holding and reuse < mm and s.last_used > hold_since and s.tokens.size and not s.dirty:
+            held = s  # kept for its own conversation a little longer
+            return
         lost = 0 if s.dirty else len(s.tokens) - reuse
         cost = length - (reuse if reuse >= mm else 0) + load[s.worker]
         if lost > 0 and ew > 0:
@@ -175,24 +189,61 @@ def _prefix(match: Match, workers: list[WorkerLoad], params: Params, now: float,
     for w in workers:
         cold = _coldest(w, hl)
         if cold is not None:
-            consider(cold, lcps.get(cold, 0))
-    for s, lcp in lcps.items():
-        if not s.busy and s.worker in rank and lcp >= mm:
-            consider(s, lcp)
-    assert best is not None and best_slot is not None
+            consider(cold, match.lcp(cold) if params.prefix_cache else 0)
+            if held is cold:  # the cheapest slot to overwrite is held: look at the worker's others
+                for s in w.slots:
+                    if not s.busy and s is not cold:
+                        consider(s, match.lcp(s))
+    if params.prefix_cache:
+        for owners, depth in match.levels():
+            top = min(depth, length - 1)
+            if top < mm or (best is not None and length - top + min_load >= best[0]):
+                break  # shallower levels reuse less: none of them can win
+            idle = [s for s in owners if not s.busy and s.worker in rank]
+            if len(idle) > 32 and ew > 0:
+                plain = [s for s in idle if not (s.dirty or s.exact)]
+                for s in idle:
+                    if s.dirty or s.exact:
+                        consider(s, depth)
+                if plain:
+                    i = _vector_best(plain, top, length, load, rank, now, hl, ew)
+                    consider(plain[i], depth)
+            else:
+                for s in idle:
+                    consider(s, depth)
+    if best is None or best_slot is None:
+        assert held is not None
+        return Wait(held, 0)
     if waited_ms < params.busy_wait_ms and params.prefix_cache:
-        wait = _busy_better(lcps, length, params, best_reuse)
+        wait = _busy_better(match, length, params, best_reuse)
         if wait is not None:
             return wait
     return Dispatch(best_slot, best_reuse, best[0], best_reuse >= mm, guarded)
 
 
-def _busy_better(lcps: dict, length: int, params: Params, idle_reuse: int) -> Wait | None:
-    top: Wait | None = None
-    for s, lcp in lcps.items():
-        if not s.busy:
-            continue
-        reuse = predicted_reuse(lcp, length, s, params)
-        if reuse >= params.min_match and reuse - idle_reuse >= params.min_match and (top is None or reuse > top.reuse):
-            top = Wait(s, reuse)
-    return top
+def _vector_best(
+    slots: list[Slot], reuse: int, length: int, load: dict[str, float], rank: dict[str, int], now: float, hl: float, ew: float
+) -> int:
+    """Index of the cheapest of many slots sharing one match depth (numpy; same cost as `consider`)."""
+    n = np.fromiter((len(s.tokens) for s in slots), dtype=np.float64, count=len(slots))
+    age = now - np.fromiter((s.last_used for s in slots), dtype=np.float64, count=len(slots))
+    ld = np.fromiter((load[s.worker] for s in slots), dtype=np.float64, count=len(slots))
+    rk = np.fromiter((rank[s.worker] for s in slots), dtype=np.int64, count=len(slots))
+    cost = ld + ew * (n - reuse) * np.power(0.5, np.maximum(age, 0.0) / hl)
+    return int(np.lexsort((rk, cost))[0])
+
+
+def _busy_better(match: Match, length: int, params: Params, idle_reuse: int) -> Wait | None:
+    """The busy slot with the deepest match, if it beats the best idle choice by min_match tokens."""
+    for owners, depth in match.levels():
+        if min(depth, length - 1) - idle_reuse < params.min_match:
+            return None
+        top: Wait | None = None
+        for s in owners:
+            if s.busy:
+                reuse = predicted_reuse(depth, length, s, params)
+                if reuse >= params.min_match and reuse - idle_reuse >= params.min_match and (top is None or reuse > top.reuse):
+                    top = Wait(s, reuse)
+        if top is not None:
+            return top
+    return None

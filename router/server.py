@@ -79,6 +79,7 @@ def params_from(cfg: RouterConfig) -> Params:
         imbalance_abs=cfg.imbalance_abs,
         imbalance_rel=cfg.imbalance_rel,
         busy_wait_ms=float(cfg.busy_wait_ms),
+        hold_ms=float(cfg.hold_ms),
     )
 
 

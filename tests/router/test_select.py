@@ -157,3 +157,56 @@ def test_prefix_cache_off_predicts_no_reuse():
     hold(m, a, history)
     d = pick(m, history, Params(prefix_cache=False))
     assert isinstance(d, Dispatch) and d.reuse == 0
+
+
+def brute_cost(s: Slot, lcp: int, length: int, load: float, p: Params, now: float) -> float:
+    """The documented formula, written out once more for one slot."""
+    reuse = 0 if s.dirty else min(lcp, length - 1)
+    lost = 0 if s.dirty else len(s.tokens) - reuse
+    return (
+        length
+        - (reuse if reuse >= p.min_match else 0)
+        + load
+        + p.evict_weight * lost * 0.5 ** ((now - s.last_used) / p.evict_half_life_s)
+    )
+
+
+def test_many_slots_on_one_shared_prefix_pick_the_formula_minimum():
+    m = Mirror()
+    system = seq(300)
+    for w in range(6):
+        for s in m.add_worker(f"w{w}", 10):
+            hold(m, s, np.concatenate([system, seq(int(rng.integers(1, 400)))]), age_s=float(rng.uniform(0, 300)))
+    busy = {f"w{w}": int(rng.integers(0, 3)) for w in range(6)}
+    prompt = np.concatenate([system, seq(50)])
+    p = Params()
+    now = time.monotonic()
+    d = select(m.index.match(prompt), loads(m, busy), p, now, 0, 0.0)
+    assert isinstance(d, Dispatch)
+    costs = [brute_cost(s, 300, len(prompt), p.busy_slot_cost * busy[s.worker], p, now) for s in m.slots()]
+    assert abs(d.cost - min(costs)) < 1e-6 and d.reuse == 300
+
+
+def test_a_just_finished_slot_is_held_for_its_conversation():
+    m = Mirror()
+    (a, b) = m.add_worker("w0", 2)
+    history = seq(200)
+    hold(m, a, history)  # just finished
+    m.assign(b, "running", seq(100))
+    # an unrelated request does not overwrite the held slot at once: it waits, then takes it
+    d = pick(m, seq(80), busy={"w0": 1})
+    assert isinstance(d, Wait) and d.slot is a and d.reuse == 0
+    d = pick(m, seq(80), busy={"w0": 1}, waited_ms=600)
+    assert isinstance(d, Dispatch) and d.slot is a
+    # the conversation's own next turn takes it immediately
+    d = pick(m, np.concatenate([history, seq(10)]), busy={"w0": 1})
+    assert isinstance(d, Dispatch) and d.slot is a and d.reuse == 200
+    # and a free slot elsewhere is used rather than waiting
+    (c,) = m.add_worker("w1", 1)
+    d = pick(m, seq(80), busy={"w0": 1})
+    assert isinstance(d, Dispatch) and d.slot is c
+    # once the hold has passed the slot is an ordinary candidate
+    m.assign(c, "other", seq(30))
+    a.last_used -= 5
+    d = pick(m, seq(80), busy={"w0": 1, "w1": 1})
+    assert isinstance(d, Dispatch) and d.slot is a
