@@ -51,8 +51,11 @@ class _Child:
 
 
 class Supervisor:
-    def __init__(self, router: Router, specs: list[WorkerSpec], cfg: SupervisorConfig, connect: str) -> None:
+    def __init__(
+        self, router: Router, specs: list[WorkerSpec], cfg: SupervisorConfig, connect: str, *, program: list[str] | None = None
+    ) -> None:
         self.router = router
+        self.program = program or [sys.executable, "-m", "kvroute.cli", "worker"]  # tests put a stand-in here
         self.cfg = cfg
         self.connect = connect
         self.children = {s.worker_id: _Child(s) for s in specs}
@@ -68,7 +71,7 @@ class Supervisor:
 
     def command(self, child: _Child) -> list[str]:
         return [
-            sys.executable, "-m", "kvroute.cli", "worker", *child.spec.flags,
+            *self.program, *child.spec.flags,
             "--connect", self.connect, "--worker-id", child.spec.worker_id, "--incarnation", str(child.incarnation),
         ]  # fmt: skip
 
