@@ -226,6 +226,7 @@ def run_one(
             print(f"-- {name}: skipped: {skip}", file=sys.stderr, flush=True)
             continue
         log_path = out / f"{stamp}-logs" / f"{wname}-{name}.log"
+        load_before = round(os.getloadavg()[0], 2)
         try:
             with Server(name, setup, log_path) as server:
                 print(f"-- {name}: ready in {server.startup_s:.1f}s on {server.url}", file=sys.stderr, flush=True)
@@ -239,7 +240,11 @@ def run_one(
             if r["prompt_tokens"] is None:
                 r["prompt_tokens_source"] = "local tokenizer"
                 r["prompt_tokens"] = None if r["error"] else 1 + len(tokenize(prompt_of(workload, r, rows)))
-        entry["systems"][name] = {"samples": rows, "figures": report.figures(wname, rows, wall)}
+        entry["systems"][name] = {
+            "samples": rows,
+            "figures": report.figures(wname, rows, wall),
+            "load_average": [load_before, round(os.getloadavg()[0], 2)],
+        }
         (out / f"{stamp}.json").write_text(json.dumps(run, indent=1))  # keep what is done if a later system fails
 
 
@@ -282,6 +287,9 @@ def write_markdown(run: dict[str, Any], out: Path, stamp: str) -> Path:
         figs = {s: v["figures"] for s, v in entry["systems"].items()}
         if figs:
             lines += [report.table(wname, figs), ""]
+        if figs:
+            loads = ", ".join(f"{s} {v['load_average'][0]} -> {v['load_average'][1]}" for s, v in entry["systems"].items())
+            lines += [f"Load average (1 min) before -> after each system: {loads}.", ""]
         for s, why in entry["skipped"].items():
             lines += [f"- `{s}` not measured: {why.splitlines()[0]}"]
         if entry["skipped"]:
