@@ -57,7 +57,7 @@ def decision_bench(workers: int, slots: int, ctx: int, systems: int, decisions: 
         mirror.assign(s, "busy", h[: ctx // 2])
     for wl in loads:
         wl.busy = sum(s.busy for s in wl.slots)
-    kinds = {"next_turn": [], "new_session": [], "cold": []}
+    kinds: dict[str, list[float]] = {"next_turn": [], "new_session": [], "cold": []}
     params = Params()
     now = time.monotonic()
     idle = [(s, h) for s, h in histories if not s.busy]
@@ -135,7 +135,9 @@ async def run_policy(policy: str, args: argparse.Namespace) -> dict[str, float]:
 
     base = 20000 + random.randrange(20000)
     cep, wep = f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"
-    cfg = RouterConfig(client_endpoint=cep, worker_endpoint=wep, policy=policy, busy_wait_ms=args.busy_wait_ms)
+    cfg = RouterConfig(
+        client_endpoint=cep, worker_endpoint=wep, policy=policy, busy_wait_ms=args.busy_wait_ms, hold_ms=args.hold_ms
+    )
     local = LocalWorkers(cpu_workers=2, slots=args.slots, ctx_per_slot=args.ctx, threads=args.threads)
     holder: dict = {}
     task = asyncio.ensure_future(
@@ -241,6 +243,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--think-s", type=float, default=1.0, help="pause between turns: uniform 0..think-s")
     p.add_argument("--busy-wait-ms", type=int, default=500)
+    p.add_argument("--hold-ms", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="warning")
     args = ap.parse_args()

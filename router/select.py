@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -195,7 +196,8 @@ def _prefix(match: Match, workers: list[WorkerLoad], params: Params, now: float,
                     if not s.busy and s is not cold:
                         consider(s, match.lcp(s))
     if params.prefix_cache:
-        for owners, depth in match.levels():
+        for level, depth in match.levels():
+            owners = cast("set[Slot]", level)
             top = min(depth, length - 1)
             if top < mm or (best is not None and length - top + min_load >= best[0]):
                 break  # shallower levels reuse less: none of them can win
@@ -235,7 +237,8 @@ def _vector_best(
 
 def _busy_better(match: Match, length: int, params: Params, idle_reuse: int) -> Wait | None:
     """The busy slot with the deepest match, if it beats the best idle choice by min_match tokens."""
-    for owners, depth in match.levels():
+    for level, depth in match.levels():
+        owners = cast("set[Slot]", level)
         if min(depth, length - 1) - idle_reuse < params.min_match:
             return None
         top: Wait | None = None

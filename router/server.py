@@ -121,8 +121,8 @@ class Router:
         self.client_sock = self._router_socket(self.cfg.client_endpoint)
         self.worker_sock = self._router_socket(self.cfg.worker_endpoint)
         # synchronous twins for sending: a failed send raises here instead of inside a Future
-        self._client_tx = zmq.Socket.shadow(self.client_sock.underlying)
-        self._worker_tx = zmq.Socket.shadow(self.worker_sock.underlying)
+        self._client_tx: zmq.Socket[bytes] = zmq.Socket.shadow(self.client_sock.underlying)
+        self._worker_tx: zmq.Socket[bytes] = zmq.Socket.shadow(self.worker_sock.underlying)
 
     def _router_socket(self, endpoint: str) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
