@@ -22,7 +22,7 @@ Guards:
   idle choice.
 - Hold: a slot whose job ended less than `hold_ms` ago is kept for its own conversation (a prompt
   that reuses at least `min_match` of it); another request skips it, and waits (`Wait`) when nothing
-  else is idle, until it has waited `busy_wait_ms`. With more conversations than slots this keeps
+  else is idle, at most until the hold ends. With more conversations than slots this keeps
   each returning turn on its history instead of every turn overwriting another's.
 Cold requests (no affinity anywhere) thus go to the least-loaded worker, to its empty or least
 recently used slot. `round-robin` and `least-loaded` ignore prefixes when choosing (for benchmarks);
@@ -51,8 +51,8 @@ class Params:
     evict_half_life_s: float = 60.0
     imbalance_abs: int = 4
     imbalance_rel: float = 1.5
-    busy_wait_ms: float = 500.0
-    hold_ms: float = 1000.0
+    busy_wait_ms: float = 1000.0
+    hold_ms: float = 3000.0
 
 
 @dataclass
@@ -169,7 +169,7 @@ def _prefix(match: Match, workers: list[WorkerLoad], params: Params, now: float,
     best_slot: Slot | None = None
     best_reuse = 0
 
-    holding = params.prefix_cache and waited_ms < params.busy_wait_ms and params.hold_ms > 0
+    holding = params.prefix_cache and params.hold_ms > 0  # the wait ends when the hold does
     hold_since = now - params.hold_ms / 1000.0
     held: Slot | None = None
 

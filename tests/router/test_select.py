@@ -196,7 +196,7 @@ def test_a_just_finished_slot_is_held_for_its_conversation():
     # an unrelated request does not overwrite the held slot at once: it waits, then takes it
     d = pick(m, seq(80), busy={"w0": 1})
     assert isinstance(d, Wait) and d.slot is a and d.reuse == 0
-    d = pick(m, seq(80), busy={"w0": 1}, waited_ms=600)
+    d = pick(m, seq(80), Params(hold_ms=0), busy={"w0": 1})
     assert isinstance(d, Dispatch) and d.slot is a
     # the conversation's own next turn takes it immediately
     d = pick(m, np.concatenate([history, seq(10)]), busy={"w0": 1})
@@ -207,6 +207,6 @@ def test_a_just_finished_slot_is_held_for_its_conversation():
     assert isinstance(d, Dispatch) and d.slot is c
     # once the hold has passed the slot is an ordinary candidate
     m.assign(c, "other", seq(30))
-    a.last_used -= 5
+    a.last_used -= Params().hold_ms / 1000 + 1
     d = pick(m, seq(80), busy={"w0": 1, "w1": 1})
     assert isinstance(d, Dispatch) and d.slot is a
