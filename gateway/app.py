@@ -33,7 +33,7 @@ from gateway.openai_schema import (
 from gateway.openapi import OPENAPI
 from kvroute import logs
 from kvroute.client import AsyncClient, KvrouteError
-from protocol import Delta, ErrorCode, Result, Submit
+from protocol import Delta, ErrorCode, FinishReason, Result, Submit
 
 log = logs.get(__name__)
 
@@ -159,6 +159,11 @@ class Gateway:
             result = first if isinstance(first, Result) else await self._drain(messages, request, sub)
             if result is None:
                 return Response(status_code=499)
+            if result.finish_reason == FinishReason.DEADLINE_EXCEEDED:
+                raise KvrouteError(
+                    f"deadline of {sub.deadline_ms} ms exceeded after {result.usage.completion_tokens} tokens",
+                    code=ErrorCode.DEADLINE_EXCEEDED,
+                )
             make = completion_body if kind == "completions" else chat_body
             return JSONResponse(make(result, self.model_name, created))
         return StreamingResponse(
@@ -233,6 +238,8 @@ class Gateway:
                         first_token = False
                     if msg.text:
                         yield chunk([choice(msg.text, None)])
+                elif msg.finish_reason == FinishReason.DEADLINE_EXCEEDED:
+                    raise KvrouteError("deadline exceeded", code=ErrorCode.DEADLINE_EXCEEDED)
                 else:
                     yield chunk([choice(None if chat else "", finish_reason(msg))])
                     if include_usage:

@@ -75,6 +75,14 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> Sampling:
         raise RequestError(f"invalid sampling parameter: {text}", param=param) from None
 
 
+def _deadline_ms(body: dict[str, Any]) -> int | None:
+    """kvroute extension: `deadline_ms`, the most milliseconds the request may take (504 past it)."""
+    value = _get(body, "deadline_ms", (int,))
+    if value is not None and value < 1:
+        raise RequestError("`deadline_ms` must be a positive integer", param="deadline_ms")
+    return value
+
+
 def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     stream = _get(body, "stream", (bool,), False)
     opts = _get(body, "stream_options", (dict,), {})
@@ -137,7 +145,8 @@ def chat_submit(body: dict[str, Any], request_id: str) -> tuple[Submit, bool, bo
         chat.append(ChatMessage(role=role, content=_content(m, i)))
     stream, include_usage = _stream_flags(body)
     sampling = _sampling(body, None)
-    return Submit(id=request_id, messages=chat, sampling=sampling, stream=True), stream, include_usage
+    sub = Submit(id=request_id, messages=chat, sampling=sampling, stream=True, deadline_ms=_deadline_ms(body))
+    return sub, stream, include_usage
 
 
 def usage_body(result: Result) -> dict[str, Any]:

@@ -34,6 +34,7 @@ _sampling: dict[str, Any] = {
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "deadline_ms": {"type": "integer", "minimum": 1, "description": "kvroute extension: 504 when the request takes longer"},
 }
 
 _usage = {
