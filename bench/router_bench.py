@@ -192,33 +192,40 @@ async def run_policy(policy: str, args: argparse.Namespace) -> dict[str, float]:
 
 
 def policies_bench(args: argparse.Namespace) -> None:
+    import os
+
     from kvroute import logs
     from router.main import run_loop
 
     logs.setup(args.log_level, process="bench")
-    results: dict[str, dict[str, float]] = {}
+    policies = args.policies.split(",")
+    runs: dict[str, list[dict[str, float]]] = {p: [] for p in policies}
+    load_before = os.getloadavg()[0]
 
     async def all_policies() -> None:
-        for p in args.policies.split(","):
-            print(f"running policy {p} ...", file=sys.stderr)
-            results[p] = await run_policy(p, args)
+        for r in range(args.repeat):  # interleaved, so background load hits every policy alike
+            for p in policies:
+                print(f"round {r + 1}/{args.repeat}: policy {p} ...", file=sys.stderr)
+                runs[p].append(await run_policy(p, args))
 
     run_loop(all_policies())
+    results = {p: {k: statistics.mean(x[k] for x in rs) for k in rs[0]} for p, rs in runs.items()}
     print(
         f"\n{args.sessions} sessions x {args.turns} turns on 2 workers x {args.slots} slots "
-        f"(threads {args.threads}, document {args.doc_words} words, max_tokens {args.max_tokens})\n"
+        f"(threads {args.threads}, document {args.doc_words} words, max_tokens {args.max_tokens}, think 0..{args.think_s} s); "
+        f"mean of {args.repeat} interleaved round(s); load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after\n"
     )
     cols = ["requests", "reuse", "mean_ttft_ms", "p90_ttft_ms", "wall_s", "mispredicted", "mirror_mismatches", "decision_p99_ms"]
     print("| policy | " + " | ".join(cols) + " |")
     print("| --- " * (len(cols) + 1) + "|")
     for p, r in results.items():
-        print(f"| {p} | " + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+        print(f"| {p} | " + " | ".join(f"{r[c]:.3f}" for c in cols) + " |")
     if "prefix" in results:
         for p, r in results.items():
             if p != "prefix":
                 print(
                     f"prefix vs {p}: reuse x{results['prefix']['reuse'] / max(1e-9, r['reuse']):.2f}, "
-                    f"mean TTFT x{r['mean_ttft_ms'] / results['prefix']['mean_ttft_ms']:.2f} faster"
+                    f"mean TTFT {r['mean_ttft_ms'] / results['prefix']['mean_ttft_ms']:.2f}x lower"
                 )
 
 
@@ -246,6 +253,7 @@ def main() -> None:
     p.add_argument("--hold-ms", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--repeat", type=int, default=1, help="rounds, policies interleaved within each")
     args = ap.parse_args()
     if args.what == "decision":
         out = decision_bench(args.workers, args.slots, args.ctx, args.systems, args.decisions, args.seed)

@@ -25,6 +25,17 @@ log = logs.get(__name__)
 REFUSED_EXIT = 3
 
 
+def _die_with_parent() -> None:
+    """Linux: the worker gets SIGKILL if the supervising process dies, so no orphan keeps a device."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 @dataclass(frozen=True)
 class SupervisorConfig:
     restart_backoff_s: float = opt(0.5, "first delay before restarting a worker that exited; doubles per quick restart")
@@ -81,7 +92,8 @@ class Supervisor:
         while not self._stopping:
             child.incarnation += 1
             started = time.monotonic()
-            child.proc = await asyncio.create_subprocess_exec(*self.command(child))
+            extra = {"preexec_fn": _die_with_parent} if sys.platform.startswith("linux") else {}
+            child.proc = await asyncio.create_subprocess_exec(*self.command(child), **extra)  # type: ignore[arg-type]
             log.info("worker_spawned", worker=wid, incarnation=child.incarnation, pid=child.proc.pid)
             rc = await child.proc.wait()
             self.router.worker_exited(wid, child.incarnation, rc)
