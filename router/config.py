@@ -15,7 +15,9 @@ class RouterConfig:
     model: str | None = opt(
         None, "GGUF model whose vocabulary the router tokenizes with (default: bundled Gemma 3 270M)", metavar="PATH"
     )
-    client_endpoint: str = opt("tcp://127.0.0.1:5555", "endpoint bound for clients (ZMQ ROUTER)", flag="--listen")
+    client_endpoint: str = opt(
+        "tcp://127.0.0.1:5555", "endpoint bound for clients (ZMQ ROUTER)", flag="--zmq", aliases=("--listen",)
+    )
     worker_endpoint: str = opt("tcp://127.0.0.1:5556", "endpoint bound for workers (ZMQ ROUTER)", flag="--worker-endpoint")
     policy: str = opt("prefix", "slot selection policy", choices=POLICIES)
     chat_format: str = opt("gemma", "built-in chat format used when the GGUF has no chat template", choices=CHAT_FORMATS)

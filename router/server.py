@@ -66,6 +66,7 @@ from router.templates import ChatRenderer, TemplateError
 log = logs.get(__name__)
 
 TICK_S = 0.1
+MAX_WAITING_SCAN = 64  # queued requests examined per event beyond those dispatched
 
 
 def params_from(cfg: RouterConfig) -> Params:
@@ -349,10 +350,13 @@ class Router:
             self.metrics.queue_depth = 0
             return
         now = time.monotonic()
+        waiting = 0
         for req in list(self.queue):
             loads = self._ready_loads()
-            if not any(not s.busy for w in loads for s in w.slots):
-                break
+            if not any(w.busy < len(w.slots) for w in loads):
+                break  # no idle slot anywhere
+            if waiting >= MAX_WAITING_SCAN:
+                break  # bound the work per event when many requests wait for particular slots
             t0 = time.perf_counter()
             match = self.mirror.index.match(req.tokens)
             waited = 0.0 if req.wait_since is None else (now - req.wait_since) * 1000
@@ -369,6 +373,7 @@ class Router:
                         slot=decision.slot.index,
                         reuse=decision.reuse,
                     )
+                waiting += 1
                 continue
             if isinstance(decision, Dispatch):
                 self._dispatch(req, decision)

@@ -223,3 +223,22 @@ def test_no_workers_after_grace(vocab):
         c.close()
     finally:
         rt.stop()
+
+
+def test_client_disconnect_cancels_its_running_job(fake_router, vocab):
+    rt, cep, wep = fake_router
+    w = FakeWorker(wep, "w0", vocab, slots=1)
+    w.hello()
+    c = RawClient(cep)
+    c.send(submit("bye", list(range(10, 30))))
+    job = w.recv()
+    w.delta(job, [1])
+    assert isinstance(c.recv(), Delta)
+    c.close()
+    time.sleep(0.3)  # the router notices the closed connection
+    w.delta(job, [2])  # relaying this fails: the client is gone, so the job is cancelled
+    assert isinstance(w.recv(), JobCancel)
+    w.done(job, [1, 2])
+    time.sleep(0.2)
+    assert not rt.router.requests and rt.router.workers["w0"].load.busy == 0
+    w.close()
