@@ -242,3 +242,44 @@ def test_client_disconnect_cancels_its_running_job(fake_router, vocab):
     time.sleep(0.2)
     assert not rt.router.requests and rt.router.workers["w0"].load.busy == 0
     w.close()
+
+
+def test_draining_worker_hands_its_unstarted_job_to_another(fake_router, vocab):
+    from protocol import JobError
+
+    rt, cep, wep = fake_router
+    w0 = FakeWorker(wep, "w0", vocab, slots=1)
+    w0.hello()
+    c = RawClient(cep)
+    c.send(submit("d", list(range(10, 30))))
+    job = w0.recv()
+    w1 = FakeWorker(wep, "w1", vocab, slots=1)
+    w1.hello()
+    w0.send(JobError(id=job.id, code="draining", message="draining", slot=-1))
+    job2 = w1.recv()
+    assert unpack_tokens(job2.tokens) == unpack_tokens(job.tokens)
+    w1.done(job2, [4])
+    _, res = c.recv_until_end("d")
+    assert isinstance(res, Result) and res.worker == "w1"
+    assert rt.router.workers["w0"].state.value == "draining"
+    for x in (c, w0, w1):
+        x.close()
+
+
+def test_heartbeat_disagreeing_with_the_mirror_is_a_mismatch(fake_router, vocab):
+    rt, cep, wep = fake_router
+    w = FakeWorker(wep, "w0", vocab, slots=1)
+    w.hello()
+    c = RawClient(cep)
+    c.send(submit("h", list(range(10, 30))))
+    job = w.recv()
+    w.done(job, [4, 5])
+    c.recv_until_end("h")
+    w.held[0] = [1, 2, 3]  # the worker now claims a different length for the idle slot
+    w.heartbeat()
+    time.sleep(0.2)
+    assert rt.router.metrics.mirror_mismatches == 1
+    c.send(submit("h2", list(range(10, 30))))
+    assert w.recv().prefix_cache is False  # the next job clears the slot
+    c.close()
+    w.close()
