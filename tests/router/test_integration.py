@@ -182,4 +182,6 @@ def test_kill_9_mid_load_nothing_hangs_and_the_worker_comes_back(system):
         pytest.fail(f"worker {victim} did not come back")
     c.send(Submit(id="after", prompt="Back again", sampling=Sampling(max_tokens=4)))
     assert isinstance(collect(c, {"after"})["after"][1], Result)
+    # across everything this module did, every finished request's reuse was predicted exactly
+    assert router.metrics.recent and router.metrics.reuse_mispredictions == 0 and router.metrics.mirror_mismatches == 0
     c.close()
