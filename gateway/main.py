@@ -13,7 +13,9 @@ from kvroute.config import add_args, from_args, opt
 
 @dataclass(frozen=True)
 class HttpConfig:
-    http: str = opt("127.0.0.1:8000", "HOST:PORT the HTTP API listens on (loopback by default)", metavar="HOST:PORT")
+    http: str = opt(
+        "127.0.0.1:8000", "HOST:PORT the HTTP API listens on (loopback by default; 'off' in serve: none)", metavar="HOST:PORT"
+    )
     router: str = opt("tcp://127.0.0.1:5555", "the router's client endpoint", metavar="ENDPOINT")
     model_name: str = opt("default", "model name listed by /v1/models (kvroute serve sets it from the GGUF)")
     api_key: str | None = opt(

@@ -106,4 +106,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvroute.cli import main as _main  # one module object, so UsageError raised elsewhere is this one
+
+    sys.exit(_main())

@@ -15,9 +15,18 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def opt(default: Any, help: str, *, flag: str | None = None, choices: list[str] | None = None, metavar: str | None = None) -> Any:
-    """A config field with its help text (and optionally its flag name, choices, metavar)."""
-    return dataclasses.field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "metavar": metavar})
+def opt(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+    choices: list[str] | None = None,
+    metavar: str | None = None,
+) -> Any:
+    """A config field with its help text (and optionally its flag name, other accepted flag names, choices, metavar)."""
+    meta = {"help": help, "flag": flag, "aliases": aliases, "choices": choices, "metavar": metavar}
+    return dataclasses.field(default=default, metadata=meta)
 
 
 def _base_type(tp: Any) -> tuple[Any, bool]:
@@ -34,17 +43,17 @@ def add_args(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...
     for f in dataclasses.fields(cls):
         if f.name in skip or "help" not in f.metadata:
             continue
-        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        flags = [f.metadata.get("flag") or "--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         tp, _ = _base_type(hints[f.name])
         default = f.default
         if tp is bool:
             parser.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"]
+                *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"]
             )
             continue
         shown = "" if default is None else f" (default: {default})"
         parser.add_argument(
-            flag,
+            *flags,
             dest=f.name,
             type=tp if tp in (int, float, str) else str,
             default=default,

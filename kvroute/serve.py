@@ -1,20 +1,23 @@
-"""`kvroute serve`: the router and N supervised local workers in one command.
+"""`kvroute serve`: the router, N supervised local workers and the HTTP API in one command.
 
 One worker per GPU given with --gpus, else --cpu-workers workers on CPU (threads shared between
-them). The router and the supervisor run in one asyncio loop; workers are child processes
-(`kvroute worker`), restarted with backoff when they exit.
+them). The router, the supervisor and the OpenAI-compatible HTTP API (`--http`, 'off' for none) run
+in one asyncio loop; workers are child processes (`kvroute worker`), restarted with backoff.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from gateway.main import HttpConfig, parse_host_port, serve_http
 from kvroute import logs
 from kvroute.config import add_args, from_args, opt
 from router.config import RouterConfig
@@ -25,7 +28,12 @@ from router.supervisor import Supervisor, SupervisorConfig, WorkerSpec
 @dataclass(frozen=True)
 class LocalWorkers:
     gpus: str | None = opt(None, "comma-separated GPU indices: one worker per GPU (default: CPU workers)", metavar="0,1")
-    cpu_workers: int = opt(1, "number of CPU workers when no --gpus are given")
+    cpu_workers: int = opt(
+        1,
+        "number of CPU workers when no --gpus are given (0: none, workers join from elsewhere)",
+        flag="--workers",
+        aliases=("--cpu-workers",),
+    )
     slots: int = opt(4, "slots per worker")
     ctx_per_slot: int = opt(4096, "context length of each slot, in tokens")
     threads: int = opt(0, "CPU threads per worker; 0 = the CPU count divided among the CPU workers")
@@ -76,6 +84,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_args(parser, RouterConfig)
     add_args(parser, LocalWorkers)
     add_args(parser, SupervisorConfig)
+    add_args(parser, HttpConfig, skip=("router", "model_name"))
+
+
+def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfig | None:
+    """The HTTP API in front of this router (None with --http off); `serve` names the model once it is resolved."""
+    if args.http == "off":
+        return None
+    parse_host_port(args.http)
+    return HttpConfig(http=args.http, router=connect_endpoint(router_cfg.client_endpoint), api_key=args.api_key)
 
 
 async def serve(
@@ -85,6 +102,7 @@ async def serve(
     *,
     signals: bool = True,
     started: Callable[[Router, Supervisor], None] | None = None,
+    http: HttpConfig | None = None,
 ) -> None:
     """Run the router and its supervised workers until the router stops (SIGINT/SIGTERM).
     `started(router, supervisor)` is called once both exist (tests and benchmarks hold on to them)."""
@@ -101,10 +119,30 @@ async def serve(
     sup.start()
     if started is not None:
         started(router, sup)
+    http_task = None
+    if http is not None:
+        http = dataclasses.replace(http, model_name=Path(model).stem)
+        http_task = asyncio.ensure_future(serve_http(http))
+    _say_where(router_cfg, http, model)
     try:
         await router.run()
     finally:
+        if http_task is not None:
+            http_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await http_task
         await sup.stop()
+
+
+def _say_where(router_cfg: RouterConfig, http: HttpConfig | None, model: str) -> None:
+    """One short block on stdout saying what is served where (logs go to stderr)."""
+    lines = [f"kvroute serving {Path(model).name}"]
+    if http is not None:
+        host, port = parse_host_port(http.http)
+        lines.append(f"  OpenAI API  http://{host}:{port}/v1   (health: /health, metrics: /metrics)")
+    lines.append(f"  ZMQ clients {router_cfg.client_endpoint}   (kvroute status / complete / chat --connect ...)")
+    lines.append(f"  workers     {router_cfg.worker_endpoint}")
+    print("\n".join(lines), flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,5 +157,9 @@ def run(args: argparse.Namespace) -> int:
         sup_cfg = from_args(SupervisorConfig, args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    run_loop(serve(router_cfg, local, sup_cfg))
+    try:
+        http = http_config(args, router_cfg)
+    except ValueError as exc:
+        raise UsageError(f"--http: {exc}") from None
+    run_loop(serve(router_cfg, local, sup_cfg, http=http))
     return 0
