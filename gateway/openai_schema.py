@@ -106,9 +106,8 @@ def completion_submit(body: dict[str, Any], request_id: str) -> tuple[Submit, bo
         raise RequestError("`prompt` is required and must be a string or a list of token ids", param="prompt")
     stream, include_usage = _stream_flags(body)
     sampling = _sampling(body, OPENAI_COMPLETIONS_MAX_TOKENS)
-    sub = Submit(
-        id=request_id, prompt=prompt, tokens=None if tokens is None else pack_tokens(tokens), sampling=sampling, stream=True
-    )
+    packed = None if tokens is None else pack_tokens(tokens)
+    sub = Submit(id=request_id, prompt=prompt, tokens=packed, sampling=sampling, stream=True, deadline_ms=_deadline_ms(body))
     return sub, stream, include_usage
 
 

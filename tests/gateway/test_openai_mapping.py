@@ -42,6 +42,8 @@ def test_completion_fields_map_onto_sampling() -> None:
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p, s.seed) == (5, 0.0, 0.5, 7, 0.1, 42)
     assert s.logit_bias == {"17": -100.0} and s.stop == ["\n"]
     assert (stream, usage) == (True, True)
+    assert completion_submit({"prompt": "x", "deadline_ms": 300}, "r")[0].deadline_ms == 300
+    assert chat_submit({"messages": [{"role": "user", "content": "x"}], "deadline_ms": 9}, "r")[0].deadline_ms == 9
 
 
 def test_chat_maps_roles_and_text_parts() -> None:

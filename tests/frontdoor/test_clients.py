@@ -1,0 +1,68 @@
+"""The Node.js example client and the kvroute CLI against the same real server."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from served import Served
+
+NODE_DIR = Path(__file__).resolve().parents[2] / "examples" / "node"
+
+
+def test_node_client_streams_text(served: Served) -> None:
+    node = shutil.which("node")
+    if node is None or not (NODE_DIR / "node_modules" / "zeromq").exists():
+        pytest.fail("node and examples/node/node_modules are required: ./scripts/test installs them (npm ci)")
+    out = subprocess.run(
+        [node, "client.mjs", "The quick brown fox", "--endpoint", served.zmq, "--max-tokens", "8"],
+        cwd=NODE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stderr.strip().splitlines()[-1])
+    assert summary["completion_tokens"] == 8 and summary["result_tokens"] == 8
+    assert summary["streamed_tokens"] >= 7  # an end-of-generation token is not streamed
+    assert out.stdout.strip()
+
+
+def kvroute(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvroute.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_complete_then_status_shows_the_slot(served: Served) -> None:
+    out = kvroute("complete", "--connect", served.zmq, "--max-tokens", "5", "--usage", "A list of fruits: apple,")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+    assert "completion=5" in out.stderr
+    status = kvroute("status", "--connect", served.zmq)
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert lines[0].startswith("model ")
+    rows = [line.split() for line in lines[4:] if line.strip()]
+    assert rows and all(len(r) >= 8 for r in rows)
+    assert any(int(r[6]) > 0 for r in rows), status.stdout  # some slot holds tokens now
+    raw = json.loads(kvroute("status", "--connect", served.zmq, "--json").stdout)
+    assert raw["workers"][0]["slots"]
+
+
+def test_cli_unreachable_router_is_one_line() -> None:
+    out = kvroute("status", "--connect", "tcp://127.0.0.1:9", "--timeout", "1")
+    assert out.returncode == 1
+    assert out.stderr.strip() == "kvroute: error: cannot reach the router at tcp://127.0.0.1:9 (no reply in 1 s)"
+
+
+@pytest.mark.parametrize(
+    "args", [["serve", "--slots", "lots"], ["serve", "--http", "nowhere"], ["complete"], ["worker", "--threads", "-"]]
+)
+def test_cli_bad_flags_are_one_clear_line(args: list[str]) -> None:
+    out = kvroute(*args)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    assert "error" in out.stderr
