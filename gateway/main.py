@@ -23,6 +23,8 @@ class HttpConfig:
         "require this key (Authorization: Bearer KEY) on every endpoint but /health; default: $KVROUTE_API_KEY",
         metavar="KEY",
     )
+    curve_key: str | None = opt(None, "this client's CurveZMQ key file, when the router's client socket uses CURVE", metavar="FILE")
+    router_key: str | None = opt(None, "the router's public key file (.pub), with --curve-key", metavar="FILE")
 
 
 def parse_host_port(value: str) -> tuple[str, int]:
@@ -41,7 +43,7 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None) -> 
     from kvroute.client import AsyncClient
 
     host, port = parse_host_port(cfg.http)
-    client = AsyncClient(cfg.router)
+    client = AsyncClient(cfg.router, curve_key=cfg.curve_key, router_key=cfg.router_key)
     api_key = cfg.api_key or os.environ.get("KVROUTE_API_KEY") or None
     app = build_app(Gateway(client, cfg.model_name, api_key))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False))
@@ -69,11 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvroute.cli import UsageError
 
-    cfg = from_args(HttpConfig, args)
     try:
+        cfg = from_args(HttpConfig, args)
         parse_host_port(cfg.http)
     except ValueError as exc:
         raise UsageError(f"--http: {exc}") from None
+    if (cfg.curve_key is None) != (cfg.router_key is None):
+        raise UsageError("--curve-key and --router-key go together")
     logs.setup(process="http")
     import uvloop
 

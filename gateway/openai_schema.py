@@ -97,7 +97,7 @@ def completion_submit(body: dict[str, Any], request_id: str) -> tuple[Submit, bo
         prompt = prompt[0]  # a batch of one
     tokens = None
     if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in prompt):
             raise RequestError(
                 "`prompt` must be a string, or a list of token ids (a batch of several prompts is not supported)", param="prompt"
             )

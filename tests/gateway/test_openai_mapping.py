@@ -68,6 +68,8 @@ def test_chat_maps_roles_and_text_parts() -> None:
         ({"prompt": "x", "stop": [1]}, "stop"),
         ({"prompt": "x", "logit_bias": {"abc": 1}}, None),
         ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [2**31]}, "prompt"),  # found by schemathesis: not an int32 token id
+        ({"prompt": [-1]}, "prompt"),
         ({"prompt": None}, "prompt"),
         ({"prompt": "x", "stream": "yes"}, "stream"),
     ],
