@@ -23,7 +23,9 @@ class HttpConfig:
         "require this key (Authorization: Bearer KEY) on every endpoint but /health; default: $KVROUTE_API_KEY",
         metavar="KEY",
     )
-    curve_key: str | None = opt(None, "this client's CurveZMQ key file, when the router's client socket uses CURVE", metavar="FILE")
+    curve_key: str | None = opt(
+        None, "this client's CurveZMQ key file (when the router's client socket uses CURVE)", metavar="FILE"
+    )
     router_key: str | None = opt(None, "the router's public key file (.pub), with --curve-key", metavar="FILE")
 
 

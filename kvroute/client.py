@@ -45,6 +45,20 @@ from protocol import (
 DEFAULT_ENDPOINT = os.environ.get("KVROUTE_ENDPOINT", "tcp://127.0.0.1:5555")
 
 
+def secure_client_socket(sock: zmq.Socket[Any], curve_key: str | None, router_key: str | None) -> None:
+    """CurveZMQ towards the router: this peer's key file (secret) and the router's public key file.
+    Both None: plain TCP. Raises ValueError naming a missing or unreadable key (call before connect)."""
+    if curve_key is None and router_key is None:
+        return
+    if curve_key is None or router_key is None:
+        raise ValueError("CURVE needs both this peer's key file and the router's public key file")
+    from kvroute.keys import read_key
+
+    sock.setsockopt(zmq.CURVE_SECRETKEY, read_key(curve_key, secret=True))
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, read_key(curve_key, secret=False))
+    sock.setsockopt(zmq.CURVE_SERVERKEY, read_key(router_key, secret=False))
+
+
 class KvrouteError(Exception):
     """The router answered with an error. `code` is a protocol ErrorCode value."""
 
@@ -166,8 +180,12 @@ class Client:
         timeout_s: float = 300.0,
         connect_timeout_s: float | None = None,
         context: zmq.Context[Any] | None = None,
+        curve_key: str | None = None,
+        router_key: str | None = None,
     ) -> None:
+        """`curve_key` (this client's key file) and `router_key` (the router's .pub): CURVE, see `kvroute keys`."""
         self.endpoint = endpoint
+        self.curve = (curve_key, router_key)
         self.timeout_s = timeout_s
         self.ctx = context or zmq.Context.instance()
         self._decoder = router_reply_decoder()
@@ -177,6 +195,7 @@ class Client:
     def _connect(self) -> zmq.Socket[Any]:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        secure_client_socket(sock, *self.curve)
         sock.connect(self.endpoint)
         return sock
 
@@ -257,9 +276,16 @@ class AsyncClient:
     _ids = itertools.count()
 
     def __init__(
-        self, endpoint: str = DEFAULT_ENDPOINT, *, timeout_s: float = 300.0, context: zmq.asyncio.Context | None = None
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        *,
+        timeout_s: float = 300.0,
+        context: zmq.asyncio.Context | None = None,
+        curve_key: str | None = None,
+        router_key: str | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.curve = (curve_key, router_key)
         self.timeout_s = timeout_s
         self.ctx = context or zmq.asyncio.Context.instance()
         self._decoder = router_reply_decoder()
@@ -270,6 +296,7 @@ class AsyncClient:
     def _connect(self) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        secure_client_socket(sock, *self.curve)
         sock.connect(self.endpoint)
         return sock
 

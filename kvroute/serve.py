@@ -3,6 +3,10 @@
 One worker per GPU given with --gpus, else --cpu-workers workers on CPU (threads shared between
 them). The router, the supervisor and the OpenAI-compatible HTTP API (`--http`, 'off' for none) run
 in one asyncio loop; workers are child processes (`kvroute worker`), restarted with backoff.
+
+SIGTERM/SIGINT drain the router (see router.server: accepted requests finish or get an error), then the
+workers are stopped; SIGHUP is logged and changes nothing. With CURVE on (--curve-key), the local workers
+and the HTTP API use the router's own key pair, which the router always lets in.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import zmq.asyncio
 
 from gateway.main import HttpConfig, parse_host_port, serve_http
 from kvroute import logs
@@ -84,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_args(parser, RouterConfig)
     add_args(parser, LocalWorkers)
     add_args(parser, SupervisorConfig)
-    add_args(parser, HttpConfig, skip=("router", "model_name"))
+    add_args(parser, HttpConfig, skip=("router", "model_name", "curve_key", "router_key"))
 
 
 def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfig | None:
@@ -92,7 +97,14 @@ def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfi
     if args.http == "off":
         return None
     parse_host_port(args.http)
-    return HttpConfig(http=args.http, router=connect_endpoint(router_cfg.client_endpoint), api_key=args.api_key)
+    keys = router_cfg.curve_key if router_cfg.client_keys else None
+    return HttpConfig(
+        http=args.http,
+        router=connect_endpoint(router_cfg.client_endpoint),
+        api_key=args.api_key,
+        curve_key=keys,
+        router_key=keys,
+    )
 
 
 async def serve(
@@ -107,15 +119,17 @@ async def serve(
     """Run the router and its supervised workers until the router stops (SIGINT/SIGTERM).
     `started(router, supervisor)` is called once both exist (tests and benchmarks hold on to them)."""
     from kvroute.model import resolve_model
-    from router.main import load_router
+    from router.main import handle_signals, load_router
 
     model = str(resolve_model(router_cfg.model))
     router = load_router(dataclasses.replace(router_cfg, model=model))
-    sup = Supervisor(router, worker_specs(local, model), sup_cfg, connect_endpoint(router_cfg.worker_endpoint))
+    specs = worker_specs(local, model)
+    if router_cfg.worker_keys and router_cfg.curve_key:  # local workers hold the router's own key
+        keys = ("--curve-key", router_cfg.curve_key, "--router-key", router_cfg.curve_key)
+        specs = [dataclasses.replace(s, flags=(*s.flags, *keys)) for s in specs]
+    sup = Supervisor(router, specs, sup_cfg, connect_endpoint(router_cfg.worker_endpoint))
     if signals:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, router.stop)
+        handle_signals(router)
     sup.start()
     if started is not None:
         started(router, sup)
@@ -162,4 +176,5 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--http: {exc}") from None
     run_loop(serve(router_cfg, local, sup_cfg, http=http))
+    zmq.asyncio.Context.instance().destroy(linger=1000)  # the last replies leave before the process does
     return 0

@@ -38,6 +38,17 @@ class RouterConfig:
     no_workers_grace_s: float = opt(20.0, "with no worker connected for this long, requests get no_workers")
     heartbeat_timeout_s: float = opt(3.0, "a worker silent for this long is dead")
     max_frame_bytes: int = opt(8 * 1024 * 1024, "largest client frame accepted")
+    drain_timeout_s: float = opt(
+        30.0, "on SIGTERM: new requests get `draining`; accepted ones get this long to finish, then an error"
+    )
+    curve_key: str | None = opt(None, "the router's CurveZMQ key file (secret; `kvroute keys generate`)", metavar="FILE")
+    client_keys: str | None = opt(
+        None, "directory of client public keys (*.pub) allowed on the client socket; enables CURVE there", metavar="DIR"
+    )
+    worker_keys: str | None = opt(
+        None, "directory of worker public keys (*.pub) allowed on the worker socket; enables CURVE there", metavar="DIR"
+    )
+    insecure_bind: bool = opt(False, "allow binding a non-loopback address without CURVE keys (logs a warning)")
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -48,3 +59,5 @@ class RouterConfig:
             raise ValueError(f"min_match must be at least 1, got {self.min_match}")
         if self.heartbeat_timeout_s <= 0 or self.no_workers_grace_s < 0 or self.busy_wait_ms < 0 or self.hold_ms < 0:
             raise ValueError("timeouts must be positive")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be at least 0, got {self.drain_timeout_s}")

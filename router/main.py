@@ -1,4 +1,8 @@
-"""`kvroute router`: the router process alone; workers and clients connect to its two endpoints."""
+"""`kvroute router`: the router process alone; workers and clients connect to its two endpoints.
+
+Signals: SIGTERM/SIGINT drain (new requests get `draining`, accepted ones finish within --drain-timeout-s,
+then get an error; a second signal cuts the wait short), then exit 0. SIGHUP reloads nothing and logs so.
+"""
 
 from __future__ import annotations
 
@@ -32,15 +36,23 @@ def load_router(cfg: RouterConfig) -> Router:
     router = Router(cfg, vocab)
     try:
         router.bind()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     except zmq.ZMQError as exc:
         raise UsageError(f"cannot bind {cfg.client_endpoint} / {cfg.worker_endpoint}: {exc}") from None
     return router
 
 
-async def serve_router(router: Router) -> None:
+def handle_signals(router: Router) -> None:
+    """SIGTERM/SIGINT: graceful stop; SIGHUP: logged, nothing reloaded."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, router.stop)
+        loop.add_signal_handler(sig, router.shutdown)
+    loop.add_signal_handler(signal.SIGHUP, router.hangup)
+
+
+async def serve_router(router: Router) -> None:
+    handle_signals(router)
     await router.run()
 
 
@@ -63,4 +75,5 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     router = load_router(cfg)
     run_loop(serve_router(router))
+    router.ctx.destroy(linger=1000)  # the last replies (drain errors) leave before the process does
     return 0

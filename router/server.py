@@ -11,6 +11,14 @@ Failure rules:
   streamed to their client are queued again at the front, the others end with `worker_lost`.
 - A queued request whose deadline passes gets `deadline_exceeded`; with no worker for
   `no_workers_grace_s`, queued and new requests get `no_workers`.
+
+Graceful stop (`shutdown()`, on SIGTERM): new submits get `draining` at once; accepted requests (queued
+or running) go on and the loop stops when none is left, or after `drain_timeout_s`, when each request
+still open gets a `draining` error and its job is cancelled. A second `shutdown()` gives up waiting.
+No accepted request ends without a reply. `hangup()` (SIGHUP) changes nothing and says so in the log.
+
+systemd: READY=1 once both sockets are bound; a STATUS= line (workers, busy slots, queue, served) every
+second; WATCHDOG=1 from the ticker when the unit asks for it; STOPPING=1 when draining starts.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import zmq
 import zmq.asyncio
 
 from kvroute import logs
+from kvroute.notify import notify, watchdog_interval_s
 from kvroute.vocab import Vocab
 from protocol import (
     Accept,
@@ -60,6 +69,7 @@ from router.config import RouterConfig
 from router.metrics import Metrics, RequestRecord
 from router.mirror import Mirror
 from router.requests import Req, ReqState, WorkerConn, WorkerState
+from router.security import Gatekeeper, Security
 from router.select import Dispatch, Params, Wait, select
 from router.templates import ChatRenderer, TemplateError
 
@@ -67,6 +77,8 @@ log = logs.get(__name__)
 
 TICK_S = 0.1
 MAX_WAITING_SCAN = 64  # queued requests examined per event beyond those dispatched
+STATUS_EVERY_S = 1.0  # systemd STATUS= lines
+CLOSE_LINGER_MS = 1000  # last replies (drain errors) get this long to leave when the sockets close
 
 
 def params_from(cfg: RouterConfig) -> Params:
@@ -115,23 +127,37 @@ class Router:
         self._client_decoder = client_request_decoder(cfg.max_frame_bytes)
         self._worker_decoder = worker_to_router_decoder()
         self.on_worker_dead: Callable[[str, str], None] | None = None  # supervisor hook
+        self.draining = False
+        self._drain_deadline = 0.0
+        self._next_status = 0.0
+        self._watchdog_s = watchdog_interval_s()
+        self._next_watchdog = 0.0
+        self.gatekeeper: Gatekeeper | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def bind(self) -> None:
-        self.client_sock = self._router_socket(self.cfg.client_endpoint)
-        self.worker_sock = self._router_socket(self.cfg.worker_endpoint)
+        """Read the keys and bind both sockets. A bad key setup raises ValueError naming the flag."""
+        security = Security.from_config(self.cfg)
+        self.gatekeeper = Gatekeeper(self.ctx, security)  # its ZAP handler is bound before any CURVE socket
+        for endpoint in security.insecure:
+            log.warning("insecure_bind", endpoint=endpoint, reason="no CURVE keys: anyone who can reach it gets in")
+        self.client_sock = self._router_socket(self.cfg.client_endpoint, security, "clients")
+        self.worker_sock = self._router_socket(self.cfg.worker_endpoint, security, "workers")
         # synchronous twins for sending: a failed send raises here instead of inside a Future
         self._client_tx: zmq.Socket[bytes] = zmq.Socket.shadow(self.client_sock.underlying)
         self._worker_tx: zmq.Socket[bytes] = zmq.Socket.shadow(self.worker_sock.underlying)
 
-    def _router_socket(self, endpoint: str) -> zmq.asyncio.Socket:
+    def _router_socket(self, endpoint: str, security: Security, domain: str) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
+        security.secure(sock, domain)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of dropping
         # frames over the cap still get a `too_large` reply; only far larger ones drop the connection
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.cfg.max_frame_bytes + 4096)
         sock.bind(endpoint)
+        assert self.gatekeeper is not None
+        self.gatekeeper.watch(sock, domain)
         return sock
 
     async def run(self) -> None:
@@ -145,12 +171,15 @@ class Router:
             policy=self.cfg.policy,
             chat_format=self.chat.name,
             model=self.vocab.name,
+            curve=sorted(self.gatekeeper.security.allowed) if self.gatekeeper else [],
         )
         self.ready.set()
+        notify(ready=True, status=self.status_line())
         tasks = [
             asyncio.ensure_future(self._client_loop()),
             asyncio.ensure_future(self._worker_loop()),
             asyncio.ensure_future(self._ticker()),
+            *(self.gatekeeper.tasks() if self.gatekeeper else []),
         ]
         try:
             await self._stop.wait()
@@ -160,13 +189,61 @@ class Router:
             for t in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
+            if self.gatekeeper is not None:
+                self.gatekeeper.close()
             for sock in (self.client_sock, self.worker_sock):
                 if sock is not None:
-                    sock.close(0)
+                    sock.close(CLOSE_LINGER_MS)
             log.info("router_stopped", router_id=self.router_id)
 
     def stop(self) -> None:
+        """Stop now (requests still open get no reply: tests and the drain's last step use this)."""
         self._stop.set()
+
+    def shutdown(self) -> None:
+        """Graceful stop (SIGTERM): refuse new requests, let accepted ones finish within drain_timeout_s."""
+        now = time.monotonic()
+        if self.draining:
+            log.info("router_drain_cut_short", in_flight=len(self.requests))
+            self._drain_deadline = now  # a second signal: give up waiting
+        else:
+            self.draining = True
+            self._drain_deadline = now + self.cfg.drain_timeout_s
+            log.info("router_draining", in_flight=len(self.requests), timeout_s=self.cfg.drain_timeout_s)
+            notify(stopping=True, status=self.status_line())
+        self._check_drained(now)
+
+    def hangup(self) -> None:
+        """SIGHUP: nothing is reloaded (settings are read at start; `systemctl restart` drains first)."""
+        log.info("sighup", action="none", reason="settings are read at start; restart to change them", status=self.status_line())
+        notify(status=self.status_line())
+
+    def _check_drained(self, now: float) -> None:
+        if not self.draining:
+            return
+        if self.requests and now < self._drain_deadline:
+            return
+        for req in list(self.requests.values()):
+            if req.state is ReqState.RUNNING:
+                self._cancel_job(req)
+                if req.worker in self.workers:
+                    self._release(self.workers[req.worker], req)
+            self._fail(req, ErrorCode.DRAINING, "the router stopped before this request finished (drain timeout)")
+        log.info("router_drained", timeout_s=self.cfg.drain_timeout_s)
+        self.stop()
+
+    def status_line(self) -> str:
+        """One line for systemd's STATUS=: workers, busy slots, queue, requests served."""
+        ready = sum(w.state is WorkerState.READY for w in self.workers.values())
+        slots = sum(len(w.slots) for w in self.workers.values())
+        busy = sum(w.load.busy for w in self.workers.values())
+        served = self.metrics.requests["stop"] + self.metrics.requests["length"]
+        other = sum(self.metrics.requests.values()) - served
+        head = f"draining, {len(self.requests)} in flight; " if self.draining else ""
+        return (
+            f"{head}workers {ready} ready/{len(self.workers)}, slots {busy}/{slots} busy, queued {len(self.queue)},"
+            f" served {served}, other endings {other}"
+        )
 
     # ---- client side ----------------------------------------------------------------------------
 
@@ -238,6 +315,10 @@ class Router:
 
     def _on_submit(self, identity: bytes, envelope: list[bytes], msg: Submit) -> None:
         rid = msg.id or f"r{next(self._rid)}-{uuid.uuid4().hex[:8]}"
+        if self.draining:
+            self.metrics.requests[ErrorCode.DRAINING] += 1
+            self._reply(identity, envelope, Error(id=rid, code=ErrorCode.DRAINING, message="the router is shutting down"))
+            return
         if (identity, rid) in self.requests:
             self._reply(
                 identity, envelope, Error(id=rid, code=ErrorCode.BAD_REQUEST, message=f"request id {rid!r} is already in flight")
@@ -700,6 +781,13 @@ class Router:
             self._pump()
         for conn in self.workers.values():
             self.metrics.worker_load[conn.id] = {"busy": conn.load.busy, "queued_prefill": conn.load.queued_prefill}
+        self._check_drained(now)
+        if now >= self._next_status:
+            self._next_status = now + STATUS_EVERY_S
+            notify(status=self.status_line())
+        if self._watchdog_s is not None and now >= self._next_watchdog:
+            self._next_watchdog = now + self._watchdog_s
+            notify(watchdog=True)
 
     # ---- status ---------------------------------------------------------------------------------
 

@@ -25,6 +25,11 @@ class WorkerConfig:
     snapshots: bool = opt(
         False, "restore per-slot state snapshots instead of trimming KV (automatic for recurrent/hybrid models)"
     )
+    drain_timeout_s: float = opt(
+        60.0, "on SIGTERM: running jobs get this long to finish; then they are handed back (JobError draining)"
+    )
+    curve_key: str | None = opt(None, "this worker's CurveZMQ key file (secret; `kvroute keys generate`)", metavar="FILE")
+    router_key: str | None = opt(None, "the router's public key file (.pub); with --curve-key: CURVE", metavar="FILE")
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.slots > 256:
@@ -35,3 +40,7 @@ class WorkerConfig:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.n_batch < 1:
             raise ValueError(f"n_batch must be at least 1, got {self.n_batch}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be at least 0, got {self.drain_timeout_s}")
+        if (self.curve_key is None) != (self.router_key is None):
+            raise ValueError("--curve-key and --router-key go together (CURVE needs this worker's key and the router's)")

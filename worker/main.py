@@ -3,6 +3,14 @@
 The I/O thread (this module's loop) owns the DEALER socket; the compute thread (worker.engine) owns the
 llama context. Engine messages reach the I/O thread through an inproc PUSH/PULL pair, one PUSH per
 producing thread.
+
+Signals: SIGTERM/SIGINT drain the worker: it takes no new job (JobError `draining`, which the router
+re-dispatches), tells the router at once (a Heartbeat with draining=True: no more jobs are routed here),
+hands back the jobs still waiting for a slot, lets running jobs finish for up to --drain-timeout-s, hands
+back whatever still runs then, and exits 0. SIGHUP changes nothing and is logged.
+
+systemd: READY=1 once the model is loaded and the router accepted this worker; a STATUS= line (busy
+slots, queue, jobs done) with every heartbeat; STOPPING=1 when draining starts.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ import zmq
 
 from kvroute import logs
 from kvroute.cli import UsageError
+from kvroute.client import secure_client_socket
 from kvroute.config import add_args, from_args
+from kvroute.notify import notify, watchdog_interval_s
 from protocol import (
     Accept,
     Drain,
@@ -40,6 +50,7 @@ from worker.engine import Engine
 log = logs.get(__name__)
 
 BEAT_S = 1.0
+POLL_S = 0.1
 EXIT_REFUSED = 3
 
 
@@ -51,17 +62,37 @@ def run(args: argparse.Namespace) -> int:
     logs.setup(process=f"worker-{args.worker_id}")
     try:
         cfg = from_args(WorkerConfig, args)
+        with zmq.Context.instance().socket(zmq.DEALER) as probe:  # unreadable keys stop start-up before the model loads
+            secure_client_socket(probe, cfg.curve_key, cfg.router_key)
     except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    engine = Engine(cfg).start()
-    server = WorkerServer(cfg, engine)
-    stop = threading.Event()
+        raise UsageError(str(exc)) from None
+    stop = threading.Event()  # set before the model is loaded too: then the worker exits once loaded
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: log.info("sighup", action="none", reason="settings are read at start"))
+    engine = Engine(cfg).start()
+    server = WorkerServer(cfg, engine)
     try:
         return server.serve(stop)
     finally:
         engine.stop()
+        server.zctx.destroy(linger=2000)  # the last results and heartbeat leave before the process does
+
+
+def _hand_back(engine: Engine, running: bool) -> int:
+    """On the compute thread: end waiting jobs (and running ones when `running`) with JobError `draining`,
+    which the router re-dispatches when the client saw no output yet. Returns how many were handed back."""
+    reqs = list(engine.waiting)
+    engine.waiting.clear()
+    if running:
+        reqs += [slot.job for slot in engine.table.busy() if slot.job is not None]
+    for req in reqs:
+        engine._error(req, ErrorCode.DRAINING, "the worker is shutting down; this job was handed back")
+    return len(reqs)
+
+
+def _busy(engine: Engine) -> bool:
+    return bool(engine.waiting or engine.table.busy())
 
 
 class WorkerServer:
@@ -76,6 +107,8 @@ class WorkerServer:
         self._push = threading.local()
         self.decoder = router_to_worker_decoder()
         self.accepted = False
+        self.ready_sent = False
+        self.draining = False
         self.router_id: str | None = None
 
     def sink(self, msg: Message) -> None:
@@ -108,32 +141,86 @@ class WorkerServer:
             incarnation=self.cfg.incarnation,
             slots=e.slot_states(),
             queue=e.queue_len,
-            draining=e.draining,
+            draining=e.draining or self.draining,
         )
+
+    def status_line(self) -> str:
+        """One line for systemd's STATUS=."""
+        e = self.engine
+        states = e.slot_states()
+        c = e.counters
+        head = "draining; " if self.draining else "" if self.accepted else "waiting for the router; "
+        return (
+            f"{head}slots {sum(s.busy for s in states)}/{len(states)} busy, queue {e.queue_len},"
+            f" jobs done {c.jobs_done}, failed {c.jobs_failed}"
+        )
+
+    def _forward(self, dealer: zmq.Socket) -> None:
+        """Send everything the engine produced so far."""
+        while True:
+            try:
+                dealer.send(self.pull.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+
+    def _start_drain(self, dealer: zmq.Socket) -> None:
+        self.draining = True
+        self.engine.drain()
+        dealer.send(encode(self.heartbeat()))  # the router stops routing here now, not at the next beat
+        handed = self.engine.call(lambda e: _hand_back(e, running=False)).result()
+        self._forward(dealer)
+        log.info("draining", handed_back=handed, timeout_s=self.cfg.drain_timeout_s, reason="signal")
+        notify(stopping=True, status=self.status_line())
+
+    def _drained(self, dealer: zmq.Socket, deadline: float) -> bool:
+        """True once nothing runs any more (after the deadline, running jobs are handed back first)."""
+        if self.engine.call(_busy).result():
+            if time.monotonic() < deadline:
+                return False
+            handed = self.engine.call(lambda e: _hand_back(e, running=True)).result()
+            log.warning("drain_timeout", handed_back=handed, timeout_s=self.cfg.drain_timeout_s)
+        self._forward(dealer)
+        dealer.send(encode(self.heartbeat()))
+        log.info("drained", jobs_done=self.engine.counters.jobs_done)
+        return True
 
     def serve(self, stop: threading.Event) -> int:
         dealer = self.zctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IDENTITY, self.cfg.worker_id.encode())
-        dealer.setsockopt(zmq.LINGER, 500)
+        dealer.setsockopt(zmq.LINGER, 2000)  # the last results leave even when the worker exits right after
+        secure_client_socket(dealer, self.cfg.curve_key, self.cfg.router_key)
         dealer.connect(self.cfg.connect)
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(self.pull, zmq.POLLIN)
         log.info("worker_started", endpoint=self.cfg.connect, slots=self.cfg.slots, ctx_per_slot=self.engine.n_ctx)
         next_beat = 0.0
+        drain_deadline: float | None = None
+        watchdog_s = watchdog_interval_s()
+        next_watchdog = 0.0
         try:
-            while not stop.is_set():
+            while True:
                 now = time.monotonic()
+                if stop.is_set() and drain_deadline is None:
+                    if not self.accepted:
+                        log.info("stopped", reason="signal before the router accepted this worker")
+                        return 0
+                    drain_deadline = now + self.cfg.drain_timeout_s
+                    self._start_drain(dealer)
+                if drain_deadline is not None and self._drained(dealer, drain_deadline):
+                    return 0
                 if now >= next_beat:
                     dealer.send(encode(self.heartbeat() if self.accepted else self.hello()))
                     next_beat = now + BEAT_S
-                events = dict(poller.poll(timeout=max(1, int((next_beat - time.monotonic()) * 1000))))
+                    notify(status=self.status_line())
+                if watchdog_s is not None and now >= next_watchdog:
+                    next_watchdog = now + watchdog_s
+                    notify(watchdog=True)
+                # a signal interrupts nothing here: look at least every POLL_S so draining starts at once
+                wait_s = min(next_beat - time.monotonic(), POLL_S) if drain_deadline is None else 0.05
+                events = dict(poller.poll(timeout=max(1, int(wait_s * 1000))))
                 if self.pull in events:
-                    while True:  # forward everything the engine produced
-                        try:
-                            dealer.send(self.pull.recv(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
+                    self._forward(dealer)
                 if dealer in events:
                     while True:
                         try:
@@ -171,6 +258,9 @@ class WorkerServer:
                 log.info("router_restarted", router_id=msg.router_id)
                 self.engine.reset()
             self.router_id, self.accepted = msg.router_id, True
+            if not self.ready_sent:  # model loaded and accepted: this worker can serve
+                self.ready_sent = True
+                notify(ready=True, status=self.status_line())
         elif isinstance(msg, Refuse):
             if msg.code == ErrorCode.NOT_FOUND:
                 log.info("router_forgot_us", reason=msg.reason)
