@@ -26,10 +26,11 @@ TURNS = [
 
 
 def test_multi_turn_reuse_matches_cold_every_turn(engine, vocab):
-    """Determinism gate: a 10-turn conversation on one slot with reuse generates exactly what a cold slot does."""
+    """Determinism gate: a 30-turn conversation on one slot with reuse generates exactly what a cold slot does."""
     history: list[int] = vocab.tokenize("A conversation.\n")
     previous: list[int] = []
-    for i, turn in enumerate(TURNS):
+    for i in range(30):
+        turn = TURNS[i % len(TURNS)]
         prompt = history + vocab.tokenize(turn, add_special=False)
         warm = complete(engine, prompt, slot=0, max_tokens=6)
         cold = complete(engine, prompt, slot=1, prefix_cache=False, max_tokens=6)
