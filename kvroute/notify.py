@@ -24,6 +24,7 @@ def notify(*, ready: bool = False, stopping: bool = False, status: str | None = 
         address = "\0" + address[1:]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.setblocking(False)  # a listener that stops reading must never stall the caller's loop
             sock.sendto("\n".join(lines).encode(), address)
     except OSError:
         return False  # systemd went away: nothing to tell, nothing to fail

@@ -149,5 +149,5 @@ class Gatekeeper:
         with contextlib.suppress(zmq.ZMQError):
             while True:
                 event = parse_monitor_message(await mon.recv_multipart())
-                name = zmq.Event(event["event"]).name.lower()
-                log.warning("handshake_failed", socket=domain, event=name, endpoint=event["endpoint"].decode(errors="replace"))
+                what = zmq.Event(event["event"]).name.lower()  # e.g. handshake_failed_protocol: no CURVE at all
+                log.warning("handshake_failed", socket=domain, what=what, endpoint=event["endpoint"].decode(errors="replace"))

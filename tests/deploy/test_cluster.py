@@ -1,0 +1,348 @@
+"""A deployment in miniature, with the real model: `kvroute router` with CURVE on both sockets and two
+real `kvroute worker` processes (2 slots, 1 thread each), each in its own network namespace joined to
+the router by a veth pair in a private test subnet, all started with NOTIFY_SOCKET like systemd does.
+
+One set of processes serves every test here: READY/STATUS notifications, workers in namespaces reaching
+the router over TCP, CURVE (allowed worker and client in; wrong key and no key out), and last, SIGTERM
+draining one worker while 4 requests stream. Where namespaces cannot be created (checked by trying) the
+same processes run on loopback and only the namespace test is skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from kvroute.client import secure_client_socket
+from kvroute.keys import generate, read_key
+from kvroute.model import resolve_model
+from kvroute.vocab import Vocab
+from protocol import (
+    Delta,
+    Hello,
+    Invalid,
+    Result,
+    Sampling,
+    StatusReply,
+    StatusRequest,
+    Submit,
+    encode,
+    router_reply_decoder,
+)
+
+pytestmark = pytest.mark.model
+
+KVROUTE = str(Path(sys.executable).parent / "kvroute")
+SUBNET = "10.231"  # 10.231.1.0/24 for namespace a, 10.231.2.0/24 for namespace b; checked unused first
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
+
+
+class Namespaces:
+    """Two network namespaces, each with a veth pair to the root namespace; removed by `close()`."""
+
+    def __init__(self) -> None:
+        tag = f"kvr{os.getpid() % 100000}"
+        self.names = [f"{tag}a", f"{tag}b"]
+        self.links = [f"{tag}a0", f"{tag}b0"]
+        self.router_addr = f"{SUBNET}.1.1"  # the root end of namespace a's veth: the router binds here
+
+    def create(self) -> None:
+        routes = subprocess.run(["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True).stdout
+        addrs = subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True).stdout
+        if f" {SUBNET}." in routes + addrs or f"\n{SUBNET}." in routes:
+            raise RuntimeError(f"{SUBNET}.0.0/16 is already in use on this host")
+        for i, (ns, link) in enumerate(zip(self.names, self.links, strict=True), start=1):
+            inner = link[:-1] + "1"
+            sh("ip", "netns", "add", ns)
+            sh("ip", "link", "add", link, "type", "veth", "peer", "name", inner)
+            sh("ip", "link", "set", inner, "netns", ns)
+            sh("ip", "addr", "add", f"{SUBNET}.{i}.1/24", "dev", link)
+            sh("ip", "link", "set", link, "up")
+            sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i}.2/24", "dev", inner)
+            sh("ip", "-n", ns, "link", "set", inner, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            # only the test subnet is reachable from inside: no default route
+            sh("ip", "-n", ns, "route", "add", f"{SUBNET}.0.0/16", "via", f"{SUBNET}.{i}.1")
+
+    def close(self) -> None:
+        for ns, link in zip(self.names, self.links, strict=True):
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+class NotifyListener:
+    """A unix datagram socket standing in for systemd's NOTIFY_SOCKET; a thread keeps every datagram."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            self.seen.extend(self.sock.recv(65536).decode().splitlines())
+
+    def lines(self) -> list[str]:
+        return list(self.seen)
+
+    def wait_for(self, prefix: str, timeout_s: float, proc: subprocess.Popen[Any] | None = None) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            hit = [line for line in self.lines() if line.startswith(prefix)]
+            if hit:
+                return hit[-1]
+            assert proc is None or proc.poll() is None, f"process exited with {proc.returncode} before {prefix}"
+            time.sleep(0.05)
+        raise AssertionError(f"no {prefix!r} on {self.path} in {timeout_s} s; seen {self.seen[-5:]}")
+
+
+class Peer:
+    """A DEALER speaking to the router, with CURVE keys or without."""
+
+    def __init__(self, endpoint: str, *, key: Path | None = None, router_pub: Path | None = None, identity: str = "") -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if identity:
+            self.sock.setsockopt(zmq.IDENTITY, identity.encode())
+        secure_client_socket(self.sock, str(key) if key else None, str(router_pub) if router_pub else None)
+        self.sock.connect(endpoint)
+        self.replies = router_reply_decoder()
+
+    def send(self, msg: Any) -> None:
+        self.sock.send(encode(msg))
+
+    def recv(self, timeout_s: float) -> Any | None:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        msg = self.replies.decode(self.sock.recv())
+        assert not isinstance(msg, Invalid), msg
+        return msg
+
+    def status(self) -> StatusReply:
+        self.send(StatusRequest(id="st"))
+        while True:
+            msg = self.recv(10)
+            assert msg is not None, "no status reply in 10 s"
+            if isinstance(msg, StatusReply):
+                return msg
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+@dataclass
+class Cluster:
+    tmp: Path
+    netns: Namespaces | None
+    no_netns_reason: str
+    client_ep: str
+    worker_ep: str
+    keys: dict[str, Path]
+    router: subprocess.Popen[bytes] | None = None
+    workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    notify: dict[str, NotifyListener] = field(default_factory=dict)
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text()
+
+    def client(self) -> Peer:
+        return Peer(self.client_ep, key=self.keys["client.key"], router_pub=self.keys["router.pub"])
+
+    def start(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+        self.notify[name] = NotifyListener(self.tmp / f"{name}.notify")
+        env = dict(os.environ, NOTIFY_SOCKET=self.notify[name].path, KVROUTE_LOG_FORMAT="json")
+        with open(self.tmp / f"{name}.log", "wb") as log:
+            return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+
+
+def make_keys(tmp: Path) -> dict[str, Path]:
+    keys: dict[str, Path] = {}
+    for name, where in (("router", "router"), ("wa", "workers"), ("wb", "workers"), ("client", "clients"), ("intruder", "x")):
+        key, pub = generate(tmp / where, name)
+        keys[f"{name}.key"], keys[f"{name}.pub"] = key, pub
+    return keys
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("cluster")
+    netns: Namespaces | None = Namespaces()
+    reason = ""
+    if shutil.which("ip") is None:
+        netns, reason = None, "the `ip` command is not installed"
+    else:
+        assert netns is not None
+        try:
+            netns.create()
+        except (subprocess.CalledProcessError, RuntimeError, OSError) as exc:
+            detail = exc.stderr.strip() if isinstance(exc, subprocess.CalledProcessError) else str(exc)
+            netns.close()
+            netns, reason = None, f"network namespaces cannot be created here: {detail}"
+    host = netns.router_addr if netns else "127.0.0.1"
+    c = Cluster(tmp, netns, reason, f"tcp://127.0.0.1:{free_port()}", f"tcp://{host}:{free_port()}", make_keys(tmp))
+    try:
+        c.router = c.start(
+            "router",
+            [
+                KVROUTE, "router", "--zmq", c.client_ep, "--worker-endpoint", c.worker_ep,
+                "--curve-key", str(c.keys["router.key"]), "--worker-keys", str(tmp / "workers"),
+                "--client-keys", str(tmp / "clients"), "--busy-wait-ms", "0", "--hold-ms", "0",
+            ],
+        )  # fmt: skip
+        c.notify["router"].wait_for("READY=1", 60, c.router)
+        for i, wid in enumerate(("wa", "wb")):
+            prefix = ["ip", "netns", "exec", netns.names[i]] if netns else []
+            c.workers[wid] = c.start(
+                wid,
+                [
+                    *prefix, KVROUTE, "worker", "--connect", c.worker_ep, "--worker-id", wid,
+                    "--curve-key", str(c.keys[f"{wid}.key"]), "--router-key", str(c.keys["router.pub"]),
+                    "--slots", "2", "--ctx-per-slot", "512", "--threads", "1", "--drain-timeout-s", "60",
+                ],
+            )  # fmt: skip
+        for wid, proc in c.workers.items():
+            c.notify[wid].wait_for("READY=1", 180, proc)
+        yield c
+    finally:
+        for proc in [*c.workers.values(), *([c.router] if c.router else [])]:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in [*c.workers.values(), *([c.router] if c.router else [])]:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if netns is not None:
+            netns.close()
+
+
+def submit_all(peer: Peer, ids: list[str], max_tokens: int, stream: bool = False) -> None:
+    for i, rid in enumerate(ids):
+        prompt = f"Item {i}: the {['sea', 'sky', 'road', 'tree', 'lamp', 'door'][i % 6]} is"
+        peer.send(Submit(id=rid, prompt=prompt, sampling=Sampling(max_tokens=max_tokens, temperature=0.0), stream=stream))
+
+
+def collect(peer: Peer, ids: list[str], timeout_s: float = 120, on_delta: Any = None) -> dict[str, Any]:
+    """Each request's final message (Result or Error); fails if any does not end in time."""
+    out: dict[str, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(out) < len(ids):
+        msg = peer.recv(max(0.1, deadline - time.monotonic()))
+        assert msg is not None, f"requests {set(ids) - set(out)} did not end in {timeout_s} s"
+        if isinstance(msg, Delta):
+            if on_delta is not None:
+                on_delta(msg)
+        elif getattr(msg, "id", None) in ids:
+            out[msg.id] = msg
+    return out
+
+
+def test_router_and_workers_send_ready_and_status(cluster: Cluster) -> None:
+    assert cluster.notify["router"].wait_for("STATUS=", 5).startswith("STATUS=workers")
+    status = cluster.notify["router"].wait_for("STATUS=workers 2 ready/2", 10)
+    assert "slots " in status and "/4 busy" in status and "served " in status
+    for wid in ("wa", "wb"):
+        line = cluster.notify[wid].wait_for("STATUS=slots", 10)
+        assert "/2 busy" in line and "jobs done" in line
+        assert '"event": "accepted"' in cluster.log(wid)
+
+
+def test_workers_in_namespaces_reach_the_router_over_tcp(cluster: Cluster) -> None:
+    if cluster.netns is None:
+        pytest.skip(cluster.no_netns_reason)
+    for wid, ns in zip(("wa", "wb"), cluster.netns.names, strict=True):
+        pid = cluster.workers[wid].pid
+        assert subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True).stdout.strip() == ns
+        conns = subprocess.run(["ip", "netns", "exec", ns, "ss", "-tnH", "state", "established"], capture_output=True, text=True)
+        assert cluster.worker_ep.removeprefix("tcp://") in conns.stdout, conns.stdout  # its TCP goes over the veth
+    peer = cluster.client()
+    ids = [f"ns{i}" for i in range(4)]
+    submit_all(peer, ids, max_tokens=4)
+    results = collect(peer, ids)
+    assert all(isinstance(r, Result) and r.usage.completion_tokens > 0 for r in results.values()), results
+    assert {r.worker for r in results.values()} == {"wa", "wb"}  # both namespaces served
+    peer.close()
+
+
+def test_curve_lets_allowed_keys_in_and_keeps_others_out(cluster: Cluster) -> None:
+    # the two real workers got in with their allowed keys (READY=1 comes only after Accept)
+    ok = cluster.client()
+    assert {w.worker for w in ok.status().workers} == {"wa", "wb"}
+    ok.close()
+    # a worker with a key the router does not know never gets an answer, and is logged
+    fingerprint = Vocab.load(resolve_model(None)).fingerprint
+    intruder = Peer(cluster.worker_ep, key=cluster.keys["intruder.key"], router_pub=cluster.keys["router.pub"], identity="evil")
+    intruder.send(Hello(worker_id="evil", incarnation=1, slots=2, ctx_per_slot=512, model_fingerprint=fingerprint, device="cpu"))
+    assert intruder.sock.poll(3000) == 0
+    intruder.close()
+    # clients: no key at all, or a key not allowed: no reply to a submit
+    wrong = {"key": cluster.keys["intruder.key"], "router_pub": cluster.keys["router.pub"]}
+    for peer in (Peer(cluster.client_ep), Peer(cluster.client_ep, **wrong)):
+        peer.send(Submit(id="nokey", prompt="Hello", sampling=Sampling(max_tokens=2)))
+        assert peer.recv(2) is None
+        peer.close()
+    ok = cluster.client()
+    assert {w.worker for w in ok.status().workers} == {"wa", "wb"}  # "evil" never joined
+    ok.close()
+    log = cluster.log("router")
+    refused = [line for line in log.splitlines() if '"peer_refused"' in line]
+    intruder_key = read_key(cluster.keys["intruder.pub"], secret=False).decode()
+    for sock in ("workers", "clients"):
+        assert any(f'"socket": "{sock}"' in line and intruder_key in line for line in refused), refused
+    assert any('"handshake_failed"' in line and '"socket": "clients"' in line for line in log.splitlines())  # the keyless one
+
+
+def test_sigterm_drains_a_worker_while_4_requests_stream(cluster: Cluster) -> None:
+    peer = cluster.client()
+    ids = [f"d{i}" for i in range(4)]
+    started: set[str] = set()
+    submit_all(peer, ids, max_tokens=48, stream=True)
+    deadline = time.monotonic() + 120
+    while len(started) < 4:  # every request is streaming
+        msg = peer.recv(max(0.1, deadline - time.monotonic()))
+        assert msg is not None and isinstance(msg, Delta), msg
+        started.add(msg.id)
+    busy = {w.worker: sum(s.busy for s in w.slots) for w in peer.status().workers}
+    assert busy == {"wa": 2, "wb": 2}, busy
+    victim = cluster.workers["wa"]
+    victim.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    while next(w.state for w in peer.status().workers if w.worker == "wa") != "draining":
+        assert time.monotonic() - t0 < 2, "the router did not mark the worker draining within 2 s"
+        time.sleep(0.05)
+    later = ["after0", "after1"]
+    submit_all(peer, later, max_tokens=4)
+    results = collect(peer, ids + later)
+    for rid in ids:
+        r = results[rid]
+        assert isinstance(r, Result) and r.finish_reason == "length" and r.usage.completion_tokens == 48, r
+    assert {results[rid].worker for rid in ids} == {"wa", "wb"}
+    assert all(isinstance(results[rid], Result) and results[rid].worker == "wb" for rid in later), results
+    assert victim.wait(60) == 0
+    assert cluster.notify["wa"].wait_for("STOPPING=1", 1)
+    peer.close()
