@@ -96,6 +96,22 @@ def params_from(cfg: RouterConfig) -> Params:
     )
 
 
+def send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+    """Send without waiting through the asyncio socket itself; a zmq error (EHOSTUNREACH...) raises here.
+
+    Never through a synchronous shadow of the same socket: such a send consumes the socket's edge-triggered
+    readiness, so a recv awaiting on the asyncio socket is not woken and the loop stalls (under load every
+    worker then looked dead: no heartbeat). pyzmq's own send re-arms the pending recv.
+    """
+    fut = sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    if not fut.done():  # another send is pending: this one completes after it
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return
+    exc = fut.exception()
+    if exc is not None:
+        raise exc
+
+
 class Router:
     """The router process's state and loops. `await run()` serves until `stop()`."""
 
@@ -144,9 +160,6 @@ class Router:
             log.warning("insecure_bind", endpoint=endpoint, reason="no CURVE keys: anyone who can reach it gets in")
         self.client_sock = self._router_socket(self.cfg.client_endpoint, security, "clients")
         self.worker_sock = self._router_socket(self.cfg.worker_endpoint, security, "workers")
-        # synchronous twins for sending: a failed send raises here instead of inside a Future
-        self._client_tx: zmq.Socket[bytes] = zmq.Socket.shadow(self.client_sock.underlying)
-        self._worker_tx: zmq.Socket[bytes] = zmq.Socket.shadow(self.worker_sock.underlying)
 
     def _router_socket(self, endpoint: str, security: Security, domain: str) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -284,7 +297,7 @@ class Router:
         """Send to a client; False when it is gone (its requests are then cancelled)."""
         assert self.client_sock is not None
         try:
-            self._client_tx.send_multipart([identity, *envelope, encode(msg)], flags=zmq.NOBLOCK)
+            send_now(self.client_sock, [identity, *envelope, encode(msg)])
             return True
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
@@ -518,7 +531,7 @@ class Router:
     def _send_worker(self, conn: WorkerConn, msg: Any) -> None:
         assert self.worker_sock is not None
         try:
-            self._worker_tx.send_multipart([conn.identity, encode(msg)], flags=zmq.NOBLOCK)
+            send_now(self.worker_sock, [conn.identity, encode(msg)])
         except zmq.ZMQError as exc:
             log.warning("worker_send_failed", worker=conn.id, error=str(exc))
             if exc.errno == zmq.EHOSTUNREACH:
@@ -527,7 +540,7 @@ class Router:
     def _send_identity(self, identity: bytes, msg: Any) -> None:
         assert self.worker_sock is not None
         with contextlib.suppress(zmq.ZMQError):
-            self._worker_tx.send_multipart([identity, encode(msg)], flags=zmq.NOBLOCK)
+            send_now(self.worker_sock, [identity, encode(msg)])
 
     async def _worker_loop(self) -> None:
         assert self.worker_sock is not None
