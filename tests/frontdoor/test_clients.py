@@ -66,3 +66,27 @@ def test_cli_bad_flags_are_one_clear_line(args: list[str]) -> None:
     assert out.returncode != 0
     assert "Traceback" not in out.stderr
     assert "error" in out.stderr
+
+
+def test_python_client_sync_and_async(served: Served) -> None:
+    import asyncio
+
+    from kvroute.client import AsyncClient, Client, ContextOverflow
+
+    with Client(served.zmq, timeout_s=120) as c:
+        stream = c.stream(prompt="One, two, three,", max_tokens=5, temperature=0)
+        text = "".join(d.text for d in stream)
+        assert stream.result is not None and stream.result.text == text
+        assert stream.result.usage.completion_tokens == 5
+        with pytest.raises(ContextOverflow, match="1024"):
+            c.submit(prompt="hi", max_tokens=5000)
+        same = c.submit(prompt="One, two, three,", max_tokens=5, temperature=0)
+        assert same.usage.cached_tokens > 0  # the prompt is in a slot now
+
+    async def two_at_once() -> list[str]:
+        async with AsyncClient(served.zmq, timeout_s=120) as ac:
+            results = await asyncio.gather(*(ac.submit(prompt=p, max_tokens=4, temperature=0) for p in ("Red,", "Blue,")))
+            return [r.text for r in results]
+
+    texts = asyncio.run(two_at_once())
+    assert len(texts) == 2 and all(texts)
