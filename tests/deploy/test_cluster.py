@@ -11,6 +11,7 @@ same processes run on loopback and only the namespace test is skipped, with the 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -63,12 +64,13 @@ class Namespaces:
     """Two network namespaces, each with a veth pair to the root namespace; removed by `close()`."""
 
     def __init__(self) -> None:
-        tag = f"kvr{os.getpid() % 100000}"
+        tag = f"kvr{os.getpid()}"  # pids fit: kvr + 7 digits + a0 is within the 15-character link name limit
         self.names = [f"{tag}a", f"{tag}b"]
         self.links = [f"{tag}a0", f"{tag}b0"]
         self.router_addr = f"{SUBNET}.1.1"  # the root end of namespace a's veth: the router binds here
 
     def create(self) -> None:
+        self.remove_stale()
         routes = subprocess.run(["ip", "-4", "route", "show", "table", "all"], capture_output=True, text=True).stdout
         addrs = subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True).stdout
         if f" {SUBNET}." in routes + addrs or f"\n{SUBNET}." in routes:
@@ -90,6 +92,16 @@ class Namespaces:
         for ns, link in zip(self.names, self.links, strict=True):
             subprocess.run(["ip", "link", "del", link], capture_output=True)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    @staticmethod
+    def remove_stale() -> None:
+        """Namespaces left by a test run that was killed before its clean-up (its pid is gone)."""
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        for name in listed:
+            m = re.fullmatch(r"kvr(\d+)[ab]", name)
+            if m and not Path(f"/proc/{m.group(1)}").exists():
+                subprocess.run(["ip", "link", "del", name + "0"], capture_output=True)
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 class NotifyListener:
