@@ -81,7 +81,7 @@ class Security:
             sec.insecure.append(endpoint)
         return sec
 
-    def secure(self, sock: zmq.Socket, domain: str) -> None:  # type: ignore[type-arg]
+    def secure(self, sock: zmq.Socket, domain: str) -> None:
         """Make `sock` a CURVE server for `domain` (before it binds), if that domain has allowed keys."""
         if domain not in self.allowed:
             return
@@ -111,7 +111,7 @@ class Gatekeeper:
             self.monitors.append((domain, sock.get_monitor_socket(HANDSHAKE_EVENTS)))
 
     def tasks(self) -> list[asyncio.Future[None]]:
-        out = [asyncio.ensure_future(self._monitor(d, m)) for d, m in self.monitors]
+        out: list[asyncio.Future[None]] = [asyncio.ensure_future(self._monitor(d, m)) for d, m in self.monitors]
         if self.zap is not None:
             out.append(asyncio.ensure_future(self._serve_zap()))
         return out
@@ -149,5 +149,5 @@ class Gatekeeper:
         with contextlib.suppress(zmq.ZMQError):
             while True:
                 event = parse_monitor_message(await mon.recv_multipart())
-                what = zmq.Event(event["event"]).name.lower()  # e.g. handshake_failed_protocol: no CURVE at all
+                what = str(zmq.Event(event["event"]).name).lower()  # e.g. handshake_failed_protocol: no CURVE at all
                 log.warning("handshake_failed", socket=domain, what=what, endpoint=event["endpoint"].decode(errors="replace"))

@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     logs.setup(process=f"worker-{args.worker_id}")
     try:
         cfg = from_args(WorkerConfig, args)
+        probe: zmq.Socket[bytes]
         with zmq.Context.instance().socket(zmq.DEALER) as probe:  # unreadable keys stop start-up before the model loads
             secure_client_socket(probe, cfg.curve_key, cfg.router_key)
     except ValueError as exc:
