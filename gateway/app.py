@@ -10,7 +10,7 @@ import asyncio
 import hmac
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
@@ -172,7 +172,7 @@ class Gateway:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _drain(self, messages: AsyncIterator[Delta | Result], request: Request, sub: Submit) -> Result | None:
+    async def _drain(self, messages: AsyncGenerator[Delta | Result, None], request: Request, sub: Submit) -> Result | None:
         """Consume to the Result, but give up (cancelling the job) if the HTTP client goes away."""
 
         async def consume() -> Result:
@@ -195,7 +195,7 @@ class Gateway:
         self,
         kind: str,
         first: Delta | Result,
-        messages: AsyncIterator[Delta | Result],
+        messages: AsyncGenerator[Delta | Result, None],
         rid: str,
         created: int,
         include_usage: bool,

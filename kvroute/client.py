@@ -18,7 +18,7 @@ import itertools
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import msgspec
@@ -134,8 +134,8 @@ def build_submit(
     **sampling: Any,
 ) -> Submit:
     """A `submit` from keyword arguments; sampling keywords are those of protocol.Sampling."""
-    chat = None if messages is None else [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
     try:
+        chat = None if messages is None else [msgspec.convert(m, ChatMessage) if isinstance(m, dict) else m for m in messages]
         params = msgspec.convert(sampling, Sampling)
     except msgspec.ValidationError as exc:
         raise BadRequest(str(exc)) from None
@@ -337,11 +337,11 @@ class AsyncClient:
             raise error_from(msg)
         return msg
 
-    def stream(self, **kwargs: Any) -> AsyncIterator[Delta | Result]:
+    def stream(self, **kwargs: Any) -> AsyncGenerator[Delta | Result, None]:
         """Submit; yields each Delta, then the final Result. Leaving early cancels the request."""
         return self.stream_submit(build_submit(stream=True, **kwargs))
 
-    async def stream_submit(self, sub: Submit) -> AsyncIterator[Delta | Result]:
+    async def stream_submit(self, sub: Submit) -> AsyncGenerator[Delta | Result, None]:
         """Send a ready-made Submit (it must carry an id); yields each Delta, then the Result."""
         assert sub.id is not None
         q: asyncio.Queue[Any] = asyncio.Queue()

@@ -80,14 +80,14 @@ def _check_value(path: str, section: str, key: str, value: Any, action: argparse
         if not isinstance(value, bool):
             raise ConfigFileError(f"{where}: expected true or false, got {value!r}")
         return value
-    want = action.type or str
+    want: Any = action.type or str
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, want) or isinstance(value, bool):  # type: ignore[arg-type]
-        name = {int: "an integer", float: "a number", str: "a string"}.get(want, str(want))  # type: ignore[call-overload]
+    if not isinstance(value, want) or isinstance(value, bool):
+        name = {int: "an integer", float: "a number", str: "a string"}.get(want, str(want))
         raise ConfigFileError(f"{where}: expected {name}, got {value!r}")
     if action.choices is not None and value not in action.choices:
-        raise ConfigFileError(f"{where}: {value!r} is not one of {sorted(action.choices)}")  # type: ignore[type-var]
+        raise ConfigFileError(f"{where}: {value!r} is not one of {sorted(action.choices)}")  # type: ignore[type-var,unused-ignore]
     return value
 
 

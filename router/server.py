@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+import typing
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -103,7 +104,7 @@ def send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
     readiness, so a recv awaiting on the asyncio socket is not woken and the loop stalls (under load every
     worker then looked dead: no heartbeat). pyzmq's own send re-arms the pending recv.
     """
-    fut = sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    fut = typing.cast("asyncio.Future[Any]", sock.send_multipart(frames, flags=zmq.NOBLOCK))
     if not fut.done():  # another send is pending: this one completes after it
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         return
