@@ -178,7 +178,6 @@ class Client:
         endpoint: str = DEFAULT_ENDPOINT,
         *,
         timeout_s: float = 300.0,
-        connect_timeout_s: float | None = None,
         context: zmq.Context[Any] | None = None,
         curve_key: str | None = None,
         router_key: str | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -20,6 +21,18 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout", type=float, default=10.0, metavar="SECONDS", help="give up when the router is silent this long (default: 10)"
+    )
+    parser.add_argument(
+        "--curve-key",
+        default=os.environ.get("KVROUTE_CURVE_KEY"),
+        metavar="FILE",
+        help="this client's CurveZMQ key file, for a router started with --client-keys ($KVROUTE_CURVE_KEY)",
+    )
+    parser.add_argument(
+        "--router-key",
+        default=os.environ.get("KVROUTE_ROUTER_KEY"),
+        metavar="FILE",
+        help="the router's public key file, NAME.pub ($KVROUTE_ROUTER_KEY)",
     )
 
 
@@ -86,6 +99,16 @@ def _stream_out(client: Client, args: argparse.Namespace, **request: Any) -> Res
     return stream.result
 
 
+def _client(args: argparse.Namespace) -> Client:
+    """The ZMQ client the flags describe; a bad key setup is a one-line usage error."""
+    from kvroute.cli import UsageError
+
+    try:
+        return Client(args.connect, timeout_s=args.timeout, curve_key=args.curve_key, router_key=args.router_key)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _fail(exc: Exception, args: argparse.Namespace) -> int:
     if isinstance(exc, TimeoutError):
         print(f"kvroute: error: cannot reach the router at {args.connect} (no reply in {args.timeout:g} s)", file=sys.stderr)
@@ -96,7 +119,7 @@ def _fail(exc: Exception, args: argparse.Namespace) -> int:
 
 def run_complete(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    with Client(args.connect, timeout_s=args.timeout) as client:
+    with _client(args) as client:
         try:
             _stream_out(client, args, prompt=prompt)
         except (KvrouteError, TimeoutError) as exc:
@@ -106,7 +129,7 @@ def run_complete(args: argparse.Namespace) -> int:
 
 def run_chat(args: argparse.Namespace) -> int:
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
-    with Client(args.connect, timeout_s=args.timeout) as client:
+    with _client(args) as client:
         try:
             if args.message is not None:
                 _stream_out(client, args, messages=[*history, {"role": "user", "content": args.message}])
@@ -145,7 +168,7 @@ def format_status(st: StatusReply) -> str:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    with Client(args.connect, timeout_s=args.timeout) as client:
+    with _client(args) as client:
         try:
             st = client.status()
         except (KvrouteError, TimeoutError) as exc:

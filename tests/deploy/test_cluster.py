@@ -321,6 +321,13 @@ def test_curve_lets_allowed_keys_in_and_keeps_others_out(cluster: Cluster) -> No
     ok = cluster.client()
     assert {w.worker for w in ok.status().workers} == {"wa", "wb"}  # "evil" never joined
     ok.close()
+    # the CLI with the allowed client key gets in; without keys it gets no answer
+    cli = [sys.executable, "-m", "kvroute.cli", "status", "--connect", cluster.client_ep, "--timeout", "3"]
+    keys = ["--curve-key", str(cluster.keys["client.key"]), "--router-key", str(cluster.keys["router.pub"])]
+    with_keys = subprocess.run([*cli, *keys], capture_output=True, text=True, timeout=60)
+    assert with_keys.returncode == 0 and "wa" in with_keys.stdout, with_keys.stderr
+    without = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert without.returncode == 1 and "cannot reach the router" in without.stderr
     log = cluster.log("router")
     refused = [line for line in log.splitlines() if '"peer_refused"' in line]
     intruder_key = read_key(cluster.keys["intruder.pub"], secret=False).decode()
