@@ -207,6 +207,15 @@ class Engine:
         self._inbox.put(("call", (fn, fut)))
         return fut
 
+    def hand_back(self, running: bool) -> Future[int]:
+        """End waiting jobs (and running ones when `running`) with JobError `draining`, which the router
+        re-dispatches when the client saw no output yet. The future gives how many were handed back."""
+        return self.call(lambda e: e._hand_back(running))
+
+    def has_work(self) -> Future[bool]:
+        """Whether any job is waiting or running (read on the compute thread)."""
+        return self.call(lambda e: bool(e.waiting or e.table.busy()))
+
     def slot_states(self) -> list[SlotState]:
         """Heartbeat view (plain reads of compute-thread state; good enough for a once-a-second report)."""
         busy = SlotPhase.BUSY
@@ -613,6 +622,15 @@ class Engine:
             if slot.job is not None:
                 message = f"engine error {type(exc).__name__}: {exc} (error {error_id})"
                 self._error(slot.job, ErrorCode.INTERNAL, message, error_id)
+
+    def _hand_back(self, running: bool) -> int:
+        reqs = list(self.waiting)
+        self.waiting.clear()
+        if running:
+            reqs += [slot.job for slot in self.table.busy() if slot.job is not None]
+        for req in reqs:
+            self._error(req, ErrorCode.DRAINING, "the worker is shutting down; this job was handed back")
+        return len(reqs)
 
     def _reset(self) -> None:
         for req in list(self.waiting):

@@ -80,22 +80,6 @@ def run(args: argparse.Namespace) -> int:
         server.zctx.destroy(linger=2000)  # the last results and heartbeat leave before the process does
 
 
-def _hand_back(engine: Engine, running: bool) -> int:
-    """On the compute thread: end waiting jobs (and running ones when `running`) with JobError `draining`,
-    which the router re-dispatches when the client saw no output yet. Returns how many were handed back."""
-    reqs = list(engine.waiting)
-    engine.waiting.clear()
-    if running:
-        reqs += [slot.job for slot in engine.table.busy() if slot.job is not None]
-    for req in reqs:
-        engine._error(req, ErrorCode.DRAINING, "the worker is shutting down; this job was handed back")
-    return len(reqs)
-
-
-def _busy(engine: Engine) -> bool:
-    return bool(engine.waiting or engine.table.busy())
-
-
 class WorkerServer:
     """Hello until accepted, then heartbeats and jobs. `serve` returns the exit status."""
 
@@ -168,17 +152,17 @@ class WorkerServer:
         self.draining = True
         self.engine.drain()
         dealer.send(encode(self.heartbeat()))  # the router stops routing here now, not at the next beat
-        handed = self.engine.call(lambda e: _hand_back(e, running=False)).result()
+        handed = self.engine.hand_back(running=False).result()
         self._forward(dealer)
         log.info("draining", handed_back=handed, timeout_s=self.cfg.drain_timeout_s, reason="signal")
         notify(stopping=True, status=self.status_line())
 
     def _drained(self, dealer: zmq.Socket, deadline: float) -> bool:
         """True once nothing runs any more (after the deadline, running jobs are handed back first)."""
-        if self.engine.call(_busy).result():
+        if self.engine.has_work().result():
             if time.monotonic() < deadline:
                 return False
-            handed = self.engine.call(lambda e: _hand_back(e, running=True)).result()
+            handed = self.engine.hand_back(running=True).result()
             log.warning("drain_timeout", handed_back=handed, timeout_s=self.cfg.drain_timeout_s)
         self._forward(dealer)
         dealer.send(encode(self.heartbeat()))
