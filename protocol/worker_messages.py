@@ -66,13 +66,14 @@ class JobDone(Message, tag="job_done", kw_only=True):
     text: str
     tokens: TokenBytes  # generated token ids
     prompt_tokens: NonNeg
-    reused_tokens: NonNeg  # prompt tokens whose KV was already in the slot
+    reused_tokens: NonNeg  # prompt tokens whose KV was not computed for this job
     prefilled_tokens: NonNeg  # prompt tokens computed for this job
     generated_tokens: NonNeg
     slot_tokens: NonNeg  # the slot's token count after the job
     slot_hash: str  # token_hash() of the slot's tokens after the job
     timings: Timings
     stop: str | None = None
+    restored_tokens: NonNeg = 0  # of reused_tokens: copied into the slot from another slot or host RAM
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens)

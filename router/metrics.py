@@ -61,6 +61,13 @@ class RequestRecord:
     ttft_ms: float
     queue_ms: float
     attempts: int
+    restored_tokens: int = 0  # of reused_tokens: copied in by the worker from another slot or its host RAM
+
+
+def mispredicted(predicted: int, reused: int, restored: int) -> bool:
+    """The router predicts reuse from the chosen slot's own KV. The worker may do better by copying a longer
+    prefix from another of its slots or its host RAM (it reports that as restored); it must never do worse."""
+    return reused < predicted or (reused > predicted and not restored)
 
 
 @dataclass
@@ -73,6 +80,7 @@ class Metrics:
     prompt_tokens: int = 0
     predicted_reuse_tokens: int = 0
     reused_tokens: int = 0
+    restored_tokens: int = 0
     reuse_mispredictions: int = 0
     mirror_mismatches: int = 0
     dead_workers: int = 0
@@ -89,8 +97,9 @@ class Metrics:
         self.prompt_tokens += rec.prompt_tokens
         self.predicted_reuse_tokens += rec.predicted_reuse
         self.reused_tokens += rec.reused_tokens
+        self.restored_tokens += rec.restored_tokens
         self.ttft_ms.observe(rec.ttft_ms)
-        if rec.predicted_reuse != rec.reused_tokens:
+        if mispredicted(rec.predicted_reuse, rec.reused_tokens, rec.restored_tokens):
             self.reuse_mispredictions += 1
 
     def snapshot(self) -> dict[str, Any]:
@@ -103,6 +112,7 @@ class Metrics:
             "prompt_tokens": self.prompt_tokens,
             "predicted_reuse_tokens": self.predicted_reuse_tokens,
             "reused_tokens": self.reused_tokens,
+            "restored_tokens": self.restored_tokens,
             "reuse_mispredictions": self.reuse_mispredictions,
             "mirror_mismatches": self.mirror_mismatches,
             "dead_workers": self.dead_workers,

@@ -67,7 +67,7 @@ from protocol import (
     worker_to_router_decoder,
 )
 from router.config import RouterConfig
-from router.metrics import Metrics, RequestRecord
+from router.metrics import Metrics, RequestRecord, mispredicted
 from router.mirror import Mirror
 from router.requests import Req, ReqState, WorkerConn, WorkerState
 from router.security import Gatekeeper, Security
@@ -665,7 +665,7 @@ class Router:
         if msg.reused_tokens >= self.params.min_match:
             slot.hits += 1
         slot.reused_total += msg.reused_tokens
-        if msg.reused_tokens != req.predicted:
+        if mispredicted(req.predicted, msg.reused_tokens, msg.restored_tokens):
             log.warning("reuse_mispredicted", request_id=req.rid, job=msg.id, predicted=req.predicted, actual=msg.reused_tokens)
         t = msg.timings
         timings = Timings(
@@ -679,6 +679,7 @@ class Router:
             RequestRecord(
                 req.rid, conn.id, slot.index, msg.prompt_tokens, req.predicted, msg.reused_tokens,
                 msg.generated_tokens, msg.finish_reason, timings.ttft_ms, timings.queue_ms, req.attempts,
+                msg.restored_tokens,
             )
         )  # fmt: skip
         log.info(
@@ -690,6 +691,7 @@ class Router:
             finish_reason=msg.finish_reason,
             predicted_reuse=req.predicted,
             reused=msg.reused_tokens,
+            restored=msg.restored_tokens,
             prefilled=msg.prefilled_tokens,
             generated=msg.generated_tokens,
             ttft_ms=round(timings.ttft_ms, 1),

@@ -41,7 +41,7 @@ def test_flags_on_the_command_line_win(tmp_path: Path) -> None:
         ('[http]\nmodle_name = "x"\n', "unknown key 'modle_name'"),
         ("[http]\nhttp = 8000\n", "[http] http: expected a string, got 8000"),
         ("[http]\nhttp = \n", "not valid TOML"),
-        ('[router]\nslots = 2\n', None),
+        ("[router]\nslots = 2\n", None),
         ("http = 3\n", "[http] must be a table"),
     ],
 )

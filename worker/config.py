@@ -25,6 +25,9 @@ class WorkerConfig:
     snapshots: bool = opt(
         False, "restore per-slot state snapshots instead of trimming KV (automatic for recurrent/hybrid models)"
     )
+    host_cache_mb: int = opt(
+        2048, "host RAM for copies of evicted slot contents, restored when their conversation returns (0: off)"
+    )
     drain_timeout_s: float = opt(
         60.0, "on SIGTERM: running jobs get this long to finish; then they are handed back (JobError draining)"
     )
@@ -40,6 +43,8 @@ class WorkerConfig:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.n_batch < 1:
             raise ValueError(f"n_batch must be at least 1, got {self.n_batch}")
+        if self.host_cache_mb < 0:
+            raise ValueError(f"host_cache_mb must be at least 0, got {self.host_cache_mb}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be at least 0, got {self.drain_timeout_s}")
         if (self.curve_key is None) != (self.router_key is None):

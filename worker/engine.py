@@ -49,6 +49,7 @@ from protocol import (
     unpack_tokens,
 )
 from worker.config import WorkerConfig
+from worker.host_cache import Entry, HostCache
 from worker.llama import Llama
 from worker.sampling import Sampler, SamplingError
 from worker.slots import Slot, SlotPhase, SlotTable, Snapshot, common_prefix
@@ -59,6 +60,12 @@ log = logs.get(__name__)
 Sink = Callable[[Message], None]
 MS = 1000.0
 EXACT_ROWS = 8  # smallest ubatch computed with the same kernels as a long prompt (measured: tests/worker)
+# Copying a prefix from another slot or host RAM moves the source's whole state twice (about 18 KB a token for
+# Gemma 3 270M): worth it when it saves at least COPY_MIN prompt tokens and 1/COPY_RATIO of the source's length
+# (prefill costs ~100x a token's memcpy on CPU, ~50x on GPU).
+COPY_MIN = 32
+COPY_RATIO = 64
+SAVE_MIN = 64  # an eviction that loses fewer tokens than this is not worth a host-RAM copy
 
 
 @dataclass
@@ -78,8 +85,22 @@ class Counters:
     decode_errors: int = 0
     decode_retries: int = 0
     snapshot_restores: int = 0
+    slot_copies: int = 0  # prefixes copied from another slot of this worker
+    host_saves: int = 0  # evicted slot contents kept in host RAM
+    host_restores: int = 0  # prefixes restored from host RAM
+    restored_tokens: int = 0  # reused tokens that came from another slot or host RAM
+    copy_failures: int = 0  # llama.cpp refused a state copy (the slot was cleared and prefilled instead)
     decode_s: float = 0.0  # time inside llama_decode
     step_s: float = 0.0  # time of whole steps (batch building + decode + sampling + messages)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a prompt's prefix can be copied from: another slot's KV or a host-RAM entry."""
+
+    lcp: int  # prompt tokens it would give (after the reuse rules)
+    slot: Slot | None = None
+    entry: Entry | None = None
 
 
 @dataclass(eq=False)
@@ -95,6 +116,7 @@ class Request:
     deadline: float | None
     slot: int = -1
     reused: int = 0
+    restored: int = 0  # of `reused`: copied in from another slot or host RAM
     sampler: Sampler | None = None
     stream: TextStream = field(default_factory=TextStream)
     generated: list[int] = field(default_factory=list)
@@ -154,6 +176,9 @@ class Engine:
         self.n_ctx = self.llama.ctx_per_slot
         self.n_batch = cfg.n_batch
         self.snapshots = cfg.snapshots or self.llama.info.recurrent  # trim by restoring, not by seq_rm
+        # prefixes move between slots and host RAM by state copy + trim, so only where KV can be trimmed
+        self.copies = not self.snapshots
+        self.host = HostCache(cfg.host_cache_mb * 2**20 if self.copies else 0)
         self.exact = cfg.deterministic
         self.table = SlotTable(cfg.slots)
         self.counters = Counters()
@@ -324,10 +349,13 @@ class Engine:
                 continue
             if req.job.slot >= 0:
                 slot = self.table[req.job.slot]
-                if slot.phase is SlotPhase.BUSY or slot.id in claimed:
+                if slot.phase is SlotPhase.BUSY or slot.id in claimed or self._awaits_prefill(req):
                     claimed.add(slot.id)
                     still.append(req)
                     continue
+            elif self._awaits_prefill(req):
+                still.append(req)
+                continue
             else:
                 slot = self.table.pick(req.prompt, claimed)
                 if slot is None:
@@ -343,25 +371,115 @@ class Engine:
         req.slot, req.t_assigned = slot.id, time.monotonic()
         prompt = req.prompt
         if not req.job.prefix_cache:
+            self._save(slot, 0)
             self._clear(slot)
-        lcp = common_prefix(slot.tokens, prompt)
-        if lcp == len(prompt):
-            lcp -= 1  # logits are not cached: the last prompt token must be computed again
-        if self.exact:  # reuse only KV computed as prompt, and leave a full-size chunk to compute
-            lcp = max(0, min(lcp, slot.n_exact, len(prompt) - EXACT_ROWS))
+        lcp = self._reusable(slot.tokens, slot.n_exact, prompt)
+        src = self._source(slot, prompt, lcp) if req.job.prefix_cache else None
+        if src is not None:
+            self._save(slot, 0)
+            lcp = self._copy(slot, src)
+            req.restored = lcp
         if lcp < slot.n_tokens:
+            self._save(slot, lcp)
             self._trim(slot, lcp)
         req.reused = slot.n_tokens
+        req.restored = min(req.restored, req.reused)
         self.counters.reused_tokens += req.reused
+        self.counters.restored_tokens += req.restored
         self.counters.prefilled_tokens += len(prompt) - req.reused
         log.debug(
             "slot_assigned",
             request_id=req.id,
             slot=slot.id,
             reused=req.reused,
+            restored=req.restored,
             prefilled=len(prompt) - req.reused,
             predicted_reuse=req.job.predicted_reuse,
         )
+
+    def _reusable(self, tokens: list[int], n_exact: int, prompt: list[int]) -> int:
+        """Prompt tokens a sequence holding `tokens` can give: their LCP, minus one on a full match (logits are not
+        cached: the last prompt token must be computed again); in deterministic mode only KV computed as prompt,
+        leaving a full-size chunk to compute."""
+        lcp = common_prefix(tokens, prompt)
+        if lcp == len(prompt):
+            lcp -= 1
+        if self.exact:
+            lcp = max(0, min(lcp, n_exact, len(prompt) - EXACT_ROWS))
+        return lcp
+
+    @staticmethod
+    def _worth(lcp: int, have: int, n_source: int) -> bool:
+        return lcp - have >= max(COPY_MIN, n_source // COPY_RATIO)
+
+    def _source(self, slot: Slot, prompt: list[int], have: int) -> Source | None:
+        """Another slot (idle or busy: its KV is committed) or a host-RAM entry that gives enough more of the prompt
+        than the `have` tokens `slot` gives itself to be worth a copy; the one giving most."""
+        if not self.copies:
+            return None
+        best: Source | None = None
+        for other in self.table.slots:
+            if other is slot or not other.tokens:
+                continue
+            lcp = self._reusable(other.tokens, other.n_exact, prompt)
+            if self._worth(lcp, have, other.n_tokens) and (best is None or lcp > best.lcp):
+                best = Source(lcp, slot=other)
+        entry, _ = self.host.best(prompt)
+        if entry is not None:
+            lcp = self._reusable(entry.tokens, entry.n_exact, prompt)
+            if self._worth(lcp, have, len(entry.tokens)) and (best is None or lcp > best.lcp):
+                best = Source(lcp, entry=entry)
+        return best
+
+    def _copy(self, slot: Slot, src: Source) -> int:
+        """Replace what `slot` holds by the source's state; returns how many of its tokens to keep (0 on failure)."""
+        if src.entry is not None:
+            data, tokens, n_exact = src.entry.data, src.entry.tokens, src.entry.n_exact
+        else:
+            assert src.slot is not None
+            data, tokens, n_exact = self.llama.state_get(src.slot.id), src.slot.tokens, src.slot.n_exact
+        if not self.llama.state_set(slot.id, data):
+            self.counters.copy_failures += 1
+            log.warning("state_copy_refused", slot=slot.id, source_slot=src.slot.id if src.slot else None, tokens=len(tokens))
+            self._clear(slot)
+            return 0
+        slot.tokens, slot.n_exact, slot.snapshot = list(tokens), n_exact, None
+        if src.entry is not None:
+            self.host.used(src.entry)
+            self.counters.host_restores += 1
+        else:
+            self.counters.slot_copies += 1
+        return src.lcp
+
+    def _save(self, slot: Slot, keep: int) -> None:
+        """`slot` is about to keep only `keep` of its tokens: copy it to host RAM first when what it loses is worth
+        it and no other slot or entry holds it."""
+        if not self.host.capacity or slot.n_tokens - keep < SAVE_MIN:
+            return
+        tokens, n = slot.tokens, slot.n_tokens
+        if self.host.covers(tokens) or any(o is not slot and o.tokens[:n] == tokens for o in self.table.slots):
+            return
+        if self.host.put(tokens, slot.n_exact, self.llama.state_get(slot.id)):
+            self.counters.host_saves += 1
+
+    def _awaits_prefill(self, req: Request) -> bool:
+        """Whether a busy slot is computing a prefix of this prompt longer (by a copy's worth) than any KV held now:
+        then the job waits for it and copies it, instead of computing the same tokens a second time alongside."""
+        if not self.copies or not req.job.prefix_cache:
+            return False
+        prompt = req.prompt
+        computing = [s for s in self.table.busy() if s.job is not None and not s.job.generated]
+        if not computing:
+            return False
+        have = max(self._reusable(s.tokens, s.n_exact, prompt) for s in self.table.slots)
+        entry, _ = self.host.best(prompt)
+        if entry is not None:
+            have = max(have, self._reusable(entry.tokens, entry.n_exact, prompt))
+        for s in computing:
+            shared = min(common_prefix(s.job.prompt, prompt), len(prompt) - 1)
+            if s.n_tokens < shared and shared - have >= COPY_MIN:
+                return True
+        return False
 
     def _trim(self, slot: Slot, n: int) -> None:
         """Make the slot hold only its first n tokens, or fewer if its memory cannot be cut there."""
@@ -538,6 +656,7 @@ class Engine:
             tokens=pack_tokens(req.generated),
             prompt_tokens=len(req.prompt),
             reused_tokens=req.reused,
+            restored_tokens=req.restored,
             prefilled_tokens=len(req.prompt) - req.reused,
             generated_tokens=len(req.generated),
             slot_tokens=slot.n_tokens,
@@ -642,4 +761,5 @@ class Engine:
                 slot.job.silent = True
                 self._release(slot.job, slot)
             self._clear(slot)
+        self.host.clear()
         log.info("slots_reset", slots=len(self.table))

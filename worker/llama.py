@@ -9,11 +9,15 @@ import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import llama_cpp
 
 from kvroute.model import ModelError
 from kvroute.vocab import Vocab, init_backend
+
+if TYPE_CHECKING:
+    StateData = ctypes.Array[ctypes.c_uint8]  # one sequence's saved state (its KV cells), as llama.cpp wrote it
 
 
 @dataclass(frozen=True)
@@ -178,15 +182,18 @@ class Llama:
     def seq_pos_min(self, seq: int) -> int:
         return llama_cpp.llama_memory_seq_pos_min(self.mem, seq)
 
-    def state_get(self, seq: int) -> bytes:
+    def state_get(self, seq: int) -> StateData:
+        """A copy of what `seq` holds (its KV cells and their positions), kept in one ctypes buffer (no extra copy)."""
         size = llama_cpp.llama_state_seq_get_size(self.ctx, seq)
         buf = (ctypes.c_uint8 * size)()
         n = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, seq)
-        return bytes(buf)[:n]
+        if n != size:
+            raise RuntimeError(f"llama.cpp wrote {n} bytes of state for sequence {seq}, announced {size}")
+        return buf
 
-    def state_set(self, seq: int, data: bytes) -> bool:
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        return llama_cpp.llama_state_seq_set_data(self.ctx, buf, len(data), seq) != 0
+    def state_set(self, seq: int, data: StateData) -> bool:
+        """Replace what `seq` holds by a saved state (of this or another sequence). False when llama.cpp refuses."""
+        return llama_cpp.llama_state_seq_set_data(self.ctx, data, len(data), seq) != 0
 
     def close(self) -> None:
         self.batch.free()

@@ -137,7 +137,8 @@ class WorkerServer:
         head = "draining; " if self.draining else "" if self.accepted else "waiting for the router; "
         return (
             f"{head}slots {sum(s.busy for s in states)}/{len(states)} busy, queue {e.queue_len},"
-            f" jobs done {c.jobs_done}, failed {c.jobs_failed}"
+            f" jobs done {c.jobs_done}, failed {c.jobs_failed},"
+            f" host cache {len(e.host)} entries / {e.host.nbytes >> 20} MiB"
         )
 
     def _forward(self, dealer: zmq.Socket) -> None:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker.llama import StateData
 
 
 class SlotPhase(enum.Enum):
@@ -36,7 +39,7 @@ class Snapshot:
     """Saved sequence state after the first `n_tokens` of the slot's tokens (for memories that cannot be trimmed)."""
 
     n_tokens: int
-    data: bytes
+    data: StateData
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from protocol import token_hash
+from router.metrics import mispredicted
 from router.mirror import EMPTY, Mirror, hash_tokens
 from router.select import Params, predicted_reuse
 
@@ -109,3 +110,10 @@ def test_deterministic_worker_reuse_is_limited_to_prompt_computed_tokens():
     assert predicted_reuse(42, len(nxt), s, Params()) == 40
     # and at least 8 prompt tokens are always computed
     assert predicted_reuse(40, 44, s, Params()) == 36
+
+
+def test_worker_copies_count_as_predicted_only_when_reported_and_never_below_prediction():
+    assert not mispredicted(40, 40, 0)
+    assert mispredicted(40, 41, 0)  # more reuse with nothing restored: the mirror was wrong
+    assert not mispredicted(0, 900, 900)  # the worker copied a prefix from another slot or its host RAM
+    assert mispredicted(40, 30, 30)  # a copy must never give less than the slot's own prefix

@@ -23,6 +23,17 @@ from protocol import Accept, Error, Job, JobCancel, Result, Sampling, Submit
 KVROUTE = str(Path(sys.executable).parent / "kvroute")
 
 
+def drain_notifications(sock: socket.socket) -> None:
+    """Keep reading the router's sd_notify datagrams so it never blocks on a full socket; ends with the test."""
+    while True:
+        try:
+            sock.recv(4096)
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+
+
 @pytest.fixture
 def router_proc(tmp_path: Path) -> Iterator[Callable[[float], tuple[subprocess.Popen[bytes], str, str]]]:
     """`start(drain_timeout_s)` -> (process, client endpoint, worker endpoint), once READY=1 came."""
@@ -39,7 +50,7 @@ def router_proc(tmp_path: Path) -> Iterator[Callable[[float], tuple[subprocess.P
         proc = subprocess.Popen([*cmd, "--drain-timeout-s", str(drain_timeout_s)], env=env, stderr=subprocess.DEVNULL)
         procs.append(proc)
         assert ready.recv(4096).startswith(b"READY=1")
-        threading.Thread(target=lambda: [ready.recv(4096) for _ in iter(int, 1)], daemon=True).start()  # keep reading
+        threading.Thread(target=drain_notifications, args=(ready,), daemon=True).start()
         return proc, cep, wep
 
     yield start

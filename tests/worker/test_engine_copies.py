@@ -1,0 +1,108 @@
+"""Prefix copies inside one worker, with the real default model: from another slot, from a slot still computing
+the prefix, and from the host-RAM cache of evicted slot contents. Deterministic mode, so a copied prefix must
+give exactly what a cold computation gives."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from worker_helpers import assert_slot_invariant, complete, start
+
+from protocol import JobDone
+from worker.config import WorkerConfig
+from worker.engine import COPY_MIN, SAVE_MIN, Engine
+
+pytestmark = pytest.mark.model
+
+DOC = (
+    "The lighthouse keeper's log, autumn. The wind turned north before dawn and the sea rose against the rocks. "
+    "Three fishing boats came in early; the fourth, the Mary Ellen, was seen rounding the point at noon with a torn "
+    "sail. The keeper lit the lamp at four, an hour before the usual time, and wound the clockwork twice. "
+)
+
+
+@pytest.fixture(scope="module")
+def copier() -> Iterator[Engine]:
+    """Its own engine (3 slots), so that what the host cache holds depends only on this module."""
+    eng = Engine(WorkerConfig(slots=3, ctx_per_slot=1024, threads=2, deterministic=True, host_cache_mb=64)).start()
+    yield eng
+    eng.stop()
+
+
+def counters(engine: Engine) -> dict[str, int]:
+    c = engine.call(lambda e: e.counters).result(10)
+    return {k: getattr(c, k) for k in ("slot_copies", "host_saves", "host_restores", "restored_tokens", "copy_failures")}
+
+
+def clear_all(engine: Engine) -> None:
+    engine.reset()
+    engine.call(lambda e: None).result(10)  # the reset has run
+
+
+def test_prefix_is_copied_from_another_idle_slot(copier, vocab):
+    clear_all(copier)
+    doc = vocab.tokenize(DOC * 2)
+    first = complete(copier, doc + vocab.tokenize(" Question: which boat was late?", add_special=False), slot=0)
+    before = counters(copier)
+    prompt = doc + vocab.tokenize(" Question: when was the lamp lit?", add_special=False)
+    warm = complete(copier, prompt, slot=1)
+    cold = complete(copier, prompt, slot=2, prefix_cache=False)
+    assert isinstance(first.final, JobDone) and isinstance(warm.final, JobDone) and isinstance(cold.final, JobDone)
+    assert warm.final.restored_tokens == warm.final.reused_tokens >= len(doc) - 8
+    assert warm.final.prefilled_tokens < len(prompt) - len(doc) + 16
+    assert warm.tokens == cold.tokens  # the copied KV is the KV a cold run computes, bit for bit
+    assert cold.final.reused_tokens == 0 and cold.final.restored_tokens == 0
+    after = counters(copier)
+    assert after["slot_copies"] == before["slot_copies"] + 1 and after["copy_failures"] == 0
+    assert_slot_invariant(copier, warm)
+    assert_slot_invariant(copier, first)  # the source slot is untouched
+
+
+def test_job_waits_for_a_slot_still_computing_its_prefix(copier, vocab):
+    clear_all(copier)
+    doc = vocab.tokenize(DOC * 3)
+    q1 = doc + vocab.tokenize(" Question: how many boats came in early?", add_special=False)
+    q2 = doc + vocab.tokenize(" Question: what was torn?", add_special=False)
+    a = start(copier, q1, slot=0)
+    b = start(copier, q2, slot=1)  # arrives while slot 0 is computing the document
+    a.wait(), b.wait()
+    assert isinstance(a.final, JobDone) and isinstance(b.final, JobDone)
+    assert a.final.reused_tokens == 0
+    assert b.final.restored_tokens == b.final.reused_tokens >= len(doc) - 8  # the document was computed once
+    cold = complete(copier, q2, slot=2, prefix_cache=False)
+    assert b.tokens == cold.tokens
+    assert_slot_invariant(copier, b)
+
+
+def test_evicted_conversation_is_restored_from_host_ram(copier, vocab):
+    clear_all(copier)
+    history = vocab.tokenize(DOC * 2 + " Keeper: the night was long.")
+    assert len(history) > SAVE_MIN + COPY_MIN
+    for i in range(3):  # fill every slot with this conversation's history, then overwrite them all
+        complete(copier, history, slot=i, max_tokens=2)
+    before = counters(copier)
+    for i in range(3):
+        complete(copier, vocab.tokenize(f"Unrelated prompt number {i}: the price of bread."), slot=i, max_tokens=2)
+    saved = counters(copier)
+    assert saved["host_saves"] == before["host_saves"] + 1  # three equal contents, one copy
+    prompt = history + vocab.tokenize(" Visitor: and the boat?", add_special=False)
+    back = complete(copier, prompt, slot=0)
+    cold = complete(copier, prompt, slot=1, prefix_cache=False)
+    assert isinstance(back.final, JobDone) and isinstance(cold.final, JobDone)
+    assert back.final.restored_tokens == back.final.reused_tokens >= len(history) - 8
+    assert back.tokens == cold.tokens
+    after = counters(copier)
+    assert after["host_restores"] == saved["host_restores"] + 1 and after["copy_failures"] == 0
+    assert_slot_invariant(copier, back)
+
+
+def test_no_copy_without_prefix_cache_or_for_a_small_gain(copier, vocab):
+    clear_all(copier)
+    doc = vocab.tokenize(DOC * 2)
+    complete(copier, doc, slot=0, max_tokens=2)
+    off = complete(copier, doc + vocab.tokenize(" More.", add_special=False), slot=1, prefix_cache=False)
+    assert isinstance(off.final, JobDone) and off.final.reused_tokens == off.final.restored_tokens == 0
+    short = vocab.tokenize("The lighthouse keeper's log, spring.")  # shares fewer than COPY_MIN tokens
+    small = complete(copier, short, slot=2)
+    assert isinstance(small.final, JobDone) and small.final.restored_tokens == 0 and small.final.reused_tokens == 0
