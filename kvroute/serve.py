@@ -43,13 +43,14 @@ class LocalWorkers:
     ctx_per_slot: int = opt(4096, "context length of each slot, in tokens")
     threads: int = opt(0, "CPU threads per worker; 0 = the CPU count divided among the CPU workers")
     n_batch: int = opt(512, "most prompt tokens computed in one engine step")
+    host_cache_mb: int = opt(2048, "host RAM per worker for evicted slot contents, restored when they are wanted again")
     deterministic: bool = opt(
         False, "bit-identical greedy output cached vs cold (workers run without weight repacking and flash attention)"
     )
 
     def __post_init__(self) -> None:
-        if self.cpu_workers < 0 or self.slots < 1 or self.ctx_per_slot < 16 or self.threads < 0:
-            raise ValueError("cpu_workers, slots, ctx_per_slot and threads must be positive")
+        if self.cpu_workers < 0 or self.slots < 1 or self.ctx_per_slot < 16 or self.threads < 0 or self.host_cache_mb < 0:
+            raise ValueError("cpu_workers, slots, ctx_per_slot, threads and host_cache_mb must be positive")
 
     def gpu_list(self) -> list[int]:
         try:
@@ -68,6 +69,8 @@ def worker_specs(local: LocalWorkers, model: str) -> list[WorkerSpec]:
         str(local.ctx_per_slot),
         "--n-batch",
         str(local.n_batch),
+        "--host-cache-mb",
+        str(local.host_cache_mb),
     ]
     if local.deterministic:
         common.append("--deterministic")
