@@ -94,6 +94,32 @@ def test_sessions_stick_to_their_slots_and_reuse_is_predicted_exactly(system):
     c.close()
 
 
+def test_questions_on_one_document_share_its_kv_inside_a_worker(system):
+    """Three questions on one document at once on 2 workers: two land on one worker, which computes the
+    document once and copies it into the other slot; the router counts that copy as reported, not mispredicted."""
+    rt, cep = system
+    router = rt.router
+    c = RawClient(cep)
+    doc = "Minutes of the harbour board. " + " ".join(f"Item {i}: the pier lamp {i} was repaired and painted." for i in range(12))
+    ids = {f"doc{q}" for q in range(3)}
+    for q, rid in enumerate(sorted(ids)):
+        c.send(
+            Submit(
+                id=rid, prompt=f"{doc}\nQuestion {q}: which lamp was painted?", sampling=Sampling(max_tokens=4, temperature=0.0)
+            )
+        )
+    results = collect(c, ids)
+    assert all(isinstance(r[1], Result) for r in results.values()), results
+    recs = [next(r for r in reversed(router.metrics.recent) if r.id == rid) for rid in ids]
+    copied = [r for r in recs if r.restored_tokens]
+    assert copied, recs
+    for r in copied:
+        assert r.reused_tokens == r.restored_tokens > 100 and r.reused_tokens >= r.predicted_reuse
+        assert results[r.id][1].usage.cached_tokens == r.reused_tokens
+    assert router.metrics.reuse_mispredictions == 0 and router.metrics.mirror_mismatches == 0
+    c.close()
+
+
 def test_bad_client_input_gets_errors_while_others_complete(system):
     _, cep = system
     good, bad = RawClient(cep), RawClient(cep)
@@ -126,7 +152,9 @@ def test_kill_9_mid_load_nothing_hangs_and_the_worker_comes_back(system):
     for i in range(8):
         rid = f"k{i}"
         sampling = Sampling(max_tokens=48, temperature=0.0, ignore_eos=True)
-        c.send(Submit(id=rid, prompt=f"Story number {i}: once upon a time", sampling=sampling, stream=i % 2 == 0))
+        # streamed every third: however the router spreads the eight (alternating, in pairs, in fours), each
+        # worker gets both kinds
+        c.send(Submit(id=rid, prompt=f"Story number {i}: once upon a time", sampling=sampling, stream=i % 3 == 0))
         ids.add(rid)
     out: dict[str, tuple[list[Delta], Any]] = {i: ([], None) for i in ids}
     # wait until some worker runs a non-streaming job and at least one stream has started
