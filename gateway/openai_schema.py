@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from protocol import ChatMessage, Result, Sampling, Submit, pack_tokens
+from protocol import MAX_DEADLINE_MS, ChatMessage, Result, Sampling, Submit, pack_tokens
 
 OPENAI_COMPLETIONS_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 
@@ -78,8 +78,8 @@ def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> Sampling:
 def _deadline_ms(body: dict[str, Any]) -> int | None:
     """kvroute extension: `deadline_ms`, the most milliseconds the request may take (504 past it)."""
     value = _get(body, "deadline_ms", (int,))
-    if value is not None and value < 1:
-        raise RequestError("`deadline_ms` must be a positive integer", param="deadline_ms")
+    if value is not None and not 1 <= value <= MAX_DEADLINE_MS:
+        raise RequestError(f"`deadline_ms` must be an integer from 1 to {MAX_DEADLINE_MS}", param="deadline_ms")
     return value
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from protocol import MAX_DEADLINE_MS
+
 _error = {
     "type": "object",
     "properties": {
@@ -34,7 +36,12 @@ _sampling: dict[str, Any] = {
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
     "stream": {"type": "boolean"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "deadline_ms": {"type": "integer", "minimum": 1, "description": "kvroute extension: 504 when the request takes longer"},
+    "deadline_ms": {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": MAX_DEADLINE_MS,
+        "description": "kvroute extension: 504 when the request takes longer",
+    },
 }
 
 _usage = {

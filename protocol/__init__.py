@@ -24,6 +24,7 @@ from protocol.codec import (
     worker_to_router_decoder,
 )
 from protocol.common import (
+    MAX_DEADLINE_MS,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     ErrorCode,
@@ -53,6 +54,7 @@ from protocol.worker_messages import (
 )
 
 __all__ = [
+    "MAX_DEADLINE_MS",
     "MAX_FRAME_BYTES",
     "PROTOCOL_VERSION",
     "Accept",

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from protocol.common import Message, Sampling, Struct, Timings, TokenBytes, Usage, check_token_bytes
+from protocol.common import DeadlineMs, Message, Sampling, Struct, Timings, TokenBytes, Usage, check_token_bytes
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
 
@@ -29,7 +29,7 @@ class Submit(Message, tag="submit", kw_only=True):
     tokens: TokenBytes | None = None  # token ids, used as given
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     stream: bool = True  # send `delta` messages; the `result` comes either way
-    deadline_ms: Annotated[int, Meta(ge=1)] | None = None  # relative to the router's receipt
+    deadline_ms: DeadlineMs | None = None  # relative to the router's receipt
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.tokens))

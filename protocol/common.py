@@ -20,6 +20,10 @@ MAX_FRAME_BYTES = 8 * 1024 * 1024
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 
+MAX_DEADLINE_MS = 2**31 - 1
+"""Largest `deadline_ms` (about 24.8 days): an int32 in every language, and far from any clock overflow."""
+DeadlineMs = Annotated[int, Meta(ge=1, le=MAX_DEADLINE_MS)]
+
 
 class ErrorCode(enum.StrEnum):
     """Stable error codes. Clients may switch on these; the message text is for humans."""

@@ -8,7 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from protocol.client_messages import RequestId
-from protocol.common import Message, NonNeg, Sampling, Struct, Timings, TokenBytes, check_token_bytes
+from protocol.common import DeadlineMs, Message, NonNeg, Sampling, Struct, Timings, TokenBytes, check_token_bytes
 
 WorkerId = Annotated[str, Meta(min_length=1, max_length=64)]
 
@@ -116,7 +116,7 @@ class Job(Message, tag="job", kw_only=True):
     slot: Annotated[int, Meta(ge=-1)] = -1
     tokens: TokenBytes  # the whole prompt
     sampling: Sampling = msgspec.field(default_factory=Sampling)
-    deadline_ms: Annotated[int, Meta(ge=1)] | None = None  # relative to the worker's receipt
+    deadline_ms: DeadlineMs | None = None  # relative to the worker's receipt
     predicted_reuse: NonNeg = 0  # what the router expects the slot to reuse (for logs)
     prefix_cache: bool = True  # False: clear the slot and compute the whole prompt
 

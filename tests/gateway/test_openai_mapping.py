@@ -44,6 +44,9 @@ def test_completion_fields_map_onto_sampling() -> None:
     assert (stream, usage) == (True, True)
     assert completion_submit({"prompt": "x", "deadline_ms": 300}, "r")[0].deadline_ms == 300
     assert chat_submit({"messages": [{"role": "user", "content": "x"}], "deadline_ms": 9}, "r")[0].deadline_ms == 9
+    for bad in (0, 2**31, 18446744073709550846):  # the last one once overflowed the router's job frame (schemathesis)
+        with pytest.raises(RequestError, match="deadline_ms"):
+            completion_submit({"prompt": "x", "deadline_ms": bad}, "r")
 
 
 def test_chat_maps_roles_and_text_parts() -> None:

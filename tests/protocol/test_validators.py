@@ -216,7 +216,7 @@ def test_ints_are_accepted_where_floats_are_expected() -> None:
             "ignore_eos": st.booleans(),
         },
     ),
-    st.none() | st.integers(1, 2**40),
+    st.none() | st.integers(1, p.MAX_DEADLINE_MS),
     st.booleans(),
 )
 def test_any_valid_submit_decodes_and_round_trips(sampling: dict[str, Any], deadline: int | None, stream: bool) -> None:
@@ -228,6 +228,12 @@ def test_any_valid_submit_decodes_and_round_trips(sampling: dict[str, Any], dead
 
 
 # ---- ids, versions, unknown fields --------------------------------------------------------------
+
+
+def test_deadline_is_bounded() -> None:
+    assert DEC.decode(submit_frame(prompt="x", deadline_ms=p.MAX_DEADLINE_MS)).deadline_ms == p.MAX_DEADLINE_MS
+    for bad in (0, p.MAX_DEADLINE_MS + 1, 2**64 - 1):
+        refused(submit_frame(prompt="x", deadline_ms=bad), "deadline_ms")
 
 
 def test_request_id_limits_and_echo() -> None:
