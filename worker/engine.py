@@ -60,9 +60,9 @@ log = logs.get(__name__)
 Sink = Callable[[Message], None]
 MS = 1000.0
 EXACT_ROWS = 8  # smallest ubatch computed with the same kernels as a long prompt (measured: tests/worker)
-# Copying a prefix from another slot or host RAM moves the source's whole state twice (about 18 KB a token for
-# Gemma 3 270M): worth it when it saves at least COPY_MIN prompt tokens and 1/COPY_RATIO of the source's length
-# (prefill costs ~100x a token's memcpy on CPU, ~50x on GPU).
+# Copying a prefix moves memory: another slot's whole stream (ctx_per_slot cells, about 18 KB each for Gemma 3
+# 270M), or a host-RAM entry's state. Worth it when it saves at least COPY_MIN prompt tokens and 1/COPY_RATIO of
+# the cells copied (prefill costs ~100x a token's memcpy on CPU, ~50x on GPU).
 COPY_MIN = 32
 COPY_RATIO = 64
 SAVE_MIN = 64  # an eviction that loses fewer tokens than this is not worth a host-RAM copy
@@ -185,6 +185,7 @@ class Engine:
         self.draining = False
         self.waiting: collections.deque[Request] = collections.deque()
         self._by_id: dict[str, Request] = {}
+        self._copying: set[int] = set()  # slots whose stream copy (seq_cp) llama.cpp does at the next decode
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._running = False
@@ -373,7 +374,7 @@ class Engine:
         if not req.job.prefix_cache:
             self._save(slot, 0)
             self._clear(slot)
-        lcp = self._reusable(slot.tokens, slot.n_exact, prompt)
+        lcp = self._reusable(slot.tokens, slot.n_exact, prompt, self.llama.seq_pos_min(slot.id))
         src = self._source(slot, prompt, lcp) if req.job.prefix_cache else None
         if src is not None:
             self._save(slot, 0)
@@ -397,20 +398,21 @@ class Engine:
             predicted_reuse=req.job.predicted_reuse,
         )
 
-    def _reusable(self, tokens: list[int], n_exact: int, prompt: list[int]) -> int:
+    def _reusable(self, tokens: list[int], n_exact: int, prompt: list[int], pos_min: int) -> int:
         """Prompt tokens a sequence holding `tokens` can give: their LCP, minus one on a full match (logits are not
         cached: the last prompt token must be computed again); in deterministic mode only KV computed as prompt,
-        leaving a full-size chunk to compute."""
+        leaving a full-size chunk to compute; none when its sliding-window layers start at `pos_min`, too late for
+        the cut (a state restored from host RAM can only be extended, not cut far back)."""
         lcp = common_prefix(tokens, prompt)
         if lcp == len(prompt):
             lcp -= 1
         if self.exact:
             lcp = max(0, min(lcp, n_exact, len(prompt) - EXACT_ROWS))
-        return lcp
+        return lcp if self.llama.can_keep(pos_min, len(tokens), lcp) else 0
 
     @staticmethod
-    def _worth(lcp: int, have: int, n_source: int) -> bool:
-        return lcp - have >= max(COPY_MIN, n_source // COPY_RATIO)
+    def _worth(lcp: int, have: int, n_copied: int) -> bool:
+        return lcp - have >= max(COPY_MIN, n_copied // COPY_RATIO)
 
     def _source(self, slot: Slot, prompt: list[int], have: int) -> Source | None:
         """Another slot (idle or busy: its KV is committed) or a host-RAM entry that gives enough more of the prompt
@@ -421,45 +423,50 @@ class Engine:
         for other in self.table.slots:
             if other is slot or not other.tokens:
                 continue
-            lcp = self._reusable(other.tokens, other.n_exact, prompt)
-            if self._worth(lcp, have, other.n_tokens) and (best is None or lcp > best.lcp):
+            lcp = self._reusable(other.tokens, other.n_exact, prompt, self.llama.seq_pos_min(other.id))
+            if self._worth(lcp, have, self.n_ctx) and (best is None or lcp > best.lcp):
                 best = Source(lcp, slot=other)
         entry, _ = self.host.best(prompt)
-        if entry is not None:
-            lcp = self._reusable(entry.tokens, entry.n_exact, prompt)
+        # a restore writes the slot's cells now, and a stream copy still pending into it would overwrite them
+        if entry is not None and slot.id not in self._copying:
+            lcp = self._reusable(entry.tokens, entry.n_exact, prompt, entry.pos_min)
             if self._worth(lcp, have, len(entry.tokens)) and (best is None or lcp > best.lcp):
                 best = Source(lcp, entry=entry)
         return best
 
     def _copy(self, slot: Slot, src: Source) -> int:
-        """Replace what `slot` holds by the source's state; returns how many of its tokens to keep (0 on failure)."""
-        if src.entry is not None:
-            data, tokens, n_exact = src.entry.data, src.entry.tokens, src.entry.n_exact
-        else:
-            assert src.slot is not None
-            data, tokens, n_exact = self.llama.state_get(src.slot.id), src.slot.tokens, src.slot.n_exact
-        if not self.llama.state_set(slot.id, data):
+        """Replace what `slot` holds by the source's; returns how many of its tokens to keep (0 on failure).
+
+        From another slot, llama.cpp copies the whole stream (every layer in full, so any cut is valid). From host
+        RAM, the state comes back with only the last window of its sliding-window layers (`Entry.pos_min`)."""
+        if src.slot is not None:
+            self.llama.seq_cp(src.slot.id, slot.id)
+            self._copying.add(slot.id)
+            slot.tokens, slot.n_exact, slot.snapshot = list(src.slot.tokens), src.slot.n_exact, None
+            self.counters.slot_copies += 1
+            return src.lcp
+        entry = src.entry
+        assert entry is not None
+        if not self.llama.state_set(slot.id, entry.data):
             self.counters.copy_failures += 1
-            log.warning("state_copy_refused", slot=slot.id, source_slot=src.slot.id if src.slot else None, tokens=len(tokens))
+            log.warning("state_restore_refused", slot=slot.id, tokens=len(entry.tokens))
             self._clear(slot)
             return 0
-        slot.tokens, slot.n_exact, slot.snapshot = list(tokens), n_exact, None
-        if src.entry is not None:
-            self.host.used(src.entry)
-            self.counters.host_restores += 1
-        else:
-            self.counters.slot_copies += 1
+        slot.tokens, slot.n_exact, slot.snapshot = list(entry.tokens), entry.n_exact, None
+        self.host.used(entry)
+        self.counters.host_restores += 1
         return src.lcp
 
     def _save(self, slot: Slot, keep: int) -> None:
         """`slot` is about to keep only `keep` of its tokens: copy it to host RAM first when what it loses is worth
         it and no other slot or entry holds it."""
-        if not self.host.capacity or slot.n_tokens - keep < SAVE_MIN:
-            return
+        if not self.host.capacity or slot.n_tokens - keep < SAVE_MIN or slot.id in self._copying:
+            return  # (a slot whose stream copy is still pending has no KV to read yet)
         tokens, n = slot.tokens, slot.n_tokens
         if self.host.covers(tokens) or any(o is not slot and o.tokens[:n] == tokens for o in self.table.slots):
             return
-        if self.host.put(tokens, slot.n_exact, self.llama.state_get(slot.id)):
+        pos_min = self.llama.state_pos_min(slot.id, n)
+        if self.host.put(tokens, slot.n_exact, self.llama.state_get(slot.id), pos_min):
             self.counters.host_saves += 1
 
     def _awaits_prefill(self, req: Request) -> bool:
@@ -471,10 +478,10 @@ class Engine:
         computing = [s for s in self.table.busy() if s.job is not None and not s.job.generated]
         if not computing:
             return False
-        have = max(self._reusable(s.tokens, s.n_exact, prompt) for s in self.table.slots)
+        have = max(self._reusable(s.tokens, s.n_exact, prompt, self.llama.seq_pos_min(s.id)) for s in self.table.slots)
         entry, _ = self.host.best(prompt)
         if entry is not None:
-            have = max(have, self._reusable(entry.tokens, entry.n_exact, prompt))
+            have = max(have, self._reusable(entry.tokens, entry.n_exact, prompt, entry.pos_min))
         for s in computing:
             shared = min(common_prefix(s.job.prompt, prompt), len(prompt) - 1)
             if s.n_tokens < shared and shared - have >= COPY_MIN:
@@ -528,6 +535,7 @@ class Engine:
                 return budget
             t1 = time.perf_counter()
             ret = self._decode()
+            self._copying.clear()  # llama_decode does the pending stream copies before anything else
             self.counters.decode_s += time.perf_counter() - t1
             if ret == 1 and budget > 1 and any(n > 1 for _, n, _ in plan):
                 self.counters.decode_retries += 1
@@ -702,21 +710,24 @@ class Engine:
     # -- failures --
 
     def _check(self, slots: list[Slot]) -> None:
-        """The invariant: each slot's KV holds exactly len(slot.tokens) positions. A violation is a bug."""
+        """The invariant: each slot's KV holds exactly len(slot.tokens) positions, and its sliding-window layers
+        hold the whole window before the next one. A violation is a bug."""
+        n_swa = self.llama.info.n_swa
         for slot in slots:
-            held = self.llama.seq_len(slot.id)
-            if held == slot.n_tokens:
+            held, floor = self.llama.seq_len(slot.id), self.llama.seq_pos_min(slot.id)
+            if held == slot.n_tokens and floor <= max(0, held - n_swa + 1):
                 continue
             error_id = uuid.uuid4().hex[:16]
             self.counters.invariant_violations += 1
-            log.error("slot_invariant_violated", error_id=error_id, slot=slot.id, believed=slot.n_tokens, kv=held)
+            log.error("slot_invariant_violated", error_id=error_id, slot=slot.id, believed=slot.n_tokens, kv=held, kv_from=floor)
             believed = slot.n_tokens
             self._clear(slot)
             if slot.job is not None:
                 self._error(
                     slot.job,
                     ErrorCode.INTERNAL,
-                    f"slot {slot.id} believed it held {believed} tokens but its KV holds {held}; slot cleared (error {error_id})",
+                    f"slot {slot.id} believed it held {believed} tokens but its KV holds positions {floor}..{held - 1}; "
+                    f"slot cleared (error {error_id})",
                     error_id,
                 )
 

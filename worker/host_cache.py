@@ -25,6 +25,7 @@ class Entry:
     tokens: list[int]  # exactly the tokens whose KV `data` holds, in position order
     n_exact: int  # deterministic mode: leading tokens whose KV came from full-size prefill chunks
     data: StateData
+    pos_min: int = 0  # lowest position its sliding-window layers hold once restored (Llama.state_pos_min)
     last_used: int = 0
 
     @property
@@ -49,7 +50,7 @@ class HostCache:
         n = len(tokens)
         return any(len(e.tokens) >= n and e.tokens[:n] == tokens for e in self.entries)
 
-    def put(self, tokens: list[int], n_exact: int, data: StateData) -> bool:
+    def put(self, tokens: list[int], n_exact: int, data: StateData, pos_min: int = 0) -> bool:
         """Keep a copy of a sequence holding `tokens`; entries it extends are dropped. False when it cannot fit."""
         if len(data) > self.capacity:
             return False
@@ -58,7 +59,7 @@ class HostCache:
             self._drop(e)
         while self.entries and self.nbytes + len(data) > self.capacity:
             self._drop(min(self.entries, key=lambda e: e.last_used))
-        entry = Entry(list(tokens), n_exact, data)
+        entry = Entry(list(tokens), n_exact, data, pos_min)
         self._touch(entry)
         self.entries.append(entry)
         self.nbytes += entry.nbytes

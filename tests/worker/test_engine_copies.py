@@ -106,3 +106,52 @@ def test_no_copy_without_prefix_cache_or_for_a_small_gain(copier, vocab):
     short = vocab.tokenize("The lighthouse keeper's log, spring.")  # shares fewer than COPY_MIN tokens
     small = complete(copier, short, slot=2)
     assert isinstance(small.final, JobDone) and small.final.restored_tokens == 0 and small.final.reused_tokens == 0
+
+
+# Gemma 3 attends over a sliding window of 512 positions in most layers. A copy must bring that window whole.
+LONG = DOC * 9  # about 700 tokens: longer than the window
+
+
+def test_copy_from_a_slot_holding_more_than_a_window_past_the_shared_prefix(copier, vocab):
+    """The source holds a 1-window-plus conversation; the new prompt shares only its first part. A slot-to-slot
+    copy carries every layer in full (llama.cpp's state data would carry only the last window), so the cut is
+    valid and the answer is what a cold run gives."""
+    clear_all(copier)
+    shared = vocab.tokenize(DOC)
+    source = shared + vocab.tokenize(LONG, add_special=False)
+    first = complete(copier, source, slot=0, max_tokens=2)
+    assert len(source) - len(shared) > copier.llama.info.n_swa > 0
+    prompt = shared + vocab.tokenize(" Question: what did the keeper wind?", add_special=False)
+    warm = complete(copier, prompt, slot=1)
+    cold = complete(copier, prompt, slot=2, prefix_cache=False)
+    assert isinstance(warm.final, JobDone), warm.final
+    assert warm.final.restored_tokens == warm.final.reused_tokens >= len(shared) - 8
+    assert warm.tokens == cold.tokens
+    assert counters(copier)["copy_failures"] == 0
+    assert copier.call(lambda e: e.counters.invariant_violations).result(10) == 0
+    assert_slot_invariant(copier, warm)
+    assert_slot_invariant(copier, first)
+
+
+def test_host_ram_entry_longer_than_a_window_is_only_extended(copier, vocab):
+    """A state restored from host RAM has only the last window of its sliding-window layers: a prompt that extends
+    the whole entry gets it back; one that shares only its beginning is computed instead of cut wrongly."""
+    clear_all(copier)
+    history = vocab.tokenize(LONG + " Keeper: the night was long.")
+    assert len(history) > copier.llama.info.n_swa + SAVE_MIN
+    complete(copier, history, slot=0, max_tokens=2)
+    complete(copier, vocab.tokenize("Unrelated prompt: the price of bread."), slot=0, max_tokens=2)  # evicts it
+    before = counters(copier)
+    assert before["host_saves"] >= 1
+    part = history[: len(history) // 2] + vocab.tokenize(" Visitor: what changed?", add_special=False)
+    cut = complete(copier, part, slot=1)
+    assert isinstance(cut.final, JobDone) and cut.final.restored_tokens == 0 and cut.final.reused_tokens == 0
+    assert counters(copier)["host_restores"] == before["host_restores"]
+    prompt = history + vocab.tokenize(" Visitor: and what became of the boat with the torn sail?", add_special=False)
+    back = complete(copier, prompt, slot=2)
+    cold = complete(copier, prompt, slot=1, prefix_cache=False)
+    assert isinstance(back.final, JobDone) and back.final.restored_tokens == back.final.reused_tokens >= len(history) - 8
+    assert back.tokens == cold.tokens
+    assert counters(copier)["host_restores"] == before["host_restores"] + 1
+    assert copier.call(lambda e: e.counters.invariant_violations).result(10) == 0
+    assert_slot_invariant(copier, back)
