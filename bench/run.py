@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -194,12 +195,13 @@ def main(argv: list[str] | None = None) -> int:
     run["duration_s"] = time.perf_counter() - started
     run["machine"]["load_average_at_end"] = round(os.getloadavg()[0], 2)
     results = {w: {s: v["figures"] for s, v in e["systems"].items()} for w, e in run["workloads"].items()}
-    run["goals"] = [asdict(g) for g in report.goals(results)]
+    floor = run["workloads"].get("long-session", {}).get("floor")
+    run["goals"] = [asdict(g) for g in report.goals(results, floor)]
     json_path.write_text(json.dumps(run, indent=1))
     md_path = write_markdown(run, out, stamp)
     print(f"\nwrote {json_path} and {md_path} ({run['duration_s'] / 60:.1f} min)")
-    for g in report.goals(results):
-        print(report.goal_line(g))
+    for g in run["goals"]:
+        print(report.goal_line(report.Goal(**g)))
     return 130 if run.get("interrupted") else 0
 
 
@@ -246,6 +248,33 @@ def run_one(
             "load_average": [load_before, round(os.getloadavg()[0], 2)],
         }
         (out / f"{stamp}.json").write_text(json.dumps(run, indent=1))  # keep what is done if a later system fails
+    if wname == "long-session" and "kvroute" in entry["systems"]:
+        entry["floor"] = measure_floor(entry["systems"]["kvroute"]["samples"], setup)
+        (out / f"{stamp}.json").write_text(json.dumps(run, indent=1))
+
+
+def measure_floor(samples: list[dict[str, Any]], setup: Setup) -> dict[str, Any]:
+    """llama.cpp alone on the turns the long-session goal compares: the prefill of each turn's new tokens after the
+    history kvroute reused (`bench/floor.py`, in its own process). No server can make a turn cheaper than this."""
+    turns = sorted((s for s in samples if not s["error"] and s["cached_tokens"] is not None), key=lambda s: s["turn"])
+    early = [turns[i] for i in report.EARLY_TURNS if i < len(turns)]
+    late = turns[-report.LAST_N :]
+    if not early or len(turns) <= report.EARLY_TURNS.stop:
+        return {"skipped": f"needs more than {report.EARLY_TURNS.stop} turns"}
+    points = [(s["cached_tokens"], s["prompt_tokens"] - s["cached_tokens"]) for s in early + late]
+    argv = [
+        sys.executable, "-m", "bench.floor", "--threads", str(setup.threads), "--slots", str(setup.slots),
+        "--ctx-per-slot", str(setup.ctx_per_slot), "--model", setup.model,
+        *(f"--point={h}:{n}" for h, n in points),
+    ]  # fmt: skip
+    print(f"-- llama.cpp alone: prefill of the new tokens of {len(points)} turns", file=sys.stderr, flush=True)
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return {"skipped": f"bench.floor failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}"}
+    measured = [tuple(p) for p in json.loads(proc.stdout.strip().splitlines()[-1])["points"]]
+    secs = [t for _, _, t in measured]
+    turn10, last = statistics.median(secs[: len(early)]), statistics.median(secs[len(early) :])
+    return {"points": measured, "turn10_s": turn10, "last_s": last, "last_over_turn10": last / turn10}
 
 
 def prompt_of(workload: Workload, row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -290,6 +319,8 @@ def write_markdown(run: dict[str, Any], out: Path, stamp: str) -> Path:
         if figs:
             loads = ", ".join(f"{s} {v['load_average'][0]} -> {v['load_average'][1]}" for s, v in entry["systems"].items())
             lines += [f"Load average (1 min) before -> after each system: {loads}.", ""]
+        if entry.get("floor"):
+            lines += [report.floor_line(entry["floor"]) + ".", ""]
         for s, why in entry["skipped"].items():
             lines += [f"- `{s}` not measured: {why.splitlines()[0]}"]
         if entry["skipped"]:
