@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import signal
 import statistics
 import subprocess
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="kvroute workers; kvroute-rr runs only when > 1 (default: 1)")
     p.add_argument("--slots", type=int, default=4, help="kvroute slots per worker (default: 4)")
     p.add_argument("--ctx-per-slot", type=int, default=0, help="context per conversation; 0: what each workload needs")
+    p.add_argument("--kvroute-flags", default="", help="more `kvroute serve` flags for every kvroute system, e.g. '--hold-ms 0'")
     p.add_argument("--quick", action="store_true", help="tiny sizes, to check the harness in a minute or two")
     p.add_argument("--cold-long-session", action="store_true", help="also run kvroute-cold on long-session (very slow)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for the report (default: bench/results)")
@@ -218,7 +220,14 @@ def run_one(
     """Run workload `wname` on every chosen system in turn; its entry goes into run["workloads"]."""
     workload = build(wname, sizes, tokenize)
     ctx = args.ctx_per_slot or ctx_needed(workload, tokenize)
-    setup = Setup(model=args.model, threads=args.threads, workers=args.workers, slots=args.slots, ctx_per_slot=ctx)
+    setup = Setup(
+        model=args.model,
+        threads=args.threads,
+        workers=args.workers,
+        slots=args.slots,
+        ctx_per_slot=ctx,
+        kvroute_flags=tuple(shlex.split(args.kvroute_flags)),
+    )
     entry: dict[str, Any] = {"description": workload.description, "setup": asdict(setup), "systems": {}, "skipped": {}}
     run["workloads"][wname] = entry
     print(f"== {wname}: {workload.description}; context per conversation {ctx}", file=sys.stderr, flush=True)
@@ -310,7 +319,8 @@ def write_markdown(run: dict[str, Any], out: Path, stamp: str) -> Path:
             f"## {wname}",
             "",
             f"{entry['description']}. Threads {setup['threads']}, kvroute {setup['workers']} worker(s) x {setup['slots']} "
-            f"slots, context per conversation {setup['ctx_per_slot']}.",
+            f"slots, context per conversation {setup['ctx_per_slot']}"
+            + (f", kvroute flags `{' '.join(setup['kvroute_flags'])}`." if setup.get("kvroute_flags") else "."),
             "",
         ]
         figs = {s: v["figures"] for s, v in entry["systems"].items()}

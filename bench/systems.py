@@ -48,6 +48,7 @@ class Setup:
     workers: int
     slots: int
     ctx_per_slot: int
+    kvroute_flags: tuple[str, ...] = ()  # more `kvroute serve` flags, for every kvroute system
 
 
 def free_port() -> int:
@@ -93,6 +94,7 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
             serve += ["--policy", "round-robin"]
         else:
             raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
+        serve += setup.kvroute_flags
         if "--http " in helptext:
             return [[*serve, "--http", f"127.0.0.1:{port}"]]
         http = [sys.executable, "-m", "kvroute.cli", "http", "--http", f"127.0.0.1:{port}", "--router", listen]

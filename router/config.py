@@ -32,7 +32,9 @@ class RouterConfig:
     imbalance_rel: float = opt(1.5, "imbalance guard: and max busy > this x min busy")
     busy_wait_ms: int = opt(500, "how long a request may wait for its best slot while that slot is busy, or for a held slot")
     hold_ms: int = opt(
-        1000, "after a job a slot is held this long for its own conversation's next turn; others wait (--busy-wait-ms at most)"
+        0,
+        "after a job a slot is held this long for its own conversation's next turn; others wait (--busy-wait-ms at most). "
+        "Off by default: workers keep evicted contents in host RAM (--host-cache-mb), so holding only idles slots",
     )
     queue_size: int = opt(0, "most requests waiting for a slot; 0 = 2 x total slots (at least 8)")
     no_workers_grace_s: float = opt(20.0, "with no worker connected for this long, requests get no_workers")

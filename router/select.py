@@ -23,7 +23,9 @@ Guards:
 - Hold: a slot whose job ended less than `hold_ms` ago is kept for its own conversation (a prompt
   that reuses at least `min_match` of it); another request skips it, and waits (`Wait`) when nothing
   else is idle, at most until the hold ends. With more conversations than slots this keeps
-  each returning turn on its history instead of every turn overwriting another's.
+  each returning turn on its history instead of every turn overwriting another's. Off by default:
+  a worker keeps what a job overwrites in host RAM and restores it when the conversation returns,
+  so a hold only leaves slots idle (measured: bench/README.md).
 Cold requests (no affinity anywhere) thus go to the least-loaded worker, to its empty or least
 recently used slot. `round-robin` and `least-loaded` ignore prefixes when choosing (for benchmarks);
 the worker still reuses whatever the chosen slot happens to share, and the reuse is still predicted.
@@ -52,7 +54,7 @@ class Params:
     imbalance_abs: int = 4
     imbalance_rel: float = 1.5
     busy_wait_ms: float = 1000.0
-    hold_ms: float = 3000.0
+    hold_ms: float = 0.0
 
 
 @dataclass

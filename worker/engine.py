@@ -358,10 +358,11 @@ class Engine:
                 still.append(req)
                 continue
             else:
-                slot = self.table.pick(req.prompt, claimed)
-                if slot is None:
+                picked = self.table.pick(req.prompt, claimed)
+                if picked is None:
                     still.append(req)
                     continue
+                slot = picked
             claimed.add(slot.id)
             self._assign(req, slot)
         self.waiting = still
@@ -605,6 +606,7 @@ class Engine:
             req = slot.job
             if row < 0 or req is None:  # mid-prompt chunk, or the job was ended by the invariant check
                 continue
+            assert req.sampler is not None  # freed only when the job ends
             tok = req.sampler.sample(ctx, row)
             self._on_token(req, slot, tok, now)
 

@@ -9,7 +9,7 @@ import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
@@ -52,9 +52,10 @@ class Batch:
         self.capacity = capacity
         self.raw = llama_cpp.llama_batch_init(capacity, 0, 1)
         addr = ctypes.addressof
-        self.token = (ctypes.c_int32 * capacity).from_address(addr(self.raw.token.contents))
-        self.pos = (ctypes.c_int32 * capacity).from_address(addr(self.raw.pos.contents))
-        self.logits = (ctypes.c_int8 * capacity).from_address(addr(self.raw.logits.contents))
+        # ctypes arrays over the batch's own memory (Any: they take slices of plain ints, which typeshed does not say)
+        self.token: Any = (ctypes.c_int32 * capacity).from_address(addr(self.raw.token.contents))
+        self.pos: Any = (ctypes.c_int32 * capacity).from_address(addr(self.raw.pos.contents))
+        self.logits: Any = (ctypes.c_int8 * capacity).from_address(addr(self.raw.logits.contents))
         n_seq = (ctypes.c_int32 * capacity).from_address(addr(self.raw.n_seq_id.contents))
         n_seq[:] = [1] * capacity
         self.seq = [self.raw.seq_id[i] for i in range(capacity)]  # row -> int32* (one seq id per row)

@@ -9,6 +9,7 @@ logits into a candidate array per token, and that copy was most of the engine's 
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -50,7 +51,7 @@ class Sampler:
     def _build(self, p: Sampling, n_vocab: int) -> None:
         bias = p.logit_bias_ids()
         if bias:
-            arr = (llama_cpp.llama_logit_bias * len(bias))()
+            arr: Any = (llama_cpp.llama_logit_bias * len(bias))()  # fields take plain ints and floats
             for i, (tok, b) in enumerate(bias.items()):
                 arr[i].token = tok
                 arr[i].bias = -float("inf") if b <= BAN else b

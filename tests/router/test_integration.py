@@ -148,7 +148,7 @@ def test_kill_9_mid_load_nothing_hangs_and_the_worker_comes_back(system):
     router = rt.router
     sup = rt.extra["sup"]
     c = RawClient(cep)
-    # slots the earlier tests used are held for their conversations (hold_ms): wait that out, so that each worker
+    # with a hold set (--hold-ms), slots the earlier tests used are kept for their conversations: wait that out, so that each worker
     # runs two of these jobs at once
     time.sleep(router.cfg.hold_ms / 1000)
     ids = set()

@@ -188,25 +188,26 @@ def test_many_slots_on_one_shared_prefix_pick_the_formula_minimum():
 
 
 def test_a_just_finished_slot_is_held_for_its_conversation():
+    held = Params(hold_ms=3000.0)
     m = Mirror()
     (a, b) = m.add_worker("w0", 2)
     history = seq(200)
     hold(m, a, history)  # just finished
     m.assign(b, "running", seq(100))
     # an unrelated request does not overwrite the held slot at once: it waits, then takes it
-    d = pick(m, seq(80), busy={"w0": 1})
+    d = pick(m, seq(80), held, busy={"w0": 1})
     assert isinstance(d, Wait) and d.slot is a and d.reuse == 0
     d = pick(m, seq(80), Params(hold_ms=0), busy={"w0": 1})
     assert isinstance(d, Dispatch) and d.slot is a
     # the conversation's own next turn takes it immediately
-    d = pick(m, np.concatenate([history, seq(10)]), busy={"w0": 1})
+    d = pick(m, np.concatenate([history, seq(10)]), held, busy={"w0": 1})
     assert isinstance(d, Dispatch) and d.slot is a and d.reuse == 200
     # and a free slot elsewhere is used rather than waiting
     (c,) = m.add_worker("w1", 1)
-    d = pick(m, seq(80), busy={"w0": 1})
+    d = pick(m, seq(80), held, busy={"w0": 1})
     assert isinstance(d, Dispatch) and d.slot is c
     # once the hold has passed the slot is an ordinary candidate
     m.assign(c, "other", seq(30))
-    a.last_used -= Params().hold_ms / 1000 + 1
-    d = pick(m, seq(80), busy={"w0": 1, "w1": 1})
+    a.last_used -= held.hold_ms / 1000 + 1
+    d = pick(m, seq(80), held, busy={"w0": 1, "w1": 1})
     assert isinstance(d, Dispatch) and d.slot is a
