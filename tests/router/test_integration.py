@@ -148,8 +148,8 @@ def test_kill_9_mid_load_nothing_hangs_and_the_worker_comes_back(system):
     router = rt.router
     sup = rt.extra["sup"]
     c = RawClient(cep)
-    # with a hold set (--hold-ms), slots the earlier tests used are kept for their conversations: wait that out, so that each worker
-    # runs two of these jobs at once
+    # with a hold set (--hold-ms), slots the earlier tests used are kept for their conversations: wait that out,
+    # so that each worker runs two of these jobs at once
     time.sleep(router.cfg.hold_ms / 1000)
     ids = set()
     for i in range(8):
