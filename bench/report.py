@@ -238,7 +238,7 @@ def goal_line(g: Goal) -> str:
 # --- plots -------------------------------------------------------------------------------------------------
 
 
-def plot_turns(workload: str, per_system: dict[str, dict[str, Any]], path: Path) -> None:
+def plot_turns(workload: str, per_system: dict[str, dict[str, Any]], path: Path, floor: dict[str, Any] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -249,6 +249,9 @@ def plot_turns(workload: str, per_system: dict[str, dict[str, Any]], path: Path)
     for name, f in per_system.items():
         ys = f.get("ttft_per_turn_s") or []
         ax.plot(range(1, len(ys) + 1), [float("nan") if y is None else y for y in ys], marker=".", label=name)
+    if floor and floor.get("turns"):
+        label = "llama.cpp alone: prefill of the turn's new tokens"
+        ax.scatter(floor["turns"], [t for *_, t in floor["points"]], marker="x", color="black", zorder=3, label=label)
     ax.set_xlabel("turn")
     ax.set_ylabel("time to first token (s)")
     ax.set_yscale("log")

@@ -283,7 +283,8 @@ def measure_floor(samples: list[dict[str, Any]], setup: Setup) -> dict[str, Any]
     measured = [tuple(p) for p in json.loads(proc.stdout.strip().splitlines()[-1])["points"]]
     secs = [t for _, _, t in measured]
     turn10, last = statistics.median(secs[: len(early)]), statistics.median(secs[len(early) :])
-    return {"points": measured, "turn10_s": turn10, "last_s": last, "last_over_turn10": last / turn10}
+    turns_1based = [s["turn"] + 1 for s in early + late]
+    return {"points": measured, "turns": turns_1based, "turn10_s": turn10, "last_s": last, "last_over_turn10": last / turn10}
 
 
 def prompt_of(workload: Workload, row: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -338,7 +339,7 @@ def write_markdown(run: dict[str, Any], out: Path, stamp: str) -> Path:
         png = None
         if figs and wname in ("agent-long", "long-session"):
             png = out / f"{stamp}-{wname}.png"
-            report.plot_turns(wname, figs, png)
+            report.plot_turns(wname, figs, png, entry.get("floor"))
         elif figs and wname == "multi-agent":
             png = out / f"{stamp}-{wname}.png"
             report.plot_distribution(wname, {s: v["samples"] for s, v in entry["systems"].items()}, png)

@@ -82,7 +82,8 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
             workers, str(setup.workers),
             "--slots", str(setup.slots),
             "--ctx-per-slot", str(setup.ctx_per_slot),
-            "--threads", str(setup.threads),
+            # the same cores in all: with more workers each gets its share (oversubscribed llama.cpp threads crawl)
+            "--threads", str(max(1, setup.threads // setup.workers)),
             "--listen", listen,
             "--worker-endpoint", f"tcp://127.0.0.1:{free_port()}",
         ]  # fmt: skip

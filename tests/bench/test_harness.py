@@ -1,0 +1,36 @@
+"""The benchmark harness end to end at tiny sizes: the real `kvroute serve` started as the benchmark starts it,
+driven by its streaming client, its figures computed from what came back."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+
+import pytest
+
+from bench import report
+from bench.run import measure
+from bench.systems import Server, Setup
+from bench.workloads import Sizes, build, model_tokenizer
+from kvroute.model import resolve_model
+
+pytestmark = pytest.mark.model
+
+
+def test_agent_session_through_the_real_server_reports_reuse(tmp_path) -> None:
+    model = str(resolve_model(None))
+    sizes = dataclasses.replace(Sizes(), turns=3, preamble_tokens=80, user_tokens=12, max_tokens=4)
+    workload = build("agent-long", sizes, model_tokenizer(model))
+    setup = Setup(model=model, threads=2, workers=1, slots=2, ctx_per_slot=1024)
+    with Server("kvroute", setup, tmp_path / "kvroute.log") as server:
+        samples, wall = asyncio.run(measure(server, workload, 120.0))
+    rows = [s.to_json() for s in samples]
+    assert [r["turn"] for r in rows] == [0, 1, 2] and not any(r["error"] for r in rows)
+    assert all(r["ttft"] is not None and 0 < r["ttft"] <= r["total"] for r in rows)
+    assert all(r["output_tokens"] == 4 and r["text"] for r in rows)
+    assert rows[0]["cached_tokens"] == 0
+    for prev, cur in itertools.pairwise(rows):  # each turn reuses the whole previous turn's prompt
+        assert cur["cached_tokens"] >= prev["prompt_tokens"]
+    figures = report.figures("agent-long", rows, wall)
+    assert figures["errors"] == 0 and 0.5 < figures["reuse"] < 1 and len(figures["ttft_per_turn_s"]) == 3
