@@ -26,7 +26,7 @@ from typing import Any
 
 from bench import report
 from bench.client import CompletionClient, Sample, run_workload
-from bench.systems import DESCRIPTIONS, SYSTEMS, Server, Setup, SystemError_, serve_help
+from bench.systems import DESCRIPTIONS, SYSTEMS, Server, Setup, SystemError_
 from bench.workloads import QUICK, WORKLOADS, Sizes, Workload, build, model_tokenizer
 from kvroute.config import add_args, from_args
 
@@ -136,8 +136,6 @@ def systems_for(workload: str, chosen: list[str], args: argparse.Namespace) -> l
         reason = None
         if name == "kvroute-rr" and args.workers < 2:
             reason = "round-robin needs more than one worker (--workers)"
-        elif name.startswith("kvroute") and not serve_help():
-            reason = "`kvroute serve` is not available in this tree (router/ or worker/ not built yet)"
         elif name == "kvroute-cold" and workload in COLD_SKIPPED and not args.cold_long_session:
             reason = "every turn recomputed from scratch would take hours (--cold-long-session to run it)"
         out.append((name, reason))

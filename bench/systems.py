@@ -14,7 +14,6 @@ Every system gets the same model, the same thread count and the same context per
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import signal
 import socket
@@ -57,34 +56,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@functools.cache
-def serve_help() -> str:
-    """`kvroute serve --help` of this tree ('' if the command does not exist yet)."""
-    probe = subprocess.run([sys.executable, "-m", "kvroute.cli", "serve", "--help"], capture_output=True, text=True, check=False)
-    return probe.stdout if probe.returncode == 0 else ""
-
-
 def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
     """The processes (argv each) that make system `name`, serving HTTP on 127.0.0.1:`port`.
 
-    kvroute is one process when `kvroute serve` serves HTTP itself (--http), else `kvroute serve` plus
-    `kvroute http` in front of it. Its ZMQ endpoints get free ports too, so that nothing else on the
-    machine (a test run, a user's server) is reached by mistake."""
+    kvroute's ZMQ endpoints get free ports too, so that nothing else on the machine (a test run, a user's
+    server) is reached by mistake."""
     if name.startswith("kvroute"):
-        helptext = serve_help()
-        if not helptext:
-            raise SystemError_("`kvroute serve` is not available in this tree")
-        listen = f"tcp://127.0.0.1:{free_port()}"
-        workers = "--workers" if "--workers" in helptext else "--cpu-workers"
         serve = [
             sys.executable, "-m", "kvroute.cli", "serve",
             "--model", setup.model,
-            workers, str(setup.workers),
+            "--workers", str(setup.workers),
             "--slots", str(setup.slots),
             "--ctx-per-slot", str(setup.ctx_per_slot),
             # the same cores in all: with more workers each gets its share (oversubscribed llama.cpp threads crawl)
             "--threads", str(max(1, setup.threads // setup.workers)),
-            "--listen", listen,
+            "--zmq", f"tcp://127.0.0.1:{free_port()}",
             "--worker-endpoint", f"tcp://127.0.0.1:{free_port()}",
         ]  # fmt: skip
         if name == "kvroute":
@@ -95,11 +81,7 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
             serve += ["--policy", "round-robin"]
         else:
             raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
-        serve += setup.kvroute_flags
-        if "--http " in helptext:
-            return [[*serve, "--http", f"127.0.0.1:{port}"]]
-        http = [sys.executable, "-m", "kvroute.cli", "http", "--http", f"127.0.0.1:{port}", "--router", listen]
-        return [serve, http]
+        return [[*serve, *setup.kvroute_flags, "--http", f"127.0.0.1:{port}"]]
     if name == "llama-cpp-python":
         argv = [
             sys.executable, "-m", "llama_cpp.server",
