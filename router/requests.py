@@ -14,6 +14,7 @@ from router.select import WorkerLoad
 
 
 class ReqState(enum.Enum):
+    TOKENIZING = "tokenizing"  # a long text being tokenized off the event loop
     QUEUED = "queued"  # waiting in the router's queue
     RUNNING = "running"  # sent to a worker as a job
     DONE = "done"

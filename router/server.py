@@ -24,7 +24,9 @@ second; WATCHDOG=1 from the ticker when the unit asks for it; STOPPING=1 when dr
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import itertools
 import time
 import typing
@@ -80,6 +82,17 @@ TICK_S = 0.1
 MAX_WAITING_SCAN = 64  # queued requests examined per event beyond those dispatched
 STATUS_EVERY_S = 1.0  # systemd STATUS= lines
 CLOSE_LINGER_MS = 1000  # last replies (drain errors) get this long to leave when the sockets close
+# Text longer than this is tokenized on a thread: llama_tokenize takes ~3 us a token here (80 ms for a 130 kB,
+# 26k-token conversation), which on the event loop would stall every other client for as long.
+TOKENIZE_INLINE_BYTES = 16 * 1024
+NO_TOKENS = np.zeros(0, dtype=np.int32)
+
+
+def _text_bytes(msg: Submit) -> int:
+    """Characters of text the router must tokenize for `msg` (0 for token ids)."""
+    if msg.prompt is not None:
+        return len(msg.prompt)
+    return sum(len(m.content) for m in msg.messages or ())
 
 
 def params_from(cfg: RouterConfig) -> Params:
@@ -148,6 +161,8 @@ class Router:
         self._drain_deadline = 0.0
         self._next_status = 0.0
         self._watchdog_s = watchdog_interval_s()
+        # long texts are tokenized here, so that the event loop keeps serving (llama_tokenize releases the GIL)
+        self._tokenizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvroute-tokenize")
         self._next_watchdog = 0.0
         self.gatekeeper: Gatekeeper | None = None
 
@@ -208,6 +223,7 @@ class Router:
             for sock in (self.client_sock, self.worker_sock):
                 if sock is not None:
                     sock.close(CLOSE_LINGER_MS)
+            self._tokenizer.shutdown(wait=False, cancel_futures=True)
             log.info("router_stopped", router_id=self.router_id)
 
     def stop(self) -> None:
@@ -338,26 +354,57 @@ class Router:
                 identity, envelope, Error(id=rid, code=ErrorCode.BAD_REQUEST, message=f"request id {rid!r} is already in flight")
             )
             return
+        now = time.monotonic()
+        deadline = None if msg.deadline_ms is None else now + msg.deadline_ms / 1000.0
+        # REQ sockets take exactly one reply per request: no deltas for them
+        req = Req(identity, envelope, rid, NO_TOKENS, msg.sampling, msg.stream and not envelope, deadline)
+        if _text_bytes(msg) > TOKENIZE_INLINE_BYTES:
+            req.state = ReqState.TOKENIZING  # in flight: a cancel, a disconnect or a drain ends it like a queued one
+            self.requests[req.key] = req
+            fut = asyncio.get_running_loop().run_in_executor(self._tokenizer, self._tokenize, msg)
+            fut.add_done_callback(functools.partial(self._on_tokenized, req))
+            return
         try:
             tokens = self._tokenize(msg)
         except (TemplateError, ValueError) as exc:
             self._reply(identity, envelope, Error(id=rid, code=ErrorCode.BAD_REQUEST, message=str(exc)))
             return
+        self._enqueue(req, tokens)
+
+    def _on_tokenized(self, req: Req, fut: asyncio.Future[np.ndarray]) -> None:
+        if req.state is not ReqState.TOKENIZING or fut.cancelled():
+            return  # ended meanwhile (cancelled, client gone, router draining or stopped)
+        self.requests.pop(req.key, None)
+        req.state = ReqState.QUEUED
+        try:
+            tokens = fut.result()
+        except (TemplateError, ValueError) as exc:
+            self._reply(req.client, req.envelope, Error(id=req.rid, code=ErrorCode.BAD_REQUEST, message=str(exc)))
+            return
+        except Exception as exc:
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("tokenize_crashed", error_id=error_id, request_id=req.rid, error=str(exc))
+            err = Error(id=req.rid, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id)
+            self._reply(req.client, req.envelope, err)
+            return
+        self._enqueue(req, tokens)
+
+    def _enqueue(self, req: Req, tokens: np.ndarray) -> None:
+        """A tokenized request: refuse it with a reason, or queue it and dispatch what can go."""
+        req.tokens = tokens
         if not len(tokens):
-            self._reply(identity, envelope, Error(id=rid, code=ErrorCode.BAD_REQUEST, message="the prompt has no tokens"))
+            err = Error(id=req.rid, code=ErrorCode.BAD_REQUEST, message="the prompt has no tokens")
+            self._reply(req.client, req.envelope, err)
             return
-        now = time.monotonic()
-        deadline = None if msg.deadline_ms is None else now + msg.deadline_ms / 1000.0
-        # REQ sockets take exactly one reply per request: no deltas for them
-        req = Req(identity, envelope, rid, tokens, msg.sampling, msg.stream and not envelope, deadline)
-        if err := self._admit(req):
-            code, text, extra = err
+        if refusal := self._admit(req):
+            code, text, extra = refusal
             self.metrics.requests[code] += 1
-            self._reply(identity, envelope, Error(id=rid, code=code, message=text, **extra))
+            self._reply(req.client, req.envelope, Error(id=req.rid, code=code, message=text, **extra))
             return
+        req.queued_at = time.monotonic()
         self.requests[req.key] = req
         self.queue.append(req)
-        log.info("request_queued", request_id=rid, prompt_tokens=len(tokens), queued=len(self.queue))
+        log.info("request_queued", request_id=req.rid, prompt_tokens=len(tokens), queued=len(self.queue))
         self._pump()
 
     def _admit(self, req: Req) -> tuple[str, str, dict[str, Any]] | None:
@@ -392,7 +439,7 @@ class Router:
         if req is None:
             return
         req.cancelled = True
-        if req.state is ReqState.QUEUED:
+        if req.state in (ReqState.QUEUED, ReqState.TOKENIZING):
             self._send_result_empty(req, "cancelled")
         elif req.state is ReqState.RUNNING:
             self._cancel_job(req)
@@ -402,7 +449,7 @@ class Router:
         for req in [r for r in self.requests.values() if r.client == identity]:
             req.gone = req.cancelled = True
             log.info("client_gone", request_id=req.rid, job=req.job)
-            if req.state is ReqState.QUEUED:
+            if req.state in (ReqState.QUEUED, ReqState.TOKENIZING):
                 self._finish_req(req)
             else:
                 self._cancel_job(req)

@@ -283,3 +283,30 @@ def test_heartbeat_disagreeing_with_the_mirror_is_a_mismatch(fake_router, vocab)
     assert w.recv().prefix_cache is False  # the next job clears the slot
     c.close()
     w.close()
+
+
+def test_a_long_text_is_tokenized_while_the_router_keeps_serving(fake_router, vocab):
+    """A prompt of ~400 kB takes the tokenizer a quarter of a second or more: the router answers others meanwhile,
+    and a cancel that arrives first ends it for good."""
+    _rt, cep, wep = fake_router
+    w = FakeWorker(wep, "w0", vocab, slots=1)
+    w.hello()
+    c = RawClient(cep)
+    long_text = "The harbour lamp was lit at dusk and the boats came home. " * 7000
+    c.send(Submit(id="long", prompt=long_text, sampling=Sampling(max_tokens=8)))
+    c.send(StatusRequest(id="st"))
+    first = c.recv()
+    assert isinstance(first, StatusReply), first  # answered while the long text was still being tokenized
+    _, err = c.recv_until_end("long")
+    assert isinstance(err, Error) and err.code == "context_overflow"  # then tokenized, counted, refused
+    c.send(Submit(id="gone", prompt=long_text, sampling=Sampling(max_tokens=8)))
+    c.send(Cancel(id="gone"))
+    _, res = c.recv_until_end("gone")
+    assert isinstance(res, Result) and res.finish_reason == "cancelled"
+    c.send(submit("after", list(range(10, 30))))
+    job = w.recv()
+    assert isinstance(job, Job) and unpack_tokens(job.tokens) == list(range(10, 30))  # nothing of "gone" reached it
+    w.done(job, [1])
+    assert isinstance(c.recv_until_end("after")[1], Result)
+    c.close()
+    w.close()
