@@ -9,14 +9,21 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 Samples = list[dict[str, Any]]
+T = TypeVar("T")
 
 # Long-session: TTFT "at turn 10" and "at the last turn" are medians of a few turns around them, so that one
 # noisy request (a GC pause, another process on the machine) does not decide the goal.
 EARLY_TURNS = range(7, 12)  # turns 8..12, 1-based
 LAST_N = 5
+
+
+def compared_turns(per_turn: Sequence[T]) -> tuple[list[T], list[T]]:
+    """The turns "at turn 10" and "at the last turn" stand for, from a list in turn order (used by the figures
+    and by llama.cpp alone, so both compare the same turns)."""
+    return [per_turn[i] for i in EARLY_TURNS if i < len(per_turn)], list(per_turn[-LAST_N:])
 
 
 def quantile(values: Sequence[float], q: float) -> float | None:
@@ -67,8 +74,7 @@ def figures(workload: str, samples: Samples, wall: float) -> dict[str, Any]:
         f["ttft_p50_last10_s"] = quantile(last10, 0.5)
     if workload == "long-session":
         per_turn = f["ttft_per_turn_s"]
-        early = [per_turn[i] for i in EARLY_TURNS if i < len(per_turn) and per_turn[i] is not None]
-        late = [t for t in per_turn[-LAST_N:] if t is not None]
+        early, late = ([t for t in ts if t is not None] for ts in compared_turns(per_turn))
         f["ttft_turn10_s"] = statistics.median(early) if early else None
         f["ttft_last_s"] = statistics.median(late) if late else None
         f["turns"] = len(per_turn)

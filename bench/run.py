@@ -264,9 +264,8 @@ def measure_floor(samples: list[dict[str, Any]], setup: Setup) -> dict[str, Any]
     """llama.cpp alone on the turns the long-session goal compares: the prefill of each turn's new tokens after the
     history kvroute reused (`bench/floor.py`, in its own process). No server can make a turn cheaper than this."""
     turns = sorted((s for s in samples if not s["error"] and s["cached_tokens"] is not None), key=lambda s: s["turn"])
-    early = [turns[i] for i in report.EARLY_TURNS if i < len(turns)]
-    late = turns[-report.LAST_N :]
-    if not early or len(turns) <= report.EARLY_TURNS.stop:
+    early, late = report.compared_turns(turns)
+    if len(turns) <= report.EARLY_TURNS.stop:
         return {"skipped": f"needs more than {report.EARLY_TURNS.stop} turns"}
     points = [(s["cached_tokens"], s["prompt_tokens"] - s["cached_tokens"]) for s in early + late]
     argv = [

@@ -84,11 +84,11 @@ STATUS_EVERY_S = 1.0  # systemd STATUS= lines
 CLOSE_LINGER_MS = 1000  # last replies (drain errors) get this long to leave when the sockets close
 # Text longer than this is tokenized on a thread: llama_tokenize takes ~3 us a token here (80 ms for a 130 kB,
 # 26k-token conversation), which on the event loop would stall every other client for as long.
-TOKENIZE_INLINE_BYTES = 16 * 1024
+TOKENIZE_INLINE_CHARS = 16 * 1024
 NO_TOKENS = np.zeros(0, dtype=np.int32)
 
 
-def _text_bytes(msg: Submit) -> int:
+def _text_chars(msg: Submit) -> int:
     """Characters of text the router must tokenize for `msg` (0 for token ids)."""
     if msg.prompt is not None:
         return len(msg.prompt)
@@ -358,7 +358,7 @@ class Router:
         deadline = None if msg.deadline_ms is None else now + msg.deadline_ms / 1000.0
         # REQ sockets take exactly one reply per request: no deltas for them
         req = Req(identity, envelope, rid, NO_TOKENS, msg.sampling, msg.stream and not envelope, deadline)
-        if _text_bytes(msg) > TOKENIZE_INLINE_BYTES:
+        if _text_chars(msg) > TOKENIZE_INLINE_CHARS:
             req.state = ReqState.TOKENIZING  # in flight: a cancel, a disconnect or a drain ends it like a queued one
             self.requests[req.key] = req
             fut = asyncio.get_running_loop().run_in_executor(self._tokenizer, self._tokenize, msg)
