@@ -23,8 +23,11 @@ from starlette.routing import Route
 from gateway.openai_schema import (
     RequestError,
     chat_body,
+    chat_delta,
     chat_submit,
+    choices_of,
     completion_body,
+    completion_delta,
     completion_submit,
     finish_reason,
     now,
@@ -79,7 +82,7 @@ def kvroute_error_response(exc: KvrouteError) -> JSONResponse:
     headers = None
     if exc.code == ErrorCode.QUEUE_FULL:
         headers = {"Retry-After": str(max(1, round((exc.retry_after_ms or 1000) / 1000)))}
-    return error_response(message, status, type_=type_, code=exc.code, headers=headers)
+    return error_response(message, status, type_=type_, code=exc.code, param=exc.param, headers=headers)
 
 
 class Gateway:
@@ -165,9 +168,9 @@ class Gateway:
                     code=ErrorCode.DEADLINE_EXCEEDED,
                 )
             make = completion_body if kind == "completions" else chat_body
-            return JSONResponse(make(result, self.model_name, created))
+            return JSONResponse(make(result, self.model_name, created, sub.sampling.logprobs is not None))
         return StreamingResponse(
-            self._sse(kind, first, messages, rid, created, include_usage, t0),
+            self._sse(kind, first, messages, rid, created, include_usage, t0, sub.sampling.logprobs is not None),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -200,6 +203,7 @@ class Gateway:
         created: int,
         include_usage: bool,
         t0: float,
+        logprobs: bool,
     ) -> AsyncIterator[bytes]:
         chat = kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -211,20 +215,14 @@ class Gateway:
                 body["usage"] = usage
             return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
-        def choice(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        def ending(index: int, reason: str) -> dict[str, Any]:
             if chat:
-                delta: dict[str, Any] = {}
-                if role:
-                    delta["role"] = "assistant"
-                if text is not None:
-                    delta["content"] = text
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)}
+            return {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(reason)}
 
         first_token = True
+        opened: set[int] = set()  # chat choices whose first chunk (with the role) went out
         try:
-            if chat:
-                yield chunk([choice("", None, role=True)])
 
             async def all_messages() -> AsyncIterator[Delta | Result]:
                 yield first
@@ -233,15 +231,24 @@ class Gateway:
 
             async for msg in all_messages():
                 if isinstance(msg, Delta):
-                    if first_token:
+                    if first_token and msg.tokens:
                         HTTP_TTFT.observe(asyncio.get_running_loop().time() - t0)
                         first_token = False
-                    if msg.text:
-                        yield chunk([choice(msg.text, None)])
+                    if chat and msg.index not in opened:
+                        opened.add(msg.index)
+                        yield chunk([{"index": msg.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}])  # fmt: skip
+                    part = chat_delta(msg, logprobs) if chat else completion_delta(msg, logprobs)
+                    if part is not None:
+                        yield chunk([part])
                 elif msg.finish_reason == FinishReason.DEADLINE_EXCEEDED:
                     raise KvrouteError("deadline exceeded", code=ErrorCode.DEADLINE_EXCEEDED)
                 else:
-                    yield chunk([choice(None if chat else "", finish_reason(msg))])
+                    for c in choices_of(msg):
+                        if chat and c.index not in opened:
+                            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                          "finish_reason": None}])  # fmt: skip
+                        yield chunk([ending(c.index, c.finish_reason)])
                     if include_usage:
                         yield chunk([], usage_body(msg))
             yield b"data: [DONE]\n\n"

@@ -1,17 +1,32 @@
-"""OpenAI request bodies -> protocol `Submit`, and protocol results -> OpenAI response bodies.
+"""OpenAI request bodies -> protocol `Submit`, and protocol replies -> OpenAI response bodies and stream chunks.
 
-Unknown fields are ignored, as OpenAI servers do; a supported field with a value we cannot serve is a
-400 naming the field.
+Bodies are checked against gateway/openai_types.py: a field kvroute does not serve, or a value it cannot serve,
+is a 400 naming the field (`param`); harmless fields are ignored (the list is there and in README).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
 import msgspec
 
-from protocol import MAX_DEADLINE_MS, ChatMessage, Result, Sampling, Submit, pack_tokens
+from gateway import openai_types as t
+from protocol import (
+    ChatMessage,
+    Choice,
+    Delta,
+    NamedTool,
+    ResponseFormat,
+    Result,
+    Sampling,
+    Submit,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    pack_tokens,
+)
 
 OPENAI_COMPLETIONS_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
 
@@ -32,120 +47,191 @@ class RequestError(Exception):
         self.message, self.param, self.status, self.code, self.type = message, param, status, code, type_
 
 
-def _get(body: dict[str, Any], name: str, types: tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in types:
-        raise RequestError(f"`{name}` must be {' or '.join(t.__name__ for t in types)}, got a boolean", param=name)
-    if not isinstance(value, types):
-        raise RequestError(f"`{name}` must be {' or '.join(t.__name__ for t in types)}, got {type(value).__name__}", param=name)
-    return value
+def _where(path: str) -> str:
+    """msgspec's `$.messages[0].role` -> `messages[0].role`."""
+    return path.removeprefix("$").removeprefix(".")
 
 
-def _sampling(body: dict[str, Any], default_max_tokens: int | None) -> Sampling:
-    n = _get(body, "n", (int,), 1)
-    if n != 1:
-        raise RequestError("only n=1 is supported", param="n")
-    max_tokens = _get(body, "max_completion_tokens", (int,))
-    if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", (int,), default_max_tokens)
-    stop = _get(body, "stop", (str, list), [])
-    if isinstance(stop, str):
-        stop = [stop]
-    if not all(isinstance(s, str) for s in stop):
-        raise RequestError("`stop` must be a string or a list of strings", param="stop")
-    bias = _get(body, "logit_bias", (dict,), {})
-    fields = {
+def decode(body: dict[str, Any], kind: type[t.ChatRequest] | type[t.CompletionRequest]) -> Any:
+    """A JSON body checked against its type. Raises RequestError naming the field."""
+    try:
+        return msgspec.convert(body, kind)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        at = re.search(r" - at `([^`]*)`$", text)
+        where = _where(at.group(1)) if at else ""
+        unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
+        if unknown:
+            param = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+            raise RequestError(
+                f"`{param}` is not supported by kvroute (ignoring it would change the reply without telling you)", param=param
+            ) from None
+        message = text.split(" - at ")[0]
+        raise RequestError(
+            f"invalid `{where}`: {message}" if where else f"invalid request: {message}", param=where or None
+        ) from None
+
+
+def _submit(**fields: Any) -> Submit:
+    try:
+        return Submit(**fields)
+    except (msgspec.ValidationError, ValueError, TypeError) as exc:
+        raise RequestError(str(exc)) from None
+
+
+def _sampling(body: t.Common, max_tokens: int | None, logprobs: int | None) -> Sampling:
+    stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
+    fields: dict[str, Any] = {
         "max_tokens": max_tokens,
-        "temperature": _get(body, "temperature", (int, float), 1.0),
-        "top_p": _get(body, "top_p", (int, float), 1.0),
-        "top_k": _get(body, "top_k", (int,), 0),
-        "min_p": _get(body, "min_p", (int, float), 0.0),
-        "seed": _get(body, "seed", (int,)),
-        "logit_bias": {str(k): v for k, v in bias.items()},
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": body.top_k or 0,
+        "min_p": body.min_p or 0.0,
+        "seed": body.seed,
+        "logit_bias": body.logit_bias or {},
         "stop": [s for s in stop if s],
-        "ignore_eos": _get(body, "ignore_eos", (bool,), False),
+        "ignore_eos": bool(body.ignore_eos),
+        "presence_penalty": body.presence_penalty or 0.0,
+        "frequency_penalty": body.frequency_penalty or 0.0,
+        "repeat_penalty": 1.0 if body.repeat_penalty is None else body.repeat_penalty,
+        "repeat_last_n": 64 if body.repeat_last_n is None else body.repeat_last_n,
+        "logprobs": logprobs,
     }
     try:
         return msgspec.convert(fields, Sampling)
     except msgspec.ValidationError as exc:
         text = str(exc)
-        param = text.rsplit("$.", 1)[-1].split(".")[0].strip("`[]0123456789") if "$." in text else None
-        raise RequestError(f"invalid sampling parameter: {text}", param=param) from None
+        at = re.search(r" - at `\$\.([A-Za-z_]+)", text)
+        named = at.group(1) if at else next((f for f in fields if f in text), None)
+        raise RequestError(f"invalid sampling parameter: {text}", param=named) from None
 
 
-def _deadline_ms(body: dict[str, Any]) -> int | None:
-    """kvroute extension: `deadline_ms`, the most milliseconds the request may take (504 past it)."""
-    value = _get(body, "deadline_ms", (int,))
-    if value is not None and not 1 <= value <= MAX_DEADLINE_MS:
-        raise RequestError(f"`deadline_ms` must be an integer from 1 to {MAX_DEADLINE_MS}", param="deadline_ms")
-    return value
+def _response_format(body: t.Common) -> ResponseFormat | None:
+    fmt = body.response_format
+    if fmt is None or isinstance(fmt, t.TextFormat):
+        return None
+    if isinstance(fmt, t.JsonObjectFormat):
+        return ResponseFormat(type="json_object")
+    if fmt.json_schema.schema is None:
+        raise RequestError("response_format json_schema needs `json_schema.schema`", param="response_format.json_schema.schema")
+    return ResponseFormat(type="json_schema", schema=fmt.json_schema.schema, name=fmt.json_schema.name)
 
 
-def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
-    stream = _get(body, "stream", (bool,), False)
-    opts = _get(body, "stream_options", (dict,), {})
-    include_usage = bool(opts.get("include_usage", False)) if stream else False
+def _stream_flags(body: t.Common) -> tuple[bool, bool]:
+    stream = bool(body.stream)
+    include_usage = bool(stream and body.stream_options and body.stream_options.include_usage)
     return stream, include_usage
 
 
-def completion_submit(body: dict[str, Any], request_id: str) -> tuple[Submit, bool, bool]:
+def completion_submit(raw: dict[str, Any], request_id: str) -> tuple[Submit, bool, bool]:
     """/v1/completions body -> (submit, stream?, include_usage?)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+    body: t.CompletionRequest = decode(raw, t.CompletionRequest)
+    prompt: Any = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     tokens = None
     if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in prompt):
+        if not prompt or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**31 for x in prompt):
             raise RequestError(
                 "`prompt` must be a string, or a list of token ids (a batch of several prompts is not supported)", param="prompt"
             )
         tokens, prompt = prompt, None
-    elif not isinstance(prompt, str):
-        raise RequestError("`prompt` is required and must be a string or a list of token ids", param="prompt")
+    if body.echo:
+        raise RequestError("`echo` is not supported (the reply never repeats the prompt)", param="echo")
     stream, include_usage = _stream_flags(body)
-    sampling = _sampling(body, OPENAI_COMPLETIONS_MAX_TOKENS)
-    packed = None if tokens is None else pack_tokens(tokens)
-    sub = Submit(id=request_id, prompt=prompt, tokens=packed, sampling=sampling, stream=True, deadline_ms=_deadline_ms(body))
+    sampling = _sampling(body, body.max_tokens or OPENAI_COMPLETIONS_MAX_TOKENS, body.logprobs)
+    sub = _submit(
+        id=request_id,
+        prompt=prompt,
+        tokens=None if tokens is None else pack_tokens(tokens),
+        sampling=sampling,
+        stream=True,
+        deadline_ms=body.deadline_ms,
+        response_format=_response_format(body),
+        grammar=body.grammar,
+        n=body.n or 1,
+    )
     return sub, stream, include_usage
 
 
-def _content(message: dict[str, Any], i: int) -> str:
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+def _message(m: t.Message, i: int) -> ChatMessage:
+    content: Any = m.content
     if isinstance(content, list):
         parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError("only text content parts are supported", param=f"messages[{i}].content")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise RequestError("`content` must be a string or a list of text parts", param=f"messages[{i}].content")
+        for j, part in enumerate(content):
+            if isinstance(part, t.TextPart | t.RefusalPart):
+                parts.append({"type": "text", "text": part.text if isinstance(part, t.TextPart) else part.refusal})
+            else:
+                kind = part.__struct_config__.tag
+                raise RequestError(
+                    f"{kind} content is not supported: the served model reads text only", param=f"messages[{i}].content[{j}]"
+                )
+        content = parts
+    if m.refusal and not content:
+        content = m.refusal
+    calls = None
+    if m.tool_calls is not None:
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls]
+    fields = {"role": m.role, "content": content, "name": m.name, "tool_calls": calls, "tool_call_id": m.tool_call_id}
+    fields["reasoning_content"] = m.reasoning_content
+    try:
+        return msgspec.convert(fields, ChatMessage)
+    except (msgspec.ValidationError, ValueError) as exc:
+        text = str(exc)
+        at = re.search(r" - at `\$\.?([^`]*)`$", text)
+        where = f"messages[{i}]" + (("." if at.group(1)[:1] != "[" else "") + at.group(1) if at and at.group(1) else "")
+        where = (
+            where.replace(".tool_calls", ".tool_calls").replace("].name", "].function.name") if "tool_calls[" in where else where
+        )
+        raise RequestError(f"{where}: {text.split(' - at ')[0]}", param=where) from None
 
 
-def chat_submit(body: dict[str, Any], request_id: str) -> tuple[Submit, bool, bool]:
+def _tools(body: t.ChatRequest) -> list[Tool] | None:
+    if body.tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(body.tools):
+        f = tool.function
+        try:
+            out.append(msgspec.convert({"name": f.name, "description": f.description, "parameters": f.parameters or {}}, Tool))
+        except msgspec.ValidationError as exc:
+            raise RequestError(f"tools[{i}].function: {exc}", param=f"tools[{i}].function.name") from None
+    return out
+
+
+def chat_submit(raw: dict[str, Any], request_id: str) -> tuple[Submit, bool, bool]:
     """/v1/chat/completions body -> (submit, stream?, include_usage?)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("`messages` is required and must be a non-empty list", param="messages")
-    chat = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise RequestError("each message must be an object", param=f"messages[{i}]")
-        role = m.get("role")
-        if role == "developer":
-            role = "system"
-        if role not in ("system", "user", "assistant", "tool"):
-            raise RequestError(f"unsupported role {role!r}", param=f"messages[{i}].role")
-        chat.append(ChatMessage(role=role, content=_content(m, i)))
+    body: t.ChatRequest = decode(raw, t.ChatRequest)
+    messages = [_message(m, i) for i, m in enumerate(body.messages)]
+    if body.top_logprobs is not None and not body.logprobs:
+        raise RequestError("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    choice: Any = body.tool_choice or "auto"
+    if isinstance(choice, t.NamedChoice):
+        choice = NamedTool(name=choice.function.name)
+    tools = _tools(body)
+    if body.tool_choice is not None and body.tool_choice != "none" and not tools:
+        raise RequestError("`tool_choice` needs `tools`", param="tool_choice")
     stream, include_usage = _stream_flags(body)
-    sampling = _sampling(body, None)
-    sub = Submit(id=request_id, messages=chat, sampling=sampling, stream=True, deadline_ms=_deadline_ms(body))
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    sub = _submit(
+        id=request_id,
+        messages=messages,
+        sampling=_sampling(body, max_tokens, logprobs),
+        stream=True,
+        deadline_ms=body.deadline_ms,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+        response_format=_response_format(body),
+        grammar=body.grammar,
+        chat_template_kwargs=body.chat_template_kwargs or {},
+        n=body.n or 1,
+    )
     return sub, stream, include_usage
+
+
+# ---- replies ----------------------------------------------------------------------------------------------------
 
 
 def usage_body(result: Result) -> dict[str, Any]:
@@ -158,22 +244,94 @@ def usage_body(result: Result) -> dict[str, Any]:
     }
 
 
-def finish_reason(result: Result) -> str:
-    return "length" if result.finish_reason == "length" else "stop"
+def finish_reason(reason: str) -> str:
+    """OpenAI's finish reasons: stop, length, tool_calls (a cancelled or timed-out reply ended: stop)."""
+    return reason if reason in ("length", "tool_calls") else "stop"
 
 
-def completion_body(result: Result, model: str, created: int) -> dict[str, Any]:
+def choices_of(result: Result) -> list[Choice]:
+    if result.choices:
+        return result.choices
+    return [
+        Choice(
+            index=0,
+            finish_reason=result.finish_reason,
+            text=result.text,
+            tokens=result.tokens,
+            reasoning=result.reasoning,
+            tool_calls=result.tool_calls,
+            logprobs=result.logprobs,
+            stop=result.stop,
+        )
+    ]
+
+
+def _piece(data: bytes) -> str:
+    return data.decode("utf-8", "replace")
+
+
+def chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": _piece(lp.piece),
+                "logprob": lp.logprob,
+                "bytes": list(lp.piece),
+                "top_logprobs": [{"token": _piece(x.piece), "logprob": x.logprob, "bytes": list(x.piece)} for x in lp.top],
+            }
+            for lp in lps
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(lps: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    tokens, offsets = [], []
+    for lp in lps:
+        tokens.append(_piece(lp.piece))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{_piece(x.piece): x.logprob for x in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def tool_calls_body(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def completion_body(result: Result, model: str, created: int, logprobs: bool = False) -> dict[str, Any]:
     return {
         "id": f"cmpl-{result.id}",
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result)}],
+        "choices": [
+            {
+                "index": c.index,
+                "text": c.text,
+                "logprobs": completion_logprobs(c.logprobs) if logprobs else None,
+                "finish_reason": finish_reason(c.finish_reason),
+            }
+            for c in choices_of(result)
+        ],
         "usage": usage_body(result),
     }
 
 
-def chat_body(result: Result, model: str, created: int) -> dict[str, Any]:
+def chat_message(c: Choice) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": c.text if c.text or not c.tool_calls else None}
+    if c.reasoning is not None:
+        msg["reasoning_content"] = c.reasoning
+    if c.tool_calls:
+        msg["tool_calls"] = tool_calls_body(c.tool_calls)
+    return msg
+
+
+def chat_body(result: Result, model: str, created: int, logprobs: bool = False) -> dict[str, Any]:
     return {
         "id": f"chatcmpl-{result.id}",
         "object": "chat.completion",
@@ -181,13 +339,42 @@ def chat_body(result: Result, model: str, created: int) -> dict[str, Any]:
         "model": model,
         "choices": [
             {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "logprobs": None,
-                "finish_reason": finish_reason(result),
+                "index": c.index,
+                "message": chat_message(c),
+                "logprobs": chat_logprobs(c.logprobs) if logprobs else None,
+                "finish_reason": finish_reason(c.finish_reason),
             }
+            for c in choices_of(result)
         ],
         "usage": usage_body(result),
+    }
+
+
+def chat_delta(d: Delta, logprobs: bool) -> dict[str, Any] | None:
+    """One stream chunk's choice for a delta, or None when it carries nothing to show."""
+    delta: dict[str, Any] = {}
+    if d.text:
+        delta["content"] = d.text
+    if d.reasoning:
+        delta["reasoning_content"] = d.reasoning
+    if d.tool_calls:
+        delta["tool_calls"] = [
+            {"index": c.index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in d.tool_calls
+        ]
+    if not delta and not (logprobs and d.logprobs):
+        return None
+    return {"index": d.index, "delta": delta, "logprobs": chat_logprobs(d.logprobs) if logprobs else None, "finish_reason": None}
+
+
+def completion_delta(d: Delta, logprobs: bool) -> dict[str, Any] | None:
+    if not d.text and not (logprobs and d.logprobs):
+        return None
+    return {
+        "index": d.index,
+        "text": d.text,
+        "logprobs": completion_logprobs(d.logprobs) if logprobs else None,
+        "finish_reason": None,
     }
 
 

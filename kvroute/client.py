@@ -72,6 +72,7 @@ class KvrouteError(Exception):
         error_id: str | None = None,
         request_id: str | None = None,
         retry_after_ms: int | None = None,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code or self.code
@@ -79,6 +80,7 @@ class KvrouteError(Exception):
         self.error_id = error_id
         self.request_id = request_id
         self.retry_after_ms = retry_after_ms
+        self.param = param
 
     def __str__(self) -> str:
         tail = f" (error id {self.error_id})" if self.error_id else ""
@@ -120,34 +122,45 @@ _ERRORS: dict[str, type[KvrouteError]] = {
 
 def error_from(msg: Error) -> KvrouteError:
     cls = _ERRORS.get(msg.code, KvrouteError)
-    return cls(msg.message, code=msg.code, error_id=msg.error_id, request_id=msg.id, retry_after_ms=msg.retry_after_ms)
+    return cls(
+        msg.message, code=msg.code, error_id=msg.error_id, request_id=msg.id, retry_after_ms=msg.retry_after_ms, param=msg.param
+    )
+
+
+CHAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "grammar", "chat_template_kwargs", "n")
 
 
 def build_submit(
     *,
     prompt: str | None = None,
-    messages: list[dict[str, str]] | list[ChatMessage] | None = None,
+    messages: list[dict[str, Any]] | list[ChatMessage] | None = None,
     tokens: list[int] | None = None,
     stream: bool = True,
     deadline_ms: int | None = None,
     request_id: str | None = None,
-    **sampling: Any,
+    **kwargs: Any,
 ) -> Submit:
-    """A `submit` from keyword arguments; sampling keywords are those of protocol.Sampling."""
+    """A `submit` from keyword arguments: those of protocol.Submit (tools, tool_choice, response_format, grammar,
+    n, ...; as dicts or structs) and of protocol.Sampling (temperature, max_tokens, logprobs, ...)."""
+    extra = {k: kwargs.pop(k) for k in CHAT_FIELDS if k in kwargs}
     try:
-        chat = None if messages is None else [msgspec.convert(m, ChatMessage) if isinstance(m, dict) else m for m in messages]
-        params = msgspec.convert(sampling, Sampling)
-    except msgspec.ValidationError as exc:
+        params = msgspec.convert(kwargs, Sampling)
+        return msgspec.convert(
+            {
+                **msgspec.to_builtins(extra),
+                "id": request_id or uuid.uuid4().hex[:16],
+                "prompt": prompt,
+                "messages": None if messages is None else msgspec.to_builtins(messages),
+                "tokens": None if tokens is None else pack_tokens(tokens),
+                "sampling": params,
+                "stream": stream,
+                "deadline_ms": deadline_ms,
+            },
+            Submit,
+            from_attributes=True,
+        )
+    except (msgspec.ValidationError, ValueError) as exc:
         raise BadRequest(str(exc)) from None
-    return Submit(
-        id=request_id or uuid.uuid4().hex[:16],
-        prompt=prompt,
-        messages=chat,
-        tokens=None if tokens is None else pack_tokens(tokens),
-        sampling=params,
-        stream=stream,
-        deadline_ms=deadline_ms,
-    )
 
 
 class Stream:

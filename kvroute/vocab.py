@@ -157,6 +157,15 @@ class Vocab:
         """Token ids -> text: the pieces joined, invalid UTF-8 replaced (the same text the worker streams)."""
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 
+    def attr(self, token: int) -> int:
+        """llama.cpp's attribute bits of a token (LLAMA_TOKEN_ATTR_CONTROL ...)."""
+        return int(llama_cpp.llama_vocab_get_attr(self._vocab, token))
+
+    @property
+    def pointer(self) -> Any:
+        """The llama_vocab pointer (for libraries that read the vocabulary themselves)."""
+        return self._vocab
+
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (EOS, EOT, <end_of_turn> ...)."""
         return token in self._eog

@@ -1,8 +1,22 @@
 """kvroute wire protocol: message definitions and their codec only (imports nothing from router/ or worker/)."""
 
-from protocol.client_messages import (
-    Cancel,
+from protocol.chat import (
+    MAX_LOGPROBS,
     ChatMessage,
+    NamedTool,
+    ResponseFormat,
+    TextPart,
+    TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    TopLogprob,
+)
+from protocol.client_messages import (
+    MAX_CHOICES,
+    Cancel,
+    Choice,
     ClientRequest,
     Delta,
     Error,
@@ -39,6 +53,7 @@ from protocol.common import (
 )
 from protocol.worker_messages import (
     Accept,
+    Constraint,
     Drain,
     Heartbeat,
     Hello,
@@ -54,13 +69,17 @@ from protocol.worker_messages import (
 )
 
 __all__ = [
+    "MAX_CHOICES",
     "MAX_DEADLINE_MS",
     "MAX_FRAME_BYTES",
+    "MAX_LOGPROBS",
     "PROTOCOL_VERSION",
     "Accept",
     "Cancel",
     "ChatMessage",
+    "Choice",
     "ClientRequest",
+    "Constraint",
     "Decoder",
     "Delta",
     "Drain",
@@ -76,7 +95,9 @@ __all__ = [
     "JobDone",
     "JobError",
     "Message",
+    "NamedTool",
     "Refuse",
+    "ResponseFormat",
     "Result",
     "RouterReply",
     "RouterToWorker",
@@ -86,7 +107,14 @@ __all__ = [
     "StatusReply",
     "StatusRequest",
     "Submit",
+    "TextPart",
     "Timings",
+    "TokenLogprob",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolChoice",
+    "TopLogprob",
     "Usage",
     "WorkerStatus",
     "WorkerToRouter",

@@ -2,34 +2,44 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
+from protocol.chat import MAX_TOOLS, ChatMessage, ResponseFormat, TokenLogprob, Tool, ToolCall, ToolCallDelta, ToolChoice
 from protocol.common import DeadlineMs, Message, Sampling, Struct, Timings, TokenBytes, Usage, check_token_bytes
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
-
-
-class ChatMessage(Struct, kw_only=True):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+MAX_CHOICES = 16
+MAX_GRAMMAR_CHARS = 256 * 1024
 
 
 # ---- client -> router -------------------------------------------------------------------------
 
 
 class Submit(Message, tag="submit", kw_only=True):
-    """Start a generation. Exactly one of `prompt`, `messages`, `tokens` is set."""
+    """Start a generation. Exactly one of `prompt`, `messages`, `tokens` is set.
+
+    Tools, tool_choice, parallel_tool_calls and chat_template_kwargs go with `messages` only. At most one of
+    `response_format` (other than text), `grammar` and a forcing tool_choice (`required`, a named function)
+    shapes the output.
+    """
 
     id: RequestId | None = None  # client's id, echoed on every reply; the router assigns one if absent
     prompt: str | None = None  # raw text, tokenized as is (BOS added by the model's rule)
-    messages: list[ChatMessage] | None = None  # chat, rendered with the router's chat format
+    messages: list[ChatMessage] | None = None  # chat, rendered with the router's chat template
     tokens: TokenBytes | None = None  # token ids, used as given
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     stream: bool = True  # send `delta` messages; the `result` comes either way
     deadline_ms: DeadlineMs | None = None  # relative to the router's receipt
+    tools: list[Tool] | None = None  # functions the model may call (rendered by the template)
+    tool_choice: ToolChoice = "auto"  # "required" and a named function are enforced with a grammar
+    parallel_tool_calls: bool = True  # False: at most one call per reply
+    response_format: ResponseFormat | None = None  # JSON output, enforced with a grammar
+    grammar: Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None  # GBNF or Lark
+    chat_template_kwargs: dict[str, Any] = {}  # extra variables for the chat template (enable_thinking ...)
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1  # choices; they share the prompt's KV
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.tokens))
@@ -38,6 +48,16 @@ class Submit(Message, tag="submit", kw_only=True):
         check_token_bytes("tokens", self.tokens, empty_ok=False)
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        if self.messages is None and (self.tools is not None or self.chat_template_kwargs or self.tool_choice != "auto"):
+            raise ValueError("`tools`, `tool_choice` and `chat_template_kwargs` need `messages`")
+        if self.tools is not None and len(self.tools) > MAX_TOOLS:
+            raise ValueError(f"at most {MAX_TOOLS} `tools`, got {len(self.tools)}")
+        if self.tool_choice != "auto" and not self.tools and self.tool_choice != "none":
+            raise ValueError("`tool_choice` requires `tools`")
+        forcing = (self.tools and not isinstance(self.tool_choice, str)) or self.tool_choice == "required"
+        shaped = self.response_format is not None and self.response_format.type != "text"
+        if sum((bool(forcing), shaped, self.grammar is not None)) > 1:
+            raise ValueError("at most one of `response_format`, `grammar` and a forced `tool_choice` can shape the output")
 
 
 class Cancel(Message, tag="cancel", kw_only=True):
@@ -59,14 +79,34 @@ ClientRequest = Submit | Cancel | StatusRequest
 
 
 class Delta(Message, tag="delta", kw_only=True):
-    """New generated text. `text` is valid UTF-8; a token may carry an empty string until its bytes complete."""
+    """New output of choice `index`. `text` is reply text (valid UTF-8; tool-call syntax and reasoning are
+    taken out of it and sent as `tool_calls` and `reasoning`); a token may carry no text until its bytes
+    complete, or while the router is deciding whether it starts a tool call."""
 
     id: RequestId
     text: str
     tokens: TokenBytes
+    index: int = 0
+    reasoning: str = ""  # text of the model's thinking (`<think>`), for templates that have it
+    tool_calls: list[ToolCallDelta] = []
+    logprobs: list[TokenLogprob] = []  # one per token in `tokens`, when sampling.logprobs is set
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens)
+
+
+class Choice(Struct, kw_only=True):
+    """One of the n replies of a request with n > 1."""
+
+    index: int
+    finish_reason: str
+    text: str
+    tokens: TokenBytes
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = []
+    logprobs: list[TokenLogprob] = []
+    stop: str | None = None
+    completion_tokens: int = 0
 
 
 class Result(Message, tag="result", kw_only=True):
@@ -74,13 +114,17 @@ class Result(Message, tag="result", kw_only=True):
 
     id: RequestId
     finish_reason: str
-    text: str  # the whole generated text (stop string excluded)
+    text: str  # the reply text (stop string, tool-call syntax and reasoning excluded)
     tokens: TokenBytes  # every generated token id
     usage: Usage
     timings: Timings
     worker: str = ""
     slot: int = -1
     stop: str | None = None  # the stop string that ended it, if any
+    reasoning: str | None = None  # the model's thinking, split from `text` (templates with `<think>`)
+    tool_calls: list[ToolCall] = []  # parsed from the output; finish_reason is then `tool_calls`
+    logprobs: list[TokenLogprob] = []  # one per generated token, when sampling.logprobs is set
+    choices: list[Choice] = []  # n > 1: every choice in index order (the fields above repeat choice 0)
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens)
@@ -94,6 +138,7 @@ class Error(Message, tag="error", kw_only=True):
     message: str
     error_id: str | None = None  # unique id for `internal` errors, also in the logs
     retry_after_ms: int | None = None  # set with `queue_full`
+    param: str | None = None  # the request field to blame, when one is (`tools[0].function.parameters` ...)
 
 
 class SlotStatus(Struct, kw_only=True):

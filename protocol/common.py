@@ -47,8 +47,9 @@ class ErrorCode(enum.StrEnum):
 class FinishReason(enum.StrEnum):
     """Why a generation ended."""
 
-    STOP = "stop"  # end-of-generation token or a stop string
+    STOP = "stop"  # end-of-generation token, a stop string, or the end of what a grammar allows
     LENGTH = "length"  # max_tokens reached, or the slot's context is full
+    TOOL_CALLS = "tool_calls"  # the reply ended with tool calls (set by the router, which parses them)
     CANCELLED = "cancelled"
     DEADLINE_EXCEEDED = "deadline_exceeded"
 
@@ -81,6 +82,16 @@ class Sampling(Struct, kw_only=True):
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] = {}
     stop: list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LEN)]] = []
     ignore_eos: bool = False
+    # penalties over the generated tokens (llama.cpp's formulas): 0 / 1 = off
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    repeat_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
+    repeat_last_n: Annotated[int, Meta(ge=-1)] = 64  # tokens the penalties look back over; -1 = all generated
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # None: none; k: each token's logprob and the top k
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repeat_penalty != 1.0) and self.repeat_last_n != 0
 
     def __post_init__(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

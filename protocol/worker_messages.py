@@ -7,7 +7,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from protocol.client_messages import RequestId
+from protocol.chat import TokenLogprob
+from protocol.client_messages import MAX_GRAMMAR_CHARS, RequestId
 from protocol.common import DeadlineMs, Message, NonNeg, Sampling, Struct, Timings, TokenBytes, check_token_bytes
 
 WorkerId = Annotated[str, Meta(min_length=1, max_length=64)]
@@ -50,8 +51,9 @@ class Heartbeat(Message, tag="heartbeat", kw_only=True):
 
 class JobDelta(Message, tag="job_delta", kw_only=True):
     id: RequestId
-    text: str
+    text: str  # the generated text, as the model wrote it (the router parses tool calls out of it)
     tokens: TokenBytes
+    logprobs: list[TokenLogprob] = []  # one per token, when the job's sampling.logprobs is set
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens)
@@ -109,6 +111,20 @@ class Refuse(Message, tag="refuse", kw_only=True):
     reason: str
 
 
+class Constraint(Struct, kw_only=True):
+    """What the output must match, as an llguidance grammar (Lark syntax; JSON Schemas inside `%json {...}`).
+
+    Without triggers it holds from the first generated token. With triggers it is lazy: the output is free
+    until one of them appears (anywhere, or only at the start of the output when `at_start`), and from there
+    on the output, trigger included, must match the grammar. When the grammar can go no further the job ends
+    (finish_reason `stop`).
+    """
+
+    grammar: Annotated[str, Meta(min_length=1, max_length=4 * MAX_GRAMMAR_CHARS)]
+    triggers: list[Annotated[str, Meta(min_length=1, max_length=256)]] = []
+    at_start: bool = False
+
+
 class Job(Message, tag="job", kw_only=True):
     """Run one generation. `slot` -1 lets the worker choose."""
 
@@ -119,6 +135,7 @@ class Job(Message, tag="job", kw_only=True):
     deadline_ms: DeadlineMs | None = None  # relative to the worker's receipt
     predicted_reuse: NonNeg = 0  # what the router expects the slot to reuse (for logs)
     prefix_cache: bool = True  # False: clear the slot and compute the whole prompt
+    constraint: Constraint | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens, empty_ok=False)

@@ -21,6 +21,9 @@ class RouterConfig:
     worker_endpoint: str = opt("tcp://127.0.0.1:5556", "endpoint bound for workers (ZMQ ROUTER)", flag="--worker-endpoint")
     policy: str = opt("prefix", "slot selection policy", choices=POLICIES)
     chat_format: str = opt("gemma", "built-in chat format used when the GGUF has no chat template", choices=CHAT_FORMATS)
+    chat_template: str | None = opt(
+        None, "a Jinja chat template file, or a built-in name (gemma, chatml), used instead of the GGUF's", metavar="FILE|NAME"
+    )
     prefix_cache: bool = opt(True, "reuse cached prefixes; --no-prefix-cache sends every job with a cleared slot")
     min_match: int = opt(16, "fewest matching prompt tokens before a slot's cached prefix counts as affinity")
     busy_slot_cost: int = opt(32, "cost of each busy slot on a worker, in prompt-token equivalents")

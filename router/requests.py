@@ -6,9 +6,11 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
-from protocol import Hello, Sampling
+from chat.output import OutputParser, OutputSpec
+from protocol import Choice, Constraint, Hello, Sampling, Timings, TokenLogprob, Usage
 from router.mirror import Slot
 from router.select import WorkerLoad
 
@@ -41,13 +43,35 @@ class Req:
     streamed: list[int] = field(default_factory=list)  # token ids received from the worker
     started: bool = False  # a delta reached the client: it can no longer be re-dispatched
     cancelled: bool = False
-    gone: bool = False  # the client disconnected: nothing more is sent
+    gone: bool = False  # nothing more is sent: the client disconnected, or the request already had its last reply
     attempts: int = 0
     queue_ms: float = 0.0
+    constraint: Constraint | None = None
+    output: OutputSpec = field(default_factory=OutputSpec)
+    parser: OutputParser | None = None  # reads this attempt's reply (made at dispatch)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    index: int = 0  # which choice, when the client asked for n > 1
+    group: list[Req] | None = None  # every choice of the request when n > 1 (one list, shared by all of them)
+    choice: Choice | None = None  # n > 1: this choice's reply, kept until every choice has one
+    usage: Usage | None = None
+    timings: Timings | None = None
 
     @property
-    def key(self) -> tuple[bytes, str]:
-        return (self.client, self.rid)
+    def key(self) -> tuple[bytes, str, int]:
+        return (self.client, self.rid, self.index)
+
+    @property
+    def choices(self) -> list[Req]:
+        return self.group or [self]
+
+    def sibling(self, index: int) -> Req:
+        """Choice `index` of the same request: its own state, the same prompt and settings, seed + index."""
+        sampling = self.sampling
+        if sampling.seed is not None:
+            sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + index) % (2**32 - 1))
+        twin = Req(self.client, self.envelope, self.rid, self.tokens, sampling, self.stream, self.deadline, arrived=self.arrived)
+        twin.constraint, twin.output, twin.index, twin.group = self.constraint, self.output, index, self.group
+        return twin
 
 
 class WorkerState(enum.Enum):

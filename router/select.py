@@ -65,7 +65,7 @@ class WorkerLoad:
     slots: list[Slot]
     busy: int = 0
     queued_prefill: int = 0
-    cold: Slot | None = field(default=None, repr=False)  # cache of _coldest, valid while cold_rev holds
+    cold: Slot | None = field(default=None, repr=False)  # cache of coldest, valid while cold_rev holds
     cold_rev: object = field(default=None, repr=False)
 
 
@@ -111,7 +111,7 @@ def _rotated(workers: list[WorkerLoad], rotation: int) -> list[WorkerLoad]:
     return workers[k:] + workers[:k]
 
 
-def _coldest(w: WorkerLoad, half_life: float) -> Slot | None:
+def coldest(w: WorkerLoad, half_life: float) -> Slot | None:
     """The idle slot of `w` that is cheapest to overwrite: empty or dirty first, else the smallest
     n_tokens * recency. That order does not change with time (recency is exponential), so it is
     cached until one of the worker's slots changes (`Slot.rev`)."""
@@ -136,7 +136,7 @@ def _coldest(w: WorkerLoad, half_life: float) -> Slot | None:
 def select(match: Match, workers: list[WorkerLoad], params: Params, now: float, rotation: int, waited_ms: float) -> Decision:
     """Pick a slot for a prompt of `match.length` tokens. Pure (only caches per-worker facts)."""
     hl = params.evict_half_life_s
-    workers = _rotated([w for w in workers if _coldest(w, hl) is not None], rotation)
+    workers = _rotated([w for w in workers if coldest(w, hl) is not None], rotation)
     if not workers:
         return None
     if params.policy == "round-robin":
@@ -147,7 +147,7 @@ def select(match: Match, workers: list[WorkerLoad], params: Params, now: float, 
 
 
 def _plain(w: WorkerLoad, match: Match, params: Params) -> Dispatch:
-    slot = _coldest(w, params.evict_half_life_s)
+    slot = coldest(w, params.evict_half_life_s)
     assert slot is not None
     reuse = predicted_reuse(match.lcp(slot), match.length, slot, params)
     return Dispatch(slot, reuse, float(match.length - reuse), reuse >= params.min_match)
@@ -190,7 +190,7 @@ def _prefix(match: Match, workers: list[WorkerLoad], params: Params, now: float,
             best, best_slot, best_reuse = key, s, reuse
 
     for w in workers:
-        cold = _coldest(w, hl)
+        cold = coldest(w, hl)
         if cold is not None:
             consider(cold, match.lcp(cold) if params.prefix_cache else 0)
             if held is cold:  # the cheapest slot to overwrite is held: look at the worker's others

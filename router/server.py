@@ -38,13 +38,15 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from chat.request import ChatFormat
+from chat.template import ChatTemplate
 from kvroute import logs
 from kvroute.notify import notify, watchdog_interval_s
 from kvroute.vocab import Vocab
 from protocol import (
     Accept,
     Cancel,
-    Delta,
+    Choice,
     Error,
     ErrorCode,
     Heartbeat,
@@ -56,7 +58,6 @@ from protocol import (
     JobDone,
     JobError,
     Refuse,
-    Result,
     SlotStatus,
     StatusReply,
     StatusRequest,
@@ -71,10 +72,11 @@ from protocol import (
 from router.config import RouterConfig
 from router.metrics import Metrics, RequestRecord, mispredicted
 from router.mirror import Mirror
+from router.prepare import Prepared, PrepareError, prepare, text_chars
+from router.replies import choice_of, delta_of, result_of
 from router.requests import Req, ReqState, WorkerConn, WorkerState
 from router.security import Gatekeeper, Security
-from router.select import Dispatch, Params, Wait, select
-from router.templates import ChatRenderer, TemplateError
+from router.select import Dispatch, Params, Wait, coldest, predicted_reuse, select
 
 log = logs.get(__name__)
 
@@ -86,13 +88,6 @@ CLOSE_LINGER_MS = 1000  # last replies (drain errors) get this long to leave whe
 # 26k-token conversation), which on the event loop would stall every other client for as long.
 TOKENIZE_INLINE_CHARS = 16 * 1024
 NO_TOKENS = np.zeros(0, dtype=np.int32)
-
-
-def _text_chars(msg: Submit) -> int:
-    """Characters of text the router must tokenize for `msg` (0 for token ids)."""
-    if msg.prompt is not None:
-        return len(msg.prompt)
-    return sum(len(m.content) for m in msg.messages or ())
 
 
 def params_from(cfg: RouterConfig) -> Params:
@@ -137,13 +132,14 @@ class Router:
         self.ctx = context or zmq.asyncio.Context.instance()
         bos = vocab.piece(vocab.bos).decode("utf-8", "replace") if vocab.bos is not None else ""
         eos = vocab.piece(vocab.eos).decode("utf-8", "replace") if vocab.eos is not None else ""
-        self.chat = ChatRenderer(vocab.chat_template, cfg.chat_format, bos_text=bos, eos_text=eos)
+        template = ChatTemplate.choose(vocab.chat_template, cfg.chat_template, cfg.chat_format, bos_text=bos, eos_text=eos)
+        self.chat = ChatFormat(template)
         self.mirror = Mirror()
         self.metrics = Metrics()
         self.workers: dict[str, WorkerConn] = {}
         self.seen: set[tuple[str, int]] = set()  # (worker id, incarnation) ever accepted
         self.restarts: dict[str, int] = {}  # filled by the supervisor
-        self.requests: dict[tuple[bytes, str], Req] = {}
+        self.requests: dict[tuple[bytes, str, int], Req] = {}  # by (client, request id, choice)
         self.jobs: dict[str, Req] = {}
         self.queue: list[Req] = []
         self.no_workers_since: float | None = time.monotonic()
@@ -198,7 +194,8 @@ class Router:
             clients=self.cfg.client_endpoint,
             workers=self.cfg.worker_endpoint,
             policy=self.cfg.policy,
-            chat_format=self.chat.name,
+            chat_template=self.chat.name,
+            tool_calls=self.chat.family.name,
             model=self.vocab.name,
             curve=sorted(self.gatekeeper.security.allowed) if self.gatekeeper else [],
         )
@@ -258,7 +255,9 @@ class Router:
                 self._cancel_job(req)
                 if req.worker in self.workers:
                     self._release(self.workers[req.worker], req)
-            self._fail(req, ErrorCode.DRAINING, "the router stopped before this request finished (drain timeout)")
+                self._finish_req(req)
+            if req.state is not ReqState.DONE or not req.gone:
+                self._fail(req, ErrorCode.DRAINING, "the router stopped before this request finished (drain timeout)")
         log.info("router_drained", timeout_s=self.cfg.drain_timeout_s)
         self.stop()
 
@@ -324,24 +323,21 @@ class Router:
             return False
 
     def _fail(self, req: Req, code: str, message: str, **extra: Any) -> None:
-        self._finish_req(req)
+        """End the request with an error: every choice of it (the others' jobs are cancelled), one reply."""
+        if req.state is ReqState.DONE and req.gone:
+            return  # already ended (another choice of it failed first)
+        gone = any(r.gone for r in req.choices)
+        for r in req.choices:
+            if r is not req and r.state is ReqState.RUNNING:
+                r.gone = r.cancelled = True  # its job_done or job_error still updates the mirror
+                self._cancel_job(r)
+            elif r.state is not ReqState.DONE:
+                self._finish_req(r)
+                r.gone = True
         self.metrics.requests[code] += 1
         log.info("request_failed", request_id=req.rid, job=req.job, code=code, message=message)
-        if not req.gone:
+        if not gone:
             self._reply(req.client, req.envelope, Error(id=req.rid, code=code, message=message, **extra))
-
-    def _tokenize(self, msg: Submit) -> np.ndarray:
-        if msg.prompt is not None:
-            return np.asarray(self.vocab.tokenize(msg.prompt), dtype=np.int32)
-        if msg.messages is not None:
-            text, add_bos = self.chat.render(msg.messages)
-            return np.asarray(self.vocab.tokenize(text, add_special=add_bos), dtype=np.int32)
-        assert msg.tokens is not None
-        toks = np.frombuffer(msg.tokens, dtype="<i4").astype(np.int32)
-        if len(toks) and (toks.min() < 0 or toks.max() >= self.vocab.n_vocab):
-            bad = int(toks[(toks < 0) | (toks >= self.vocab.n_vocab)][0])
-            raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.vocab.n_vocab - 1})")
-        return toks
 
     def _on_submit(self, identity: bytes, envelope: list[bytes], msg: Submit) -> None:
         rid = msg.id or f"r{next(self._rid)}-{uuid.uuid4().hex[:8]}"
@@ -349,7 +345,7 @@ class Router:
             self.metrics.requests[ErrorCode.DRAINING] += 1
             self._reply(identity, envelope, Error(id=rid, code=ErrorCode.DRAINING, message="the router is shutting down"))
             return
-        if (identity, rid) in self.requests:
+        if (identity, rid, 0) in self.requests:
             self._reply(
                 identity, envelope, Error(id=rid, code=ErrorCode.BAD_REQUEST, message=f"request id {rid!r} is already in flight")
             )
@@ -358,28 +354,30 @@ class Router:
         deadline = None if msg.deadline_ms is None else now + msg.deadline_ms / 1000.0
         # REQ sockets take exactly one reply per request: no deltas for them
         req = Req(identity, envelope, rid, NO_TOKENS, msg.sampling, msg.stream and not envelope, deadline)
-        if _text_chars(msg) > TOKENIZE_INLINE_CHARS:
+        work = functools.partial(prepare, msg, self.vocab, self.chat)
+        if text_chars(msg) > TOKENIZE_INLINE_CHARS:
             req.state = ReqState.TOKENIZING  # in flight: a cancel, a disconnect or a drain ends it like a queued one
             self.requests[req.key] = req
-            fut = asyncio.get_running_loop().run_in_executor(self._tokenizer, self._tokenize, msg)
-            fut.add_done_callback(functools.partial(self._on_tokenized, req))
+            fut = asyncio.get_running_loop().run_in_executor(self._tokenizer, work)
+            fut.add_done_callback(functools.partial(self._on_prepared, req, msg.n))
             return
         try:
-            tokens = self._tokenize(msg)
-        except (TemplateError, ValueError) as exc:
-            self._reply(identity, envelope, Error(id=rid, code=ErrorCode.BAD_REQUEST, message=str(exc)))
+            prepared = work()
+        except PrepareError as exc:
+            self._reply(identity, envelope, Error(id=rid, code=ErrorCode.BAD_REQUEST, message=str(exc), param=exc.param))
             return
-        self._enqueue(req, tokens)
+        self._enqueue(req, prepared, msg.n)
 
-    def _on_tokenized(self, req: Req, fut: asyncio.Future[np.ndarray]) -> None:
+    def _on_prepared(self, req: Req, n: int, fut: asyncio.Future[Prepared]) -> None:
         if req.state is not ReqState.TOKENIZING or fut.cancelled():
             return  # ended meanwhile (cancelled, client gone, router draining or stopped)
         self.requests.pop(req.key, None)
         req.state = ReqState.QUEUED
         try:
-            tokens = fut.result()
-        except (TemplateError, ValueError) as exc:
-            self._reply(req.client, req.envelope, Error(id=req.rid, code=ErrorCode.BAD_REQUEST, message=str(exc)))
+            prepared = fut.result()
+        except PrepareError as exc:
+            err = Error(id=req.rid, code=ErrorCode.BAD_REQUEST, message=str(exc), param=exc.param)
+            self._reply(req.client, req.envelope, err)
             return
         except Exception as exc:
             error_id = uuid.uuid4().hex[:12]
@@ -387,27 +385,32 @@ class Router:
             err = Error(id=req.rid, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id)
             self._reply(req.client, req.envelope, err)
             return
-        self._enqueue(req, tokens)
+        self._enqueue(req, prepared, n)
 
-    def _enqueue(self, req: Req, tokens: np.ndarray) -> None:
-        """A tokenized request: refuse it with a reason, or queue it and dispatch what can go."""
-        req.tokens = tokens
-        if not len(tokens):
+    def _enqueue(self, req: Req, prepared: Prepared, n: int) -> None:
+        """A prepared request: refuse it with a reason, or queue its n choices and dispatch what can go."""
+        req.tokens, req.constraint, req.output = prepared.tokens, prepared.constraint, prepared.output
+        if not len(req.tokens):
             err = Error(id=req.rid, code=ErrorCode.BAD_REQUEST, message="the prompt has no tokens")
             self._reply(req.client, req.envelope, err)
             return
-        if refusal := self._admit(req):
+        if refusal := self._admit(req, n):
             code, text, extra = refusal
             self.metrics.requests[code] += 1
             self._reply(req.client, req.envelope, Error(id=req.rid, code=code, message=text, **extra))
             return
-        req.queued_at = time.monotonic()
-        self.requests[req.key] = req
-        self.queue.append(req)
-        log.info("request_queued", request_id=req.rid, prompt_tokens=len(tokens), queued=len(self.queue))
+        if n > 1:
+            req.group = [req]
+            req.group.extend(req.sibling(i) for i in range(1, n))
+        now = time.monotonic()
+        for r in req.choices:
+            r.queued_at = now
+            self.requests[r.key] = r
+            self.queue.append(r)
+        log.info("request_queued", request_id=req.rid, prompt_tokens=len(req.tokens), n=n, queued=len(self.queue))
         self._pump()
 
-    def _admit(self, req: Req) -> tuple[str, str, dict[str, Any]] | None:
+    def _admit(self, req: Req, n: int = 1) -> tuple[str, str, dict[str, Any]] | None:
         """Why a new request cannot be queued, or None."""
         ready = [w for w in self.workers.values() if w.state is WorkerState.READY]
         if not ready and self._no_workers_expired():
@@ -422,7 +425,7 @@ class Router:
                     f" does not fit a slot of {ctx} tokens",
                     {},
                 )
-        if len(self.queue) >= self.queue_limit():
+        if len(self.queue) + n > max(self.queue_limit(), n):
             return ErrorCode.QUEUE_FULL, f"{len(self.queue)} requests are already waiting", {"retry_after_ms": 1000}
         return None
 
@@ -435,15 +438,16 @@ class Router:
         return self.no_workers_since is not None and time.monotonic() - self.no_workers_since >= self.cfg.no_workers_grace_s
 
     def _on_cancel(self, identity: bytes, rid: str) -> None:
-        req = self.requests.get((identity, rid))
-        if req is None:
+        lead = self.requests.get((identity, rid, 0))
+        if lead is None:
             return
-        req.cancelled = True
-        if req.state in (ReqState.QUEUED, ReqState.TOKENIZING):
-            self._send_result_empty(req, "cancelled")
-        elif req.state is ReqState.RUNNING:
-            self._cancel_job(req)
-        log.info("request_cancel", request_id=rid, job=req.job, state=req.state.value)
+        for req in lead.choices:
+            req.cancelled = True
+            log.info("request_cancel", request_id=rid, choice=req.index, job=req.job, state=req.state.value)
+            if req.state in (ReqState.QUEUED, ReqState.TOKENIZING):
+                self._send_result_empty(req, "cancelled")
+            elif req.state is ReqState.RUNNING:
+                self._cancel_job(req)
 
     def _client_gone(self, identity: bytes) -> None:
         for req in [r for r in self.requests.values() if r.client == identity]:
@@ -459,21 +463,26 @@ class Router:
             self._send_worker(self.workers[req.worker], JobCancel(id=req.job))
 
     def _send_result_empty(self, req: Req, reason: str) -> None:
+        """End a choice that produced nothing (cancelled before it ran)."""
         self._finish_req(req)
         self.metrics.requests[reason] += 1
-        res = Result(
-            id=req.rid,
-            finish_reason=reason,
-            text="",
-            tokens=b"",
-            usage=Usage(prompt_tokens=len(req.tokens), cached_tokens=0, completion_tokens=0),
-            timings=Timings(queue_ms=(time.monotonic() - req.arrived) * 1000, total_ms=(time.monotonic() - req.arrived) * 1000),
-        )
-        if not req.gone:
-            self._reply(req.client, req.envelope, res)
+        waited = (time.monotonic() - req.arrived) * 1000
+        req.choice = Choice(index=req.index, finish_reason=reason, text="", tokens=b"")
+        req.usage = Usage(prompt_tokens=len(req.tokens), cached_tokens=0, completion_tokens=0)
+        req.timings = Timings(queue_ms=waited, total_ms=waited)
+        self._complete(req)
+
+    def _complete(self, req: Req) -> None:
+        """A choice ended: the result goes out once every choice of the request has ended."""
+        choices = req.choices
+        if req.gone or any(r.choice is None for r in choices):
+            return
+        lead = choices[0]
+        if not lead.gone:
+            self._reply(lead.client, lead.envelope, result_of(choices, lead.worker or "", lead.slot.index if lead.slot else -1))
 
     def _finish_req(self, req: Req) -> None:
-        """Forget a request (it must no longer hold a slot)."""
+        """Forget a request's choice (it must no longer hold a slot)."""
         req.state = ReqState.DONE
         self.requests.pop(req.key, None)
         if req in self.queue:
@@ -501,6 +510,15 @@ class Router:
                 break  # bound the work per event when many requests wait for particular slots
             t0 = time.perf_counter()
             match = self.mirror.index.match(req.tokens)
+            if req.index > 0:  # another choice of a request: beside its first choice, which computes the prompt
+                lead = req.choices[0]
+                if lead.state is ReqState.QUEUED or lead.state is ReqState.TOKENIZING:
+                    waiting += 1
+                    continue
+                beside = self._beside(lead, match)
+                if beside is not None:
+                    self._dispatch(req, beside)
+                    continue
             waited = 0.0 if req.wait_since is None else (now - req.wait_since) * 1000
             decision = select(match, loads, self.params, now, self._rotation, waited)
             self.metrics.decision_ms.observe((time.perf_counter() - t0) * 1000)
@@ -521,6 +539,18 @@ class Router:
                 self._dispatch(req, decision)
         self.metrics.queue_depth = len(self.queue)
 
+    def _beside(self, lead: Req, match: Any) -> Dispatch | None:
+        """An idle slot on the worker running `lead` (that worker copies the prompt's KV from lead's slot once it is
+        computed, instead of computing it again); None when that worker has no idle slot."""
+        conn = self.workers.get(lead.worker or "")
+        if conn is None or conn.state is not WorkerState.READY:
+            return None
+        slot = coldest(conn.load, self.params.evict_half_life_s)
+        if slot is None:
+            return None
+        reuse = predicted_reuse(match.lcp(slot), match.length, slot, self.params)
+        return Dispatch(slot, reuse, 0.0, False)
+
     def _dispatch(self, req: Req, d: Dispatch) -> None:
         conn = self.workers[d.slot.worker]
         slot = d.slot
@@ -534,7 +564,7 @@ class Router:
         self.metrics.queue_wait_ms.observe((now - req.queued_at) * 1000)
         req.state, req.job, req.worker, req.slot = ReqState.RUNNING, job, conn.id, slot
         req.predicted, req.prefill_pending, req.attempts = d.reuse, len(req.tokens) - d.reuse, req.attempts + 1
-        req.streamed = []
+        req.streamed, req.logprobs, req.parser = [], [], req.output.parser()
         self.jobs[job] = req
         conn.jobs[job] = req
         conn.load.busy += 1
@@ -562,6 +592,7 @@ class Router:
                 deadline_ms=deadline_ms,
                 predicted_reuse=d.reuse,
                 prefix_cache=prefix_cache,
+                constraint=req.constraint,
             ),
         )
 
@@ -690,9 +721,12 @@ class Router:
             conn.load.queued_prefill -= req.prefill_pending
             req.prefill_pending = 0
         req.streamed.extend(np.frombuffer(msg.tokens, dtype="<i4").tolist())
+        req.logprobs.extend(msg.logprobs)
+        assert req.parser is not None
+        piece = req.parser.feed(msg.text)
         if req.stream and not req.gone:
             req.started = True
-            self._reply(req.client, req.envelope, Delta(id=req.rid, text=msg.text, tokens=msg.tokens))
+            self._reply(req.client, req.envelope, delta_of(req, piece, msg.tokens, msg.logprobs))
 
     def _on_done(self, conn: WorkerConn, msg: JobDone) -> None:
         req = conn.jobs.get(msg.id)
@@ -744,24 +778,16 @@ class Router:
             ttft_ms=round(timings.ttft_ms, 1),
         )
         self._finish_req(req)
-        if not req.gone:
-            self._reply(
-                req.client,
-                req.envelope,
-                Result(
-                    id=req.rid,
-                    finish_reason=msg.finish_reason,
-                    text=msg.text,
-                    tokens=msg.tokens,
-                    usage=Usage(
-                        prompt_tokens=msg.prompt_tokens, cached_tokens=msg.reused_tokens, completion_tokens=msg.generated_tokens
-                    ),
-                    timings=timings,
-                    worker=conn.id,
-                    slot=slot.index,
-                    stop=msg.stop,
-                ),
-            )
+        assert req.parser is not None
+        tail = req.parser.finish()
+        if req.stream and not req.gone and (tail.content or tail.reasoning or tail.calls):
+            self._reply(req.client, req.envelope, delta_of(req, tail, b"", []))
+        req.choice = choice_of(req, msg)
+        req.usage = Usage(
+            prompt_tokens=msg.prompt_tokens, cached_tokens=msg.reused_tokens, completion_tokens=msg.generated_tokens
+        )
+        req.timings = timings
+        self._complete(req)
         self._pump()
 
     def _on_job_error(self, conn: WorkerConn, msg: JobError) -> None:

@@ -44,11 +44,13 @@ from protocol import (
     Message,
     SlotState,
     Timings,
+    TokenLogprob,
     pack_tokens,
     token_hash,
     unpack_tokens,
 )
 from worker.config import WorkerConfig
+from worker.guide import Guide, GuideError, GuideTokenizer
 from worker.host_cache import Entry, HostCache
 from worker.llama import Llama
 from worker.sampling import Sampler, SamplingError
@@ -173,6 +175,7 @@ class Engine:
             deterministic=cfg.deterministic,
         )
         self.vocab = self.llama.vocab
+        self.guide_tokenizer = GuideTokenizer(self.vocab)  # built on its own thread, ready long before a grammar is
         self.n_ctx = self.llama.ctx_per_slot
         self.n_batch = cfg.n_batch
         self.snapshots = cfg.snapshots or self.llama.info.recurrent  # trim by restoring, not by seq_rm
@@ -206,6 +209,7 @@ class Engine:
             self._thread.join()
             self._thread = None
         if close:
+            self.guide_tokenizer.close()
             self.llama.close()
 
     def submit(self, job: Job, sink: Sink | None = None) -> JobStream | None:
@@ -305,8 +309,9 @@ class Engine:
         req = Request(id=job.id, job=job, prompt=prompt, sink=sink, max_gen=max_gen, t_arrival=t_arrival, deadline=deadline)
         req.stream = TextStream(job.sampling.stop)
         try:
-            req.sampler = Sampler(job.sampling, self.vocab.n_vocab)
-        except SamplingError as exc:
+            guide = None if job.constraint is None else Guide(job.constraint, self.guide_tokenizer)
+            req.sampler = Sampler(job.sampling, self.vocab.n_vocab, guide=guide, max_gen=max_gen, piece=self.vocab.piece)
+        except (SamplingError, GuideError) as exc:
             self._send(sink, JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=str(exc)))
             self.counters.jobs_failed += 1
             return
@@ -607,10 +612,10 @@ class Engine:
             if row < 0 or req is None:  # mid-prompt chunk, or the job was ended by the invariant check
                 continue
             assert req.sampler is not None  # freed only when the job ends
-            tok = req.sampler.sample(ctx, row)
-            self._on_token(req, slot, tok, now)
+            tok, logprob = req.sampler.sample(ctx, row)
+            self._on_token(req, slot, tok, now, logprob)
 
-    def _on_token(self, req: Request, slot: Slot, tok: int, now: float) -> None:
+    def _on_token(self, req: Request, slot: Slot, tok: int, now: float, logprob: TokenLogprob | None = None) -> None:
         if not req.generated:
             req.t_first = now
         req.generated.append(tok)
@@ -620,15 +625,19 @@ class Engine:
             return
         stream = req.stream
         text = stream.push(self.vocab.piece(tok))
+        assert req.sampler is not None
+        guide = req.sampler.guide
+        complete = guide is not None and guide.done  # the grammar allows nothing more
+        delta = JobDelta(id=req.id, text=text, tokens=pack_tokens([tok]), logprobs=[] if logprob is None else [logprob])
         if stream.stop is not None:
-            self._send(req.sink, JobDelta(id=req.id, text=text, tokens=pack_tokens([tok])))
+            self._send(req.sink, delta)
             self._done(req, slot, FinishReason.STOP)
-        elif len(req.generated) >= req.max_gen:
-            text += stream.flush()
-            self._send(req.sink, JobDelta(id=req.id, text=text, tokens=pack_tokens([tok])))
-            self._done(req, slot, FinishReason.LENGTH)
+        elif complete or len(req.generated) >= req.max_gen:
+            delta.text += stream.flush()
+            self._send(req.sink, delta)
+            self._done(req, slot, FinishReason.STOP if complete else FinishReason.LENGTH)
         else:
-            self._send(req.sink, JobDelta(id=req.id, text=text, tokens=pack_tokens([tok])))
+            self._send(req.sink, delta)
 
     def _expire(self) -> None:
         """End running jobs that were cancelled or ran past their deadline; their slots keep the valid KV."""

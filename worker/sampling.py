@@ -1,9 +1,13 @@
-"""One sampler per job: greedy at temperature 0, else a llama sampler chain of top_k/top_p/min_p/temperature and
-a seeded draw.
+"""One sampler per job: the logits row of a batch row -> a token (and, when asked, its log-probability).
 
-logit_bias is applied first in every mode (-100 bans a token). Greedy is an argmax over the row's logits in numpy
+Order, as in llama.cpp: the grammar's mask (worker/guide.py), then penalties, logit_bias, top_k, top_p, min_p,
+temperature, and the draw (greedy at temperature 0). Greedy without penalties is an argmax over the row in numpy
 (first maximum, as llama's greedy sampler picks): ten times cheaper than the C chain, which copies all 262k
-logits into a candidate array per token, and that copy was most of the engine's time outside llama_decode.
+logits into a candidate array per token. Everything else is a llama sampler chain.
+
+Penalties (presence, frequency, repeat over the last `repeat_last_n` generated tokens) are llama.cpp's own
+sampler. Log-probabilities are those of the model (a log-softmax of the raw row, before penalties, biases and
+grammar), with the top k alternatives.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from protocol import Sampling
+from protocol import Sampling, TokenLogprob, TopLogprob
+from worker.guide import Guide
 
 BAN = -100.0
+MIN_LOGPROB = -9999.0  # OpenAI's floor: JSON has no -infinity
 
 
 class SamplingError(ValueError):
@@ -24,23 +30,28 @@ class SamplingError(ValueError):
 
 
 class Sampler:
-    """Owns one llama_sampler chain. `sample(ctx, row)` applies it to a batch row's logits and accepts the token."""
+    """Owns one llama_sampler chain (when it needs one). `sample(ctx, row)` picks and accepts a token."""
 
-    def __init__(self, params: Sampling, n_vocab: int) -> None:
+    def __init__(
+        self, params: Sampling, n_vocab: int, *, guide: Guide | None = None, max_gen: int = 4096, piece: Any = None
+    ) -> None:
         self.n_vocab = n_vocab
+        self.piece = piece or (lambda t: b"")  # token id -> bytes, for log-probabilities
+        self.guide = guide
+        self.logprobs = params.logprobs
         self.chain = None
         bias = params.logit_bias_ids()
         bad = [t for t in bias if t >= n_vocab]
         if bad:
             raise SamplingError(f"logit_bias token ids {bad[:5]} are outside the vocabulary (0..{n_vocab - 1})")
-        self.greedy = params.temperature == 0.0
-        if self.greedy:
+        self.fast = params.temperature == 0.0 and not params.penalized
+        if self.fast:
             self.bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
             self.bias = np.array([-np.inf if b <= BAN else b for b in bias.values()], dtype=np.float32)
             return
         self.chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         try:
-            self._build(params, n_vocab)
+            self._build(params, n_vocab, max_gen)
         except Exception:
             self.free()
             raise
@@ -48,7 +59,10 @@ class Sampler:
     def _add(self, smpl: object) -> None:
         llama_cpp.llama_sampler_chain_add(self.chain, smpl)  # the chain takes ownership
 
-    def _build(self, p: Sampling, n_vocab: int) -> None:
+    def _build(self, p: Sampling, n_vocab: int, max_gen: int) -> None:
+        if p.penalized:
+            last_n = max_gen if p.repeat_last_n < 0 else p.repeat_last_n
+            self._add(llama_cpp.llama_sampler_init_penalties(last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty))
         bias = p.logit_bias_ids()
         if bias:
             arr: Any = (llama_cpp.llama_logit_bias * len(bias))()  # fields take plain ints and floats
@@ -56,6 +70,9 @@ class Sampler:
                 arr[i].token = tok
                 arr[i].bias = -float("inf") if b <= BAN else b
             self._add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(bias), arr))
+        if p.temperature == 0.0:
+            self._add(llama_cpp.llama_sampler_init_greedy())
+            return
         if p.top_k > 0:
             self._add(llama_cpp.llama_sampler_init_top_k(p.top_k))
         if p.top_p < 1.0:
@@ -66,20 +83,43 @@ class Sampler:
         seed = llama_cpp.LLAMA_DEFAULT_SEED if p.seed is None else p.seed  # DEFAULT_SEED draws a random seed
         self._add(llama_cpp.llama_sampler_init_dist(seed))
 
-    def sample(self, ctx: ctypes.c_void_p, row: int) -> int:
-        """Pick a token from batch row `row` (llama_sampler_sample also accepts it: never accept again)."""
-        if not self.greedy:
-            return llama_cpp.llama_sampler_sample(self.chain, ctx, row)
+    def sample(self, ctx: ctypes.c_void_p, row: int) -> tuple[int, TokenLogprob | None]:
+        """Pick a token from batch row `row` (a chain's llama_sampler_sample also accepts it: never accept again).
+        The grammar's mask is written into the row itself, which nothing reads afterwards."""
         ptr = llama_cpp.llama_get_logits_ith(ctx, row)
         if not ptr:
             raise RuntimeError(f"batch row {row} has no logits")
-        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
-        if len(self.bias_ids):
-            logits = logits.copy()
-            logits[self.bias_ids] += self.bias
-        return int(logits.argmax())
+        row_logits = logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        top = None if self.logprobs is None else _log_softmax_top(logits, self.logprobs, self.piece)
+        if self.guide is not None:
+            self.guide.mask(logits)
+        if self.fast:
+            if len(self.bias_ids):
+                logits = logits.copy()
+                logits[self.bias_ids] += self.bias
+            tok = int(logits.argmax())
+        else:
+            tok = llama_cpp.llama_sampler_sample(self.chain, ctx, row)
+        if self.guide is not None:
+            self.guide.follow(tok)
+        if top is None:
+            return tok, None
+        lse, best = top  # the chosen token's raw logit is intact: the mask only lowers tokens that cannot be chosen
+        lp = max(float(row_logits[tok]) - lse, MIN_LOGPROB)
+        return tok, TokenLogprob(token=tok, logprob=lp, piece=self.piece(tok), top=best)
 
     def free(self) -> None:
         if self.chain:
             llama_cpp.llama_sampler_free(self.chain)
             self.chain = None
+
+
+def _log_softmax_top(logits: np.ndarray, k: int, piece: Any) -> tuple[float, list[TopLogprob]]:
+    """log-sum-exp of the row, and its k most likely tokens with their log-probabilities (most likely first)."""
+    peak = float(logits.max())
+    lse = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
+    if k == 0:
+        return lse, []
+    ids = np.argpartition(logits, -k)[-k:]
+    ids = ids[np.argsort(-logits[ids], kind="stable")]
+    return lse, [TopLogprob(token=int(t), logprob=max(float(logits[t]) - lse, MIN_LOGPROB), piece=piece(int(t))) for t in ids]

@@ -57,19 +57,25 @@ def test_chat_maps_roles_and_text_parts() -> None:
         ]
     }
     sub, _, _ = chat_submit(body, "r2")
-    assert [(m.role, m.content) for m in sub.messages or []] == [("system", "be brief"), ("user", "ab")]
+    assert [(m.role, m.text()) for m in sub.messages or []] == [("developer", "be brief"), ("user", "ab")]
     assert sub.sampling.max_tokens is None  # chat: until the context is full, as OpenAI does
 
 
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 17}, "n"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "suffix": "tail"}, "suffix"),
+        ({"prompt": "x", "mirostat": 2}, "mirostat"),
+        ({"prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "temperature": "hot"}, "temperature"),
         ({"prompt": "x", "top_p": 0}, "top_p"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-        ({"prompt": "x", "stop": [1]}, "stop"),
-        ({"prompt": "x", "logit_bias": {"abc": 1}}, None),
+        ({"prompt": "x", "stop": [1]}, "stop[0]"),
+        ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": [2**31]}, "prompt"),  # found by schemathesis: not an int32 token id
         ({"prompt": [-1]}, "prompt"),
@@ -89,8 +95,21 @@ def test_chat_bad_messages_name_the_field() -> None:
     for body, param in [
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
-    ]:
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": "x", "audio": {}}]}, "messages[0].audio"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "custom", "custom": {}}]}, "tools[0].type"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {}}},
+         "response_format.json_schema.schema"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                                               "function": {"name": "a b", "arguments": "{}"}}]}]},
+            "messages[0].tool_calls[0].function.name",
+        ),
+    ]:  # fmt: skip
         with pytest.raises(RequestError) as info:
             chat_submit(body, "r")
         assert info.value.param == param

@@ -61,6 +61,13 @@ SAMPLING = p.Sampling(
     ignore_eos=False,
 )
 SLOT_TOKENS = PROMPT_TOKENS + GEN_TOKENS[:-1]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+LOGPROB = p.TokenLogprob(
+    token=1437,
+    logprob=-0.25,
+    piece=b" Paris",
+    top=[p.TopLogprob(token=1437, logprob=-0.25, piece=b" Paris"), p.TopLogprob(token=9259, logprob=-1.75, piece=b" Lyon")],
+)
 
 
 @dataclass(frozen=True)
@@ -114,10 +121,88 @@ EXAMPLES: list[Example] = [
             "stream": False,
         },
     ),
+    Example(
+        "submit_tools",
+        "client_request",
+        p.Submit(
+            id="req-6",
+            messages=[
+                p.ChatMessage(role="user", content=[p.TextPart(text="Weather in Paris?")]),
+                p.ChatMessage(
+                    role="assistant",
+                    content=None,
+                    tool_calls=[p.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')],
+                ),
+                p.ChatMessage(role="tool", content='{"temp_c": 21}', tool_call_id="call_1"),
+            ],
+            tools=[p.Tool(name="get_weather", description="Current weather", parameters=WEATHER)],
+            tool_choice=p.NamedTool(name="get_weather"),
+            parallel_tool_calls=False,
+            chat_template_kwargs={"enable_thinking": False},
+            n=2,
+            sampling=p.Sampling(max_tokens=64, temperature=0.0, presence_penalty=0.5, logprobs=2),
+        ),
+        {},
+    ),
+    Example(
+        "submit_json",
+        "client_request",
+        p.Submit(
+            id="req-7",
+            prompt="A city as JSON:",
+            response_format=p.ResponseFormat(type="json_schema", schema=WEATHER, name="city"),
+            sampling=p.Sampling(max_tokens=32),
+        ),
+        {},
+    ),
     Example("cancel", "client_request", p.Cancel(id="req-1"), {}),
     Example("status", "client_request", p.StatusRequest(id="st-1"), {}),
     # ---- router -> client
     Example("delta", "router_reply", p.Delta(id="req-1", text=" Paris", tokens=p.pack_tokens(FIRST)), {"tokens": FIRST}),
+    Example(
+        "delta_tool_call",
+        "router_reply",
+        p.Delta(
+            id="req-6",
+            index=1,
+            text="",
+            tokens=p.pack_tokens(FIRST),
+            tool_calls=[p.ToolCallDelta(index=0, id="call_2", name="get_weather", arguments='{"city": "Paris"}')],
+            logprobs=[LOGPROB],
+        ),
+        {"tokens": FIRST},
+    ),
+    Example(
+        "result_tool_calls",
+        "router_reply",
+        p.Result(
+            id="req-6",
+            finish_reason=p.FinishReason.TOOL_CALLS,
+            text="",
+            tokens=p.pack_tokens(FIRST),
+            usage=p.Usage(prompt_tokens=4, cached_tokens=3, completion_tokens=2),
+            timings=TIMINGS,
+            worker="w0",
+            slot=1,
+            reasoning="The user wants the weather.",
+            tool_calls=[p.ToolCall(id="call_2", name="get_weather", arguments='{"city": "Paris"}')],
+            logprobs=[LOGPROB],
+            choices=[
+                p.Choice(
+                    index=0,
+                    finish_reason="tool_calls",
+                    text="",
+                    tokens=p.pack_tokens(FIRST),
+                    reasoning="The user wants the weather.",
+                    tool_calls=[p.ToolCall(id="call_2", name="get_weather", arguments='{"city": "Paris"}')],
+                    logprobs=[LOGPROB],
+                    completion_tokens=1,
+                ),
+                p.Choice(index=1, finish_reason="length", text="Let me", tokens=p.pack_tokens(FIRST), completion_tokens=1),
+            ],
+        ),
+        {"tokens": FIRST},
+    ),
     Example(
         "result",
         "router_reply",
@@ -143,6 +228,17 @@ EXAMPLES: list[Example] = [
             message="queue is full (64 requests waiting)",
             error_id="e-7f3a",
             retry_after_ms=250,
+        ),
+        {},
+    ),
+    Example(
+        "error_param",
+        "router_reply",
+        p.Error(
+            id="req-8",
+            code=p.ErrorCode.BAD_REQUEST,
+            message="tool_choice names function 'get_time', which is not among the tools (get_weather)",
+            param="tool_choice",
         ),
         {},
     ),
@@ -202,7 +298,10 @@ EXAMPLES: list[Example] = [
         {},
     ),
     Example(
-        "job_delta", "worker_to_router", p.JobDelta(id="req-1", text=" Paris", tokens=p.pack_tokens(FIRST)), {"tokens": FIRST}
+        "job_delta",
+        "worker_to_router",
+        p.JobDelta(id="req-1", text=" Paris", tokens=p.pack_tokens(FIRST), logprobs=[LOGPROB]),
+        {"tokens": FIRST},
     ),
     Example(
         "job_done",
@@ -260,6 +359,21 @@ EXAMPLES: list[Example] = [
         ),
         {"tokens": PROMPT_TOKENS},
     ),
+    Example(
+        "job_constrained",
+        "router_to_worker",
+        p.Job(
+            id="req-6.3",
+            slot=1,
+            tokens=p.pack_tokens(PROMPT_TOKENS),
+            sampling=p.Sampling(max_tokens=64, temperature=0.0),
+            predicted_reuse=0,
+            constraint=p.Constraint(
+                grammar='start: calls\ncalls: "<tool_call>" %json {"type": "object"} "</tool_call>"\n', triggers=["<tool_call>"]
+            ),
+        ),
+        {"tokens": PROMPT_TOKENS},
+    ),
     Example("job_cancel", "router_to_worker", p.JobCancel(id="req-1"), {}),
     Example("drain", "router_to_worker", p.Drain(), {}),
 ]
@@ -304,9 +418,19 @@ ALL_STRUCTS: list[type[msgspec.Struct]] = [
     p.Usage,
     p.Timings,
     p.ChatMessage,
+    p.TextPart,
+    p.ToolCall,
+    p.Tool,
+    p.NamedTool,
+    p.ResponseFormat,
+    p.TokenLogprob,
+    p.TopLogprob,
+    p.ToolCallDelta,
+    p.Choice,
     p.SlotStatus,
     p.WorkerStatus,
     p.SlotState,
+    p.Constraint,
 ]
 
 
@@ -319,6 +443,8 @@ def type_name(t: mi.Type, field: str = "") -> str:
         return " or ".join(type_name(x, field) for x in t.types)
     if isinstance(t, mi.NoneType):
         return "nil"
+    if isinstance(t, mi.AnyType):
+        return "any"
     if isinstance(t, mi.BoolType):
         return "bool"
     if isinstance(t, mi.IntType):

@@ -130,9 +130,35 @@ def test_chat_messages() -> None:
     refused(submit_frame(messages=[]), "messages must not be empty")
     refused(submit_frame(messages=[{"role": "bot", "content": "x"}]), "$.messages[0].role")
     refused(submit_frame(messages=[{"role": "user"}]), "content", "$.messages[0]")
-    assert isinstance(
-        DEC.decode(submit_frame(messages=[{"role": r, "content": ""} for r in ("system", "user", "assistant", "tool")])), p.Submit
+    roles = [{"role": r, "content": ""} for r in ("system", "developer", "user", "assistant")]
+    assert isinstance(DEC.decode(submit_frame(messages=[*roles, {"role": "tool", "content": "", "tool_call_id": "c"}])), p.Submit)
+    refused(submit_frame(messages=[{"role": "tool", "content": "x"}]), "`tool_call_id`", "$.messages[0]")
+    call = {"id": "c1", "name": "f", "arguments": "{}"}
+    refused(submit_frame(messages=[{"role": "user", "content": "x", "tool_calls": [call]}]), "`tool_calls`")
+    refused(
+        submit_frame(messages=[{"role": "assistant", "tool_calls": [{**call, "name": "a b"}]}]),
+        "$.messages[0].tool_calls[0].name",
     )
+    assert isinstance(DEC.decode(submit_frame(messages=[{"role": "assistant", "content": None, "tool_calls": [call]}])), p.Submit)
+    parts = [{"type": "text", "text": "a"}, {"type": "image_url"}]
+    refused(submit_frame(messages=[{"role": "user", "content": parts}]), "$.messages[0].content")
+
+
+def test_tools_and_output_shapes() -> None:
+    chat = [{"role": "user", "content": "x"}]
+    tool = {"name": "get_weather", "parameters": {"type": "object"}}
+    refused(submit_frame(prompt="x", tools=[tool]), "`tools`")
+    refused(submit_frame(messages=chat, tool_choice="required"), "`tool_choice` requires `tools`")
+    refused(submit_frame(messages=chat, tools=[tool], tool_choice="sometimes"), "$.tool_choice")
+    named = {"name": "get_weather"}
+    assert isinstance(DEC.decode(submit_frame(messages=chat, tools=[tool], tool_choice=named)), p.Submit)
+    fmt = {"type": "json_object"}
+    refused(submit_frame(messages=chat, tools=[tool], tool_choice="required", response_format=fmt), "at most one")
+    refused(submit_frame(prompt="x", response_format=fmt, grammar='root ::= "a"'), "at most one")
+    refused(submit_frame(prompt="x", response_format={"type": "json_schema"}), "`schema`")
+    refused(submit_frame(prompt="x", n=0), "$.n")
+    refused(submit_frame(prompt="x", n=17), "$.n")
+    assert isinstance(DEC.decode(submit_frame(prompt="x", response_format=fmt, n=3)), p.Submit)
 
 
 def test_constructing_a_bad_submit_raises() -> None:

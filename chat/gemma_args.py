@@ -1,0 +1,169 @@
+"""Gemma's argument syntax (Gemma 4, FunctionGemma): a grammar for it from a JSON Schema, and a parser back to JSON.
+
+    {city:<|"|>Paris<|"|>,days:3,units:[<|"|>c<|"|>],opts:{fast:true}}
+
+Keys are bare and, as the templates write them (`dictsort`), in sorted order; strings sit between the family's
+quote token; numbers, `true`, `false` and `null` are bare; lists and objects nest. No JSON Schema converter
+writes this syntax, so the subset agents' tools use is covered here: objects with properties (required or
+not), arrays, strings (and string enums), numbers, integers, booleans, null; anything else is any value.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?/"
+INTEGER = r"/-?(0|[1-9][0-9]*)/"
+KEY = r"/[A-Za-z_][A-Za-z0-9_]*/"
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+class _Writer:
+    """Collects the rules of one argument grammar; rule names are prefixed with the grammar's name."""
+
+    def __init__(self, prefix: str, quote: str) -> None:
+        self.prefix, self.quote = prefix, quote
+        self.rules: list[str] = []
+        self.n = 0
+        # string body: anything but the start of the quote token (its first two characters)
+        a, b = re.escape(quote[0]), re.escape(quote[1])
+        self.string = f"{_lit(quote)} /([^{a}]|{a}[^{b}])*/ {_lit(quote)}"
+
+    def rule(self, body: str) -> str:
+        self.n += 1
+        name = f"{self.prefix}_{self.n}"
+        self.rules.append(f"{name}: {body}\n")
+        return name
+
+    def any_value(self) -> str:
+        if not hasattr(self, "_any"):
+            self._any = f"{self.prefix}_any"
+            obj = f'"{{" ({KEY} ":" {self._any} ("," {KEY} ":" {self._any})*)? "}}"'
+            arr = f'"[" ({self._any} ("," {self._any})*)? "]"'
+            self.rules.append(f'{self._any}: {self.string} | {NUMBER} | "true" | "false" | "null" | {obj} | {arr}\n')
+        return self._any
+
+    def value(self, schema: Any) -> str:
+        if not isinstance(schema, dict):
+            return self.any_value()
+        if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]) and schema["enum"]:
+            return self.rule(" | ".join(_lit(self.quote + v + self.quote) for v in schema["enum"]))
+        kind = schema.get("type")
+        if kind == "string":
+            return self.rule(self.string)
+        if kind == "integer":
+            return self.rule(INTEGER)
+        if kind == "number":
+            return self.rule(NUMBER)
+        if kind == "boolean":
+            return self.rule('"true" | "false"')
+        if kind == "null":
+            return self.rule('"null"')
+        if kind == "array":
+            item = self.value(schema.get("items"))
+            return self.rule(f'"[" ({item} ("," {item})*)? "]"')
+        if kind == "object":
+            return self.object(schema)
+        return self.any_value()
+
+    def object(self, schema: dict[str, Any]) -> str:
+        props = schema.get("properties")
+        if not isinstance(props, dict) or not props:
+            return self.rule(f'"{{" ({KEY} ":" {self.any_value()} ("," {KEY} ":" {self.any_value()})*)? "}}"')
+        required = set(schema.get("required") or [])
+        keys = sorted(props)
+        # members(i, first): the members from keys[i] on; a comma precedes each but the first written
+        tail = {len(keys): ('""', '""')}
+        for i in range(len(keys) - 1, -1, -1):
+            kv = f"{_lit(keys[i] + ':')} {self.value(props[keys[i]])}"
+            rest_first, rest_more = tail[i + 1]
+            if keys[i] in required:
+                first = self.rule(f"{kv} {rest_more}")
+                more = self.rule(f'"," {kv} {rest_more}')
+            else:
+                first = self.rule(f"{kv} {rest_more} | {rest_first}")
+                more = self.rule(f'"," {kv} {rest_more} | {rest_more}')
+            tail[i] = (first, more)
+        return self.rule(f'"{{" {tail[0][0]} "}}"')
+
+
+def gemma_grammar(name: str, parameters: dict[str, Any], quote: str) -> str:
+    """Lark rules defining `name`: an arguments object (braces included) for a tool with these parameters."""
+    w = _Writer(name, quote)
+    schema = parameters or {"type": "object", "properties": {}}
+    top = w.object(schema) if schema.get("type", "object") == "object" else w.value(schema)
+    return f"{name}: {top}\n" + "".join(w.rules)
+
+
+def parse_gemma_args(text: str, i: int, quote: str) -> tuple[dict[str, Any], int]:
+    """The object at text[i] (which is `{`), as JSON values, and the index after it. Raises ValueError."""
+    value, end = _Parser(text, quote).value(i)
+    if not isinstance(value, dict):
+        raise ValueError("arguments are not an object")
+    return value, end
+
+
+class _Parser:
+    def __init__(self, text: str, quote: str) -> None:
+        self.text, self.quote = text, quote
+
+    def value(self, i: int) -> tuple[Any, int]:
+        t, q = self.text, self.quote
+        if t.startswith(q, i):
+            end = t.find(q, i + len(q))
+            if end < 0:
+                raise ValueError("unterminated string")
+            return t[i + len(q) : end], end + len(q)
+        if t.startswith("{", i):
+            return self.members(i + 1)
+        if t.startswith("[", i):
+            return self.items(i + 1)
+        for word, val in (("true", True), ("false", False), ("null", None), ("None", None)):
+            if t.startswith(word, i):
+                return val, i + len(word)
+        m = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?").match(t, i)
+        if not m:
+            raise ValueError(f"no value at {i}")
+        s = m.group(0)
+        return (float(s) if any(c in s for c in ".eE") else int(s)), m.end()
+
+    def members(self, i: int) -> tuple[dict[str, Any], int]:
+        t, out = self.text, dict[str, Any]()
+        if t.startswith("}", i):
+            return out, i + 1
+        while True:
+            if t.startswith(self.quote, i):  # an escaped key (nested objects in declarations)
+                key, i = self.value(i)
+            else:
+                m = re.compile(KEY.strip("/")).match(t, i)
+                if not m:
+                    raise ValueError(f"no key at {i}")
+                key, i = m.group(0), m.end()
+            if not t.startswith(":", i):
+                raise ValueError(f"no ':' at {i}")
+            out[key], i = self.value(i + 1)
+            if t.startswith(",", i):
+                i += 1
+            elif t.startswith("}", i):
+                return out, i + 1
+            else:
+                raise ValueError(f"no ',' or '}}' at {i}")
+
+    def items(self, i: int) -> tuple[list[Any], int]:
+        t, out = self.text, list[Any]()
+        if t.startswith("]", i):
+            return out, i + 1
+        while True:
+            v, i = self.value(i)
+            out.append(v)
+            if t.startswith(",", i):
+                i += 1
+            elif t.startswith("]", i):
+                return out, i + 1
+            else:
+                raise ValueError(f"no ',' or ']' at {i}")

@@ -1,0 +1,131 @@
+"""The constraint a request puts on its output, as an llguidance grammar (Lark syntax), checked before it is sent.
+
+llguidance compiles JSON Schemas itself (`%json {...}` inside Lark) and converts GBNF, so kvroute writes no
+schema converter; it computes a token mask in tens of microseconds where llama.cpp's grammar sampler takes tens
+of milliseconds over Gemma's 262k-token vocabulary (README, "Structured output").
+
+| request | grammar | when it starts |
+| --- | --- | --- |
+| `grammar` (GBNF or Lark) | as given | first token |
+| `response_format` json_object / json_schema | `%json` of the schema | first token |
+| tools, `tool_choice` auto | the family's tool-call section | lazily, at the family's trigger |
+| tools, `required` / a named function | the section (one function's) | first token |
+| generic family (no tool syntax) | `{"tool_calls": ...}` or `{"response": "..."}` | first token |
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
+
+from chat.families import JSON_OPTIONS, Family, Generic
+from protocol import Constraint, NamedTool, ResponseFormat, Tool, ToolChoice
+
+LIMITS = llguidance.LLParserLimits()
+
+
+class ChatError(ValueError):
+    """A request we cannot serve; `param` names the field (OpenAI's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check(lark: str, param: str) -> None:
+    """Raise ChatError naming `param` when llguidance cannot compile the grammar."""
+    error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(lark), limits=LIMITS)
+    if error:
+        raise ChatError(f"`{param}` cannot be compiled to a grammar: {error.strip()}", param)
+
+
+def json_rule(name: str, schema: dict[str, Any]) -> str:
+    schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
+    return f"{name}: %json {json.dumps(schema, ensure_ascii=False)}\n"
+
+
+def user_grammar(text: str) -> Constraint:
+    """The `grammar` field: GBNF (llama.cpp's) or Lark."""
+    try:
+        lark = any_to_lark(text)
+    except Exception as exc:  # the converter raises plain exceptions on text it cannot read
+        raise ChatError(f"`grammar` is neither GBNF nor Lark: {exc}", "grammar") from None
+    check(lark, "grammar")
+    return Constraint(grammar=lark)
+
+
+def response_rule(fmt: ResponseFormat) -> str | None:
+    """Lark rules for `body`, the reply `response_format` asks for (None for text)."""
+    if fmt.type == "json_object":
+        return json_rule("body", {"type": "object"})
+    if fmt.type == "json_schema":
+        assert fmt.schema is not None
+        rule = json_rule("body", fmt.schema)
+        check("start: body\n" + rule, "response_format")
+        return rule
+    return None
+
+
+def chosen_tools(tools: list[Tool], choice: ToolChoice) -> list[Tool]:
+    if isinstance(choice, NamedTool):
+        named = [t for t in tools if t.name == choice.name]
+        if not named:
+            known = ", ".join(t.name for t in tools)
+            raise ChatError(f"tool_choice names function {choice.name!r}, which is not among the tools ({known})", "tool_choice")
+        return named
+    return tools
+
+
+def check_tools(tools: list[Tool]) -> None:
+    for i, tool in enumerate(tools):
+        params = tool.parameters or {"type": "object"}
+        if params.get("type", "object") != "object":
+            raise ChatError(f"tools[{i}].function.parameters must describe an object, got type {params.get('type')!r}",
+                            f"tools[{i}].function.parameters")  # fmt: skip
+        check("start: a\n" + json_rule("a", params), f"tools[{i}].function.parameters")
+
+
+def constraint(
+    family: Family | None,
+    tools: list[Tool] | None,
+    choice: ToolChoice,
+    parallel: bool,
+    fmt: ResponseFormat | None,
+    grammar: str | None,
+) -> Constraint | None:
+    """The constraint for a request (family None: a prompt, not chat). Raises ChatError naming the field."""
+    if grammar is not None:
+        return user_grammar(grammar)
+    body = response_rule(fmt) if fmt is not None else None
+    if family is None or not tools:
+        return Constraint(grammar="start: body\n" + body) if body else None
+    generic = isinstance(family, Generic)
+    if choice == "none":
+        if generic:  # the reply is still the JSON document the system message asks for, a response
+            return Constraint(grammar="start: response\n" + _response_rules(body))
+        return Constraint(grammar="start: body\n" + body) if body else None
+    check_tools(tools)
+    forced = choice != "auto"
+    calls = family.calls_rules(chosen_tools(tools, choice), parallel)
+    if forced:
+        lark = "start: calls\n" + calls
+    elif generic:
+        lark = "start: calls | response\n" + calls + _response_rules(body)
+    elif body:
+        lark = "start: calls | body\n" + calls + body
+    else:  # lazy: free text until the family's trigger, then a tool-call section
+        lark = "start: calls\n" + calls
+        check(lark, "tools")
+        return Constraint(grammar=lark, triggers=list(family.triggers), at_start=family.at_start)
+    check(lark, "tools")
+    return Constraint(grammar=lark)
+
+
+def _response_rules(body: str | None) -> str:
+    """The generic family's reply: `{"response": "text"}`, or the response_format's JSON as it is."""
+    if body:
+        return "response: body\n" + body
+    return 'response: "{\\"response\\": " text "}"\n' + json_rule("text", {"type": "string"})

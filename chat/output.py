@@ -1,0 +1,271 @@
+"""Reading a reply as it streams: reasoning, reply text and tool calls taken apart, the same whether the client
+streams or not (the router feeds every reply through one parser).
+
+Reply text is sent as soon as it cannot be the start of a tool-call section or of a reasoning tag; a tool call
+is sent once it is complete. What looked like a call but does not parse is reply text after all. Text before a
+tool-call section loses its trailing whitespace (templates write their own separator there).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+
+from chat.families import Call, Family, Generic
+
+GENERIC_CALLS, GENERIC_RESPONSE = '{"tool_calls": [', '{"response": "'
+REASONING_TAGS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
+
+
+def reasoning_tags(source: str) -> tuple[str, str] | None:
+    """The thinking tags a template uses, if it has any."""
+    for open_, close in REASONING_TAGS:
+        if close in source:
+            return open_, close
+    return None
+
+
+@dataclass
+class Piece:
+    """What one `feed` or `finish` produced."""
+
+    content: str = ""
+    reasoning: str = ""
+    calls: list[tuple[int, str, Call]] = field(default_factory=list)  # (index, id, call)
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """How to read a request's reply. `family` None: no tool calls to look for."""
+
+    family: Family | None = None
+    tool_names: frozenset[str] = frozenset()
+    reasoning: tuple[str, str] | None = None
+    in_reasoning: bool = False  # the prompt ended inside an open reasoning tag
+
+    def parser(self) -> OutputParser:
+        return OutputParser(self)
+
+
+class Mode(enum.Enum):
+    OPENING = "opening"  # the reply may still open with a reasoning tag
+    REASONING = "reasoning"
+    CONTENT = "content"  # reply text; a trigger may start a tool-call section
+    UNDECIDED = "undecided"  # the section can only open the reply (or the reply is one JSON document): not yet known
+    CALLS = "calls"
+    RESPONSE = "response"  # generic family: inside {"response": "...", streaming the string's characters
+    TEXT = "text"  # plain reply text to the end
+
+
+def _partial_suffix(text: str, marks: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `marks`."""
+    best = 0
+    for m in marks:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+class OutputParser:
+    def __init__(self, spec: OutputSpec) -> None:
+        self.spec = spec
+        self.family = spec.family
+        self.buf = ""  # text not yet given out
+        self.ws = ""  # trailing whitespace of the reply text, held until more text (or no call) follows
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[tuple[int, str, Call]] = []
+        self.section_used = 0  # characters of the tool-call section taken by complete calls
+        self.section_calls = 0  # calls taken from it
+        self.section_done = False  # a call to an unknown function ended it
+        self.resp_raw = 0  # RESPONSE mode: characters of the JSON string already decoded
+        self.mode = self._start_mode()
+
+    def _start_mode(self) -> Mode:
+        spec = self.spec
+        if spec.reasoning and spec.in_reasoning:
+            return Mode.REASONING
+        if spec.reasoning:
+            return Mode.OPENING
+        return self._after_reasoning()
+
+    def _after_reasoning(self) -> Mode:
+        f = self.family
+        if f is None:
+            return Mode.TEXT
+        if isinstance(f, Generic) or f.at_start:
+            return Mode.UNDECIDED
+        return Mode.CONTENT
+
+    # ---- public ----
+
+    def feed(self, text: str) -> Piece:
+        out = Piece()
+        self.buf += text
+        while self._step(out, final=False):
+            pass
+        return out
+
+    def finish(self) -> Piece:
+        out = Piece()
+        while self._step(out, final=True):
+            pass
+        if self.mode is Mode.CALLS:  # what follows the last complete call is reply text after all
+            self._text(out, self.buf[self.section_used :], keep_ws=True)
+        self.buf = ""
+        if self.ws:
+            self._text(out, "", keep_ws=True)
+        return out
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+    @property
+    def reasoning_text(self) -> str | None:
+        return "".join(self.reasoning) if self.spec.reasoning and self.reasoning else None
+
+    # ---- modes ----
+
+    def _step(self, out: Piece, final: bool) -> bool:
+        """Advance the current mode over `self.buf`; True when the mode changed (step again)."""
+        mode = self.mode
+        if mode is Mode.OPENING:
+            return self._opening(final)
+        if mode is Mode.REASONING:
+            return self._in_reasoning(out, final)
+        if mode is Mode.CONTENT:
+            return self._in_content(out, final)
+        if mode is Mode.UNDECIDED:
+            return self._undecided(final)
+        if mode is Mode.CALLS:
+            self._in_calls(out)
+            return False
+        if mode is Mode.RESPONSE:
+            self._response(out, final)
+            return False
+        self._text(out, self.buf)
+        self.buf = ""
+        return False
+
+    def _opening(self, final: bool) -> bool:
+        assert self.spec.reasoning
+        tag = self.spec.reasoning[0]
+        head = self.buf.lstrip()
+        if head.startswith(tag):
+            self.buf = head[len(tag) :]
+            self.mode = Mode.REASONING
+            return True
+        if tag.startswith(head) and not final:
+            return False  # could still become the tag
+        self.mode = self._after_reasoning()
+        return True
+
+    def _in_reasoning(self, out: Piece, final: bool) -> bool:
+        assert self.spec.reasoning
+        close = self.spec.reasoning[1]
+        at = self.buf.find(close)
+        if at >= 0:
+            self._reason(out, self.buf[:at])
+            self.buf = self.buf[at + len(close) :].lstrip("\n")
+            self.mode = self._after_reasoning()
+            return True
+        keep = 0 if final else _partial_suffix(self.buf, (close,))
+        self._reason(out, self.buf[: len(self.buf) - keep])
+        self.buf = self.buf[len(self.buf) - keep :]
+        return False
+
+    def _in_content(self, out: Piece, final: bool) -> bool:
+        assert self.family is not None
+        triggers = self.family.triggers
+        hits = [(i, t) for t in triggers if (i := self.buf.find(t)) >= 0]
+        if hits:
+            at = min(hits)[0]
+            self._text(out, self.buf[:at])
+            self.buf = self.buf[at:]
+            self.mode = Mode.CALLS
+            return True
+        keep = 0 if final else _partial_suffix(self.buf, triggers)
+        self._text(out, self.buf[: len(self.buf) - keep])
+        self.buf = self.buf[len(self.buf) - keep :]
+        return False
+
+    def _undecided(self, final: bool) -> bool:
+        f = self.family
+        assert f is not None
+        head = self.buf.lstrip()
+        starts = (GENERIC_CALLS, GENERIC_RESPONSE) if isinstance(f, Generic) else f.triggers
+        for s in starts:
+            if head.startswith(s):
+                self.buf = head
+                self.mode = Mode.RESPONSE if s == GENERIC_RESPONSE else Mode.CALLS
+                self.resp_raw = len(s)
+                return True
+        if not final and any(s.startswith(head) for s in starts):
+            return False
+        self.mode = Mode.TEXT
+        return True
+
+    def _in_calls(self, out: Piece) -> None:
+        assert self.family is not None
+        if self.section_done:
+            return
+        for call, end in self.family.split(self.buf)[self.section_calls :]:
+            if call.name not in self.spec.tool_names:
+                self.section_done = True  # not one of the request's tools: reply text from here (finish keeps it)
+                return
+            entry = (len(self.calls), call.id or self.family.new_id(), call)
+            self.calls.append(entry)
+            out.calls.append(entry)
+            self.section_calls += 1
+            self.section_used = end
+            self.ws = ""  # a call follows the reply text: its trailing whitespace was the template's separator
+
+    def _response(self, out: Piece, final: bool) -> None:
+        """Stream the characters of the generic family's `{"response": "..."}` string as they complete."""
+        raw = self.buf
+        i, chars = self.resp_raw, []
+        while i < len(raw):
+            c = raw[i]
+            if c == '"':
+                break
+            if c == "\\":
+                width = 6 if raw[i + 1 : i + 2] == "u" else 2
+                if i + width > len(raw):
+                    break
+                try:
+                    chars.append(json.loads('"' + raw[i : i + width] + '"'))
+                except ValueError:
+                    break
+                i += width
+                continue
+            chars.append(c)
+            i += 1
+        self.resp_raw = i
+        self._text(out, "".join(chars), keep_ws=True)
+        if final:
+            tail = raw[i:]
+            if tail.strip() not in ('"}', ""):  # the document did not end as {"response": "..."}: keep it all
+                self._text(out, tail, keep_ws=True)
+
+    # ---- output ----
+
+    def _reason(self, out: Piece, text: str) -> None:
+        if text:
+            self.reasoning.append(text)
+            out.reasoning += text
+
+    def _text(self, out: Piece, text: str, keep_ws: bool = False) -> None:
+        """Reply text; trailing whitespace is held back unless `keep_ws` (it is dropped if a call follows)."""
+        text = self.ws + text
+        if keep_ws:
+            self.ws = ""
+        else:
+            body = text.rstrip()
+            self.ws, text = text[len(body) :], body
+        if text:
+            self.content.append(text)
+            out.content += text

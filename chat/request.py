@@ -1,0 +1,153 @@
+"""A chat request, prepared for the model: the prompt text, the constraint on the reply, and how to read the reply.
+
+The history is checked the way the OpenAI API checks it: each tool message answers a call of the assistant
+message before it, every call of an assistant message is answered before the conversation goes on, and call
+arguments are JSON objects. A problem is a ChatError naming the field (`messages[3].tool_call_id`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from chat.families import Family, Generic, detect
+from chat.grammar import ChatError, constraint
+from chat.output import OutputSpec, reasoning_tags
+from chat.template import ChatTemplate, RawJSON
+from protocol import ChatMessage, Constraint, Submit, Tool
+
+
+@dataclass(frozen=True)
+class Prepared:
+    text: str
+    add_bos: bool  # whether the tokenizer adds BOS (not when the template wrote it)
+    constraint: Constraint | None
+    output: OutputSpec
+
+
+class ChatFormat:
+    """A chat template with what it implies: the tool-call family and the thinking tags."""
+
+    def __init__(self, template: ChatTemplate) -> None:
+        self.template = template
+        self.family: Family = detect(template.source)
+        self.reasoning = reasoning_tags(template.source)
+
+    @property
+    def name(self) -> str:
+        return self.template.name
+
+    def prepare(self, sub: Submit) -> Prepared:
+        """Render `sub.messages` with its tools; the constraint and output spec its fields ask for."""
+        assert sub.messages is not None
+        tools = sub.tools or []
+        use_tools = bool(tools) and sub.tool_choice != "none"
+        messages = template_messages(sub.messages)
+        oai_tools = [tool_json(t) for t in tools] if tools else None
+        if isinstance(self.family, Generic):
+            messages = polyfill(messages, oai_tools)
+            oai_tools = None
+        text, add_bos = self.template.render(messages, oai_tools, kwargs=sub.chat_template_kwargs)
+        fam = self.family if tools else None
+        limit = constraint(fam, tools, sub.tool_choice, sub.parallel_tool_calls, sub.response_format, sub.grammar)
+        in_reasoning = bool(self.reasoning) and text.rstrip().endswith(self.reasoning[0]) if self.reasoning else False
+        spec = OutputSpec(
+            family=self.family if (use_tools or (tools and isinstance(self.family, Generic))) else None,
+            tool_names=frozenset(t.name for t in tools) if use_tools else frozenset(),
+            reasoning=self.reasoning,
+            in_reasoning=in_reasoning,
+        )
+        return Prepared(text, add_bos, limit, spec)
+
+
+def prompt_constraint(sub: Submit) -> Constraint | None:
+    """For a prompt (not chat): the constraint of `response_format` or `grammar`."""
+    return constraint(None, None, "auto", True, sub.response_format, sub.grammar)
+
+
+def tool_json(tool: Tool) -> dict[str, Any]:
+    """A tool as templates expect it (OpenAI's shape)."""
+    params = tool.parameters or {"type": "object", "properties": {}}
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description, "parameters": params}}
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI-shaped dicts with only the fields each message has; the tool history checked."""
+    out: list[dict[str, Any]] = []
+    open_calls: dict[str, str] = {}  # ids of the last assistant message's calls not answered yet -> function name
+    open_at = -1
+    for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" else m.role
+        if open_calls and role != "tool":
+            ids = ", ".join(sorted(open_calls))
+            raise ChatError(
+                f"the tool calls of messages[{open_at}] ({ids}) have no tool message answering them",
+                f"messages[{open_at}].tool_calls",
+            )
+        d: dict[str, Any] = {"role": role, "content": m.text()}
+        if m.name is not None:
+            d["name"] = m.name
+        if role == "assistant":
+            if m.reasoning_content is not None:
+                d["reasoning_content"] = m.reasoning_content
+            if m.tool_calls:
+                d["tool_calls"] = []
+                for j, call in enumerate(m.tool_calls):
+                    try:
+                        args = RawJSON(call.arguments or "{}")
+                    except ValueError:
+                        raise ChatError(
+                            f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object: {call.arguments[:80]!r}",
+                            f"messages[{i}].tool_calls[{j}].function.arguments",
+                        ) from None
+                    d["tool_calls"].append(
+                        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": args}}
+                    )
+                open_calls, open_at = {c.id: c.name for c in m.tool_calls}, i
+        elif role == "tool":
+            name = open_calls.pop(m.tool_call_id or "", None)
+            if name is None:
+                raise ChatError(
+                    f"messages[{i}] is a tool message for call {m.tool_call_id!r}, which no unanswered call of the assistant"
+                    " message before it has",
+                    f"messages[{i}].tool_call_id",
+                )
+            d["tool_call_id"] = m.tool_call_id
+            d.setdefault("name", name)
+        out.append(d)
+    return out
+
+
+def polyfill(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """For templates without tool syntax (the generic family): tools described in a system message, and calls,
+    tool results and (with tools) replies rendered as the JSON documents the grammar makes the model write."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "assistant" and (m.get("tool_calls") or tools):
+            out.append({"role": "assistant", "content": generic_reply(m)})
+        elif m["role"] == "tool":
+            body = {"tool_response": {"name": m["name"], "content": m["content"]}}
+            out.append({"role": "user", "content": json.dumps(body, ensure_ascii=False)})
+        else:
+            out.append({k: v for k, v in m.items() if k in ("role", "content")})
+    if tools:
+        note = Generic.system_text(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + note}
+        else:
+            out.insert(0, {"role": "system", "content": note})
+    return out
+
+
+def generic_reply(m: dict[str, Any]) -> str:
+    """An assistant message as the generic family's grammar writes it: the calls (arguments as the model wrote
+    them), or the reply text as {"response": ...}."""
+    calls = m.get("tool_calls")
+    if calls:
+        items = ", ".join(
+            '{"name": ' + json.dumps(c["function"]["name"]) + ', "arguments": ' + c["function"]["arguments"].raw + "}"
+            for c in calls
+        )
+        return '{"tool_calls": [' + items + "]}"
+    return json.dumps({"response": m["content"]}, ensure_ascii=False)

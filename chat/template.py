@@ -1,0 +1,197 @@
+"""Chat templates: the model's Jinja template rendered the way llama-server's `--jinja` does, or a built-in one.
+
+A template sees `messages` (OpenAI-shaped dicts: only the fields a message has, `tool_calls` as
+`{id, type: "function", function: {name, arguments}}` with the arguments as an object), `tools` (OpenAI-shaped
+function tools, or undefined), `add_generation_prompt`, `bos_token`, `eos_token`, the functions
+`raise_exception(message)` and `strftime_now(format)`, and the request's `chat_template_kwargs`.
+
+`tojson` writes what Python's `json.dumps` writes (`", "` and `": "`, non-ASCII kept), as the templates
+expect, except that a tool call's arguments are written exactly as the model wrote them (`RawJSON`): the
+history an agent sends back then renders to the very text the model produced, and the next turn reuses
+its KV whole.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+BUILTIN: dict[str, str] = {
+    # Gemma's turns; Gemma has no system role: system text opens the next user turn. Tool results are user turns.
+    "gemma": (
+        "{%- set ns = namespace(system='') -%}"
+        "{%- for m in messages -%}"
+        "{%- if m.role == 'system' -%}{%- set ns.system = ns.system + m.content + '\\n\\n' -%}"
+        "{%- else -%}"
+        "{%- set role = 'model' if m.role == 'assistant' else 'user' -%}"
+        "{%- set content = m.content -%}"
+        "{%- if role == 'user' and ns.system -%}{%- set content = ns.system + content -%}{%- set ns.system = '' -%}{%- endif -%}"
+        "{{- '<start_of_turn>' + role + '\\n' + content + '<end_of_turn>\\n' -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if ns.system -%}{{- '<start_of_turn>user\\n' + ns.system.rstrip() + '<end_of_turn>\\n' -}}{%- endif -%}"
+        "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
+    ),
+    "chatml": (
+        "{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    ),
+}
+
+
+class TemplateError(ValueError):
+    """The messages cannot be rendered: the template raised (its message is quoted) or failed."""
+
+
+class RawJSON(dict[str, Any]):
+    """A JSON object that remembers its text: templates read it as a mapping, `tojson` writes the text."""
+
+    def __init__(self, raw: str) -> None:
+        value = json.loads(raw)
+        if not isinstance(value, dict):
+            raise ValueError("not a JSON object")
+        super().__init__(value)
+        self.raw = raw
+
+
+def tojson(
+    value: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False, ensure_ascii: bool = False
+) -> str:
+    """Jinja's `tojson` as chat templates expect it (no HTML escaping); RawJSON objects keep their own text."""
+    raws: dict[str, str] = {}
+
+    def mark(v: Any) -> Any:
+        if isinstance(v, RawJSON):
+            key = f"\x00raw{uuid.uuid4().hex}\x00"
+            raws[json.dumps(key)] = v.raw
+            return key
+        if isinstance(v, dict):
+            return {k: mark(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [mark(x) for x in v]
+        return v
+
+    marked = mark(value)
+    text = json.dumps(marked, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+    for key, raw in raws.items():
+        text = text.replace(key, raw)
+    return text
+
+
+def _environment() -> Any:
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(str(message))
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.datetime.now().strftime(fmt)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+class ChatTemplate:
+    """One compiled chat template. `source` is its Jinja text; `name` says where it came from."""
+
+    def __init__(self, source: str, name: str, *, bos_text: str = "", eos_text: str = "") -> None:
+        self.source, self.name = source, name
+        self.bos_text, self.eos_text = bos_text, eos_text
+        try:
+            self._jinja = _environment().from_string(source)
+        except Exception as exc:  # a syntax error: the template (a flag, or the GGUF) cannot be used at all
+            raise ValueError(f"chat template {name} does not compile: {type(exc).__name__}: {exc}") from None
+        self.system_role = self._takes_system()
+
+    @classmethod
+    def choose(
+        cls, gguf: str | None, override: str | None, fallback: str, *, bos_text: str = "", eos_text: str = ""
+    ) -> ChatTemplate:
+        """The template to use: `override` (a built-in name or a file), else the GGUF's, else built-in `fallback`.
+        Raises ValueError naming what cannot be used."""
+        if override:
+            if override in BUILTIN:
+                return cls(BUILTIN[override], override, bos_text=bos_text, eos_text=eos_text)
+            path = Path(override)
+            try:
+                source = path.read_text(encoding="utf-8")
+            except OSError as exc:
+                raise ValueError(
+                    f"--chat-template {override!r} is neither a built-in ({', '.join(sorted(BUILTIN))}) nor a readable file:"
+                    f" {exc.strerror}"
+                ) from None
+            except UnicodeDecodeError:
+                raise ValueError(f"--chat-template {override!r} is not UTF-8 text") from None
+            return cls(source, f"file:{path.name}", bos_text=bos_text, eos_text=eos_text)
+        if gguf:
+            return cls(gguf, "gguf", bos_text=bos_text, eos_text=eos_text)
+        if fallback not in BUILTIN:
+            raise ValueError(f"unknown chat format {fallback!r}; built-in: {sorted(BUILTIN)}")
+        return cls(BUILTIN[fallback], fallback, bos_text=bos_text, eos_text=eos_text)
+
+    def _takes_system(self) -> bool:
+        """Whether the template renders a system message (Gemma 2's raises, some drop it): probed once."""
+        probe = "\x01system-probe\x01"
+        try:
+            text = self._render([{"role": "system", "content": probe}, {"role": "user", "content": "u"}], None, True, {})
+        except Exception:
+            return False
+        return probe in text
+
+    def _render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen: bool, kwargs: dict[str, Any]
+    ) -> str:
+        context: dict[str, Any] = {**kwargs, "messages": messages, "add_generation_prompt": gen}
+        context.setdefault("bos_token", self.bos_text)
+        context.setdefault("eos_token", self.eos_text)
+        if tools is not None:
+            context["tools"] = tools
+        return str(self._jinja.render(**context))
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        kwargs: dict[str, Any] | None = None,
+    ) -> tuple[str, bool]:
+        """(prompt text, whether the tokenizer should add BOS: not when the template wrote it).
+
+        System messages are folded into the first user message when the template does not take them (as
+        llama-server does). Raises TemplateError quoting the template's own message."""
+        if not self.system_role:
+            messages = fold_system(messages)
+        try:
+            text = self._render(messages, tools, add_generation_prompt, kwargs or {})
+        except TemplateError:
+            raise
+        except Exception as exc:  # a template error is the request's problem, not the router's
+            raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+        starts_with_bos = bool(self.bos_text) and text.startswith(self.bos_text)
+        return text, not starts_with_bos
+
+
+def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """System messages prepended (blank line between) to the next user message's content."""
+    out: list[dict[str, Any]] = []
+    pending = ""
+    for m in messages:
+        if m["role"] == "system":
+            pending += str(m.get("content") or "") + "\n\n"
+            continue
+        if pending and m["role"] == "user":
+            m = {**m, "content": pending + str(m.get("content") or "")}
+            pending = ""
+        out.append(m)
+    if pending:
+        out.append({"role": "user", "content": pending.rstrip()})
+    return out

@@ -1,0 +1,189 @@
+"""The OpenAI request bodies kvroute serves, as typed structs: decoding checks them, and /openapi.json is made
+from them, so the two cannot disagree.
+
+Every field is one of three kinds, listed in README ("HTTP API"):
+- served: it changes the reply as OpenAI documents (plus llama.cpp's extensions `top_k`, `min_p`,
+  `repeat_penalty`, `repeat_last_n`, `grammar`, `chat_template_kwargs`, and kvroute's `ignore_eos`, `deadline_ms`);
+- ignored: it cannot change the reply (`user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
+  `safety_identifier`, llama.cpp's `cache_prompt`): accepted and dropped;
+- anything else (`audio`, `modalities`, `prediction`, `web_search_options`, `functions`, `reasoning_effort`, ...):
+  refused with a 400 naming it, because ignoring it would change what the client gets without telling it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from protocol import MAX_CHOICES, MAX_DEADLINE_MS, MAX_LOGPROBS
+
+
+class Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A body part whose every field is listed (unknown fields are refused)."""
+
+
+# ---- messages ---------------------------------------------------------------------------------------------------
+
+
+class TextPart(Strict, tag_field="type", tag="text"):
+    text: str
+
+
+class ImagePart(Strict, tag_field="type", tag="image_url"):
+    image_url: Any
+
+
+class AudioPart(Strict, tag_field="type", tag="input_audio"):
+    input_audio: Any
+
+
+class FilePart(Strict, tag_field="type", tag="file"):
+    file: Any
+
+
+class RefusalPart(Strict, tag_field="type", tag="refusal"):
+    refusal: str
+
+
+Part = TextPart | ImagePart | AudioPart | FilePart | RefusalPart
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(Strict, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[Part] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # llama-server's and DeepSeek's field for a thinking model's reasoning
+    refusal: str | None = None  # an assistant's refusal, kept in the history as its text
+
+
+# ---- tools and formats ------------------------------------------------------------------------------------------
+
+
+class FunctionDef(Strict):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChoiceFunction(Strict):
+    name: str
+
+
+class NamedChoice(Strict):
+    type: Literal["function"]
+    function: ChoiceFunction
+
+
+class TextFormat(Strict, tag_field="type", tag="text"):
+    pass
+
+
+class JsonObjectFormat(Strict, tag_field="type", tag="json_object"):
+    pass
+
+
+class JsonSchemaSpec(Strict):
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class JsonSchemaFormat(Strict, tag_field="type", tag="json_schema"):
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # ignored: there is nothing to obfuscate on a local server
+
+
+# ---- the bodies -------------------------------------------------------------------------------------------------
+
+Stop = str | Annotated[list[str], Meta(max_length=16)] | None
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+
+
+class Common(Strict):
+    """Fields both endpoints take."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Temperature | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
+    stop: Stop = None
+    seed: Annotated[int, Meta(ge=0, le=2**32 - 2)] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    response_format: ResponseFormat | None = None
+    # llama.cpp's extensions
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repeat_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    repeat_last_n: Annotated[int, Meta(ge=-1)] | None = None
+    grammar: str | None = None
+    # kvroute's extensions
+    ignore_eos: bool | None = None
+    deadline_ms: Annotated[int, Meta(ge=1, le=MAX_DEADLINE_MS)] | None = None
+    # ignored: they cannot change the reply
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    cache_prompt: Any = None
+
+
+class ChatRequest(Common, kw_only=True):
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+Prompt = str | Annotated[list[Any], Meta(min_length=1)]  # text, token ids, or a batch of one of either
+
+
+class CompletionRequest(Common, kw_only=True):
+    prompt: Prompt
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = None  # served only as false
+    best_of: Annotated[int, Meta(ge=1, le=1)] | None = None  # served only as 1
+    suffix: Annotated[str, Meta(max_length=0)] | None = None  # served only empty
+
+
+IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "cache_prompt")

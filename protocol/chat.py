@@ -1,0 +1,125 @@
+"""Chat pieces carried by client messages and replies: messages, tools, tool calls, output formats, logprobs."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta
+
+from protocol.common import Struct
+
+MAX_TOOLS = 256
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
+
+ToolName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+"""OpenAI's rule for function names (letters, digits, `_`, `-`), plus `.` which MCP tool names use."""
+CallId = Annotated[str, Meta(min_length=1, max_length=128)]
+
+
+class ToolCall(Struct, kw_only=True):
+    """A function call the model made: in a result, and in an assistant message of the history."""
+
+    id: CallId
+    name: ToolName
+    arguments: str  # a JSON object, as text (what OpenAI's `function.arguments` holds)
+
+
+class TextPart(Struct, kw_only=True, tag_field="type", tag="text"):
+    """A content part. Only text parts are served (the models this serves read text)."""
+
+    text: str
+
+
+class ChatMessage(Struct, kw_only=True):
+    """One message of a conversation, with every field the OpenAI chat API has for it.
+
+    `content` is a string or a list of text parts; it may be null only on an assistant message that makes
+    tool calls. `tool_calls` and `reasoning_content` belong to assistant messages, `tool_call_id` to tool
+    messages (it must name a call of an earlier assistant message).
+    """
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: CallId | None = None
+    reasoning_content: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry `tool_calls`, not {self.role}")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry `reasoning_content`, not {self.role}")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the `tool_call_id` of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"only tool messages carry `tool_call_id`, not {self.role}")
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.reasoning_content)):
+            raise ValueError(f"a {self.role} message needs `content`")
+
+    def text(self) -> str:
+        """The content as one string (text parts joined; null is empty)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class Tool(Struct, kw_only=True):
+    """A function the model may call. `parameters` is a JSON Schema for its arguments object."""
+
+    name: ToolName
+    description: str = ""
+    parameters: dict[str, Any] = {}
+    strict: bool = False  # accepted for compatibility: arguments always follow the schema when a grammar applies
+
+
+class NamedTool(Struct, kw_only=True):
+    """tool_choice naming the one function the model must call."""
+
+    name: ToolName
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedTool
+
+
+class ResponseFormat(Struct, kw_only=True):
+    """The shape of the reply: free text, any JSON object, or JSON following `schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    schema: dict[str, Any] | None = None  # with json_schema
+    name: str | None = None
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        if self.type == "json_schema" and self.schema is None:
+            raise ValueError("`response_format` json_schema needs a `schema`")
+        if self.type != "json_schema" and self.schema is not None:
+            raise ValueError(f"`response_format` {self.type} takes no `schema`")
+
+
+class TopLogprob(Struct, kw_only=True):
+    token: int
+    logprob: float
+    piece: bytes = b""  # the token's bytes (may be part of a UTF-8 character)
+
+
+class TokenLogprob(Struct, kw_only=True):
+    """The log-probability of a sampled token under the model (before penalties, biases and grammars), and the
+    most likely tokens at that position, most likely first."""
+
+    token: int
+    logprob: float
+    piece: bytes = b""
+    top: list[TopLogprob] = []
+
+
+class ToolCallDelta(Struct, kw_only=True):
+    """Part of a streamed tool call: `id` and `name` come on the first delta of call `index`, then `arguments`
+    arrives in pieces whose concatenation is the call's arguments text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""

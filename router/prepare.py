@@ -1,0 +1,61 @@
+"""A submit -> the prompt's tokens, the constraint on the reply, and how to read the reply (no sockets: pure work
+that may run on the tokenizing thread)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from chat.grammar import ChatError
+from chat.output import OutputSpec
+from chat.request import ChatFormat, prompt_constraint
+from chat.template import TemplateError
+from kvroute.vocab import Vocab
+from protocol import Constraint, Submit
+
+PLAIN = OutputSpec()
+
+
+class PrepareError(ValueError):
+    """The submit cannot be served; `param` names the field when one is to blame."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Prepared:
+    tokens: np.ndarray
+    constraint: Constraint | None
+    output: OutputSpec
+
+
+def text_chars(msg: Submit) -> int:
+    """Characters of text the router must render and tokenize for `msg` (0 for token ids)."""
+    if msg.prompt is not None:
+        return len(msg.prompt)
+    return sum(len(m.text()) + sum(len(c.arguments) for c in m.tool_calls or ()) for m in msg.messages or ())
+
+
+def prepare(msg: Submit, vocab: Vocab, chat: ChatFormat) -> Prepared:
+    """Raises PrepareError naming the problem (and the field)."""
+    try:
+        if msg.messages is not None:
+            p = chat.prepare(msg)
+            tokens = np.asarray(vocab.tokenize(p.text, add_special=p.add_bos), dtype=np.int32)
+            return Prepared(tokens, p.constraint, p.output)
+        limit = prompt_constraint(msg)
+    except ChatError as exc:
+        raise PrepareError(str(exc), exc.param) from None
+    except TemplateError as exc:
+        raise PrepareError(f"chat template error: {exc}", "messages") from None
+    if msg.prompt is not None:
+        return Prepared(np.asarray(vocab.tokenize(msg.prompt), dtype=np.int32), limit, PLAIN)
+    assert msg.tokens is not None
+    toks = np.frombuffer(msg.tokens, dtype="<i4").astype(np.int32)
+    if len(toks) and (toks.min() < 0 or toks.max() >= vocab.n_vocab):
+        bad = int(toks[(toks < 0) | (toks >= vocab.n_vocab)][0])
+        raise PrepareError(f"token id {bad} is outside the vocabulary (0..{vocab.n_vocab - 1})", "tokens")
+    return Prepared(toks, limit, PLAIN)
