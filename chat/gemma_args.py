@@ -30,9 +30,10 @@ class _Writer:
         self.prefix, self.quote = prefix, quote
         self.rules: list[str] = []
         self.n = 0
-        # string body: anything but the start of the quote token (its first two characters)
-        a, b = re.escape(quote[0]), re.escape(quote[1])
-        self.string = f"{_lit(quote)} /([^{a}]|{a}[^{b}])*/ {_lit(quote)}"
+        # one lexeme, quotes included: the body is anything without the quote token's first two characters (a
+        # lexeme of its own would have to end before a `<` it cannot yet tell from the closing quote)
+        a, b, q = re.escape(quote[0]), re.escape(quote[1]), re.escape(quote)
+        self.string = f"/{q}([^{a}]|{a}[^{b}])*{q}/"
 
     def rule(self, body: str) -> str:
         self.n += 1

@@ -21,7 +21,7 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-from chat.families import JSON_OPTIONS, Family, Generic
+from chat.families import JSON_OPTIONS, Family, Generic, closed
 from protocol import Constraint, NamedTool, ResponseFormat, Tool, ToolChoice
 
 LIMITS = llguidance.LLParserLimits()
@@ -43,7 +43,7 @@ def check(lark: str, param: str) -> None:
 
 
 def json_rule(name: str, schema: dict[str, Any]) -> str:
-    schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
+    schema = {**closed(schema), "x-guidance": {**JSON_OPTIONS, **dict(schema.get("x-guidance") or {})}}
     return f"{name}: %json {json.dumps(schema, ensure_ascii=False)}\n"
 
 
@@ -109,7 +109,8 @@ def constraint(
         return Constraint(grammar="start: body\n" + body) if body else None
     check_tools(tools)
     forced = choice != "auto"
-    calls = family.calls_rules(chosen_tools(tools, choice), parallel)
+    single = isinstance(choice, NamedTool)  # "call this function": one call, as OpenAI does
+    calls = family.calls_rules(chosen_tools(tools, choice), parallel and not single)
     if forced:
         lark = "start: calls\n" + calls
     elif generic:

@@ -82,6 +82,7 @@ class OutputParser:
         self.section_calls = 0  # calls taken from it
         self.section_done = False  # a call to an unknown function ended it
         self.resp_raw = 0  # RESPONSE mode: characters of the JSON string already decoded
+        self.lead = False  # newlines at the start of the reply text are dropped (after a reasoning block)
         self.mode = self._start_mode()
 
     def _start_mode(self) -> Mode:
@@ -170,8 +171,9 @@ class OutputParser:
         at = self.buf.find(close)
         if at >= 0:
             self._reason(out, self.buf[:at])
-            self.buf = self.buf[at + len(close) :].lstrip("\n")
+            self.buf = self.buf[at + len(close) :]
             self.mode = self._after_reasoning()
+            self.lead = True  # the reply starts after the newlines that follow the tag (templates write their own)
             return True
         keep = 0 if final else _partial_suffix(self.buf, (close,))
         self._reason(out, self.buf[: len(self.buf) - keep])
@@ -260,6 +262,9 @@ class OutputParser:
 
     def _text(self, out: Piece, text: str, keep_ws: bool = False) -> None:
         """Reply text; trailing whitespace is held back unless `keep_ws` (it is dropped if a call follows)."""
+        if self.lead:
+            text = text.lstrip("\n")
+            self.lead = not text
         text = self.ws + text
         if keep_ws:
             self.ws = ""

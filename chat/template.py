@@ -2,8 +2,9 @@
 
 A template sees `messages` (OpenAI-shaped dicts: only the fields a message has, `tool_calls` as
 `{id, type: "function", function: {name, arguments}}` with the arguments as an object), `tools` (OpenAI-shaped
-function tools, or undefined), `add_generation_prompt`, `bos_token`, `eos_token`, the functions
-`raise_exception(message)` and `strftime_now(format)`, and the request's `chat_template_kwargs`.
+function tools, or undefined), `add_generation_prompt`, `bos_token`, `eos_token`, today as `date_string`
+("23 Nov 2026") and `datetime` ("Nov 23 2026") as llama-server passes them, the functions
+`raise_exception(message)` and `strftime_now(format)`, and the request's `chat_template_kwargs` (which win).
 
 `tojson` writes what Python's `json.dumps` writes (`", "` and `": "`, non-ASCII kept), as the templates
 expect, except that a tool call's arguments are written exactly as the model wrote them (`RawJSON`): the
@@ -149,7 +150,10 @@ class ChatTemplate:
     def _render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen: bool, kwargs: dict[str, Any]
     ) -> str:
-        context: dict[str, Any] = {**kwargs, "messages": messages, "add_generation_prompt": gen}
+        today = datetime.datetime.now()
+        context: dict[str, Any] = {"date_string": today.strftime("%d %b %Y"), "datetime": today.strftime("%b %d %Y")}
+        context.update(kwargs)
+        context.update(messages=messages, add_generation_prompt=gen)
         context.setdefault("bos_token", self.bos_text)
         context.setdefault("eos_token", self.eos_text)
         if tools is not None:

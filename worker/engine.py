@@ -276,7 +276,16 @@ class Engine:
 
     def _handle(self, kind: str, arg: Any) -> None:
         if kind == "job":
-            self._accept(*arg)
+            try:
+                self._accept(*arg)
+            except Exception as exc:  # a bug met by one job: that job fails with an id, the worker goes on
+                job, sink, _ = arg
+                error_id = uuid.uuid4().hex[:16]
+                log.exception("job_accept_failed", error_id=error_id, request_id=job.id)
+                self._forget_id(job.id)
+                message = f"the worker could not start this job: {type(exc).__name__}: {exc} (error {error_id})"
+                self._send(sink, JobError(id=job.id, code=ErrorCode.INTERNAL, message=message, error_id=error_id))
+                self.counters.jobs_failed += 1
         elif kind == "cancel":
             req = self._by_id.get(arg)
             if req is not None:
@@ -703,6 +712,13 @@ class Engine:
     def _release(self, req: Request, slot: Slot) -> None:
         self.table.release(slot)
         self._forget(req)
+
+    def _forget_id(self, job_id: str) -> None:
+        req = self._by_id.get(job_id)
+        if req is not None and req in self.waiting:
+            self.waiting.remove(req)
+        if req is not None:
+            self._forget(req)
 
     def _forget(self, req: Request) -> None:
         self._by_id.pop(req.id, None)

@@ -62,7 +62,10 @@ class Sampler:
     def _build(self, p: Sampling, n_vocab: int, max_gen: int) -> None:
         if p.penalized:
             last_n = max_gen if p.repeat_last_n < 0 else p.repeat_last_n
-            self._add(llama_cpp.llama_sampler_init_penalties(last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty))
+            penalties = llama_cpp.llama_sampler_init_penalties(
+                n_vocab, last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
+            )
+            self._add(penalties)
         bias = p.logit_bias_ids()
         if bias:
             arr: Any = (llama_cpp.llama_logit_bias * len(bias))()  # fields take plain ints and floats

@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from protocol import Job, JobDelta, JobDone, JobError, Message, Sampling, pack_tokens, token_hash, unpack_tokens
+from protocol import Constraint, Job, JobDelta, JobDone, JobError, Message, Sampling, pack_tokens, token_hash, unpack_tokens
 from worker.engine import Engine
 
 _ids = itertools.count()
@@ -51,7 +51,15 @@ class Run:
         return self.final
 
 
-def job(prompt: list[int], *, slot: int = -1, prefix_cache: bool = True, deadline_ms: int | None = None, **sampling) -> Job:
+def job(
+    prompt: list[int],
+    *,
+    slot: int = -1,
+    prefix_cache: bool = True,
+    deadline_ms: int | None = None,
+    constraint: Constraint | None = None,
+    **sampling,
+) -> Job:
     sampling.setdefault("temperature", 0.0)
     sampling.setdefault("max_tokens", 8)
     return Job(
@@ -61,6 +69,7 @@ def job(prompt: list[int], *, slot: int = -1, prefix_cache: bool = True, deadlin
         sampling=Sampling(**sampling),
         prefix_cache=prefix_cache,
         deadline_ms=deadline_ms,
+        constraint=constraint,
     )
 
 

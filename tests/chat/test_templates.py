@@ -1,0 +1,104 @@
+"""Chat templates rendered as llama-server's --jinja does (no model)."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import pytest
+from conftest import chat_format
+
+from chat.template import ChatTemplate, RawJSON, TemplateError, tojson
+
+
+def render(tmpl: ChatTemplate, messages: list[dict], **kw) -> str:
+    return tmpl.render(messages, **kw)[0]
+
+
+def test_builtin_gemma_folds_the_system_prompt_into_the_first_user_turn() -> None:
+    t = ChatTemplate.choose(None, None, "gemma")
+    text, add_bos = t.render(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye"},
+        ]
+    )
+    assert add_bos and t.name == "gemma"
+    assert text == (
+        "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+        "<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\nBye<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+
+
+def test_builtin_chatml() -> None:
+    assert render(ChatTemplate.choose(None, None, "chatml"), [{"role": "user", "content": "Hi"}]) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_the_gguf_template_wins_and_its_bos_is_not_added_twice() -> None:
+    src = "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+    src += "{% if add_generation_prompt %}[a]{% endif %}"
+    t = ChatTemplate.choose(src, None, "gemma", bos_text="<bos>")
+    text, add_bos = t.render([{"role": "user", "content": "Hi"}])
+    assert t.name == "gguf" and text == "<bos>[user]Hi[a]" and not add_bos
+
+
+def test_chat_template_flag_takes_a_builtin_name_or_a_file(tmp_path: Path) -> None:
+    assert ChatTemplate.choose("{{ 'gguf' }}", "chatml", "gemma").name == "chatml"
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}<{{ m.content }}>{% endfor %}")
+    t = ChatTemplate.choose("{{ 'gguf' }}", str(f), "gemma")
+    assert t.name == "file:t.jinja" and render(t, [{"role": "user", "content": "x"}]) == "<x>"
+    with pytest.raises(ValueError, match=r"neither a built-in .* nor a readable file"):
+        ChatTemplate.choose(None, str(tmp_path / "missing.jinja"), "gemma")
+    f.write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match="does not compile"):
+        ChatTemplate.choose(None, str(f), "gemma")
+
+
+def test_template_errors_quote_the_template() -> None:
+    t = ChatTemplate("{{ raise_exception('roles must alternate') }}", "x")
+    with pytest.raises(TemplateError, match=r"^roles must alternate$"):
+        t.render([{"role": "user", "content": "Hi"}])
+    t = ChatTemplate("{{ messages[5].content }}", "x")
+    with pytest.raises(TemplateError, match="chat template failed: UndefinedError"):
+        t.render([{"role": "user", "content": "Hi"}])
+
+
+def test_tojson_is_json_dumps_and_keeps_a_calls_arguments_as_written() -> None:
+    assert tojson({"a": "<b>&é", "n": [1, 2]}) == '{"a": "<b>&é", "n": [1, 2]}'  # no HTML escaping
+    raw = RawJSON('{"x":1,  "y": "z"}')
+    assert raw["x"] == 1 and tojson(raw) == '{"x":1,  "y": "z"}'
+    assert tojson({"function": {"name": "f", "arguments": raw}}) == '{"function": {"name": "f", "arguments": {"x":1,  "y": "z"}}}'
+    assert tojson({"a": 1}, indent=2) == '{\n  "a": 1\n}'
+    with pytest.raises(ValueError):
+        RawJSON("[1, 2]")
+
+
+def test_templates_see_only_the_fields_a_message_has() -> None:
+    # Llama 3.x tests `'tool_calls' in message`: a key present as null would make every turn a tool call.
+    t = chat_format("meta-llama-Llama-3.2-3B-Instruct").template
+    text = render(t, [{"role": "user", "content": "Hi there"}])
+    assert "Hi there<|eot_id|>" in text and "parameters" not in text
+
+
+def test_strftime_now_and_chat_template_kwargs() -> None:
+    today = datetime.datetime.now().strftime("%d %b %Y")
+    for name in ("meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct"):  # date_string, strftime_now
+        assert f"Today Date: {today}" in render(chat_format(name).template, [{"role": "user", "content": "x"}])
+    qwen3 = chat_format("Qwen-Qwen3-0.6B").template
+    msgs = [{"role": "user", "content": "x"}]
+    assert render(qwen3, msgs).endswith("<|im_start|>assistant\n")
+    assert render(qwen3, msgs, kwargs={"enable_thinking": False}).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_user_turn() -> None:
+    gemma2 = chat_format("google-gemma-2-2b-it").template  # raises on a system message
+    assert not gemma2.system_role
+    text = render(gemma2, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>" in text
