@@ -29,16 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from chat.gemma_args import gemma_grammar, parse_gemma_args
+from chat.schema import for_grammar
 from protocol import Tool
-
-JSON_OPTIONS: dict[str, Any] = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-    "json_allowed_escapes": '"\\bfnrt',
-}
-"""How arguments are written under a grammar: what Python's json.dumps writes (what templates' `tojson` shows the
-model), without `\\u` escapes, and no free whitespace (a small model would pad it forever)."""
 
 ALNUM = string.ascii_letters + string.digits
 _decoder = json.JSONDecoder()
@@ -56,27 +48,11 @@ def lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def closed(schema: Any) -> Any:
-    """The schema with `additionalProperties: false` on every object that lists its properties and says nothing
-    of others, as llama.cpp's grammars read a schema (llguidance follows the JSON Schema default, which lets a
-    small model invent keys)."""
-    if isinstance(schema, list):
-        return [closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed(v) for k, v in schema.items()}
-    if isinstance(out.get("properties"), dict):
-        out["properties"] = {k: closed(v) for k, v in schema["properties"].items()}
-        out.setdefault("additionalProperties", False)
-    return out
-
-
 def object_schema(tool: Tool) -> dict[str, Any]:
-    """The tool's parameters as the JSON Schema of an arguments object, with our formatting options."""
-    schema: dict[str, Any] = closed(tool.parameters) if tool.parameters else {"type": "object", "properties": {}}
+    """The tool's parameters as the JSON Schema of an arguments object, ready for a grammar."""
+    schema: dict[str, Any] = dict(tool.parameters) if tool.parameters else {"type": "object", "properties": {}}
     schema.setdefault("type", "object")
-    schema["x-guidance"] = {**JSON_OPTIONS, **dict(schema.get("x-guidance") or {})}
-    return schema
+    return for_grammar(schema)
 
 
 def json_args_rule(name: str, tool: Tool) -> str:

@@ -14,8 +14,10 @@ import json
 import re
 from typing import Any
 
-NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?/"
-INTEGER = r"/-?(0|[1-9][0-9]*)/"
+# at most 16 digits before the point and after it, as llama.cpp's grammars write numbers (a small model would not stop)
+NUMBER = r"/-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][-+]?[0-9]{1,3})?/"
+INTEGER = r"/-?(0|[1-9][0-9]{0,15})/"
+SMALL_RANGE = 256  # an integer range this small is written out value by value
 KEY = r"/[A-Za-z_][A-Za-z0-9_]*/"
 
 
@@ -58,6 +60,9 @@ class _Writer:
         if kind == "string":
             return self.rule(self.string)
         if kind == "integer":
+            low, high = schema.get("minimum"), schema.get("maximum")
+            if isinstance(low, int) and isinstance(high, int) and 0 <= high - low <= SMALL_RANGE:
+                return self.rule(" | ".join(f'"{v}"' for v in range(low, high + 1)))
             return self.rule(INTEGER)
         if kind == "number":
             return self.rule(NUMBER)

@@ -21,7 +21,8 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-from chat.families import JSON_OPTIONS, Family, Generic, closed
+from chat.families import Family, Generic
+from chat.schema import for_grammar
 from protocol import Constraint, NamedTool, ResponseFormat, Tool, ToolChoice
 
 LIMITS = llguidance.LLParserLimits()
@@ -43,8 +44,7 @@ def check(lark: str, param: str) -> None:
 
 
 def json_rule(name: str, schema: dict[str, Any]) -> str:
-    schema = {**closed(schema), "x-guidance": {**JSON_OPTIONS, **dict(schema.get("x-guidance") or {})}}
-    return f"{name}: %json {json.dumps(schema, ensure_ascii=False)}\n"
+    return f"{name}: %json {json.dumps(for_grammar(schema), ensure_ascii=False)}\n"
 
 
 def user_grammar(text: str) -> Constraint:

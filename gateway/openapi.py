@@ -1,10 +1,13 @@
-"""The OpenAPI document served at /openapi.json: the subset of the OpenAI API that kvroute serves."""
+"""The OpenAPI document served at /openapi.json, generated from the request types the gateway decodes with
+(gateway/openai_types.py): what it documents is what the code checks."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from protocol import MAX_DEADLINE_MS
+import msgspec
+
+from gateway.openai_types import ChatRequest, CompletionRequest
 
 _error = {
     "type": "object",
@@ -14,34 +17,13 @@ _error = {
             "properties": {
                 "message": {"type": "string"},
                 "type": {"type": "string"},
-                "param": {"type": "string", "nullable": True},
-                "code": {"type": "string", "nullable": True},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
             },
             "required": ["message", "type"],
         }
     },
     "required": ["error"],
-}
-
-_sampling: dict[str, Any] = {
-    "model": {"type": "string"},
-    "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-    "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": 0},
-    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "seed": {"type": "integer", "minimum": 0, "maximum": 4294967294, "nullable": True},
-    "n": {"type": "integer", "enum": [1]},
-    "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
-    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
-    "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "deadline_ms": {
-        "type": "integer",
-        "minimum": 1,
-        "maximum": MAX_DEADLINE_MS,
-        "description": "kvroute extension: 504 when the request takes longer",
-    },
 }
 
 _usage = {
@@ -54,86 +36,47 @@ _usage = {
     },
 }
 
+_reply = {"type": "object", "properties": {"choices": {"type": "array"}, "usage": _usage}}
 
-def _responses(ok: dict[str, Any]) -> dict[str, Any]:
+
+def _responses() -> dict[str, Any]:
     err = {"content": {"application/json": {"schema": _error}}}
     return {
         "200": {
             "description": "OK",
-            "content": {"application/json": {"schema": ok}, "text/event-stream": {"schema": {"type": "string"}}},
+            "content": {"application/json": {"schema": _reply}, "text/event-stream": {"schema": {"type": "string"}}},
         },
-        "400": {"description": "Bad request or context overflow", **err},
+        "400": {"description": "Bad request (the field is named in `param`), or context overflow", **err},
         "401": {"description": "Missing or wrong API key", **err},
         "404": {"description": "Model not found", **err},
+        "413": {"description": "Request too large", **err},
         "429": {"description": "Queue full", **err},
         "503": {"description": "No workers", **err},
         "504": {"description": "Deadline exceeded", **err},
     }
 
 
+def _post(operation: str, body: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "operationId": operation,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}},
+            },
+            "responses": _responses(),
+        }
+    }
+
+
+_, _schemas = msgspec.json.schema_components([ChatRequest, CompletionRequest], ref_template="#/components/schemas/{name}")
+
 OPENAPI: dict[str, Any] = {
-    "openapi": "3.0.3",
+    "openapi": "3.1.0",
     "info": {"title": "kvroute OpenAI-compatible API", "version": "1"},
     "paths": {
-        "/v1/completions": {
-            "post": {
-                "operationId": "createCompletion",
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "required": ["prompt"],
-                                "properties": {
-                                    "prompt": {
-                                        "oneOf": [
-                                            {"type": "string"},
-                                            {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                                        ]
-                                    },
-                                    **_sampling,
-                                },
-                            }
-                        }
-                    },
-                },
-                "responses": _responses({"type": "object", "properties": {"choices": {"type": "array"}, "usage": _usage}}),
-            }
-        },
-        "/v1/chat/completions": {
-            "post": {
-                "operationId": "createChatCompletion",
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "required": ["messages"],
-                                "properties": {
-                                    "messages": {
-                                        "type": "array",
-                                        "minItems": 1,
-                                        "items": {
-                                            "type": "object",
-                                            "required": ["role", "content"],
-                                            "properties": {
-                                                "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
-                                                "content": {"type": "string"},
-                                            },
-                                        },
-                                    },
-                                    "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
-                                    **_sampling,
-                                },
-                            }
-                        }
-                    },
-                },
-                "responses": _responses({"type": "object", "properties": {"choices": {"type": "array"}, "usage": _usage}}),
-            }
-        },
+        "/v1/completions": _post("createCompletion", "CompletionRequest"),
+        "/v1/chat/completions": _post("createChatCompletion", "ChatRequest"),
         "/v1/models": {"get": {"operationId": "listModels", "responses": {"200": {"description": "The served model"}}}},
         "/health": {
             "get": {
@@ -142,4 +85,5 @@ OPENAPI: dict[str, Any] = {
             }
         },
     },
+    "components": {"schemas": _schemas},
 }

@@ -107,6 +107,7 @@ class Choice(Struct, kw_only=True):
     logprobs: list[TokenLogprob] = []
     stop: str | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens this choice did not compute (copied from the choice that did)
 
 
 class Result(Message, tag="result", kw_only=True):

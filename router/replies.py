@@ -38,6 +38,7 @@ def choice_of(req: Req, done: JobDone) -> Choice:
         logprobs=req.logprobs,
         stop=done.stop,
         completion_tokens=done.generated_tokens,
+        cached_tokens=done.reused_tokens,
     )
 
 

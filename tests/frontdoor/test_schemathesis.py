@@ -16,8 +16,8 @@ from gateway.openapi import OPENAPI
 def bounded_schema() -> dict:
     """The served schema with generation kept short (max_tokens <= 4, prompts short) so the run takes seconds."""
     schema = copy.deepcopy(OPENAPI)
-    for path in ("/v1/completions", "/v1/chat/completions"):
-        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    for name in ("CompletionRequest", "ChatRequest"):
+        body = schema["components"]["schemas"][name]
         body["properties"]["max_tokens"] = {"type": "integer", "minimum": 1, "maximum": 4}
         body["properties"].pop("max_completion_tokens", None)
         body["required"] = [*body["required"], "max_tokens"]

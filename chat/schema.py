@@ -1,0 +1,43 @@
+"""JSON Schemas as kvroute's grammars read them: llama.cpp's reading (what llama-server users get), compiled by
+llguidance, which otherwise follows the JSON Schema defaults that let a small model run away."""
+
+from __future__ import annotations
+
+from typing import Any
+
+JSON_OPTIONS: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "json_allowed_escapes": '"\\bfnrt',
+}
+"""How JSON is written under a grammar: what Python's json.dumps writes (what templates' `tojson` shows the model),
+without `\\u` escapes, and no free whitespace (a small model would pad it forever)."""
+
+DIGITS = 16  # llama.cpp's grammars allow at most 16 digits before the point; a small model would write forever
+BOUND = 10**DIGITS - 1
+
+
+def tightened(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object that lists its properties and says nothing of
+    others, and the integral part of numbers bounded to 16 digits, as llama.cpp's json-schema-to-grammar reads a
+    schema. Nested schemas (properties, items, anyOf, $defs ...) are tightened too."""
+    if isinstance(schema, list):
+        return [tightened(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("enum", "const", "default", "examples", "required") else tightened(v)) for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict):
+        out["properties"] = {k: tightened(v) for k, v in schema["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    if schema.get("type") in ("integer", "number"):
+        out.setdefault("minimum", -BOUND)
+        out.setdefault("maximum", BOUND)
+    return out
+
+
+def for_grammar(schema: dict[str, Any]) -> dict[str, Any]:
+    """A schema ready for `%json {...}`: tightened, with kvroute's formatting options."""
+    out: dict[str, Any] = tightened(schema)
+    out["x-guidance"] = {**JSON_OPTIONS, **dict(schema.get("x-guidance") or {})}
+    return out
