@@ -223,7 +223,7 @@ def test_bad_agent_requests_get_a_400_naming_the_field_while_others_stream(serve
                 "tool_choice": "required",
             },
             "tools[0].function.parameters",
-        ),  # fmt: skip
+        ),
         ({"grammar": "root ::= missing_rule"}, "grammar"),
         ({"messages": [*ASK, {"role": "tool", "tool_call_id": "call_nobody", "content": "x"}]}, "messages[1].tool_call_id"),
         (
@@ -240,12 +240,12 @@ def test_bad_agent_requests_get_a_400_naming_the_field_while_others_stream(serve
                 ]
             },
             "messages[1].tool_calls[0].function.arguments",
-        ),  # fmt: skip
+        ),
         ({"modalities": ["audio"]}, "modalities"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
             "messages[0].content[0]",
-        ),  # fmt: skip
+        ),
     ]
     with httpx.Client(base_url=served.url, headers=served.headers, timeout=60) as http:
         for extra, param in bad:
