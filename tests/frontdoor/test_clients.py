@@ -32,6 +32,45 @@ def test_node_client_streams_text(served: Served) -> None:
     assert out.stdout.strip()
 
 
+def test_node_client_makes_a_tool_call(served: Served) -> None:
+    node = shutil.which("node")
+    if node is None or not (NODE_DIR / "node_modules" / "zeromq").exists():
+        pytest.fail("node and examples/node/node_modules are required: ./scripts/test installs them (npm ci)")
+    out = subprocess.run(
+        [node, "client.mjs", "--tool", "What is the weather in Paris?", "--endpoint", served.zmq, "--max-tokens", "40"],
+        cwd=NODE_DIR,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stderr.strip().splitlines()[-1])
+    assert summary["finish_reason"] == "tool_calls", summary
+    (call,) = summary["tool_calls"]
+    assert call["name"] == "get_weather" and isinstance(json.loads(call["arguments"])["city"], str)
+    assert summary["streamed_tool_calls"] == [{"index": 0, **call}]
+
+
+def test_python_client_tool_call_over_zmq(served: Served) -> None:
+    from kvroute.client import Client
+
+    tool = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    with Client(served.zmq, timeout_s=60) as c:
+        stream = c.stream(
+            messages=[{"role": "user", "content": "Weather in Oslo?"}],
+            tools=[tool],
+            tool_choice={"name": "get_weather"},
+            max_tokens=40,
+            temperature=0,
+        )
+        deltas = list(stream)
+    result = stream.result
+    assert result is not None and result.finish_reason == "tool_calls"
+    assert [c.name for c in result.tool_calls] == ["get_weather"]
+    assert [c.arguments for d in deltas for c in d.tool_calls] == [result.tool_calls[0].arguments]
+    assert result.text == "" and "".join(d.text for d in deltas) == ""
+
+
 def kvroute(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvroute.cli", *args], capture_output=True, text=True, timeout=120)
 
