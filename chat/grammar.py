@@ -82,10 +82,10 @@ def chosen_tools(tools: list[Tool], choice: ToolChoice) -> list[Tool]:
 def check_tools(tools: list[Tool]) -> None:
     for i, tool in enumerate(tools):
         params = tool.parameters or {"type": "object"}
+        where = f"tools[{i}].function.parameters"
         if params.get("type", "object") != "object":
-            raise ChatError(f"tools[{i}].function.parameters must describe an object, got type {params.get('type')!r}",
-                            f"tools[{i}].function.parameters")  # fmt: skip
-        check("start: a\n" + json_rule("a", params), f"tools[{i}].function.parameters")
+            raise ChatError(f"{where} must describe an object, got type {params.get('type')!r}", where)
+        check("start: a\n" + json_rule("a", params), where)
 
 
 def constraint(

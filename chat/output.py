@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from chat.families import Call, Family, Generic
 
+CLOSERS = "}]>"
 GENERIC_CALLS, GENERIC_RESPONSE = '{"tool_calls": [', '{"response": "'
 REASONING_TAGS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
 
@@ -83,6 +84,7 @@ class OutputParser:
         self.section_done = False  # a call to an unknown function ended it
         self.resp_raw = 0  # RESPONSE mode: characters of the JSON string already decoded
         self.lead = False  # newlines at the start of the reply text are dropped (after a reasoning block)
+        self.closed = False  # a character that may end a call came since the last parse of the calls
         self.mode = self._start_mode()
 
     def _start_mode(self) -> Mode:
@@ -106,6 +108,7 @@ class OutputParser:
     def feed(self, text: str) -> Piece:
         out = Piece()
         self.buf += text
+        self.closed = self.closed or any(c in text for c in CLOSERS)
         while self._step(out, final=False):
             pass
         return out
@@ -143,7 +146,7 @@ class OutputParser:
         if mode is Mode.UNDECIDED:
             return self._undecided(final)
         if mode is Mode.CALLS:
-            self._in_calls(out)
+            self._in_calls(out, final)
             return False
         if mode is Mode.RESPONSE:
             self._response(out, final)
@@ -211,10 +214,11 @@ class OutputParser:
         self.mode = Mode.TEXT
         return True
 
-    def _in_calls(self, out: Piece) -> None:
+    def _in_calls(self, out: Piece, final: bool) -> None:
         assert self.family is not None
-        if self.section_done:
-            return
+        if self.section_done or not (final or self.closed):
+            return  # every call syntax ends with `}`, `]` or `>`: parse again only once one has come
+        self.closed = False
         for call, end in self.family.split(self.buf)[self.section_calls :]:
             if call.name not in self.spec.tool_names:
                 self.section_done = True  # not one of the request's tools: reply text from here (finish keeps it)

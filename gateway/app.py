@@ -215,6 +215,9 @@ class Gateway:
                 body["usage"] = usage
             return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
+        def opening(index: int) -> dict[str, Any]:
+            return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
         def ending(index: int, reason: str) -> dict[str, Any]:
             if chat:
                 return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)}
@@ -236,8 +239,7 @@ class Gateway:
                         first_token = False
                     if chat and msg.index not in opened:
                         opened.add(msg.index)
-                        yield chunk([{"index": msg.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None}])  # fmt: skip
+                        yield chunk([opening(msg.index)])
                     part = chat_delta(msg, logprobs) if chat else completion_delta(msg, logprobs)
                     if part is not None:
                         yield chunk([part])
@@ -246,8 +248,7 @@ class Gateway:
                 else:
                     for c in choices_of(msg):
                         if chat and c.index not in opened:
-                            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                          "finish_reason": None}])  # fmt: skip
+                            yield chunk([opening(c.index)])
                         yield chunk([ending(c.index, c.finish_reason)])
                     if include_usage:
                         yield chunk([], usage_body(msg))

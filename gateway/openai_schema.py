@@ -172,17 +172,23 @@ def _message(m: t.Message, i: int) -> ChatMessage:
     calls = None
     if m.tool_calls is not None:
         calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls]
-    fields = {"role": m.role, "content": content, "name": m.name, "tool_calls": calls, "tool_call_id": m.tool_call_id}
-    fields["reasoning_content"] = m.reasoning_content
+    fields = {
+        "role": m.role,
+        "content": content,
+        "name": m.name,
+        "tool_calls": calls,
+        "tool_call_id": m.tool_call_id,
+        "reasoning_content": m.reasoning_content,
+    }
     try:
         return msgspec.convert(fields, ChatMessage)
     except (msgspec.ValidationError, ValueError) as exc:
         text = str(exc)
         at = re.search(r" - at `\$\.?([^`]*)`$", text)
-        where = f"messages[{i}]" + (("." if at.group(1)[:1] != "[" else "") + at.group(1) if at and at.group(1) else "")
-        where = (
-            where.replace(".tool_calls", ".tool_calls").replace("].name", "].function.name") if "tool_calls[" in where else where
-        )
+        inner = at.group(1) if at else ""
+        # the protocol's flat ToolCall is OpenAI's {id, function: {name, arguments}}
+        inner = re.sub(r"^(tool_calls\[\d+\])\.(name|arguments)$", r"\1.function.\2", inner)
+        where = f"messages[{i}]" + ("" if not inner else inner if inner.startswith("[") else "." + inner)
         raise RequestError(f"{where}: {text.split(' - at ')[0]}", param=where) from None
 
 
