@@ -1,7 +1,9 @@
-"""The OpenAI-compatible HTTP API (Starlette), in front of the router's ZMQ client socket.
+"""The HTTP APIs (Starlette), in front of the router's ZMQ client socket: OpenAI Chat Completions, Completions
+and Responses, Anthropic Messages, and llama-server's helpers (/tokenize, /detokenize, /apply-template, /slots).
 
-It is one more client of the protocol: every request becomes a `submit` through `AsyncClient`, so HTTP
-and ZMQ clients share one queue, one routing decision path and one set of error codes.
+It is one more client of the protocol: every request becomes a `submit` (or a `tokenize`) through `AsyncClient`,
+so HTTP and ZMQ clients share one queue, one routing decision path and one set of error codes; each API shape only
+translates, and answers errors in its own shape (Anthropic's under /v1/messages).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from gateway import anthropic, helpers, responses
 from gateway.openai_schema import (
     RequestError,
     chat_body,
@@ -149,6 +152,101 @@ class Gateway:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "chat")
 
+    async def responses(self, request: Request) -> Response:
+        rid = uuid.uuid4().hex[:24]
+        sub, stream, body = responses.responses_submit(await self.body(request), rid)
+        created, logprobs = responses.now(), sub.sampling.logprobs is not None
+        return await self._serve(
+            request,
+            sub,
+            stream,
+            lambda r: responses.response_body(r, rid, self.model_name, body, created, logprobs),
+            lambda msgs: responses.response_events(msgs, rid, self.model_name, body, created),
+            responses.error_event,
+        )
+
+    async def messages(self, request: Request) -> Response:
+        rid = uuid.uuid4().hex[:24]
+        sub, stream = anthropic.messages_submit(await self.body(request), rid)
+        return await self._serve(
+            request,
+            sub,
+            stream,
+            lambda r: anthropic.message_body(r, self.model_name),
+            lambda msgs: anthropic.message_events(msgs, rid, self.model_name),
+            anthropic.error_event,
+        )
+
+    async def count_tokens(self, request: Request) -> Response:
+        tokens = await self.client.tokens(anthropic.count_tokens_request(await self.body(request)))
+        return JSONResponse({"input_tokens": len(tokens.tokens) // 4})
+
+    async def tokenize(self, request: Request) -> Response:
+        body = helpers.TokenizeBody.decode(await self.body(request))
+        return JSONResponse(helpers.tokenize_reply(await self.client.tokens(body.message()), body.with_pieces))
+
+    async def detokenize(self, request: Request) -> Response:
+        msg = helpers.detokenize_message(await self.body(request))
+        return JSONResponse({"content": (await self.client.tokens(msg)).text})
+
+    async def apply_template(self, request: Request) -> Response:
+        sub, _, _ = chat_submit(await self.body(request), "template")
+        return JSONResponse({"prompt": (await self.client.tokens(helpers.render_message(sub))).text})
+
+    async def slots(self, request: Request) -> Response:
+        return JSONResponse(helpers.slots_body(await asyncio.wait_for(self.client.status(), 10.0)))
+
+    async def _serve(
+        self,
+        request: Request,
+        sub: Submit,
+        stream: bool,
+        reply: Any,
+        events: Any,
+        on_error: Any,
+    ) -> Response:
+        """Run a submit for an API shape: `reply(result)` is its body, `events(messages)` its stream, and
+        `on_error(message, code)` an error in the middle of the stream."""
+        messages = self.client.stream_submit(sub)
+        first = await anext(messages)  # errors before the first token become an HTTP status
+        if not stream:
+            result = first if isinstance(first, Result) else await self._drain(messages, request, sub)
+            if result is None:
+                return Response(status_code=499)
+            self._check_deadline(result, sub)
+            return JSONResponse(reply(result))
+
+        async def checked() -> AsyncIterator[Delta | Result]:
+            for msg in (first,):
+                yield msg
+            async for msg in messages:
+                if isinstance(msg, Result):
+                    self._check_deadline(msg, sub)
+                yield msg
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                if isinstance(first, Result):
+                    self._check_deadline(first, sub)
+                async for chunk in events(checked()):
+                    yield chunk
+            except KvrouteError as exc:
+                yield on_error(str(exc), exc.code)
+            finally:
+                await messages.aclose()  # on client disconnect this sends the cancel
+
+        return StreamingResponse(
+            body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+
+    @staticmethod
+    def _check_deadline(result: Result, sub: Submit) -> None:
+        if result.finish_reason == FinishReason.DEADLINE_EXCEEDED:
+            raise KvrouteError(
+                f"deadline of {sub.deadline_ms} ms exceeded after {result.usage.completion_tokens} tokens",
+                code=ErrorCode.DEADLINE_EXCEEDED,
+            )
+
     async def _generate(self, request: Request, kind: str) -> Response:
         rid = uuid.uuid4().hex[:24]
         body = await self.body(request)
@@ -262,6 +360,10 @@ class Gateway:
             await messages.aclose()  # on client disconnect this sends the cancel
 
 
+def is_anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
 class Guard:
     """Pure ASGI middleware: API key check (all but /health) and request counting by status."""
 
@@ -283,7 +385,14 @@ class Guard:
 
         try:
             if path != "/health" and not self.gateway.authorized(Request(scope)):
-                response = error_response("missing or wrong API key", 401, type_="authentication_error", code="invalid_api_key")
+                if is_anthropic(path):
+                    response: Response = JSONResponse(
+                        anthropic.error_body("missing or wrong API key", "authentication_error"), 401
+                    )
+                else:
+                    response = error_response(
+                        "missing or wrong API key", 401, type_="authentication_error", code="invalid_api_key"
+                    )
                 await response(scope, receive, counting_send)
             else:
                 await self.app(scope, receive, counting_send)
@@ -299,25 +408,40 @@ def build_app(gateway: Gateway) -> Starlette:
         Route("/openapi.json", gateway.openapi, methods=["GET"]),
         Route("/v1/completions", gateway.completions, methods=["POST"]),
         Route("/v1/chat/completions", gateway.chat_completions, methods=["POST"]),
+        Route("/v1/responses", gateway.responses, methods=["POST"]),
+        Route("/v1/messages", gateway.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", gateway.count_tokens, methods=["POST"]),
+        Route("/tokenize", gateway.tokenize, methods=["POST"]),
+        Route("/detokenize", gateway.detokenize, methods=["POST"]),
+        Route("/apply-template", gateway.apply_template, methods=["POST"]),
+        Route("/slots", gateway.slots, methods=["GET"]),
     ]
 
     async def on_request_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestError)
+        if is_anthropic(request.url.path):  # Anthropic's shape has no `param`: the message names the field
+            return JSONResponse(anthropic.error_body(exc.message), exc.status)
         return error_response(exc.message, exc.status, type_=exc.type, code=exc.code, param=exc.param)
 
     async def on_kvroute_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, KvrouteError)
+        if is_anthropic(request.url.path):
+            status, type_ = anthropic.ERROR_TYPES.get(exc.code, (500, "api_error"))
+            return JSONResponse(anthropic.error_body(exc.message, type_), status)
         return kvroute_error_response(exc)
 
     async def on_timeout(request: Request, exc: Exception) -> Response:
+        if is_anthropic(request.url.path):
+            return JSONResponse(anthropic.error_body(str(exc) or "timeout", "timeout_error"), 504)
         return error_response(str(exc), 504, type_="timeout", code="timeout")
 
     async def on_internal(request: Request, exc: Exception) -> Response:
         error_id = uuid.uuid4().hex[:12]
         log.error("http_internal_error", error_id=error_id, path=request.url.path, error=repr(exc))
-        return error_response(
-            f"internal error {type(exc).__name__} (error id {error_id})", 500, type_="internal_error", code=ErrorCode.INTERNAL
-        )
+        message = f"internal error {type(exc).__name__} (error id {error_id})"
+        if is_anthropic(request.url.path):
+            return JSONResponse(anthropic.error_body(message, "api_error"), 500)
+        return error_response(message, 500, type_="internal_error", code=ErrorCode.INTERNAL)
 
     return Starlette(
         routes=routes,

@@ -7,7 +7,10 @@ from typing import Any
 
 import msgspec
 
+from gateway.anthropic import CountTokensRequest, MessagesRequest
+from gateway.helpers import TokenizeBody
 from gateway.openai_types import ChatRequest, CompletionRequest
+from gateway.responses import ResponsesRequest
 
 _error = {
     "type": "object",
@@ -56,20 +59,22 @@ def _responses() -> dict[str, Any]:
     }
 
 
-def _post(operation: str, body: str) -> dict[str, Any]:
+def _post(operation: str, body: str | dict[str, Any], ok: str = "OK") -> dict[str, Any]:
+    schema = {"$ref": f"#/components/schemas/{body}"} if isinstance(body, str) else body
+    responses = _responses()
+    responses["200"]["description"] = ok
     return {
         "post": {
             "operationId": operation,
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}},
-            },
-            "responses": _responses(),
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": responses,
         }
     }
 
 
-_, _schemas = msgspec.json.schema_components([ChatRequest, CompletionRequest], ref_template="#/components/schemas/{name}")
+_TYPES = [ChatRequest, CompletionRequest, ResponsesRequest, MessagesRequest, CountTokensRequest, TokenizeBody]
+_, _schemas = msgspec.json.schema_components(_TYPES, ref_template="#/components/schemas/{name}")
+_detokenize = {"type": "object", "properties": {"tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}
 
 OPENAPI: dict[str, Any] = {
     "openapi": "3.1.0",
@@ -77,6 +82,15 @@ OPENAPI: dict[str, Any] = {
     "paths": {
         "/v1/completions": _post("createCompletion", "CompletionRequest"),
         "/v1/chat/completions": _post("createChatCompletion", "ChatRequest"),
+        "/v1/responses": _post("createResponse", "ResponsesRequest", "A response, or its events (stateless: nothing is stored)"),
+        "/v1/messages": _post(
+            "createMessage", "MessagesRequest", "An Anthropic message, or its events (errors in Anthropic's shape)"
+        ),
+        "/v1/messages/count_tokens": _post("countTokens", "CountTokensRequest", "{input_tokens}"),
+        "/tokenize": _post("tokenize", "TokenizeBody", "{tokens}: ids, or {id, piece} with with_pieces"),
+        "/detokenize": _post("detokenize", _detokenize, "{content}"),
+        "/apply-template": _post("applyTemplate", "ChatRequest", "{prompt}: the chat rendered by the template"),
+        "/slots": {"get": {"operationId": "slots", "responses": {"200": {"description": "Every worker and slot"}}}},
         "/v1/models": {"get": {"operationId": "listModels", "responses": {"200": {"description": "The served model"}}}},
         "/health": {
             "get": {

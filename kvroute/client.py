@@ -29,6 +29,7 @@ from protocol import (
     Cancel,
     ChatMessage,
     Delta,
+    Detokenize,
     Error,
     ErrorCode,
     Invalid,
@@ -37,6 +38,8 @@ from protocol import (
     StatusReply,
     StatusRequest,
     Submit,
+    Tokenize,
+    Tokens,
     encode,
     pack_tokens,
     router_reply_decoder,
@@ -390,11 +393,22 @@ class AsyncClient:
 
     async def status(self) -> StatusReply:
         rid = f"status-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+        reply: StatusReply = await self._ask(StatusRequest(id=rid))
+        return reply
+
+    async def tokens(self, msg: Tokenize | Detokenize) -> Tokens:
+        """Send a `tokenize` or `detokenize` (its id is set here) and wait for the `tokens` reply."""
+        msg.id = f"tok-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+        reply: Tokens = await self._ask(msg)
+        return reply
+
+    async def _ask(self, msg: Any) -> Any:
+        """Send a message that has one reply, and wait for that reply (an Error raises)."""
         q: asyncio.Queue[Any] = asyncio.Queue()
-        self._queues[rid] = q
+        self._queues[msg.id] = q
         self._ensure_reader()
         try:
-            await self._sock.send(encode(StatusRequest(id=rid)))
+            await self._sock.send(encode(msg))
             return await self._next(q)
         finally:
-            self._queues.pop(rid, None)
+            self._queues.pop(msg.id, None)

@@ -19,6 +19,7 @@ from protocol.client_messages import (
     Choice,
     ClientRequest,
     Delta,
+    Detokenize,
     Error,
     Result,
     RouterReply,
@@ -26,6 +27,8 @@ from protocol.client_messages import (
     StatusReply,
     StatusRequest,
     Submit,
+    Tokenize,
+    Tokens,
     WorkerStatus,
 )
 from protocol.codec import (
@@ -82,6 +85,7 @@ __all__ = [
     "Constraint",
     "Decoder",
     "Delta",
+    "Detokenize",
     "Drain",
     "Error",
     "ErrorCode",
@@ -110,6 +114,8 @@ __all__ = [
     "TextPart",
     "Timings",
     "TokenLogprob",
+    "Tokenize",
+    "Tokens",
     "Tool",
     "ToolCall",
     "ToolCallDelta",

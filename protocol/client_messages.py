@@ -72,7 +72,39 @@ class StatusRequest(Message, tag="status", kw_only=True):
     id: RequestId | None = None
 
 
-ClientRequest = Submit | Cancel | StatusRequest
+class Tokenize(Message, tag="tokenize", kw_only=True):
+    """Tokens of a text, or of chat messages rendered as a `submit` would render them (with its tools and
+    chat_template_kwargs); nothing is generated. Exactly one of `prompt`, `messages`."""
+
+    id: RequestId | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] = {}
+    add_special: bool = True  # add BOS as the model's vocabulary says (for messages: unless the template wrote it)
+    parse_special: bool = True  # text such as `<start_of_turn>` becomes its special token
+    with_pieces: bool = False  # also each token's bytes
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of `prompt`, `messages` must be set")
+        if self.messages is not None and not self.messages:
+            raise ValueError("`messages` must not be empty")
+        if self.messages is None and (self.tools is not None or self.chat_template_kwargs):
+            raise ValueError("`tools` and `chat_template_kwargs` need `messages`")
+
+
+class Detokenize(Message, tag="detokenize", kw_only=True):
+    """The text of token ids."""
+
+    id: RequestId | None = None
+    tokens: TokenBytes
+
+    def __post_init__(self) -> None:
+        check_token_bytes("tokens", self.tokens)
+
+
+ClientRequest = Submit | Cancel | StatusRequest | Tokenize | Detokenize
 
 
 # ---- router -> client -------------------------------------------------------------------------
@@ -90,6 +122,7 @@ class Delta(Message, tag="delta", kw_only=True):
     reasoning: str = ""  # text of the model's thinking (`<think>`), for templates that have it
     tool_calls: list[ToolCallDelta] = []
     logprobs: list[TokenLogprob] = []  # one per token in `tokens`, when sampling.logprobs is set
+    usage: Usage | None = None  # on the first delta of each choice: the prompt's tokens and how many were cached
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens)
@@ -169,4 +202,16 @@ class StatusReply(Message, tag="status_reply", kw_only=True):
     workers: list[WorkerStatus]
 
 
-RouterReply = Delta | Result | Error | StatusReply
+class Tokens(Message, tag="tokens", kw_only=True):
+    """The answer to `tokenize` and `detokenize`."""
+
+    id: str | None = None
+    tokens: TokenBytes
+    text: str  # the text tokenized (for messages: the rendered prompt), or the text of the tokens
+    pieces: list[bytes] = []  # with_pieces: each token's bytes (a piece may be part of a UTF-8 character)
+
+    def __post_init__(self) -> None:
+        check_token_bytes("tokens", self.tokens)
+
+
+RouterReply = Delta | Result | Error | StatusReply | Tokens

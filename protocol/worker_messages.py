@@ -54,6 +54,7 @@ class JobDelta(Message, tag="job_delta", kw_only=True):
     text: str  # the generated text, as the model wrote it (the router parses tool calls out of it)
     tokens: TokenBytes
     logprobs: list[TokenLogprob] = []  # one per token, when the job's sampling.logprobs is set
+    reused_tokens: NonNeg | None = None  # on the job's first delta: prompt tokens whose KV was not computed
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens)

@@ -12,7 +12,7 @@ from chat.output import OutputSpec
 from chat.request import ChatFormat, prompt_constraint
 from chat.template import TemplateError
 from kvroute.vocab import Vocab
-from protocol import Constraint, Submit
+from protocol import Constraint, Detokenize, Submit, Tokenize, Tokens, pack_tokens
 
 PLAIN = OutputSpec()
 
@@ -32,7 +32,7 @@ class Prepared:
     output: OutputSpec
 
 
-def text_chars(msg: Submit) -> int:
+def text_chars(msg: Submit | Tokenize) -> int:
     """Characters of text the router must render and tokenize for `msg` (0 for token ids)."""
     if msg.prompt is not None:
         return len(msg.prompt)
@@ -59,3 +59,29 @@ def prepare(msg: Submit, vocab: Vocab, chat: ChatFormat) -> Prepared:
         bad = int(toks[(toks < 0) | (toks >= vocab.n_vocab)][0])
         raise PrepareError(f"token id {bad} is outside the vocabulary (0..{vocab.n_vocab - 1})", "tokens")
     return Prepared(toks, limit, PLAIN)
+
+
+def tokens_reply(msg: Tokenize | Detokenize, vocab: Vocab, chat: ChatFormat) -> Tokens:
+    """The answer to `tokenize` (a prompt, or messages rendered as a submit would be) or `detokenize`."""
+    if isinstance(msg, Detokenize):
+        ids = np.frombuffer(msg.tokens, dtype="<i4").tolist()
+        bad = next((t for t in ids if not 0 <= t < vocab.n_vocab), None)
+        if bad is not None:
+            raise PrepareError(f"token id {bad} is outside the vocabulary (0..{vocab.n_vocab - 1})", "tokens")
+        text = vocab.detokenize(ids)
+    elif msg.messages is not None:
+        sub = Submit(messages=msg.messages, tools=msg.tools, chat_template_kwargs=msg.chat_template_kwargs)
+        try:
+            p = chat.prepare(sub)
+        except ChatError as exc:
+            raise PrepareError(str(exc), exc.param) from None
+        except TemplateError as exc:
+            raise PrepareError(f"chat template error: {exc}", "messages") from None
+        text = p.text
+        ids = vocab.tokenize(text, add_special=p.add_bos and msg.add_special)
+    else:
+        assert msg.prompt is not None
+        text = msg.prompt
+        ids = vocab.tokenize(text, add_special=msg.add_special, parse_special=msg.parse_special)
+    pieces = [vocab.piece(t) for t in ids] if isinstance(msg, Tokenize) and msg.with_pieces else []
+    return Tokens(id=msg.id, tokens=pack_tokens(ids), text=text, pieces=pieces)

@@ -47,6 +47,7 @@ from protocol import (
     Accept,
     Cancel,
     Choice,
+    Detokenize,
     Error,
     ErrorCode,
     Heartbeat,
@@ -63,6 +64,8 @@ from protocol import (
     StatusRequest,
     Submit,
     Timings,
+    Tokenize,
+    Tokens,
     Usage,
     WorkerStatus,
     client_request_decoder,
@@ -72,7 +75,7 @@ from protocol import (
 from router.config import RouterConfig
 from router.metrics import Metrics, RequestRecord, mispredicted
 from router.mirror import Mirror
-from router.prepare import Prepared, PrepareError, prepare, text_chars
+from router.prepare import Prepared, PrepareError, prepare, text_chars, tokens_reply
 from router.replies import choice_of, delta_of, result_of
 from router.requests import Req, ReqState, WorkerConn, WorkerState
 from router.security import Gatekeeper, Security
@@ -308,6 +311,8 @@ class Router:
             self._on_cancel(identity, msg.id)
         elif isinstance(msg, StatusRequest):
             self._reply(identity, envelope, self.status(msg.id))
+        elif isinstance(msg, Tokenize | Detokenize):
+            self._on_tokenize(identity, envelope, msg)
 
     def _reply(self, identity: bytes, envelope: list[bytes], msg: Any) -> bool:
         """Send to a client; False when it is gone (its requests are then cancelled)."""
@@ -338,6 +343,26 @@ class Router:
         log.info("request_failed", request_id=req.rid, job=req.job, code=code, message=message)
         if not gone:
             self._reply(req.client, req.envelope, Error(id=req.rid, code=code, message=message, **extra))
+
+    def _on_tokenize(self, identity: bytes, envelope: list[bytes], msg: Tokenize | Detokenize) -> None:
+        """Tokens or text, nothing generated; a long text is tokenized on the tokenizing thread."""
+        work = functools.partial(tokens_reply, msg, self.vocab, self.chat)
+
+        def reply(fut: asyncio.Future[Tokens] | None) -> None:
+            try:
+                answer: Any = work() if fut is None else fut.result()
+            except PrepareError as exc:
+                answer = Error(id=msg.id, code=ErrorCode.BAD_REQUEST, message=str(exc), param=exc.param)
+            except Exception as exc:
+                error_id = uuid.uuid4().hex[:12]
+                log.exception("tokenize_crashed", error_id=error_id, request_id=msg.id, error=str(exc))
+                answer = Error(id=msg.id, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id)
+            self._reply(identity, envelope, answer)
+
+        if isinstance(msg, Tokenize) and text_chars(msg) > TOKENIZE_INLINE_CHARS:
+            asyncio.get_running_loop().run_in_executor(self._tokenizer, work).add_done_callback(reply)
+        else:
+            reply(None)
 
     def _on_submit(self, identity: bytes, envelope: list[bytes], msg: Submit) -> None:
         rid = msg.id or f"r{next(self._rid)}-{uuid.uuid4().hex[:8]}"
@@ -726,7 +751,10 @@ class Router:
         piece = req.parser.feed(msg.text)
         if req.stream and not req.gone:
             req.started = True
-            self._reply(req.client, req.envelope, delta_of(req, piece, msg.tokens, msg.logprobs))
+            delta = delta_of(req, piece, msg.tokens, msg.logprobs)
+            if msg.reused_tokens is not None:  # the job's first token: what the prompt cost is known now
+                delta.usage = Usage(prompt_tokens=len(req.tokens), cached_tokens=msg.reused_tokens, completion_tokens=0)
+            self._reply(req.client, req.envelope, delta)
 
     def _on_done(self, conn: WorkerConn, msg: JobDone) -> None:
         req = conn.jobs.get(msg.id)

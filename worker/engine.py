@@ -638,6 +638,8 @@ class Engine:
         guide = req.sampler.guide
         complete = guide is not None and guide.done  # the grammar allows nothing more
         delta = JobDelta(id=req.id, text=text, tokens=pack_tokens([tok]), logprobs=[] if logprob is None else [logprob])
+        if len(req.generated) == 1:
+            delta.reused_tokens = req.reused
         if stream.stop is not None:
             self._send(req.sink, delta)
             self._done(req, slot, FinishReason.STOP)

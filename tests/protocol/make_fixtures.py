@@ -156,9 +156,38 @@ EXAMPLES: list[Example] = [
         {},
     ),
     Example("cancel", "client_request", p.Cancel(id="req-1"), {}),
+    Example(
+        "tokenize",
+        "client_request",
+        p.Tokenize(
+            id="tok-1",
+            messages=[p.ChatMessage(role="user", content="Capital of France?")],
+            tools=[p.Tool(name="get_weather", parameters=WEATHER)],
+            with_pieces=True,
+        ),
+        {},
+    ),
+    Example("detokenize", "client_request", p.Detokenize(id="tok-2", tokens=p.pack_tokens(GEN_TOKENS)), {"tokens": GEN_TOKENS}),
     Example("status", "client_request", p.StatusRequest(id="st-1"), {}),
     # ---- router -> client
     Example("delta", "router_reply", p.Delta(id="req-1", text=" Paris", tokens=p.pack_tokens(FIRST)), {"tokens": FIRST}),
+    Example(
+        "tokens",
+        "router_reply",
+        p.Tokens(id="tok-2", tokens=p.pack_tokens(FIRST), text=" Paris", pieces=[b" Paris"]),
+        {"tokens": FIRST},
+    ),
+    Example(
+        "delta_first",
+        "router_reply",
+        p.Delta(
+            id="req-1",
+            text=" Paris",
+            tokens=p.pack_tokens(FIRST),
+            usage=p.Usage(prompt_tokens=4, cached_tokens=3, completion_tokens=0),
+        ),
+        {"tokens": FIRST},
+    ),
     Example(
         "delta_tool_call",
         "router_reply",
@@ -300,7 +329,7 @@ EXAMPLES: list[Example] = [
     Example(
         "job_delta",
         "worker_to_router",
-        p.JobDelta(id="req-1", text=" Paris", tokens=p.pack_tokens(FIRST), logprobs=[LOGPROB]),
+        p.JobDelta(id="req-1", text=" Paris", tokens=p.pack_tokens(FIRST), logprobs=[LOGPROB], reused_tokens=3),
         {"tokens": FIRST},
     ),
     Example(

@@ -1,0 +1,438 @@
+"""Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`) on the one protocol `submit`.
+
+Served: `model`, `max_tokens` (required), `messages` (roles user and assistant; content a string or blocks: `text`,
+`tool_use`, `tool_result`, `thinking`), `system` (a string or text blocks), `stop_sequences`, `stream`,
+`temperature`, `top_k`, `top_p`, `tools` (`name`, `description`, `input_schema`), `tool_choice` (`auto`, `any`,
+`tool`, `none`, `disable_parallel_tool_use`), `thinking` (`enabled` / `disabled`: the template's
+`enable_thinking`), `output_config.format` (a JSON Schema), llama.cpp's `chat_template_kwargs` and kvroute's
+`deadline_ms`. Accepted and ignored: `cache_control` anywhere (kvroute caches every prefix anyway), `metadata`,
+`service_tier`, `redacted_thinking` blocks (opaque provider data). Anything else is a 400 in Anthropic's error
+shape naming the field (image and document blocks too: the served model reads text).
+
+Claude Code's system prompt opens with an `x-anthropic-billing-header` whose `cch=` stamp changes on every
+request; the stamp is written as `fffff` (as llama-server does), or no prefix would ever be reused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from gateway.blocks import Blocks, Kind
+from gateway.openai_schema import RequestError
+from protocol import (
+    MAX_DEADLINE_MS,
+    ChatMessage,
+    Delta,
+    FinishReason,
+    NamedTool,
+    ResponseFormat,
+    Result,
+    Sampling,
+    Submit,
+    TextPart,
+    Tokenize,
+    Tool,
+    ToolCall,
+)
+
+
+class Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class Text(Strict, tag_field="type", tag="text"):
+    text: str
+    cache_control: Any = None
+    citations: Any = None
+
+
+class ToolUse(Strict, tag_field="type", tag="tool_use"):
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: Any = None
+    caller: Any = None
+
+
+class ToolResult(Strict, tag_field="type", tag="tool_result"):
+    tool_use_id: str
+    content: str | list[Text] | None = None
+    is_error: bool = False
+    cache_control: Any = None
+
+
+class Thinking(Strict, tag_field="type", tag="thinking"):
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinking(Strict, tag_field="type", tag="redacted_thinking"):
+    data: str
+
+
+class Image(Strict, tag_field="type", tag="image"):
+    source: Any
+    cache_control: Any = None
+
+
+class Document(Strict, tag_field="type", tag="document"):
+    source: Any
+    cache_control: Any = None
+    title: Any = None
+    context: Any = None
+    citations: Any = None
+
+
+Block = Text | ToolUse | ToolResult | Thinking | RedactedThinking | Image | Document
+
+
+class Message(Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class ToolDef(Strict):
+    name: str
+    input_schema: dict[str, Any]
+    description: str = ""
+    type: Literal["custom"] | None = None
+    cache_control: Any = None
+
+
+class ToolChoice(Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class ThinkingConfig(Strict):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+    display: Any = None
+
+
+class JsonFormat(Strict):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(Strict):
+    format: JsonFormat | None = None
+
+
+class MessagesRequest(Strict):
+    max_tokens: Annotated[int, Meta(ge=1)]
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    model: str | None = None
+    system: str | list[Text] | None = None
+    stop_sequences: Annotated[list[str], Meta(max_length=16)] | None = None
+    stream: bool = False
+    temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    deadline_ms: Annotated[int, Meta(ge=1, le=MAX_DEADLINE_MS)] | None = None
+    # ignored: they cannot change the reply
+    metadata: Any = None
+    service_tier: Any = None
+    cache_control: Any = None
+
+
+class CountTokensRequest(Strict):
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    model: str | None = None
+    system: str | list[Text] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    cache_control: Any = None
+
+
+def error_body(message: str, type_: str = "invalid_request_error") -> dict[str, Any]:
+    """Anthropic's error shape."""
+    return {"type": "error", "error": {"type": type_, "message": message}}
+
+
+# protocol error code -> (HTTP status, Anthropic error type); 529 is Anthropic's "overloaded", which its SDKs retry
+ERROR_TYPES: dict[str, tuple[int, str]] = {
+    "bad_request": (400, "invalid_request_error"),
+    "context_overflow": (400, "invalid_request_error"),
+    "too_large": (413, "request_too_large"),
+    "unauthorized": (401, "authentication_error"),
+    "not_found": (404, "not_found_error"),
+    "queue_full": (429, "rate_limit_error"),
+    "no_workers": (529, "overloaded_error"),
+    "worker_lost": (529, "overloaded_error"),
+    "draining": (529, "overloaded_error"),
+    "deadline_exceeded": (504, "timeout_error"),
+}
+
+
+def error_event(message: str, code: str) -> bytes:
+    """An error in the middle of a stream."""
+    return sse("error", error_body(message, ERROR_TYPES.get(code, (500, "api_error"))[1]))
+
+
+def decode(body: dict[str, Any], kind: type[Any]) -> Any:
+    try:
+        return msgspec.convert(body, kind)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        at = re.search(r" - at `\$\.?([^`]*)`$", text)
+        where = at.group(1) if at else ""
+        unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
+        if unknown:
+            param = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+            raise RequestError(f"{param}: not supported by kvroute", param=param) from None
+        message = text.split(" - at ")[0]
+        raise RequestError(f"{where}: {message}" if where else message, param=where or None) from None
+
+
+_CCH = re.compile(r"^(x-anthropic-billing-header:.*?cch=)[0-9a-f]{5};")
+
+
+def _system_text(system: str | list[Text] | None) -> str | None:
+    if system is None:
+        return None
+    text = system if isinstance(system, str) else "".join(b.text for b in system)
+    return _CCH.sub(r"\1fffff;", text, count=1)
+
+
+def _refuse(block: Any, where: str) -> None:
+    kind = block.__struct_config__.tag
+    raise RequestError(f"{where}: {kind} blocks are not supported: the served model reads text", param=where)
+
+
+def to_messages(system: str | list[Text] | None, messages: list[Message]) -> list[ChatMessage]:
+    """Anthropic's turns as chat messages: a user turn's tool results become tool messages (first, right after
+    the calls they answer), its text a user message; an assistant turn's tool_use blocks become its tool calls."""
+    out: list[ChatMessage] = []
+    sys_text = _system_text(system)
+    if sys_text is not None:
+        out.append(ChatMessage(role="system", content=sys_text))
+    for i, m in enumerate(messages):
+        blocks = [Text(text=m.content)] if isinstance(m.content, str) else m.content
+        texts: list[TextPart] = []
+        calls: list[ToolCall] = []
+        thinking: list[str] = []
+        for j, b in enumerate(blocks):
+            where = f"messages[{i}].content[{j}]"
+            if isinstance(b, Text):
+                texts.append(TextPart(text=b.text))
+            elif isinstance(b, ToolResult) and m.role == "user":
+                body = b.content if isinstance(b.content, str) else "".join(t.text for t in b.content or [])
+                out.append(ChatMessage(role="tool", tool_call_id=b.tool_use_id, content="Error: " + body if b.is_error else body))
+            elif isinstance(b, ToolUse) and m.role == "assistant":
+                # written as the grammar writes arguments (", " and ": "), so the call renders as the model wrote it
+                calls.append(ToolCall(id=b.id, name=b.name, arguments=json.dumps(b.input, ensure_ascii=False)))
+            elif isinstance(b, Thinking) and m.role == "assistant":
+                thinking.append(b.thinking)
+            elif isinstance(b, RedactedThinking):
+                continue
+            elif isinstance(b, Image | Document):
+                _refuse(b, where)
+            else:
+                raise RequestError(f"{where}: a {b.__struct_config__.tag} block cannot be in a {m.role} turn", param=where)
+        if m.role == "user" and texts:
+            out.append(ChatMessage(role="user", content=texts))
+        elif m.role == "assistant" and (texts or calls or thinking):
+            out.append(
+                ChatMessage(
+                    role="assistant",
+                    content=texts or None,
+                    tool_calls=calls or None,
+                    reasoning_content="".join(thinking) if thinking else None,
+                )
+            )
+    return out
+
+
+def _tools(tools: list[ToolDef] | None) -> list[Tool] | None:
+    if tools is None:
+        return None
+    out = []
+    for i, t in enumerate(tools):
+        try:
+            out.append(msgspec.convert({"name": t.name, "description": t.description, "parameters": t.input_schema}, Tool))
+        except msgspec.ValidationError as exc:
+            raise RequestError(f"tools[{i}].name: {exc}", param=f"tools[{i}].name") from None
+    return out
+
+
+def _tool_choice(tc: ToolChoice | None) -> tuple[Any, bool]:
+    """(protocol tool_choice, parallel calls allowed)."""
+    if tc is None:
+        return "auto", True
+    parallel = not tc.disable_parallel_tool_use
+    if tc.type == "tool":
+        if not tc.name:
+            raise RequestError("tool_choice of type tool needs `name`", param="tool_choice.name")
+        return NamedTool(name=tc.name), parallel
+    return {"auto": "auto", "any": "required", "none": "none"}[tc.type], parallel
+
+
+def _kwargs(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.thinking is not None and body.thinking.type != "adaptive":
+        kwargs.setdefault("enable_thinking", body.thinking.type == "enabled")
+    return kwargs
+
+
+def messages_submit(raw: dict[str, Any], request_id: str) -> tuple[Submit, bool]:
+    """/v1/messages body -> (submit, stream?)."""
+    body: MessagesRequest = decode(raw, MessagesRequest)
+    choice, parallel = _tool_choice(body.tool_choice)
+    tools = _tools(body.tools)
+    if body.tool_choice is not None and body.tool_choice.type != "none" and not tools:
+        raise RequestError("tool_choice needs tools", param="tool_choice")
+    fmt = None
+    if body.output_config is not None and body.output_config.format is not None:
+        fmt = ResponseFormat(type="json_schema", schema=body.output_config.format.schema)
+    try:
+        sampling = msgspec.convert(
+            {
+                "max_tokens": body.max_tokens,
+                "temperature": 1.0 if body.temperature is None else body.temperature,
+                "top_k": body.top_k or 0,
+                "top_p": 1.0 if body.top_p is None else body.top_p,
+                "stop": [s for s in body.stop_sequences or [] if s],
+            },
+            Sampling,
+        )
+        sub = Submit(
+            id=request_id,
+            messages=to_messages(body.system, body.messages),
+            sampling=sampling,
+            deadline_ms=body.deadline_ms,
+            tools=tools,
+            tool_choice=choice,
+            parallel_tool_calls=parallel,
+            response_format=fmt,
+            chat_template_kwargs=_kwargs(body),
+        )
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise RequestError(str(exc)) from None
+    return sub, body.stream
+
+
+def count_tokens_request(raw: dict[str, Any]) -> Tokenize:
+    """/v1/messages/count_tokens body -> the `tokenize` of the same rendering a message would get."""
+    body: CountTokensRequest = decode(raw, CountTokensRequest)
+    try:
+        return Tokenize(
+            messages=to_messages(body.system, body.messages), tools=_tools(body.tools), chat_template_kwargs=_kwargs(body)
+        )
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+
+
+# ---- replies ----------------------------------------------------------------------------------------------------
+
+STOP_REASONS = {FinishReason.LENGTH: "max_tokens", FinishReason.TOOL_CALLS: "tool_use"}
+
+
+def stop_reason(result: Result) -> str:
+    if result.stop:
+        return "stop_sequence"
+    return STOP_REASONS.get(result.finish_reason, "end_turn")  # type: ignore[call-overload]
+
+
+def usage_body(prompt: int, cached: int, output: int) -> dict[str, Any]:
+    """Anthropic counts input tokens that were not cached; cached ones are `cache_read_input_tokens`."""
+    return {
+        "input_tokens": prompt - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": output,
+    }
+
+
+def message_body(result: Result, model: str) -> dict[str, Any]:
+    content: list[dict[str, Any]] = []
+    if result.reasoning:
+        content.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
+    if result.text or not result.tool_calls:
+        content.append({"type": "text", "text": result.text})
+    # (the router gives out only calls whose arguments parsed as a JSON object)
+    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)} for c in result.tool_calls]
+    u = result.usage
+    return {
+        "id": f"msg_{result.id}",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason(result),
+        "stop_sequence": result.stop,
+        "usage": usage_body(u.prompt_tokens, u.cached_tokens, u.completion_tokens),
+    }
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def message_events(messages: AsyncIterator[Delta | Result], rid: str, model: str) -> AsyncIterator[bytes]:
+    """The stream in Anthropic's order: message_start, content blocks (start, deltas, stop), message_delta,
+    message_stop."""
+    blocks = Blocks()
+    started = False
+    prompt = cached = 0
+
+    def start() -> bytes:
+        message: dict[str, Any] = {"id": f"msg_{rid}", "type": "message", "role": "assistant", "model": model, "content": [],
+                   "stop_reason": None, "stop_sequence": None, "usage": usage_body(prompt, cached, 0)}  # fmt: skip
+        return sse("message_start", {"type": "message_start", "message": message})
+
+    async for msg in messages:
+        if isinstance(msg, Delta):
+            if not started:
+                if msg.usage is not None:
+                    prompt, cached = msg.usage.prompt_tokens, msg.usage.cached_tokens
+                started = True
+                yield start()
+            for ev in blocks.feed(msg):
+                yield _block_event(ev)
+            continue
+        if not started:
+            prompt, cached = msg.usage.prompt_tokens, msg.usage.cached_tokens
+            yield start()
+        for ev in blocks.finish():
+            yield _block_event(ev)
+        u = msg.usage
+        delta = {"stop_reason": stop_reason(msg), "stop_sequence": msg.stop}
+        yield sse("message_delta", {"type": "message_delta", "delta": delta,
+                                    "usage": usage_body(u.prompt_tokens, u.cached_tokens, u.completion_tokens)})  # fmt: skip
+        yield sse("message_stop", {"type": "message_stop"})
+
+
+def _block_event(ev: Any) -> bytes:
+    b = ev.block
+    if ev.what == "open":
+        if b.kind is Kind.TOOL:
+            block: dict[str, Any] = {"type": "tool_use", "id": b.call.id, "name": b.call.name, "input": {}}
+        elif b.kind is Kind.THINKING:
+            block = {"type": "thinking", "thinking": "", "signature": ""}
+        else:
+            block = {"type": "text", "text": ""}
+        return sse("content_block_start", {"type": "content_block_start", "index": b.index, "content_block": block})
+    if ev.what == "delta":
+        if b.kind is Kind.TOOL:
+            delta = {"type": "input_json_delta", "partial_json": ev.text}
+        elif b.kind is Kind.THINKING:
+            delta = {"type": "thinking_delta", "thinking": ev.text}
+        else:
+            delta = {"type": "text_delta", "text": ev.text}
+        return sse("content_block_delta", {"type": "content_block_delta", "index": b.index, "delta": delta})
+    return sse("content_block_stop", {"type": "content_block_stop", "index": b.index})

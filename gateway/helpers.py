@@ -1,0 +1,79 @@
+"""llama-server's helper endpoints that tools call: /tokenize, /detokenize, /apply-template, /slots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from gateway.openai_schema import RequestError
+from protocol import Detokenize, StatusReply, Submit, Tokenize, Tokens, pack_tokens, unpack_tokens
+
+
+class TokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """llama-server's /tokenize body (`model` allowed, as everywhere)."""
+
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+    model: str | None = None
+
+    @classmethod
+    def decode(cls, body: dict[str, Any]) -> TokenizeBody:
+        try:
+            return msgspec.convert(body, cls)
+        except msgspec.ValidationError as exc:
+            raise RequestError(f"invalid /tokenize body: {exc}", param=_param(str(exc))) from None
+
+    def message(self) -> Tokenize:
+        return Tokenize(
+            prompt=self.content, add_special=self.add_special, parse_special=self.parse_special, with_pieces=self.with_pieces
+        )
+
+
+def _param(text: str) -> str | None:
+    if "unknown field `" in text:
+        return text.split("unknown field `", 1)[1].split("`", 1)[0]
+    if " - at `$." in text:
+        return text.rsplit(" - at `$.", 1)[1].rstrip("`")
+    return None
+
+
+def tokenize_reply(tokens: Tokens, with_pieces: bool) -> dict[str, Any]:
+    ids = unpack_tokens(tokens.tokens)
+    if not with_pieces:
+        return {"tokens": ids}
+    out = []
+    for tok, piece in zip(ids, tokens.pieces, strict=True):
+        try:
+            text: Any = piece.decode("utf-8")
+        except UnicodeDecodeError:
+            text = list(piece)  # as llama-server: the bytes of a piece that is part of a character
+        out.append({"id": tok, "piece": text})
+    return {"tokens": out}
+
+
+def detokenize_message(body: dict[str, Any]) -> Detokenize:
+    tokens = body.get("tokens")
+    extra = set(body) - {"tokens", "model"}
+    if extra:
+        field = sorted(extra)[0]
+        raise RequestError(f"`{field}` is not supported by /detokenize", param=field)
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in tokens):
+        raise RequestError("`tokens` must be a list of token ids", param="tokens")
+    return Detokenize(tokens=pack_tokens(tokens))
+
+
+def render_message(sub: Submit) -> Tokenize:
+    """/apply-template: the prompt a chat request renders to (its messages, tools and template kwargs)."""
+    return Tokenize(messages=sub.messages, tools=sub.tools, chat_template_kwargs=sub.chat_template_kwargs)
+
+
+def slots_body(status: StatusReply) -> dict[str, Any]:
+    """The router's view of every worker and slot, as `kvroute status --json` prints it."""
+    out: dict[str, Any] = msgspec.to_builtins(status)
+    out.pop("type", None)
+    out.pop("v", None)
+    out.pop("id", None)
+    return out

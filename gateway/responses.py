@@ -1,0 +1,500 @@
+"""OpenAI Responses (`/v1/responses`) on the one protocol `submit`.
+
+Served: `model`, `input` (a string, or items: messages with `input_text` / `output_text` parts, `function_call`,
+`function_call_output`, `reasoning`), `instructions`, function `tools`, `tool_choice`, `parallel_tool_calls`,
+`text.format` (`text`, `json_object`, `json_schema`), `max_output_tokens`, `temperature`, `top_p`,
+`top_logprobs`, `stream`, llama.cpp's `top_k`, `min_p`, `chat_template_kwargs` and kvroute's `deadline_ms`.
+
+Stateless, as llama-server is: a response is not kept, so `previous_response_id` is refused (a 400 naming it;
+send the whole conversation in `input`, which kvroute serves from cache anyway) and `store: true`, the API's
+default, is accepted and changes nothing (nothing is stored, and nothing can be fetched later). `include`
+(extra output fields), `metadata`, `user`, `safety_identifier`, `service_tier`, `prompt_cache_key`,
+`truncation: "disabled"` and `reasoning` without an effort are accepted and ignored; anything else is a 400
+naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from gateway.blocks import Blocks, Event, Kind
+from gateway.openai_schema import RequestError, chat_logprobs
+from protocol import (
+    MAX_DEADLINE_MS,
+    MAX_LOGPROBS,
+    ChatMessage,
+    Delta,
+    FinishReason,
+    NamedTool,
+    ResponseFormat,
+    Result,
+    Sampling,
+    Submit,
+    TextPart,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+)
+
+
+class Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class InputText(Strict, tag_field="type", tag="input_text"):
+    text: str
+
+
+class OutputText(Strict, tag_field="type", tag="output_text"):
+    text: str
+    annotations: Any = None
+    logprobs: Any = None
+
+
+class Refusal(Strict, tag_field="type", tag="refusal"):
+    refusal: str
+
+
+class InputImage(Strict, tag_field="type", tag="input_image"):
+    image_url: Any = None
+    file_id: Any = None
+    detail: Any = None
+
+
+class InputFile(Strict, tag_field="type", tag="input_file"):
+    file_id: Any = None
+    file_data: Any = None
+    file_url: Any = None
+    filename: Any = None
+
+
+Part = InputText | OutputText | Refusal | InputImage | InputFile
+
+
+class MessageItem(Strict, tag_field="type", tag="message"):
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[Part]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(Strict, tag_field="type", tag="function_call"):
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(Strict, tag_field="type", tag="function_call_output"):
+    call_id: str
+    output: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningText(Strict, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class ReasoningItem(Strict, tag_field="type", tag="reasoning"):
+    id: str | None = None
+    summary: list[Any] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: Any = None
+    status: str | None = None
+
+
+class EasyMessage(Strict):
+    """A message item without `type` (the API's "easy input message")."""
+
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[Part]
+
+
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+
+
+class FunctionTool(Strict):
+    type: Literal["function"]
+    name: str
+    parameters: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class Format(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(Strict):
+    format: Format | None = None
+    verbosity: Literal["medium"] | None = None  # the only one a model without the knob serves as asked
+
+
+class Reasoning(Strict):
+    effort: None = None
+    summary: Any = None
+    generate_summary: Any = None
+
+
+class ResponsesRequest(Strict):
+    input: str | list[Any]
+    model: str | None = None
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    stream: bool = False
+    previous_response_id: None = None  # refused (stateless): a value is a 400 naming it
+    truncation: Literal["disabled"] | None = None
+    reasoning: Reasoning | None = None
+    top_k: Annotated[int, Meta(ge=0)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    deadline_ms: Annotated[int, Meta(ge=1, le=MAX_DEADLINE_MS)] | None = None
+    # accepted and ignored (see the module docstring)
+    store: bool | None = None
+    include: list[str] | None = None
+    metadata: Any = None
+    user: Any = None
+    safety_identifier: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    stream_options: Any = None
+
+
+def decode(body: dict[str, Any]) -> ResponsesRequest:
+    try:
+        req = msgspec.convert(body, ResponsesRequest)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        at = re.search(r" - at `\$\.?([^`]*)`$", text)
+        where = at.group(1) if at else ""
+        unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
+        if unknown:
+            param = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+            raise RequestError(f"`{param}` is not supported by kvroute", param=param) from None
+        if where == "previous_response_id":
+            raise RequestError(
+                "`previous_response_id` is not supported: kvroute keeps no responses; send the whole conversation in `input`"
+                " (it is served from cache)",
+                param=where,
+            ) from None
+        message = text.split(" - at ")[0]
+        raise RequestError(f"invalid `{where}`: {message}" if where else message, param=where or None) from None
+    return req
+
+
+def _items(raw: list[Any]) -> list[Any]:
+    """Each input item typed; an item without `type` is a message."""
+    out = []
+    for i, item in enumerate(raw):
+        try:
+            if isinstance(item, dict) and "type" not in item:
+                out.append(msgspec.convert(item, EasyMessage))
+            else:
+                out.append(msgspec.convert(item, Item))
+        except msgspec.ValidationError as exc:
+            text = str(exc)
+            at = re.search(r" - at `\$\.?([^`]*)`$", text)
+            inner = at.group(1) if at else ""
+            where = f"input[{i}]" + ("" if not inner else inner if inner.startswith("[") else "." + inner)
+            raise RequestError(f"`{where}`: {text.split(' - at ')[0]}", param=where) from None
+    return out
+
+
+def _text_parts(content: str | list[Part], where: str) -> list[TextPart]:
+    if isinstance(content, str):
+        return [TextPart(text=content)]
+    parts = []
+    for j, p in enumerate(content):
+        if isinstance(p, InputText | OutputText):
+            parts.append(TextPart(text=p.text))
+        elif isinstance(p, Refusal):
+            parts.append(TextPart(text=p.refusal))
+        else:
+            kind = p.__struct_config__.tag
+            raise RequestError(f"{kind} content is not supported: the served model reads text", param=f"{where}.content[{j}]")
+    return parts
+
+
+def to_messages(instructions: str | None, input_: str | list[Any]) -> list[ChatMessage]:
+    """Items as chat messages: consecutive assistant output (text, calls, reasoning) is one assistant message."""
+    out: list[ChatMessage] = []
+    if instructions is not None:
+        out.append(ChatMessage(role="system", content=instructions))
+    if isinstance(input_, str):
+        out.append(ChatMessage(role="user", content=input_))
+        return out
+    for i, item in enumerate(_items(input_)):
+        where = f"input[{i}]"
+        last = out[-1] if out and out[-1].role == "assistant" else None
+        if isinstance(item, MessageItem | EasyMessage) and item.role != "assistant":
+            out.append(ChatMessage(role=item.role, content=_text_parts(item.content, where)))
+        elif isinstance(item, MessageItem | EasyMessage):
+            parts = _text_parts(item.content, where)
+            if last is not None and not last.tool_calls:
+                last.content = [*(last.content if isinstance(last.content, list) else []), *parts]
+            else:
+                out.append(ChatMessage(role="assistant", content=parts))
+        elif isinstance(item, FunctionCallItem):
+            call = ToolCall(id=item.call_id, name=item.name, arguments=item.arguments)
+            if last is not None:
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif isinstance(item, FunctionCallOutputItem):
+            body = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
+            out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=body))
+        elif isinstance(item, ReasoningItem):
+            text = "".join(c.text for c in item.content or [])
+            if last is not None and not last.tool_calls and not last.content:
+                last.reasoning_content = (last.reasoning_content or "") + text
+            else:
+                out.append(ChatMessage(role="assistant", content=None, reasoning_content=text))
+    return out
+
+
+def responses_submit(raw: dict[str, Any], request_id: str) -> tuple[Submit, bool, ResponsesRequest]:
+    """/v1/responses body -> (submit, stream?, the typed body)."""
+    body = decode(raw)
+    tools = None
+    if body.tools is not None:
+        tools = []
+        for i, t in enumerate(body.tools):
+            try:
+                tools.append(
+                    msgspec.convert({"name": t.name, "description": t.description or "", "parameters": t.parameters or {}}, Tool)
+                )
+            except msgspec.ValidationError as exc:
+                raise RequestError(f"tools[{i}].name: {exc}", param=f"tools[{i}].name") from None
+    choice: Any = body.tool_choice or "auto"
+    if isinstance(choice, NamedFunction):
+        choice = NamedTool(name=choice.name)
+    if body.tool_choice not in (None, "none") and not tools:
+        raise RequestError("`tool_choice` needs `tools`", param="tool_choice")
+    fmt = None
+    f = body.text.format if body.text else None
+    if f is not None and f.type == "json_object":
+        fmt = ResponseFormat(type="json_object")
+    elif f is not None and f.type == "json_schema":
+        if f.schema is None:
+            raise RequestError("text.format json_schema needs `schema`", param="text.format.schema")
+        fmt = ResponseFormat(type="json_schema", schema=f.schema, name=f.name)
+    try:
+        sampling = msgspec.convert(
+            {
+                "max_tokens": body.max_output_tokens,
+                "temperature": 1.0 if body.temperature is None else body.temperature,
+                "top_p": 1.0 if body.top_p is None else body.top_p,
+                "top_k": body.top_k or 0,
+                "min_p": body.min_p or 0.0,
+                "logprobs": body.top_logprobs,
+            },
+            Sampling,
+        )
+        sub = Submit(
+            id=request_id,
+            messages=to_messages(body.instructions, body.input),
+            sampling=sampling,
+            deadline_ms=body.deadline_ms,
+            tools=tools,
+            tool_choice=choice,
+            parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+            response_format=fmt,
+            chat_template_kwargs=body.chat_template_kwargs or {},
+        )
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise RequestError(str(exc)) from None
+    return sub, body.stream, body
+
+
+# ---- replies ----------------------------------------------------------------------------------------------------
+
+
+def _usage(prompt: int, cached: int, output: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + output,
+    }
+
+
+def _tool_choice(body: ResponsesRequest) -> Any:
+    tc = body.tool_choice
+    return msgspec.to_builtins(tc) if tc is not None else "auto"
+
+
+def envelope(rid: str, model: str, body: ResponsesRequest, created: float) -> dict[str, Any]:
+    """A response object without its output (status `in_progress`)."""
+    fmt = body.text.format if body.text and body.text.format else None
+    return {
+        "id": f"resp_{rid}",
+        "object": "response",
+        "created_at": created,
+        "model": model,
+        "status": "in_progress",
+        "output": [],
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+        "previous_response_id": None,
+        "store": False,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "text": {"format": msgspec.to_builtins(fmt) if fmt else {"type": "text"}},
+        "tool_choice": _tool_choice(body),
+        "tools": [msgspec.to_builtins(t) for t in body.tools or []],
+        "truncation": "disabled",
+        "usage": None,
+        "metadata": {},
+    }
+
+
+def _item(block: Any, rid: str, done: bool, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    """The output item of a block (`done`: completed, with its text; else in progress and empty)."""
+    status = "completed" if done else "in_progress"
+    if block.kind is Kind.TOOL:
+        c = block.call
+        return {"type": "function_call", "id": f"fc_{rid}_{block.index}", "call_id": c.id, "name": c.name,
+                "arguments": c.arguments if done else "", "status": status}  # fmt: skip
+    if block.kind is Kind.THINKING:
+        content = [{"type": "reasoning_text", "text": block.text}] if done else []
+        return {"type": "reasoning", "id": f"rs_{rid}_{block.index}", "summary": [], "content": content, "status": status}
+    part = _part(block.text if done else "", logprobs if done else [])
+    return {"type": "message", "id": f"msg_{rid}_{block.index}", "role": "assistant", "status": status,
+            "content": [part] if done else []}  # fmt: skip
+
+
+def _part(text: str, logprobs: list[Any] | None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def finish(result: Result) -> tuple[str, dict[str, Any] | None]:
+    """(status, incomplete_details)."""
+    if result.finish_reason == FinishReason.LENGTH:
+        return "incomplete", {"reason": "max_output_tokens"}
+    return "completed", None
+
+
+def response_body(result: Result, rid: str, model: str, body: ResponsesRequest, created: float, logprobs: bool) -> dict[str, Any]:
+    blocks = Blocks()
+    delta = Delta(id=rid, text=result.text, tokens=b"", reasoning=result.reasoning or "")
+    delta.tool_calls = [_call_delta(i, c) for i, c in enumerate(result.tool_calls)]
+    events = list(blocks.feed(delta)) + list(blocks.finish())
+    lps = chat_logprobs(result.logprobs)["content"] if logprobs else None
+    out = envelope(rid, model, body, created)
+    status, incomplete = finish(result)
+    u = result.usage
+    out.update(
+        status=status,
+        incomplete_details=incomplete,
+        output=[_item(ev.block, rid, True, lps) for ev in events if ev.what == "close"],
+        usage=_usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens),
+    )
+    return out
+
+
+def _call_delta(i: int, c: ToolCall) -> ToolCallDelta:
+    return ToolCallDelta(index=i, id=c.id, name=c.name, arguments=c.arguments)
+
+
+def error_event(message: str, code: str) -> bytes:
+    """An error in the middle of a stream."""
+    data = {"type": "error", "code": code, "message": message, "param": None}
+    return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
+
+
+async def response_events(
+    messages: AsyncIterator[Delta | Result], rid: str, model: str, body: ResponsesRequest, created: float
+) -> AsyncIterator[bytes]:
+    """The documented event sequence: response.created, response.in_progress, then per output item
+    output_item.added, (content_part.added, output_text.delta..., output_text.done, content_part.done |
+    function_call_arguments.delta, .done | reasoning_text.delta..., .done), output_item.done; response.completed."""
+    seq = 0
+    blocks = Blocks()
+    done_items: list[dict[str, Any]] = []
+
+    def event(kind: str, **fields: Any) -> bytes:
+        nonlocal seq
+        data = {"type": kind, "sequence_number": seq, **fields}
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+    base = envelope(rid, model, body, created)
+    yield event("response.created", response=base)
+    yield event("response.in_progress", response=base)
+
+    def emit(ev: Event) -> list[bytes]:
+        b, out = ev.block, []
+        item_id = _item(b, rid, False)["id"]
+        where = {"item_id": item_id, "output_index": b.index}
+        if ev.what == "open":
+            out.append(event("response.output_item.added", output_index=b.index, item=_item(b, rid, False)))
+            if b.kind is Kind.TEXT:
+                out.append(event("response.content_part.added", **where, content_index=0, part=_part("", [])))
+        elif ev.what == "delta":
+            if b.kind is Kind.TEXT:
+                out.append(event("response.output_text.delta", **where, content_index=0, delta=ev.text, logprobs=[]))
+            elif b.kind is Kind.THINKING:
+                out.append(event("response.reasoning_text.delta", **where, content_index=0, delta=ev.text))
+            else:
+                out.append(event("response.function_call_arguments.delta", **where, delta=ev.text))
+        else:
+            if b.kind is Kind.TEXT:
+                out.append(event("response.output_text.done", **where, content_index=0, text=b.text, logprobs=[]))
+                out.append(event("response.content_part.done", **where, content_index=0, part=_part(b.text, [])))
+            elif b.kind is Kind.THINKING:
+                out.append(event("response.reasoning_text.done", **where, content_index=0, text=b.text))
+            else:
+                assert b.call is not None
+                out.append(event("response.function_call_arguments.done", **where, name=b.call.name, arguments=b.text))
+            item = _item(b, rid, True)
+            done_items.append(item)
+            out.append(event("response.output_item.done", output_index=b.index, item=item))
+        return out
+
+    async for msg in messages:
+        if isinstance(msg, Delta):
+            for ev in blocks.feed(msg):
+                for chunk in emit(ev):
+                    yield chunk
+            continue
+        for ev in blocks.finish():
+            for chunk in emit(ev):
+                yield chunk
+        status, incomplete = finish(msg)
+        u = msg.usage
+        final = {**base, "status": status, "incomplete_details": incomplete, "output": done_items,
+                 "usage": _usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)}  # fmt: skip
+        yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
+
+
+def now() -> float:
+    return time.time()
