@@ -128,8 +128,8 @@ def document(rng: random.Random, n_words: int) -> str:
 
 
 async def run_policy(policy: str, args: argparse.Namespace) -> dict[str, float]:
+    from commands.serve import LocalWorkers, serve
     from kvroute.client import AsyncClient
-    from kvroute.serve import LocalWorkers, serve
     from router.config import RouterConfig
     from router.supervisor import SupervisorConfig
 

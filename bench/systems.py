@@ -63,7 +63,7 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
     server) is reached by mistake."""
     if name.startswith("kvroute"):
         serve = [
-            sys.executable, "-m", "kvroute.cli", "serve",
+            sys.executable, "-m", "commands.cli", "serve",
             "--model", setup.model,
             "--workers", str(setup.workers),
             "--slots", str(setup.slots),

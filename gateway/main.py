@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.cli import UsageError
+    from kvroute.config import UsageError
 
     try:
         cfg = from_args(HttpConfig, args)

@@ -1,4 +1,5 @@
-"""kvroute: the command line, the default model and what every process shares (config, logs)."""
+"""kvroute: what every process shares (config, logs, the default model, the vocabulary, keys, the rules of a slot)
+and the Python client of the protocol. The commands are in commands/, the layer above."""
 
 from importlib.metadata import PackageNotFoundError, version
 

@@ -70,6 +70,10 @@ def from_args(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
     return cls(**values)
 
 
+class UsageError(Exception):
+    """A problem the user can fix (a flag, a key file, an endpoint): the command prints it as one line."""
+
+
 class ConfigFileError(Exception):
     """A config file that cannot be used; the message names the file, the key and the problem."""
 

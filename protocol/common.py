@@ -6,7 +6,7 @@ import enum
 import hashlib
 import sys
 from array import array
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -153,6 +153,8 @@ def unpack_tokens(data: bytes) -> list[int]:
     return out.tolist()
 
 
-def token_hash(tokens: list[int]) -> str:
-    """Hash that a worker reports for a slot's tokens: blake2b-64 of the packed tokens, hex."""
-    return hashlib.blake2b(pack_tokens(tokens), digest_size=8).hexdigest()
+def token_hash(tokens: Any) -> str:
+    """Hash that a worker reports for a slot's tokens: blake2b-64 of the packed tokens, hex. `tokens`: a list of
+    ids, or an int32 array (numpy), hashed without a copy to a list."""
+    data = tokens.astype("<i4").tobytes() if hasattr(tokens, "astype") else pack_tokens(tokens)
+    return hashlib.blake2b(data, digest_size=8).hexdigest()

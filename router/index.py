@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvroute.slots import common_prefix
+
 Tokens = np.ndarray  # int32, 1-D
 
 
@@ -28,15 +30,6 @@ def as_tokens(tokens: object) -> Tokens:
     if arr.ndim != 1:
         raise ValueError("token sequence must be one-dimensional")
     return arr
-
-
-def common_prefix(a: Tokens, b: Tokens) -> int:
-    """Length of the common prefix of two int32 arrays."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
 
 
 class _Node:

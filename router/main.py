@@ -24,8 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_router(cfg: RouterConfig) -> Router:
-    """Load the vocabulary and bind both sockets; user errors raise kvroute.cli.UsageError."""
-    from kvroute.cli import UsageError
+    """Load the vocabulary and bind both sockets; user errors raise kvroute.config.UsageError."""
+    from kvroute.config import UsageError
     from kvroute.vocab import Vocab, VocabError
 
     path = resolve_model(cfg.model)
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = from_args(RouterConfig, args)
     except ValueError as exc:
-        from kvroute.cli import UsageError
+        from kvroute.config import UsageError
 
         raise UsageError(str(exc)) from None
     router = load_router(cfg)

@@ -14,27 +14,17 @@ first `slot_tokens` tokens of (prompt + generated tokens), and `slot_hash` is th
 
 from __future__ import annotations
 
-import enum
-import hashlib
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvroute.slots import SlotPhase
+from protocol import token_hash
 from router.index import Index, Tokens, as_tokens
 
 EMPTY: Tokens = np.empty(0, dtype=np.int32)
-
-
-def hash_tokens(tokens: Tokens) -> str:
-    """Same value as protocol.token_hash(list(tokens)), without the list."""
-    return hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i4").tobytes(), digest_size=8).hexdigest()
-
-
-class SlotPhase(enum.Enum):
-    IDLE = "idle"
-    BUSY = "busy"
 
 
 @dataclass(eq=False)
@@ -153,12 +143,12 @@ class Mirror:
 
     def _settle(self, slot: Slot, job: str, full: Tokens, slot_tokens: int, slot_hash: str, n_prompt: int) -> Mismatch | None:
         held = full[:slot_tokens]
-        if slot_tokens <= len(full) and hash_tokens(held) == slot_hash:
+        if slot_tokens <= len(full) and token_hash(held) == slot_hash:
             self._idle(slot, held, dirty=False)
             slot.n_exact = min(n_prompt, slot_tokens)
             return None
         self.mismatches += 1
-        mm = Mismatch(slot.worker, slot.index, job, len(full), slot_tokens, hash_tokens(held), slot_hash)
+        mm = Mismatch(slot.worker, slot.index, job, len(full), slot_tokens, token_hash(held), slot_hash)
         self._idle(slot, EMPTY, dirty=True)
         return mm
 

@@ -1,4 +1,4 @@
-"""The router's bookkeeping records: one per client request, one per connected worker."""
+"""The router's bookkeeping records: one per choice of a client request, one per connected worker."""
 
 from __future__ import annotations
 
@@ -14,11 +14,16 @@ from protocol import Choice, Constraint, Hello, Sampling, Timings, TokenLogprob,
 from router.mirror import Slot
 from router.select import WorkerLoad
 
+NO_TOKENS = np.zeros(0, dtype=np.int32)
+
 
 class ReqState(enum.Enum):
-    TOKENIZING = "tokenizing"  # a long text being tokenized off the event loop
+    """Changed only by the scheduler's transitions (router/scheduler.py)."""
+
+    TOKENIZING = "tokenizing"  # accepted; its prompt is being rendered and tokenized
     QUEUED = "queued"  # waiting in the router's queue
     RUNNING = "running"  # sent to a worker as a job
+    CANCELLING = "cancelling"  # running, and told to stop: its job's end finishes it
     DONE = "done"
 
 
@@ -27,23 +32,23 @@ class Req:
     client: bytes  # ZMQ identity of the client connection
     envelope: list[bytes]  # [b""] for REQ clients, echoed back; [] for DEALER
     rid: str  # the client's request id
-    tokens: np.ndarray
     sampling: Sampling
     stream: bool
     deadline: float | None  # monotonic
+    n: int = 1  # choices the client asked for
+    tokens: np.ndarray = field(default_factory=lambda: NO_TOKENS)
     arrived: float = field(default_factory=time.monotonic)
-    state: ReqState = ReqState.QUEUED
+    state: ReqState = ReqState.TOKENIZING
+    reply_to: bytes | None = None  # where replies go; None: nothing more is sent (the client left, or it was answered)
     queued_at: float = field(default_factory=time.monotonic)
     wait_since: float | None = None  # when it started waiting for a busy slot
     job: str | None = None
     worker: str | None = None
     slot: Slot | None = None
     predicted: int = 0
-    prefill_pending: int = 0  # counted in the worker's queued_prefill until the first token
+    prefill_pending: int = 0  # prompt tokens its worker has still to compute (until the first token)
     streamed: list[int] = field(default_factory=list)  # token ids received from the worker
-    started: bool = False  # a delta reached the client: it can no longer be re-dispatched
-    cancelled: bool = False
-    gone: bool = False  # nothing more is sent: the client disconnected, or the request already had its last reply
+    delivered: int = 0  # deltas sent to the client in this attempt: once any is, it cannot be re-dispatched
     attempts: int = 0
     queue_ms: float = 0.0
     constraint: Constraint | None = None
@@ -52,13 +57,21 @@ class Req:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     index: int = 0  # which choice, when the client asked for n > 1
     group: list[Req] | None = None  # every choice of the request when n > 1 (one list, shared by all of them)
-    choice: Choice | None = None  # n > 1: this choice's reply, kept until every choice has one
+    choice: Choice | None = None  # this choice's reply, kept until every choice of the request has one
     usage: Usage | None = None
     timings: Timings | None = None
+
+    def __post_init__(self) -> None:
+        self.reply_to = self.client
 
     @property
     def key(self) -> tuple[bytes, str, int]:
         return (self.client, self.rid, self.index)
+
+    @property
+    def started(self) -> bool:
+        """Output reached the client: the request can no longer be sent to another worker."""
+        return self.delivered > 0
 
     @property
     def choices(self) -> list[Req]:
@@ -69,7 +82,7 @@ class Req:
         sampling = self.sampling
         if sampling.seed is not None:
             sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + index) % (2**32 - 1))
-        twin = Req(self.client, self.envelope, self.rid, self.tokens, sampling, self.stream, self.deadline, arrived=self.arrived)
+        twin = Req(self.client, self.envelope, self.rid, sampling, self.stream, self.deadline, self.n, self.tokens, self.arrived)
         twin.constraint, twin.output, twin.index, twin.group = self.constraint, self.output, index, self.group
         return twin
 
@@ -91,6 +104,11 @@ class WorkerConn:
 
     def __post_init__(self) -> None:
         self.load = WorkerLoad(self.hello.worker_id, self.slots)
+
+    def refresh(self) -> None:
+        """Recompute the load selection sees from what it derives from: the mirror's slots and the running jobs."""
+        self.load.busy = sum(s.busy for s in self.slots)
+        self.load.queued_prefill = sum(r.prefill_pending for r in self.jobs.values())
 
     @property
     def id(self) -> str:

@@ -33,33 +33,46 @@ the worker still reuses whatever the chosen slot happens to share, and the reuse
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
+from kvroute.slots import reused
+from router.config import RouterConfig
 from router.index import Match
 from router.mirror import Slot
+
+_CONFIG: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
 
 
 @dataclass(frozen=True)
 class Params:
-    policy: str = "prefix"
-    prefix_cache: bool = True
-    min_match: int = 16
-    busy_slot_cost: float = 32.0
-    evict_weight: float = 1.0
-    evict_half_life_s: float = 60.0
-    imbalance_abs: int = 4
-    imbalance_rel: float = 1.5
-    busy_wait_ms: float = 1000.0
-    hold_ms: float = 0.0
+    """The cost model's settings: those of RouterConfig (the router's flags), with its defaults."""
+
+    policy: str = _CONFIG["policy"]
+    prefix_cache: bool = _CONFIG["prefix_cache"]
+    min_match: int = _CONFIG["min_match"]
+    busy_slot_cost: float = float(_CONFIG["busy_slot_cost"])
+    evict_weight: float = _CONFIG["evict_weight"]
+    evict_half_life_s: float = _CONFIG["evict_half_life_s"]
+    imbalance_abs: int = _CONFIG["imbalance_abs"]
+    imbalance_rel: float = _CONFIG["imbalance_rel"]
+    busy_wait_ms: float = float(_CONFIG["busy_wait_ms"])
+    hold_ms: float = float(_CONFIG["hold_ms"])
+
+    @classmethod
+    def from_config(cls, cfg: RouterConfig) -> Params:
+        kinds: dict[str, Any] = {f.name: type(f.default) for f in dataclasses.fields(cls)}
+        return cls(**{name: kind(getattr(cfg, name)) for name, kind in kinds.items()})
 
 
 @dataclass
 class WorkerLoad:
-    """One ready worker as selection sees it. `busy` and `queued_prefill` move at dispatch."""
+    """One ready worker as selection sees it: its busy slots and the prefill sent to it and not yet computed
+    (recomputed by its owner, router/requests.py `WorkerConn.refresh`, from the mirror and the running jobs)."""
 
     worker: str
     slots: list[Slot]
@@ -87,17 +100,11 @@ class Wait:
 Decision = Dispatch | Wait | None  # None: no idle slot anywhere
 
 
-EXACT_ROWS = 8  # a deterministic worker always computes at least this many prompt tokens (worker/engine.py)
-
-
 def predicted_reuse(lcp: int, length: int, slot: Slot, params: Params) -> int:
-    """What the worker will reuse on `slot` (its rule, worker/engine.py `_assign`)."""
+    """What the worker will reuse on `slot`: the rule both sides share (kvroute/slots.py `reused`)."""
     if not params.prefix_cache or slot.dirty:
         return 0
-    reuse = min(lcp, length - 1)
-    if slot.exact:  # deterministic mode reuses only KV computed as prompt, leaving a full-size chunk
-        reuse = max(0, min(reuse, slot.n_exact, length - EXACT_ROWS))
-    return reuse
+    return reused(lcp, length, slot.n_exact, slot.exact)
 
 
 def _recency(slot: Slot, now: float, half_life: float) -> float:

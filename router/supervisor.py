@@ -66,7 +66,7 @@ class Supervisor:
         self, router: Router, specs: list[WorkerSpec], cfg: SupervisorConfig, connect: str, *, program: list[str] | None = None
     ) -> None:
         self.router = router
-        self.program = program or [sys.executable, "-m", "kvroute.cli", "worker"]  # tests put a stand-in here
+        self.program = program or [sys.executable, "-m", "commands.cli", "worker"]  # tests put a stand-in here
         self.cfg = cfg
         self.connect = connect
         self.children = {s.worker_id: _Child(s) for s in specs}

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from commands.cli import main
 from kvroute import __version__
-from kvroute.cli import main
 from kvroute.model import ModelError, default_model_path, resolve_model
 
-KVROUTE = [sys.executable, "-m", "kvroute.cli"]
+KVROUTE = [sys.executable, "-m", "commands.cli"]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.cli import build_parser
+from commands.cli import build_parser
 from kvroute.config import ConfigFileError, load_config_file
 
 
@@ -58,12 +58,12 @@ def test_bad_files_name_the_problem(tmp_path: Path, text: str, message: str | No
 def test_cli_stops_with_one_line(tmp_path: Path) -> None:
     path = write(tmp_path, "[http]\nbogus = true\n")
     out = subprocess.run(
-        [sys.executable, "-m", "kvroute.cli", "http", "--config", path], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "commands.cli", "http", "--config", path], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 1
     assert out.stderr.strip().count("\n") == 0 and "unknown key 'bogus'" in out.stderr
     missing = subprocess.run(
-        [sys.executable, "-m", "kvroute.cli", "http", "--config", str(tmp_path / "none.toml")],
+        [sys.executable, "-m", "commands.cli", "http", "--config", str(tmp_path / "none.toml")],
         capture_output=True,
         text=True,
         timeout=60,

@@ -34,6 +34,7 @@ from typing import Any
 
 from kvroute import logs
 from kvroute.model import resolve_model
+from kvroute.slots import EXACT_ROWS, SlotPhase, common_prefix, reused
 from protocol import (
     ErrorCode,
     FinishReason,
@@ -54,14 +55,13 @@ from worker.guide import Guide, GuideError, GuideTokenizer
 from worker.host_cache import Entry, HostCache
 from worker.llama import Llama
 from worker.sampling import Sampler, SamplingError
-from worker.slots import Slot, SlotPhase, SlotTable, Snapshot, common_prefix
+from worker.slots import Slot, SlotTable, Snapshot
 from worker.stopping import TextStream
 
 log = logs.get(__name__)
 
 Sink = Callable[[Message], None]
 MS = 1000.0
-EXACT_ROWS = 8  # smallest ubatch computed with the same kernels as a long prompt (measured: tests/worker)
 # Copying a prefix moves memory: another slot's whole stream (ctx_per_slot cells, about 18 KB each for Gemma 3
 # 270M), or a host-RAM entry's state. Worth it when it saves at least COPY_MIN prompt tokens and 1/COPY_RATIO of
 # the cells copied (prefill costs ~100x a token's memcpy on CPU, ~50x on GPU).
@@ -418,11 +418,7 @@ class Engine:
         cached: the last prompt token must be computed again); in deterministic mode only KV computed as prompt,
         leaving a full-size chunk to compute; none when its sliding-window layers start at `pos_min`, too late for
         the cut (a state restored from host RAM can only be extended, not cut far back)."""
-        lcp = common_prefix(tokens, prompt)
-        if lcp == len(prompt):
-            lcp -= 1
-        if self.exact:
-            lcp = max(0, min(lcp, n_exact, len(prompt) - EXACT_ROWS))
+        lcp = reused(common_prefix(tokens, prompt), len(prompt), n_exact, self.exact)
         return lcp if self.llama.can_keep(pos_min, len(tokens), lcp) else 0
 
     @staticmethod

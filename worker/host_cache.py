@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from worker.slots import common_prefix
+from kvroute.slots import common_prefix
 
 if TYPE_CHECKING:
     from worker.llama import StateData

@@ -25,9 +25,8 @@ import uuid
 import zmq
 
 from kvroute import logs
-from kvroute.cli import UsageError
 from kvroute.client import secure_client_socket
-from kvroute.config import add_args, from_args
+from kvroute.config import UsageError, add_args, from_args
 from kvroute.notify import notify, watchdog_interval_s
 from protocol import (
     Accept,

@@ -6,32 +6,13 @@ reads; never mutate).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvroute.slots import SlotPhase, common_prefix
+
 if TYPE_CHECKING:
     from worker.llama import StateData
-
-
-class SlotPhase(enum.Enum):
-    IDLE = "idle"
-    BUSY = "busy"
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists (C-speed slice compares, binary search)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 @dataclass

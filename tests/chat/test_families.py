@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from chat.families import Generic, detect
 from chat.grammar import ChatError, constraint
 from chat.output import OutputParser, OutputSpec
+from kvroute.slots import common_prefix
 from kvroute.vocab import Vocab
 from protocol import ChatMessage, NamedTool, Submit, Tool, ToolCall
 from worker.guide import Guide, GuideTokenizer
-from worker.slots import common_prefix
 
 WEATHER = Tool(
     name="get_weather",

@@ -328,7 +328,7 @@ def test_curve_lets_allowed_keys_in_and_keeps_others_out(cluster: Cluster) -> No
     assert {w.worker for w in ok.status().workers} == {"wa", "wb"}  # "evil" never joined
     ok.close()
     # the CLI with the allowed client key gets in; without keys it gets no answer
-    cli = [sys.executable, "-m", "kvroute.cli", "status", "--connect", cluster.client_ep, "--timeout", "3"]
+    cli = [sys.executable, "-m", "commands.cli", "status", "--connect", cluster.client_ep, "--timeout", "3"]
     keys = ["--curve-key", str(cluster.keys["client.key"]), "--router-key", str(cluster.keys["router.pub"])]
     with_keys = subprocess.run([*cli, *keys], capture_output=True, text=True, timeout=60)
     assert with_keys.returncode == 0 and "wa" in with_keys.stdout, with_keys.stderr

@@ -31,7 +31,7 @@ class Served:
         cmd = [
             sys.executable,
             "-m",
-            "kvroute.cli",
+            "commands.cli",
             "serve",
             "--zmq",
             self.zmq,

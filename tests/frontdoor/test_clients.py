@@ -72,7 +72,7 @@ def test_python_client_tool_call_over_zmq(served: Served) -> None:
 
 
 def kvroute(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvroute.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "commands.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 def test_cli_complete_then_status_shows_the_slot(served: Served) -> None:

@@ -15,7 +15,7 @@ import pytest
 from router_client import RawClient
 from router_helpers import RouterThread, endpoints
 
-from kvroute.serve import LocalWorkers, serve
+from commands.serve import LocalWorkers, serve
 from protocol import ChatMessage, Delta, Error, Result, Sampling, StatusRequest, Submit
 from router.config import RouterConfig
 from router.supervisor import SupervisorConfig

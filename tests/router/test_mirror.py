@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvroute.slots import common_prefix
 from protocol import token_hash
 from router.metrics import mispredicted
-from router.mirror import EMPTY, Mirror, hash_tokens
+from router.mirror import EMPTY, Mirror
 from router.select import Params, predicted_reuse
 
 
@@ -14,9 +15,11 @@ def toks(*xs: int) -> np.ndarray:
     return np.array(xs, dtype=np.int32)
 
 
-def test_hash_tokens_equals_protocol_token_hash():
+def test_token_hash_and_common_prefix_agree_on_lists_and_arrays():
     seq = [1, 2, 300_000, 7, 0]
-    assert hash_tokens(np.array(seq, dtype=np.int32)) == token_hash(seq)
+    assert token_hash(np.array(seq, dtype=np.int32)) == token_hash(seq)
+    other = [1, 2, 300_000, 8]
+    assert common_prefix(seq, other) == common_prefix(np.array(seq, dtype=np.int32), np.array(other, dtype=np.int32)) == 3
 
 
 def test_finish_records_prompt_plus_generated_minus_last():

@@ -48,7 +48,7 @@ class FakeRouter:
         self.sock = self.ctx.socket(zmq.ROUTER)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.worker_id = worker_id
-        cmd = [sys.executable, "-m", "kvroute.cli", "worker", "--connect", f"tcp://127.0.0.1:{port}"]
+        cmd = [sys.executable, "-m", "commands.cli", "worker", "--connect", f"tcp://127.0.0.1:{port}"]
         cmd += ["--worker-id", worker_id, "--slots", "2", "--ctx-per-slot", str(CTX), "--threads", "2", *extra]
         env = dict(os.environ, KVROUTE_LOG_FORMAT="json")
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

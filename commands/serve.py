@@ -163,7 +163,7 @@ def _say_where(router_cfg: RouterConfig, http: HttpConfig | None, model: str) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.cli import UsageError
+    from kvroute.config import UsageError
     from router.main import run_loop
 
     logs.setup(process="serve")

@@ -1,4 +1,5 @@
-"""`kvroute` command line. Each subcommand lives with its process: router/, worker/; this file wires them.
+"""`kvroute` command line. Each subcommand lives with its process (router/, worker/, gateway/) or in this package
+(serve, talk); this file wires them.
 
 Every failure a user can cause (bad flag, missing model, unreachable endpoint) ends in one line on stderr
 and a non-zero exit, never a traceback.
@@ -12,13 +13,13 @@ import sys
 from collections.abc import Callable, Sequence
 
 from kvroute import __version__
-from kvroute.config import ConfigFileError, load_config_file
+from kvroute.config import ConfigFileError, UsageError, load_config_file
 from kvroute.model import ModelError, resolve_model
 
 # name -> (module, help, add_arguments name, run name)
 SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "serve": (
-        "kvroute.serve",
+        "commands.serve",
         "start the router, local workers and the HTTP API; serve the default model",
         "add_arguments",
         "run",
@@ -27,23 +28,19 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "worker": ("worker.main", "run one worker process: one llama context on one device", "add_arguments", "run"),
     "http": ("gateway.main", "run the OpenAI-compatible HTTP API in front of a running router", "add_arguments", "run"),
     "complete": (
-        "kvroute.talk",
+        "commands.talk",
         "complete a prompt on a running server, streaming to the terminal",
         "add_complete_arguments",
         "run_complete",
     ),
-    "chat": ("kvroute.talk", "chat with a running server, streaming to the terminal", "add_chat_arguments", "run_chat"),
+    "chat": ("commands.talk", "chat with a running server, streaming to the terminal", "add_chat_arguments", "run_chat"),
     "keys": ("kvroute.keys", "generate CurveZMQ key pairs for secured TCP between hosts", "add_arguments", "run"),
-    "status": ("kvroute.talk", "show workers, slots and what each slot holds", "add_status_arguments", "run_status"),
+    "status": ("commands.talk", "show workers, slots and what each slot holds", "add_status_arguments", "run_status"),
 }
 
 
 # Subcommands that run a daemon and so may read their flags from a TOML file (--config).
 CONFIGURABLE = {"serve", "router", "worker", "http"}
-
-
-class UsageError(Exception):
-    """A problem the user can fix; printed as one line."""
 
 
 def _model_path(args: argparse.Namespace) -> int:
@@ -64,12 +61,7 @@ def build_parser() -> tuple[
     subparsers: dict[str, argparse.ArgumentParser] = {}
 
     for name, (module_name, help_text, add_name, run_name) in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and exc.name.split(".")[0] in {"kvroute", "router", "worker"}:
-                continue  # that part is not built yet
-            raise
+        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=help_text, description=help_text)
         getattr(module, add_name)(p)
         if name in CONFIGURABLE:
@@ -106,6 +98,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from kvroute.cli import main as _main  # one module object, so UsageError raised elsewhere is this one
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -101,7 +101,7 @@ def _stream_out(client: Client, args: argparse.Namespace, **request: Any) -> Res
 
 def _client(args: argparse.Namespace) -> Client:
     """The ZMQ client the flags describe; a bad key setup is a one-line usage error."""
-    from kvroute.cli import UsageError
+    from kvroute.config import UsageError
 
     try:
         return Client(args.connect, timeout_s=args.timeout, curve_key=args.curve_key, router_key=args.router_key)

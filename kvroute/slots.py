@@ -1,0 +1,54 @@
+"""What a slot is, the one place both sides take it from: the worker that owns slots and the router that mirrors
+them (and predicts what the worker will reuse) must agree to the token.
+
+- `SlotPhase`: a slot is idle or busy (running one job).
+- `reused(lcp, length, n_exact, exact)`: the prompt tokens a slot holding a prefix of `lcp` of them gives a job:
+  one less on a full match (logits are not cached: the last prompt token is computed again); on a deterministic
+  worker at most the KV computed as prompt (`n_exact`), leaving a chunk of EXACT_ROWS to compute.
+- `common_prefix(a, b)` of two token sequences (lists or int32 arrays).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import numpy as np
+
+EXACT_ROWS = 8
+"""Smallest ubatch llama.cpp computes with the same kernels as a long prompt (measured: tests/worker); a
+deterministic worker computes at least this many prompt tokens of every job."""
+
+
+class SlotPhase(enum.Enum):
+    IDLE = "idle"
+    BUSY = "busy"
+
+
+def reused(lcp: int, length: int, n_exact: int = 0, exact: bool = False) -> int:
+    """Prompt tokens of a `length`-token prompt that a slot sharing its first `lcp` tokens gives (see above)."""
+    reuse = min(lcp, length - 1)
+    if exact:
+        reuse = max(0, min(reuse, n_exact, length - EXACT_ROWS))
+    return max(reuse, 0)
+
+
+def common_prefix(a: Any, b: Any) -> int:
+    """Length of the common prefix of two token sequences: lists (C-speed slice compares and a binary search) or
+    numpy int32 arrays (one vectorised compare)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        diff = np.flatnonzero(a[:n] != b[:n])
+        return int(diff[0]) if len(diff) else n
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

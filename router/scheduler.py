@@ -1,0 +1,669 @@
+"""The router's core: requests, the queue, dispatch, the mirror and the workers' records, without a socket.
+
+Every event is a method call: `accept` and `prepared` (a submit, before and after its prompt is rendered and
+tokenized), `cancel`, `client_gone`, `hello`, `worker_message` (heartbeat, job_delta, job_done, job_error),
+`worker_dead`, `tick`, `drain_expired`. What an event sends is appended to `outbox` (`Out` records), which the
+I/O shell (router/server.py) takes and sends afterwards. A send that fails comes back as another event
+(`client_gone`, `worker_dead`), after the first one is over: no event runs inside another.
+
+A request (one per choice: a request with n > 1 has n, sharing one `group`) is in one state at a time, changed
+only by these transitions, each moving it between containers in the same step:
+
+    accept    -> TOKENIZING   in `requests` (its prompt is being rendered and tokenized)
+    enqueue   -> QUEUED       in `requests` and `queue`
+    dispatch  -> RUNNING      also in `jobs` and its worker's `jobs`; its slot busy in the mirror
+    requeue   -> QUEUED       back at the head of `queue` (its worker died or handed it back before any output)
+    cancel    -> CANCELLING   a running one: the worker is told, and its job's end finishes it
+    finish    -> DONE         out of every container (`fail` is a finish with an error reply)
+
+Worker load (busy slots, prefill still to compute) is derived from the mirror and the running jobs whenever it is
+read, never counted up and down beside them.
+
+Failure rules:
+- A worker silent for `heartbeat_timeout_s`, or whose process exited, is dead at once: its slots leave the index
+  in the same event, its requests that have not streamed to their client are queued again at the front, the
+  others end with `worker_lost`.
+- A queued request whose deadline passes gets `deadline_exceeded`; with no worker for `no_workers_grace_s`, queued
+  and new requests get `no_workers`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvroute import logs
+from protocol import (
+    Accept,
+    Choice,
+    Error,
+    ErrorCode,
+    Heartbeat,
+    Hello,
+    Job,
+    JobCancel,
+    JobDelta,
+    JobDone,
+    JobError,
+    Refuse,
+    SlotStatus,
+    StatusReply,
+    Submit,
+    Timings,
+    Usage,
+    WorkerStatus,
+)
+from router.config import RouterConfig
+from router.metrics import Metrics, RequestRecord, mispredicted
+from router.mirror import Mirror
+from router.prepare import Prepared, PrepareError
+from router.replies import choice_of, delta_of, result_of
+from router.requests import Req, ReqState, WorkerConn, WorkerState
+from router.select import Dispatch, Params, Wait, coldest, predicted_reuse, select
+
+log = logs.get(__name__)
+
+MAX_WAITING_SCAN = 64  # queued requests examined per event beyond those dispatched
+
+
+@dataclass(frozen=True)
+class Out:
+    """A message to send: to a client (with its envelope) or, with `worker`, to a worker."""
+
+    to: bytes  # ZMQ identity
+    msg: Any
+    envelope: tuple[bytes, ...] = ()
+    worker: bool = False
+
+
+class Scheduler:
+    """The router's state and the life cycle of its requests. Owned by one thread (the shell's event loop)."""
+
+    def __init__(self, cfg: RouterConfig, *, fingerprint: str, model: str, router_id: str) -> None:
+        self.cfg = cfg
+        self.params = Params.from_config(cfg)
+        self.fingerprint, self.model, self.router_id = fingerprint, model, router_id
+        self.mirror = Mirror()
+        self.metrics = Metrics()
+        self.workers: dict[str, WorkerConn] = {}
+        self.seen: set[tuple[str, int]] = set()  # (worker id, incarnation) ever accepted
+        self.restarts: dict[str, int] = {}  # filled by the supervisor
+        self.requests: dict[tuple[bytes, str, int], Req] = {}  # by (client, request id, choice)
+        self.jobs: dict[str, Req] = {}
+        self.queue: list[Req] = []
+        self.no_workers_since: float | None = time.monotonic()
+        self.draining = False
+        self.outbox: list[Out] = []
+        self._job_ids = itertools.count(1)
+        self._rid = itertools.count(1)
+        self._rotation = 0
+
+    def take(self) -> list[Out]:
+        """The messages the last events produced (the outbox is emptied)."""
+        out, self.outbox = self.outbox, []
+        return out
+
+    # ---- sending ----------------------------------------------------------------------------------
+
+    def _to_client(self, req: Req, msg: Any) -> None:
+        if req.reply_to is not None:
+            self.outbox.append(Out(req.reply_to, msg, tuple(req.envelope)))
+
+    def _to_worker(self, conn: WorkerConn, msg: Any) -> None:
+        self.outbox.append(Out(conn.identity, msg, worker=True))
+
+    def reply(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any) -> None:
+        self.outbox.append(Out(identity, msg, envelope))
+
+    # ---- transitions ------------------------------------------------------------------------------
+
+    def _enqueue(self, req: Req, front: bool = False) -> None:
+        req.state, req.job, req.worker, req.slot = ReqState.QUEUED, None, None, None
+        req.queued_at, req.wait_since = time.monotonic(), None
+        self.requests[req.key] = req
+        if front:
+            self.queue.insert(0, req)
+        else:
+            self.queue.append(req)
+
+    def _dispatch(self, req: Req, d: Dispatch) -> None:
+        conn = self.workers[d.slot.worker]
+        slot = d.slot
+        job = f"{req.rid[:100]}.{next(self._job_ids)}"
+        prefix_cache = self.cfg.prefix_cache and not slot.dirty
+        self.mirror.assign(slot, job, req.tokens)
+        self._rotation += 1
+        self.queue.remove(req)
+        now = time.monotonic()
+        req.queue_ms += (now - req.queued_at) * 1000
+        self.metrics.queue_wait_ms.observe((now - req.queued_at) * 1000)
+        req.state, req.job, req.worker, req.slot = ReqState.RUNNING, job, conn.id, slot
+        req.predicted, req.prefill_pending, req.attempts = d.reuse, len(req.tokens) - d.reuse, req.attempts + 1
+        req.streamed, req.logprobs, req.parser, req.delivered = [], [], req.output.parser(), 0
+        self.jobs[job] = req
+        conn.jobs[job] = req
+        conn.refresh()
+        self.metrics.decisions["guarded" if d.guarded else "affinity" if d.affinity else "cold"] += 1
+        deadline_ms = None if req.deadline is None else max(1, int((req.deadline - now) * 1000))
+        log.info(
+            "slot_assigned",
+            request_id=req.rid,
+            job=job,
+            worker=conn.id,
+            slot=slot.index,
+            predicted_reuse=d.reuse,
+            prefill=len(req.tokens) - d.reuse,
+            cost=round(d.cost, 1),
+            affinity=d.affinity,
+        )
+        self._to_worker(
+            conn,
+            Job(
+                id=job,
+                slot=slot.index,
+                tokens=req.tokens.astype("<i4").tobytes(),
+                sampling=req.sampling,
+                deadline_ms=deadline_ms,
+                predicted_reuse=d.reuse,
+                prefix_cache=prefix_cache,
+                constraint=req.constraint,
+            ),
+        )
+
+    def _requeue(self, req: Req) -> None:
+        self._leave_worker(req)
+        self.jobs.pop(req.job or "", None)
+        self._enqueue(req, front=True)
+        self.metrics.redispatched += 1
+        log.info("request_requeued", request_id=req.rid, attempts=req.attempts)
+
+    def _cancel(self, req: Req) -> None:
+        """Stop a choice: one not running yet ends now (an empty `cancelled` choice), a running one is told to stop."""
+        if req.state in (ReqState.QUEUED, ReqState.TOKENIZING):
+            self._finish_empty(req, "cancelled")
+        elif req.state is ReqState.RUNNING:
+            req.state = ReqState.CANCELLING
+            conn = self.workers.get(req.worker or "")
+            if conn is not None and req.job:
+                self._to_worker(conn, JobCancel(id=req.job))
+
+    def _finish(self, req: Req) -> None:
+        """Forget a choice: out of the queue, the request table and the job tables; its worker's load drops."""
+        self._leave_worker(req)
+        req.state = ReqState.DONE
+        self.requests.pop(req.key, None)
+        if req in self.queue:
+            self.queue.remove(req)
+        if req.job:
+            self.jobs.pop(req.job, None)
+
+    def _leave_worker(self, req: Req) -> None:
+        conn = self.workers.get(req.worker or "")
+        if conn is not None and req.job in conn.jobs:
+            del conn.jobs[req.job]
+            conn.refresh()
+
+    def _fail(self, req: Req, code: str, message: str, **extra: Any) -> None:
+        """End the request with an error: every choice of it (the others' jobs are cancelled), one reply."""
+        if req.state is ReqState.DONE:
+            return  # already ended (another choice of it failed first)
+        reply_to = req.reply_to if all(r.reply_to is not None for r in req.choices) else None
+        for r in req.choices:
+            r.reply_to = None  # nothing more is sent for any choice
+            if r is not req and r.state is ReqState.RUNNING:
+                self._cancel(r)  # its job's end still updates the mirror, then finishes it
+            elif r is req or r.state is not ReqState.CANCELLING:
+                self._finish(r)
+        self.metrics.requests[code] += 1
+        log.info("request_failed", request_id=req.rid, job=req.job, code=code, message=message)
+        if reply_to is not None:
+            self.outbox.append(Out(reply_to, Error(id=req.rid, code=code, message=message, **extra), tuple(req.envelope)))
+
+    def _finish_empty(self, req: Req, reason: str) -> None:
+        """End a choice that produced nothing (cancelled before it ran)."""
+        self._finish(req)
+        self.metrics.requests[reason] += 1
+        waited = (time.monotonic() - req.arrived) * 1000
+        req.choice = Choice(index=req.index, finish_reason=reason, text="", tokens=b"")
+        req.usage = Usage(prompt_tokens=len(req.tokens), cached_tokens=0, completion_tokens=0)
+        req.timings = Timings(queue_ms=waited, total_ms=waited)
+        self._complete(req)
+
+    def _complete(self, req: Req) -> None:
+        """A choice ended: the result goes out once every choice of the request has ended."""
+        choices = req.choices
+        if any(r.choice is None for r in choices):
+            return
+        lead = choices[0]
+        self._to_client(lead, result_of(choices, lead.worker or "", lead.slot.index if lead.slot else -1))
+
+    # ---- client events ----------------------------------------------------------------------------
+
+    def accept(self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit) -> Req | None:
+        """A submit arrived: the request, in flight from now on (its prompt is to be prepared and handed to
+        `prepared`), or None when it is refused at once (draining, an id already in flight)."""
+        rid = msg.id or f"r{next(self._rid)}-{uuid.uuid4().hex[:8]}"
+        if self.draining:
+            self.metrics.requests[ErrorCode.DRAINING] += 1
+            self.reply(identity, envelope, Error(id=rid, code=ErrorCode.DRAINING, message="the router is shutting down"))
+            return None
+        if (identity, rid, 0) in self.requests:
+            message = f"request id {rid!r} is already in flight"
+            self.reply(identity, envelope, Error(id=rid, code=ErrorCode.BAD_REQUEST, message=message))
+            return None
+        deadline = None if msg.deadline_ms is None else time.monotonic() + msg.deadline_ms / 1000.0
+        # REQ sockets take exactly one reply per request: no deltas for them
+        req = Req(identity, list(envelope), rid, msg.sampling, msg.stream and not envelope, deadline, msg.n)
+        self.requests[req.key] = req
+        return req
+
+    def prepared(self, req: Req, outcome: Prepared | BaseException) -> None:
+        """The request's prompt is ready (or could not be): refuse it with a reason, or queue its choices."""
+        if req.state is not ReqState.TOKENIZING:
+            return  # ended meanwhile (cancelled, client gone, router draining)
+        if isinstance(outcome, BaseException):
+            self._finish(req)
+            if isinstance(outcome, PrepareError):
+                err = Error(id=req.rid, code=ErrorCode.BAD_REQUEST, message=str(outcome), param=outcome.param)
+            else:
+                error_id = uuid.uuid4().hex[:12]
+                log.error("tokenize_crashed", error_id=error_id, request_id=req.rid, error=repr(outcome))
+                err = Error(id=req.rid, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id)
+            self._to_client(req, err)
+            return
+        req.tokens, req.constraint, req.output = outcome.tokens, outcome.constraint, outcome.output
+        refusal = self._refusal(req) if len(req.tokens) else (ErrorCode.BAD_REQUEST, "the prompt has no tokens", {})
+        if refusal:
+            code, text, extra = refusal
+            self._finish(req)
+            self.metrics.requests[code] += 1
+            self._to_client(req, Error(id=req.rid, code=code, message=text, **extra))
+            return
+        if req.n > 1:
+            req.group = [req]
+            req.group.extend(req.sibling(i) for i in range(1, req.n))
+        for r in req.choices:
+            self._enqueue(r)
+        log.info("request_queued", request_id=req.rid, prompt_tokens=len(req.tokens), n=req.n, queued=len(self.queue))
+        self._pump()
+
+    def _refusal(self, req: Req) -> tuple[str, str, dict[str, Any]] | None:
+        """Why a request with its prompt ready cannot be queued, or None."""
+        ready = [w for w in self.workers.values() if w.state is WorkerState.READY]
+        if not ready and self._no_workers_expired():
+            return ErrorCode.NO_WORKERS, "no worker is connected", {}
+        if ready:
+            ctx = max(w.hello.ctx_per_slot for w in ready)
+            need = len(req.tokens) + (req.sampling.max_tokens or 0)
+            if len(req.tokens) >= ctx or need > ctx:
+                return (
+                    ErrorCode.CONTEXT_OVERFLOW,
+                    f"prompt of {len(req.tokens)} tokens + max_tokens {req.sampling.max_tokens}"
+                    f" does not fit a slot of {ctx} tokens",
+                    {},
+                )
+        if len(self.queue) + req.n > max(self.queue_limit(), req.n):
+            return ErrorCode.QUEUE_FULL, f"{len(self.queue)} requests are already waiting", {"retry_after_ms": 1000}
+        return None
+
+    def queue_limit(self) -> int:
+        if self.cfg.queue_size > 0:
+            return self.cfg.queue_size
+        return max(8, 2 * sum(len(w.slots) for w in self.workers.values()))
+
+    def _no_workers_expired(self) -> bool:
+        return self.no_workers_since is not None and time.monotonic() - self.no_workers_since >= self.cfg.no_workers_grace_s
+
+    def cancel(self, identity: bytes, rid: str) -> None:
+        lead = self.requests.get((identity, rid, 0))
+        if lead is None:
+            return
+        for req in lead.choices:
+            log.info("request_cancel", request_id=rid, choice=req.index, job=req.job, state=req.state.value)
+            self._cancel(req)
+
+    def client_gone(self, identity: bytes) -> None:
+        """The client's connection is gone: its requests end, silently."""
+        for req in [r for r in self.requests.values() if r.client == identity]:
+            log.info("client_gone", request_id=req.rid, job=req.job)
+            req.reply_to = None
+            self._cancel(req)
+
+    # ---- dispatch ---------------------------------------------------------------------------------
+
+    def _ready_loads(self) -> list[Any]:
+        return [w.load for w in self.workers.values() if w.state is WorkerState.READY]
+
+    def _pump(self) -> None:
+        """Dispatch queued requests, oldest first, while idle slots remain."""
+        if not self.queue:
+            return
+        now = time.monotonic()
+        waiting = 0
+        for req in list(self.queue):
+            loads = self._ready_loads()
+            if not any(w.busy < len(w.slots) for w in loads):
+                break  # no idle slot anywhere
+            if waiting >= MAX_WAITING_SCAN:
+                break  # bound the work per event when many requests wait for particular slots
+            t0 = time.perf_counter()
+            match = self.mirror.index.match(req.tokens)
+            if req.index > 0:  # another choice of a request: beside its first choice, which computes the prompt
+                lead = req.choices[0]
+                if lead.state in (ReqState.QUEUED, ReqState.TOKENIZING):
+                    waiting += 1
+                    continue
+                beside = self._beside(lead, match)
+                if beside is not None:
+                    self._dispatch(req, beside)
+                    continue
+            waited = 0.0 if req.wait_since is None else (now - req.wait_since) * 1000
+            decision = select(match, loads, self.params, now, self._rotation, waited)
+            self.metrics.decision_ms.observe((time.perf_counter() - t0) * 1000)
+            if isinstance(decision, Wait):
+                if req.wait_since is None:
+                    req.wait_since = now
+                    self.metrics.decisions["wait"] += 1
+                    log.info(
+                        "waiting_for_slot",
+                        request_id=req.rid,
+                        worker=decision.slot.worker,
+                        slot=decision.slot.index,
+                        reuse=decision.reuse,
+                    )
+                waiting += 1
+                continue
+            if isinstance(decision, Dispatch):
+                self._dispatch(req, decision)
+
+    def _beside(self, lead: Req, match: Any) -> Dispatch | None:
+        """An idle slot on the worker running `lead` (that worker copies the prompt's KV from lead's slot once it is
+        computed, instead of computing it again); None when that worker has no idle slot."""
+        conn = self.workers.get(lead.worker or "")
+        if conn is None or conn.state is not WorkerState.READY:
+            return None
+        slot = coldest(conn.load, self.params.evict_half_life_s)
+        if slot is None:
+            return None
+        reuse = predicted_reuse(match.lcp(slot), match.length, slot, self.params)
+        return Dispatch(slot, reuse, 0.0, False)
+
+    # ---- worker events ----------------------------------------------------------------------------
+
+    def hello(self, identity: bytes, msg: Hello) -> None:
+        if identity != msg.worker_id.encode():
+            reason = "ZMQ identity must equal worker_id"
+            self.outbox.append(Out(identity, Refuse(code=ErrorCode.BAD_REQUEST, reason=reason), worker=True))
+            return
+        if msg.model_fingerprint != self.fingerprint:
+            reason = (
+                f"model fingerprint {msg.model_fingerprint[:16]} differs from the router's {self.fingerprint[:16]} ({self.model})"
+            )
+            log.warning("worker_refused", worker=msg.worker_id, code="model_mismatch", reason=reason)
+            self.outbox.append(Out(identity, Refuse(code=ErrorCode.MODEL_MISMATCH, reason=reason), worker=True))
+            return
+        old = self.workers.get(msg.worker_id)
+        if old is not None and old.hello.incarnation == msg.incarnation:
+            old.last_seen = time.monotonic()  # a repeated hello: our accept crossed it
+            self._to_worker(old, Accept(worker_id=msg.worker_id, router_id=self.router_id))
+            return
+        if old is not None:
+            self.worker_dead(msg.worker_id, f"new incarnation {msg.incarnation}")
+        known = (msg.worker_id, msg.incarnation) not in self.seen  # a fresh process starts empty
+        self.seen.add((msg.worker_id, msg.incarnation))
+        slots = self.mirror.add_worker(msg.worker_id, msg.slots, contents_known=known, exact=msg.deterministic)
+        conn = WorkerConn(msg, slots)
+        self.workers[msg.worker_id] = conn
+        self.no_workers_since = None
+        self._to_worker(conn, Accept(worker_id=msg.worker_id, router_id=self.router_id))
+        log.info(
+            "worker_accepted",
+            worker=msg.worker_id,
+            incarnation=msg.incarnation,
+            slots=msg.slots,
+            ctx_per_slot=msg.ctx_per_slot,
+            device=msg.device,
+            pid=msg.pid,
+        )
+        self._pump()
+
+    def worker_message(self, identity: bytes, msg: Heartbeat | JobDelta | JobDone | JobError) -> None:
+        """A message from a worker that said hello; one that did not is told to."""
+        conn = self.workers.get(identity.decode("utf-8", "replace"))
+        if conn is None or (isinstance(msg, Heartbeat) and msg.incarnation != conn.hello.incarnation):
+            reason = "this router does not know this worker; say hello"
+            self.outbox.append(Out(identity, Refuse(code=ErrorCode.NOT_FOUND, reason=reason), worker=True))
+            return
+        conn.last_seen = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            self._heartbeat(conn, msg)
+        elif isinstance(msg, JobDelta):
+            self._job_delta(conn, msg)
+        elif isinstance(msg, JobDone):
+            self._job_done(conn, msg)
+        else:
+            self._job_error(conn, msg)
+
+    def _heartbeat(self, conn: WorkerConn, msg: Heartbeat) -> None:
+        conn.queue = msg.queue
+        conn.state = WorkerState.DRAINING if msg.draining else WorkerState.READY
+        for st in msg.slots:
+            if st.slot >= len(conn.slots) or st.busy:
+                continue
+            slot = conn.slots[st.slot]
+            if not self.mirror.check_idle(slot, st.n_tokens):
+                self.metrics.mirror_mismatches += 1
+                log.error(
+                    "mirror_mismatch",
+                    error_id=uuid.uuid4().hex[:12],
+                    worker=conn.id,
+                    slot=st.slot,
+                    mirror=0,
+                    reported=st.n_tokens,
+                    via="heartbeat",
+                )
+
+    def _job_delta(self, conn: WorkerConn, msg: JobDelta) -> None:
+        req = conn.jobs.get(msg.id)
+        if req is None:
+            return
+        if req.prefill_pending:
+            req.prefill_pending = 0  # the prompt is computed: no longer this worker's queued prefill
+            conn.refresh()
+        req.streamed.extend(np.frombuffer(msg.tokens, dtype="<i4").tolist())
+        req.logprobs.extend(msg.logprobs)
+        assert req.parser is not None
+        piece = req.parser.feed(msg.text)
+        if req.stream and req.reply_to is not None:
+            delta = delta_of(req, piece, msg.tokens, msg.logprobs)
+            if msg.reused_tokens is not None:  # the job's first token: what the prompt cost is known now
+                delta.usage = Usage(prompt_tokens=len(req.tokens), cached_tokens=msg.reused_tokens, completion_tokens=0)
+            req.delivered += 1
+            self._to_client(req, delta)
+
+    def _job_done(self, conn: WorkerConn, msg: JobDone) -> None:
+        req = conn.jobs.get(msg.id)
+        if req is None or req.slot is None:
+            log.warning("unknown_job_done", worker=conn.id, job=msg.id)
+            return
+        self._leave_worker(req)
+        generated = np.frombuffer(msg.tokens, dtype="<i4").astype(np.int32)
+        slot = req.slot
+        if msg.slot != slot.index:
+            mm = self.mirror.fail(slot, msg.id, req.tokens, generated, True, 0, "not-this-slot")
+        else:
+            mm = self.mirror.finish(slot, msg.id, req.tokens, generated, msg.slot_tokens, msg.slot_hash)
+        if mm is not None:
+            self.metrics.mirror_mismatches += 1
+            log.error("mirror_mismatch", **mm.__dict__, reported_slot=msg.slot, via="job_done")
+        conn.refresh()
+        if msg.reused_tokens >= self.params.min_match:
+            slot.hits += 1
+        slot.reused_total += msg.reused_tokens
+        if mispredicted(req.predicted, msg.reused_tokens, msg.restored_tokens):
+            log.warning("reuse_mispredicted", request_id=req.rid, job=msg.id, predicted=req.predicted, actual=msg.reused_tokens)
+        t = msg.timings
+        timings = Timings(
+            queue_ms=req.queue_ms + t.queue_ms,
+            prefill_ms=t.prefill_ms,
+            decode_ms=t.decode_ms,
+            ttft_ms=t.ttft_ms + req.queue_ms,
+            total_ms=(time.monotonic() - req.arrived) * 1000,
+        )
+        self.metrics.finished(
+            RequestRecord(
+                req.rid, conn.id, slot.index, msg.prompt_tokens, req.predicted, msg.reused_tokens,
+                msg.generated_tokens, msg.finish_reason, timings.ttft_ms, timings.queue_ms, req.attempts,
+                msg.restored_tokens,
+            )
+        )  # fmt: skip
+        log.info(
+            "request_done",
+            request_id=req.rid,
+            job=msg.id,
+            worker=conn.id,
+            slot=slot.index,
+            finish_reason=msg.finish_reason,
+            predicted_reuse=req.predicted,
+            reused=msg.reused_tokens,
+            restored=msg.restored_tokens,
+            prefilled=msg.prefilled_tokens,
+            generated=msg.generated_tokens,
+            ttft_ms=round(timings.ttft_ms, 1),
+        )
+        self._finish(req)
+        assert req.parser is not None
+        tail = req.parser.finish()
+        if req.stream and (tail.content or tail.reasoning or tail.calls):
+            self._to_client(req, delta_of(req, tail, b"", []))
+        req.choice = choice_of(req, msg)
+        req.usage = Usage(
+            prompt_tokens=msg.prompt_tokens, cached_tokens=msg.reused_tokens, completion_tokens=msg.generated_tokens
+        )
+        req.timings = timings
+        self._complete(req)
+        self._pump()
+
+    def _job_error(self, conn: WorkerConn, msg: JobError) -> None:
+        req = conn.jobs.get(msg.id)
+        if req is None or req.slot is None:
+            return
+        self._leave_worker(req)
+        streamed = np.asarray(req.streamed, dtype=np.int32)
+        mm = self.mirror.fail(req.slot, msg.id, req.tokens, streamed, msg.slot >= 0, msg.slot_tokens, msg.slot_hash)
+        conn.refresh()
+        if mm is not None:
+            self.metrics.mirror_mismatches += 1
+            log.error("mirror_mismatch", **mm.__dict__, via="job_error")
+        if msg.code == ErrorCode.DRAINING and req.state is ReqState.RUNNING and not req.started:
+            conn.state = WorkerState.DRAINING
+            self._requeue(req)
+        elif req.state is ReqState.CANCELLING:
+            self._finish_empty(req, "cancelled")
+        else:
+            self._fail(req, msg.code, msg.message, error_id=msg.error_id)
+        self._pump()
+
+    def worker_dead(self, worker: str, reason: str) -> None:
+        """A worker is gone: purge its slots now, re-dispatch what it had not streamed, fail the rest."""
+        conn = self.workers.pop(worker, None)
+        if conn is None:
+            return
+        self.mirror.remove_worker(worker)
+        self.metrics.dead_workers += 1
+        log.warning("worker_dead", worker=worker, incarnation=conn.hello.incarnation, reason=reason, jobs=len(conn.jobs))
+        for req in list(conn.jobs.values()):
+            self._to_worker(conn, JobCancel(id=req.job or ""))  # in case it is only slow
+            del conn.jobs[req.job or ""]
+            if req.state is ReqState.CANCELLING:
+                self._finish_empty(req, "cancelled")
+            elif req.started:
+                self._fail(req, ErrorCode.WORKER_LOST, f"worker {worker} died ({reason}) while streaming this request")
+            else:
+                self.jobs.pop(req.job or "", None)
+                self._enqueue(req, front=True)
+                self.metrics.redispatched += 1
+                log.info("request_requeued", request_id=req.rid, attempts=req.attempts)
+        if not any(w.state is WorkerState.READY for w in self.workers.values()) and self.no_workers_since is None:
+            self.no_workers_since = time.monotonic()
+        self._pump()
+
+    def worker_exited(self, worker: str, incarnation: int, returncode: int | None) -> None:
+        """From the supervisor: the process of this worker incarnation exited."""
+        conn = self.workers.get(worker)
+        if conn is not None and conn.hello.incarnation == incarnation:
+            self.worker_dead(worker, f"process exited with status {returncode}")
+
+    # ---- time -------------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        for conn in list(self.workers.values()):
+            if now - conn.last_seen > self.cfg.heartbeat_timeout_s:
+                self.worker_dead(conn.id, f"no heartbeat for {now - conn.last_seen:.1f} s")
+        for req in list(self.queue):
+            if req.deadline is not None and now >= req.deadline:
+                self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was queued")
+        if self.queue and not self.workers and self._no_workers_expired():
+            for req in list(self.queue):
+                self._fail(req, ErrorCode.NO_WORKERS, f"no worker connected for {self.cfg.no_workers_grace_s:g} s")
+        if any(r.wait_since is not None for r in self.queue):
+            self._pump()
+
+    def drain_expired(self) -> None:
+        """The drain's time is up: every request still open ends with `draining` (its job cancelled)."""
+        for req in list(self.requests.values()):
+            if req.state is ReqState.DONE:
+                continue
+            conn = self.workers.get(req.worker or "")
+            if req.state in (ReqState.RUNNING, ReqState.CANCELLING) and conn is not None and req.job:
+                self._to_worker(conn, JobCancel(id=req.job))
+            if req.state is ReqState.CANCELLING:
+                self._finish_empty(req, "cancelled")  # what a cancelled request gets, a little early
+            else:
+                self._fail(req, ErrorCode.DRAINING, "the router stopped before this request finished (drain timeout)")
+
+    # ---- views ------------------------------------------------------------------------------------
+
+    def status(self, rid: str | None) -> StatusReply:
+        now = time.monotonic()
+        workers = [
+            WorkerStatus(
+                worker=c.id,
+                incarnation=c.hello.incarnation,
+                device=c.hello.device,
+                state=c.state.value,
+                queue=c.queue,
+                restarts=self.restarts.get(c.id, 0),
+                slots=[
+                    SlotStatus(
+                        slot=s.index,
+                        busy=s.busy,
+                        n_tokens=len(s.tokens),
+                        request_id=(self.jobs[s.job].rid if s.job in self.jobs else None),
+                        reused_total=s.reused_total,
+                        last_used_s=round(now - s.last_used, 3),
+                    )
+                    for s in c.slots
+                ],
+            )
+            for c in self.workers.values()
+        ]
+        return StatusReply(id=rid, model=self.model, policy=self.cfg.policy, queued=len(self.queue), workers=workers)
+
+    def status_line(self) -> str:
+        """One line for systemd's STATUS=: workers, busy slots, queue, requests served."""
+        ready = sum(w.state is WorkerState.READY for w in self.workers.values())
+        slots = sum(len(w.slots) for w in self.workers.values())
+        busy = sum(w.load.busy for w in self.workers.values())
+        served = self.metrics.requests["stop"] + self.metrics.requests["length"] + self.metrics.requests["tool_calls"]
+        other = sum(self.metrics.requests.values()) - served
+        head = f"draining, {len(self.requests)} in flight; " if self.draining else ""
+        return (
+            f"{head}workers {ready} ready/{len(self.workers)}, slots {busy}/{slots} busy, queued {len(self.queue)},"
+            f" served {served}, other endings {other}"
+        )
