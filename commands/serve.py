@@ -19,15 +19,17 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import zmq.asyncio
 
 from gateway.main import HttpConfig, parse_host_port, serve_http
 from kvroute import logs
-from kvroute.config import add_args, from_args, opt
+from kvroute.config import add_args, from_args, opt, to_flags
 from router.config import RouterConfig
 from router.server import Router
 from router.supervisor import Supervisor, SupervisorConfig, WorkerSpec
+from worker.config import WorkerConfig
 
 
 @dataclass(frozen=True)
@@ -60,27 +62,26 @@ class LocalWorkers:
 
 
 def worker_specs(local: LocalWorkers, model: str) -> list[WorkerSpec]:
-    common = [
-        "--model",
-        model,
-        "--slots",
-        str(local.slots),
-        "--ctx-per-slot",
-        str(local.ctx_per_slot),
-        "--n-batch",
-        str(local.n_batch),
-        "--host-cache-mb",
-        str(local.host_cache_mb),
-    ]
-    if local.deterministic:
-        common.append("--deterministic")
+    """Each local worker's flags, written from its WorkerConfig (id, incarnation and endpoint are the supervisor's)."""
+    base = WorkerConfig(
+        model=model,
+        slots=local.slots,
+        ctx_per_slot=local.ctx_per_slot,
+        n_batch=local.n_batch,
+        host_cache_mb=local.host_cache_mb,
+        deterministic=local.deterministic,
+    )
+    own = ("worker_id", "incarnation", "connect", "curve_key", "router_key")
+
+    def flags(**fields: Any) -> tuple[str, ...]:
+        return tuple(to_flags(dataclasses.replace(base, **fields), skip=own))
+
     gpus = local.gpu_list()
     if gpus:
-        threads = local.threads or 2
-        return [WorkerSpec(f"gpu{g}", (*common, "--gpu", str(g), "--threads", str(threads))) for g in gpus]
+        return [WorkerSpec(f"gpu{g}", flags(gpu=g, threads=local.threads or 2)) for g in gpus]
     n = local.cpu_workers
     threads = local.threads or max(1, (os.cpu_count() or 1) // max(1, n))
-    return [WorkerSpec(f"cpu{i}", (*common, "--threads", str(threads))) for i in range(n)]
+    return [WorkerSpec(f"cpu{i}", flags(threads=threads)) for i in range(n)]
 
 
 def connect_endpoint(bound: str) -> str:

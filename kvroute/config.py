@@ -63,6 +63,22 @@ def add_args(parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...
         )
 
 
+def to_flags(cfg: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags that make `add_args` parse back a dataclass equal to `cfg`: one per field that differs from its
+    default (a boolean as --flag / --no-flag); fields in `skip` are left out."""
+    out: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in skip or "help" not in f.metadata or value == f.default:
+            continue
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
 def from_args(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
     """Build dataclass `cls` from parsed flags; `overrides` win."""
     values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}  # type: ignore[arg-type]

@@ -1,0 +1,288 @@
+"""The router's core driven with plain calls (no sockets, no threads, no model): every transition of a request,
+and what each event sends."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from chat.output import OutputSpec
+from protocol import (
+    Accept,
+    Delta,
+    Error,
+    Heartbeat,
+    Hello,
+    Job,
+    JobCancel,
+    JobDelta,
+    JobDone,
+    JobError,
+    Refuse,
+    Result,
+    Sampling,
+    SlotState,
+    Submit,
+    Timings,
+    pack_tokens,
+    token_hash,
+    unpack_tokens,
+)
+from router.config import RouterConfig
+from router.prepare import Prepared, PrepareError
+from router.requests import ReqState
+from router.scheduler import Out, Scheduler
+
+CLIENT = b"client-1"
+PROMPT = np.arange(100, 140, dtype=np.int32)
+
+
+def core(**cfg: Any) -> Scheduler:
+    cfg.setdefault("busy_wait_ms", 0)
+    return Scheduler(RouterConfig(**cfg), fingerprint="fp", model="m", router_id="r1")
+
+
+def hello(s: Scheduler, worker: str = "w0", slots: int = 2, incarnation: int = 1) -> list[Out]:
+    msg = Hello(worker_id=worker, incarnation=incarnation, slots=slots, ctx_per_slot=4096, model_fingerprint="fp", device="cpu")
+    s.hello(worker.encode(), msg)
+    return s.take()
+
+
+def submit(s: Scheduler, rid: str = "a", tokens: np.ndarray = PROMPT, **kw: Any) -> list[Out]:
+    sampling = kw.pop("sampling", Sampling(max_tokens=8, temperature=0.0))
+    req = s.accept(CLIENT, (), Submit(id=rid, tokens=pack_tokens(tokens.tolist()), sampling=sampling, **kw))
+    if req is not None:
+        assert req.state is ReqState.TOKENIZING and s.requests[req.key] is req
+        s.prepared(req, Prepared(tokens, None, OutputSpec()))
+    return s.take()
+
+
+def jobs(out: list[Out]) -> list[Job]:
+    return [o.msg for o in out if isinstance(o.msg, Job)]
+
+
+def to_client(out: list[Out], kind: type) -> list[Any]:
+    return [o.msg for o in out if not o.worker and isinstance(o.msg, kind)]
+
+
+def done(s: Scheduler, job: Job, generated: list[int], *, worker: str = "w0", finish: str = "length") -> list[Out]:
+    prompt = unpack_tokens(job.tokens)
+    kept = (prompt + generated)[:-1]
+    s.worker_message(
+        worker.encode(),
+        JobDone(
+            id=job.id,
+            slot=job.slot,
+            finish_reason=finish,
+            text="x" * len(generated),
+            tokens=pack_tokens(generated),
+            prompt_tokens=len(prompt),
+            reused_tokens=job.predicted_reuse,
+            prefilled_tokens=len(prompt) - job.predicted_reuse,
+            generated_tokens=len(generated),
+            slot_tokens=len(kept),
+            slot_hash=token_hash(kept),
+            timings=Timings(),
+        ),
+    )
+    return s.take()
+
+
+def delta(s: Scheduler, job: Job, tokens: list[int], worker: str = "w0") -> list[Out]:
+    s.worker_message(worker.encode(), JobDelta(id=job.id, text="x", tokens=pack_tokens(tokens), reused_tokens=0))
+    return s.take()
+
+
+def test_a_request_goes_tokenizing_queued_running_done() -> None:
+    s = core()
+    out = submit(s)  # no worker yet: it waits in the queue
+    assert not out and [r.state for r in s.queue] == [ReqState.QUEUED]
+    out = hello(s)
+    assert isinstance(out[0].msg, Accept) and out[0].worker
+    (job,) = jobs(out)
+    (req,) = s.requests.values()
+    assert req.state is ReqState.RUNNING and not s.queue and s.jobs[job.id] is req
+    assert s.workers["w0"].load.busy == 1 and s.workers["w0"].load.queued_prefill == len(PROMPT)
+    (d,) = to_client(delta(s, job, [7]), Delta)
+    assert d.id == "a" and d.usage is not None and d.usage.prompt_tokens == len(PROMPT) and req.started
+    assert s.workers["w0"].load.queued_prefill == 0  # the prompt is computed
+    (res,) = to_client(done(s, job, [7, 8]), Result)
+    assert res.finish_reason == "length" and res.usage.completion_tokens == 2
+    assert req.state is ReqState.DONE and not s.requests and not s.jobs and not s.workers["w0"].jobs
+    assert s.workers["w0"].load.busy == 0
+    # the next turn goes to the slot that holds the history, and the router predicts its reuse exactly
+    (job2,) = jobs(submit(s, "b", np.concatenate([PROMPT, [7, 9, 9]]).astype(np.int32)))
+    assert job2.slot == job.slot and job2.predicted_reuse == len(PROMPT) + 1
+
+
+def test_cancel_while_queued_and_while_running() -> None:
+    s = core()
+    submit(s)
+    s.cancel(CLIENT, "a")
+    (res,) = to_client(s.take(), Result)
+    assert res.finish_reason == "cancelled" and not s.requests and not s.queue
+    hello(s)
+    (job,) = jobs(submit(s, "b"))
+    s.cancel(CLIENT, "b")
+    (req,) = s.requests.values()
+    out = s.take()
+    assert req.state is ReqState.CANCELLING and [type(o.msg) for o in out] == [JobCancel]
+    (res,) = to_client(done(s, job, [5], finish="cancelled"), Result)
+    assert res.finish_reason == "cancelled" and req.state is ReqState.DONE
+    s.cancel(CLIENT, "b")  # unknown or finished: nothing
+    assert not s.take()
+
+
+def test_a_dead_worker_s_unstarted_request_is_requeued_and_a_started_one_fails() -> None:
+    s = core()
+    hello(s, "w0", slots=2)
+    (j1,) = jobs(submit(s, "quiet"))
+    (j2,) = jobs(submit(s, "loud", tokens=PROMPT[::-1].copy()))
+    delta(s, j2, [1])  # "loud" has streamed, "quiet" has not
+    s.worker_dead("w0", "test")
+    out = s.take()
+    (err,) = to_client(out, Error)
+    assert err.id == "loud" and err.code == "worker_lost"
+    (quiet,) = s.requests.values()
+    assert quiet.state is ReqState.QUEUED and s.queue == [quiet] and s.metrics.redispatched == 1
+    (job,) = jobs(hello(s, "w1"))  # re-dispatched to the next worker
+    assert job.id != j1.id and quiet.state is ReqState.RUNNING and quiet.attempts == 2
+
+
+def test_a_draining_worker_hands_back_a_job_that_is_then_requeued() -> None:
+    s = core()
+    hello(s)
+    (job,) = jobs(submit(s))
+    s.worker_message(
+        b"w0", JobError(id=job.id, code="draining", message="bye", slot=job.slot, slot_tokens=0, slot_hash=token_hash([]))
+    )
+    (req,) = s.requests.values()
+    assert req.state is ReqState.QUEUED and s.workers["w0"].state.value == "draining"
+    assert not to_client(s.take(), Error)
+    (job,) = jobs(hello(s, "w1"))
+    assert req.state is ReqState.RUNNING and req.worker == "w1"
+
+
+def test_deadline_and_no_workers_fail_queued_requests() -> None:
+    s = core(no_workers_grace_s=5.0)
+    submit(s, "late", deadline_ms=1)
+    submit(s, "patient")
+    s.tick(time.monotonic() + 1)
+    errs = to_client(s.take(), Error)
+    assert [(e.id, e.code) for e in errs] == [("late", "deadline_exceeded")]
+    s.no_workers_since = time.monotonic() - 10  # no worker for longer than the grace: queued and new ones fail
+    s.tick(time.monotonic())
+    (err,) = to_client(s.take(), Error)
+    assert (err.id, err.code) == ("patient", "no_workers")
+    (err,) = to_client(submit(s, "nobody"), Error)
+    assert err.code == "no_workers" and not s.requests
+
+
+def test_refusals_at_accept_and_after_preparing() -> None:
+    s = core(queue_size=1)
+    hello(s, slots=1)
+    submit(s, "a")  # runs
+    submit(s, "b")  # queued
+    (err,) = to_client(submit(s, "c"), Error)
+    assert err.code == "queue_full" and err.retry_after_ms
+    (err,) = to_client(submit(s, "a"), Error)
+    assert err.code == "bad_request" and "already in flight" in err.message
+    big = np.arange(5000, dtype=np.int32)
+    (err,) = to_client(submit(s, "d", tokens=big), Error)
+    assert err.code == "context_overflow" and "4096" in err.message
+    req = s.accept(CLIENT, (), Submit(id="e", prompt="x"))
+    assert req is not None
+    s.prepared(req, PrepareError("`tool_choice` names an unknown function", "tool_choice"))
+    (err,) = to_client(s.take(), Error)
+    assert err.param == "tool_choice" and not any(r.rid == "e" for r in s.requests.values())
+    s.draining = True
+    (err,) = to_client(submit(s, "f"), Error)
+    assert err.code == "draining"
+
+
+def test_a_client_that_left_gets_nothing_more_and_its_job_is_cancelled() -> None:
+    s = core()
+    hello(s)
+    (job,) = jobs(submit(s))
+    s.client_gone(CLIENT)
+    (req,) = s.requests.values()
+    assert req.state is ReqState.CANCELLING and [type(o.msg) for o in s.take()] == [JobCancel]
+    assert not [o for o in delta(s, job, [1]) if not o.worker]
+    assert not [o for o in done(s, job, [1], finish="cancelled") if not o.worker]
+    assert not s.requests
+
+
+def test_n_choices_go_beside_the_first_and_one_result_ends_them() -> None:
+    s = core()
+    hello(s, slots=2)
+    out = submit(s, "n", n=2, sampling=Sampling(max_tokens=4, temperature=0.9, seed=5))
+    first, second = jobs(out)
+    assert {first.slot, second.slot} == {0, 1} and (first.sampling.seed, second.sampling.seed) == (5, 6)
+    assert not to_client(done(s, second, [3]), Result)  # one result, once every choice has ended
+    (res,) = to_client(done(s, first, [4, 4]), Result)
+    assert [c.index for c in res.choices] == [0, 1] and res.usage.completion_tokens == 3
+
+
+def test_one_failing_choice_fails_the_request_once_and_cancels_the_others() -> None:
+    s = core()
+    hello(s, slots=2)
+    first, second = jobs(submit(s, "n", n=2))
+    s.worker_message(b"w0", JobError(id=first.id, code="internal", message="boom", error_id="e1", slot=-1))
+    out = s.take()
+    assert [(type(o.msg), o.worker) for o in out] == [(JobCancel, True), (Error, False)]
+    assert out[1].msg.error_id == "e1"
+    assert not to_client(done(s, second, [1], finish="cancelled"), Result)  # silenced: the error was the reply
+    assert not s.requests
+
+
+def test_drain_timeout_ends_every_open_request_with_draining() -> None:
+    s = core()
+    hello(s, slots=1)
+    (job,) = jobs(submit(s, "running"))
+    submit(s, "queued")
+    s.drain_expired()
+    out = s.take()
+    assert sorted(e.id for e in to_client(out, Error)) == ["queued", "running"]
+    assert all(e.code == "draining" for e in to_client(out, Error))
+    assert [o.msg.id for o in out if isinstance(o.msg, JobCancel)] == [job.id]
+    assert not s.requests and not s.queue
+
+
+def test_workers_say_hello_first_and_a_wrong_model_is_refused() -> None:
+    s = core()
+    s.worker_message(b"w9", Heartbeat(worker_id="w9", incarnation=1, slots=[], queue=0))
+    (out,) = s.take()
+    assert isinstance(out.msg, Refuse) and out.msg.code == "not_found"
+    bad = Hello(worker_id="w1", incarnation=1, slots=1, ctx_per_slot=64, model_fingerprint="other", device="cpu")
+    s.hello(b"w1", bad)
+    (out,) = s.take()
+    assert isinstance(out.msg, Refuse) and out.msg.code == "model_mismatch"
+    hello(s, "w0")
+    hello(s, "w0", incarnation=2)  # a restarted process: the old one's slots are gone
+    assert s.metrics.dead_workers == 1 and s.workers["w0"].hello.incarnation == 2
+
+
+def test_a_heartbeat_that_contradicts_the_mirror_is_counted() -> None:
+    s = core()
+    hello(s)
+    (job,) = jobs(submit(s))
+    done(s, job, [1, 2])
+    s.worker_message(
+        b"w0", Heartbeat(worker_id="w0", incarnation=1, slots=[SlotState(slot=job.slot, busy=False, n_tokens=0)], queue=0)
+    )
+    assert s.metrics.mirror_mismatches == 1
+
+
+@pytest.mark.parametrize("state", ["queued", "running"])
+def test_status_shows_what_each_slot_holds(state: str) -> None:
+    s = core()
+    if state == "running":
+        hello(s)
+    submit(s)
+    st = s.status("q")
+    assert st.queued == (1 if state == "queued" else 0)
+    if state == "running":
+        assert [sl.request_id for sl in st.workers[0].slots].count("a") == 1
