@@ -141,7 +141,15 @@ class Gateway:
         )
 
     async def metrics(self, request: Request) -> Response:
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        """This front's HTTP figures, then the router's and its workers' (asked over the protocol)."""
+        own = generate_latest(REGISTRY).decode()
+        try:
+            router = await asyncio.wait_for(self.client.metrics(), 5.0)
+            up = 1
+        except (TimeoutError, KvrouteError):
+            router, up = "", 0
+        gauge = "# HELP kvroute_router_up Whether the router answered\n# TYPE kvroute_router_up gauge\n"
+        return Response(own + gauge + f"kvroute_router_up {up}\n" + router, media_type=CONTENT_TYPE_LATEST)
 
     async def openapi(self, request: Request) -> Response:
         return JSONResponse(OPENAPI)

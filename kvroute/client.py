@@ -33,6 +33,8 @@ from protocol import (
     Error,
     ErrorCode,
     Invalid,
+    MetricsReply,
+    MetricsRequest,
     Result,
     Sampling,
     StatusReply,
@@ -395,6 +397,11 @@ class AsyncClient:
         rid = f"status-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
         reply: StatusReply = await self._ask(StatusRequest(id=rid))
         return reply
+
+    async def metrics(self) -> str:
+        """The router's and its workers' metrics, in Prometheus' text format."""
+        reply: MetricsReply = await self._ask(MetricsRequest(id=f"metrics-{next(self._ids)}-{uuid.uuid4().hex[:6]}"))
+        return reply.text
 
     async def tokens(self, msg: Tokenize | Detokenize) -> Tokens:
         """Send a `tokenize` or `detokenize` (its id is set here) and wait for the `tokens` reply."""

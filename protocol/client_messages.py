@@ -104,7 +104,13 @@ class Detokenize(Message, tag="detokenize", kw_only=True):
         check_token_bytes("tokens", self.tokens)
 
 
-ClientRequest = Submit | Cancel | StatusRequest | Tokenize | Detokenize
+class MetricsRequest(Message, tag="metrics", kw_only=True):
+    """Ask for the router's and its workers' metrics."""
+
+    id: RequestId | None = None
+
+
+ClientRequest = Submit | Cancel | StatusRequest | Tokenize | Detokenize | MetricsRequest
 
 
 # ---- router -> client -------------------------------------------------------------------------
@@ -214,4 +220,11 @@ class Tokens(Message, tag="tokens", kw_only=True):
         check_token_bytes("tokens", self.tokens)
 
 
-RouterReply = Delta | Result | Error | StatusReply | Tokens
+class MetricsReply(Message, tag="metrics_reply", kw_only=True):
+    """The answer to `metrics`: Prometheus' text exposition format (what an HTTP front serves at /metrics)."""
+
+    id: str | None = None
+    text: str
+
+
+RouterReply = Delta | Result | Error | StatusReply | Tokens | MetricsReply

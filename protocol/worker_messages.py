@@ -47,6 +47,7 @@ class Heartbeat(Message, tag="heartbeat", kw_only=True):
     slots: list[SlotState]
     queue: NonNeg  # jobs waiting for a slot inside the worker
     draining: bool = False
+    counters: dict[str, float] = {}  # the engine's monotonic counters and gauges, by name (for the router's metrics)
 
 
 class JobDelta(Message, tag="job_delta", kw_only=True):

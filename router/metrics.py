@@ -78,6 +78,7 @@ class Metrics:
     ttft_ms: Histogram = field(default_factory=lambda: Histogram(MS_BUCKETS))
     requests: Counter[str] = field(default_factory=Counter)  # by outcome: finish reason or error code
     prompt_tokens: int = 0
+    generation_tokens: int = 0
     predicted_reuse_tokens: int = 0
     reused_tokens: int = 0
     restored_tokens: int = 0
@@ -95,6 +96,7 @@ class Metrics:
         self.recent.append(rec)
         self.requests[rec.finish_reason] += 1
         self.prompt_tokens += rec.prompt_tokens
+        self.generation_tokens += rec.generated_tokens
         self.predicted_reuse_tokens += rec.predicted_reuse
         self.reused_tokens += rec.reused_tokens
         self.restored_tokens += rec.restored_tokens

@@ -100,10 +100,20 @@ class WorkerConn:
     state: WorkerState = WorkerState.READY
     queue: int = 0  # jobs waiting inside the worker (from its heartbeat)
     jobs: dict[str, Req] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)  # the engine's, from its last heartbeat
+    rates: dict[str, float] = field(default_factory=dict)  # per second, between its last two heartbeats
+    counted_at: float = 0.0
     load: WorkerLoad = field(init=False)
 
     def __post_init__(self) -> None:
         self.load = WorkerLoad(self.hello.worker_id, self.slots)
+
+    def counted(self, counters: dict[str, float], now: float) -> None:
+        """A heartbeat's counters: kept, and their rates since the previous heartbeat."""
+        if self.counters and counters and now > self.counted_at:
+            dt = now - self.counted_at
+            self.rates = {k: max(0.0, (v - self.counters.get(k, 0.0)) / dt) for k, v in counters.items()}
+        self.counters, self.counted_at = counters, now
 
     def refresh(self) -> None:
         """Recompute the load selection sees from what it derives from: the mirror's slots and the running jobs."""

@@ -451,6 +451,7 @@ class Scheduler:
 
     def _heartbeat(self, conn: WorkerConn, msg: Heartbeat) -> None:
         conn.queue = msg.queue
+        conn.counted(msg.counters, time.monotonic())
         conn.state = WorkerState.DRAINING if msg.draining else WorkerState.READY
         for st in msg.slots:
             if st.slot >= len(conn.slots) or st.busy:

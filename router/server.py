@@ -44,6 +44,8 @@ from protocol import (
     ErrorCode,
     Hello,
     Invalid,
+    MetricsReply,
+    MetricsRequest,
     StatusRequest,
     Submit,
     Tokenize,
@@ -52,6 +54,7 @@ from protocol import (
     encode,
     worker_to_router_decoder,
 )
+from router import exposition
 from router.config import RouterConfig
 from router.metrics import Metrics
 from router.mirror import Mirror
@@ -289,6 +292,8 @@ class Router:
             self.core.reply(identity, envelope, self.core.status(msg.id))
         elif isinstance(msg, Tokenize | Detokenize):
             self._on_tokenize(identity, envelope, msg)
+        elif isinstance(msg, MetricsRequest):
+            self.core.reply(identity, envelope, MetricsReply(id=msg.id, text=exposition.text(self.core)))
 
     def _on_submit(self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit) -> None:
         req = self.core.accept(identity, envelope, msg)

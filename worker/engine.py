@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -91,6 +92,8 @@ class Counters:
     host_saves: int = 0  # evicted slot contents kept in host RAM
     host_restores: int = 0  # prefixes restored from host RAM
     restored_tokens: int = 0  # reused tokens that came from another slot or host RAM
+    restored_from_slots: int = 0  # of restored_tokens: copied from another slot
+    restored_from_host: int = 0  # of restored_tokens: restored from host RAM
     copy_failures: int = 0  # llama.cpp refused a state copy (the slot was cleared and prefilled instead)
     decode_s: float = 0.0  # time inside llama_decode
     step_s: float = 0.0  # time of whole steps (batch building + decode + sampling + messages)
@@ -251,6 +254,13 @@ class Engine:
         busy = SlotPhase.BUSY
         return [SlotState(slot=s.id, busy=s.phase is busy, n_tokens=s.n_tokens, job_id=s.job_id) for s in self.table.slots]
 
+    def figures(self) -> dict[str, float]:
+        """The counters, and the host-RAM cache's size, for the heartbeat (plain reads of compute-thread state)."""
+        out: dict[str, float] = dataclasses.asdict(self.counters)
+        out["host_cache_bytes"] = self.host.nbytes
+        out["host_cache_entries"] = len(self.host)
+        return out
+
     @property
     def queue_len(self) -> int:
         return len(self.waiting)
@@ -402,6 +412,10 @@ class Engine:
         req.restored = min(req.restored, req.reused)
         self.counters.reused_tokens += req.reused
         self.counters.restored_tokens += req.restored
+        if src is not None and src.slot is not None:
+            self.counters.restored_from_slots += req.restored
+        elif src is not None:
+            self.counters.restored_from_host += req.restored
         self.counters.prefilled_tokens += len(prompt) - req.reused
         log.debug(
             "slot_assigned",

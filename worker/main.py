@@ -126,6 +126,7 @@ class WorkerServer:
             slots=e.slot_states(),
             queue=e.queue_len,
             draining=e.draining or self.draining,
+            counters=e.figures(),
         )
 
     def status_line(self) -> str:

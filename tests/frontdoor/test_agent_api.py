@@ -255,3 +255,40 @@ def test_bad_agent_requests_get_a_400_naming_the_field_while_others_stream(serve
             assert r.json()["error"]["param"] == param, r.json()
     worker.join(120)
     assert "error" not in streamed and streamed["text"], streamed
+
+
+def test_metrics_show_the_reuse_a_conversation_just_caused(served: Served) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        with httpx.Client(base_url=served.url, headers=served.headers, timeout=30) as http:
+            body = http.get("/metrics").text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(body)
+            for s in fam.samples
+        }
+
+    before = scrape()
+    client = oai(served)
+    history = [{"role": "user", "content": "Name a fruit that is yellow and curved. " * 8}]
+    first = client.chat.completions.create(model="default", messages=history, max_tokens=6, temperature=0)
+    history += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Another?"}]
+    second = client.chat.completions.create(model="default", messages=history, max_tokens=6, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > first.usage.prompt_tokens // 2
+    after = scrape()
+
+    def grew(name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert grew("kvroute_prefix_cache_hits_total") >= cached
+    assert grew("kvroute_prefix_cache_queries_total") >= first.usage.prompt_tokens + second.usage.prompt_tokens
+    assert grew("kvroute_generation_tokens_total") >= 2
+    assert after[("kvroute_router_up", ())] == 1
+    assert after[("kvroute_reuse_mispredictions_total", ())] == before.get(("kvroute_reuse_mispredictions_total", ()), 0)
+    assert after[("kvroute_time_to_first_token_seconds_count", ())] >= 2
+    workers = {dict(labels)["worker"] for name, labels in after if name == "kvroute_worker_slots"}
+    assert workers == {"cpu0"} and after[("kvroute_worker_slots", (("worker", "cpu0"),))] == 2
+    assert ("kvroute_worker_decode_tokens_total", (("worker", "cpu0"),)) in after  # from the worker's heartbeats
+    assert any(name == "kvroute_http_requests_total" for name, _ in after)  # the front's own figures too

@@ -145,6 +145,9 @@ class FakeRouter:
         workers = [WorkerStatus(worker="w0", incarnation=0, device="cpu", state="ready", queue=0, slots=slots)]
         return StatusReply(model="m", policy="prefix", queued=0, workers=workers if self.workers_ready else [])
 
+    async def metrics(self) -> str:
+        return "# TYPE kvroute_requests_waiting gauge\nkvroute_requests_waiting 0.0\n"
+
     async def close(self) -> None:
         pass
 
@@ -250,4 +253,5 @@ async def test_health_is_503_until_a_worker_is_ready(fake: FakeRouter) -> None:
         models = (await c.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["gemma"]
         metrics = await c.get("/metrics")
-        assert "kvroute_http_requests_total" in metrics.text
+        assert "kvroute_http_requests_total" in metrics.text and "kvroute_requests_waiting 0.0" in metrics.text
+        assert "kvroute_router_up 1" in metrics.text

@@ -167,6 +167,7 @@ EXAMPLES: list[Example] = [
         ),
         {},
     ),
+    Example("metrics", "client_request", p.MetricsRequest(id="m-1"), {}),
     Example("detokenize", "client_request", p.Detokenize(id="tok-2", tokens=p.pack_tokens(GEN_TOKENS)), {"tokens": GEN_TOKENS}),
     Example("status", "client_request", p.StatusRequest(id="st-1"), {}),
     # ---- router -> client
@@ -176,6 +177,16 @@ EXAMPLES: list[Example] = [
         "router_reply",
         p.Tokens(id="tok-2", tokens=p.pack_tokens(FIRST), text=" Paris", pieces=[b" Paris"]),
         {"tokens": FIRST},
+    ),
+    Example(
+        "metrics_reply",
+        "router_reply",
+        p.MetricsReply(
+            id="m-1",
+            text="# HELP kvroute_requests_waiting Requests waiting\n# TYPE kvroute_requests_waiting gauge\n"
+            "kvroute_requests_waiting 0.0\n",
+        ),
+        {},
     ),
     Example(
         "delta_first",
@@ -323,6 +334,7 @@ EXAMPLES: list[Example] = [
             slots=[p.SlotState(slot=0, busy=True, n_tokens=6, job_id="req-1"), p.SlotState(slot=1, busy=False, n_tokens=0)],
             queue=2,
             draining=False,
+            counters={"generated_tokens": 1200.0, "prefilled_tokens": 5400.0, "host_cache_bytes": 1048576.0},
         ),
         {},
     ),
