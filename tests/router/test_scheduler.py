@@ -286,3 +286,30 @@ def test_status_shows_what_each_slot_holds(state: str) -> None:
     assert st.queued == (1 if state == "queued" else 0)
     if state == "running":
         assert [sl.request_id for sl in st.workers[0].slots].count("a") == 1
+
+
+def test_the_exposition_counts_a_two_turn_conversation_and_the_readme_names_every_metric() -> None:
+    from pathlib import Path
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router.exposition import text
+
+    s = core()
+    hello(s)
+    (job,) = jobs(submit(s))
+    done(s, job, [7, 8])
+    (job2,) = jobs(submit(s, "b", np.concatenate([PROMPT, [7, 9, 9]]).astype(np.int32)))
+    done(s, job2, [3])
+    families = {f.name: f for f in text_string_to_metric_families(text(s))}
+    value = {(x.name, tuple(sorted(x.labels.items()))): x.value for f in families.values() for x in f.samples}
+    assert value[("kvroute_prefix_cache_queries_total", ())] == 2 * len(PROMPT) + 3
+    assert value[("kvroute_prefix_cache_hits_total", ())] == len(PROMPT) + 1
+    assert value[("kvroute_reuse_predicted_tokens_total", ())] == len(PROMPT) + 1
+    assert value[("kvroute_reuse_mispredictions_total", ())] == 0
+    assert value[("kvroute_requests_total", (("outcome", "length"),))] == 2
+    assert value[("kvroute_worker_slots", (("worker", "w0"),))] == 2
+    assert value[("kvroute_time_to_first_token_seconds_count", ())] == 2
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    undocumented = [n for n in families if n.removeprefix("kvroute_worker_") not in readme and n not in readme]
+    assert not undocumented, f"README's metrics table lacks {undocumented}"
