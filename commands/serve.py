@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_args(parser, RouterConfig)
     add_args(parser, LocalWorkers)
     add_args(parser, SupervisorConfig)
-    add_args(parser, HttpConfig, skip=("router", "model_name", "curve_key", "router_key"))
+    add_args(parser, HttpConfig, skip=("router", "model_name", "curve_key", "router_key", "max_frame_bytes"))
 
 
 def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfig | None:
@@ -108,6 +108,9 @@ def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfi
         api_key=args.api_key,
         curve_key=keys,
         router_key=keys,
+        max_body_bytes=args.max_body_bytes,
+        max_frame_bytes=router_cfg.max_frame_bytes,
+        stream_stall_s=args.stream_stall_s,
     )
 
 

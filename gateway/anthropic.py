@@ -176,6 +176,7 @@ ERROR_TYPES: dict[str, tuple[int, str]] = {
     "worker_lost": (529, "overloaded_error"),
     "draining": (529, "overloaded_error"),
     "deadline_exceeded": (504, "timeout_error"),
+    "too_slow": (408, "timeout_error"),
 }
 
 

@@ -19,10 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram,
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import anthropic, helpers, responses
+from gateway.limits import BoundedStream, StalledReader, declared_length, limited, too_large_message
 from gateway.openai_schema import (
     RequestError,
     chat_body,
@@ -39,7 +40,7 @@ from gateway.openai_schema import (
 from gateway.openapi import OPENAPI
 from kvroute import logs
 from kvroute.client import AsyncClient, KvrouteError
-from protocol import Delta, ErrorCode, FinishReason, Result, Submit
+from protocol import MAX_FRAME_BYTES, Delta, ErrorCode, FinishReason, Result, Submit
 
 log = logs.get(__name__)
 
@@ -63,7 +64,11 @@ ERROR_STATUS: dict[str, tuple[int, str]] = {
     ErrorCode.DRAINING: (503, "service_unavailable"),
     ErrorCode.DEADLINE_EXCEEDED: (504, "timeout"),
     ErrorCode.CANCELLED: (499, "cancelled"),
+    ErrorCode.TOO_SLOW: (408, "timeout"),
 }
+PARSE_INLINE_BYTES = 1 << 20  # a larger JSON body is parsed on a thread, so the event loop keeps serving
+STALL_S = 30.0
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def error_response(
@@ -79,6 +84,13 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def sse_error(message: str, code: str) -> bytes:
+    """An error in the middle of an OpenAI Chat Completions / Completions stream, and the end of it."""
+    type_ = ERROR_STATUS.get(code, (500, "internal_error"))[1]
+    err = {"error": {"message": message, "type": type_, "code": code, "param": None}}
+    return b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
+
+
 def kvroute_error_response(exc: KvrouteError) -> JSONResponse:
     status, type_ = ERROR_STATUS.get(exc.code, (500, "internal_error"))
     message = exc.message if not exc.error_id else f"{exc.message} (error id {exc.error_id})"
@@ -91,10 +103,20 @@ def kvroute_error_response(exc: KvrouteError) -> JSONResponse:
 class Gateway:
     """State behind the routes: the ZMQ client, the served model name, the optional API key."""
 
-    def __init__(self, client: AsyncClient, model_name: str, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        client: AsyncClient,
+        model_name: str,
+        api_key: str | None = None,
+        *,
+        max_body_bytes: int = MAX_FRAME_BYTES,
+        stall_s: float = STALL_S,
+    ) -> None:
         self.client = client
         self.model_name = model_name
         self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.stall_s = stall_s
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -108,7 +130,7 @@ class Gateway:
     async def body(self, request: Request) -> dict[str, Any]:
         raw = await request.body()
         try:
-            body = json.loads(raw)
+            body = json.loads(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(json.loads, raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RequestError(f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
@@ -243,9 +265,13 @@ class Gateway:
             finally:
                 await messages.aclose()  # on client disconnect this sends the cancel
 
-        return StreamingResponse(
-            body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        )
+        return self._stream(body(), on_error)
+
+    def _stream(self, events: AsyncIterator[bytes], on_error: Any) -> BoundedStream:
+        """An event stream cut, with `on_error`'s event last, when its reader stalls (gateway/limits.py)."""
+        message = f"the reader took nothing for {self.stall_s:g} s; the generation was cancelled"
+        cut = on_error(message, ErrorCode.TOO_SLOW)
+        return BoundedStream(events, stall_s=self.stall_s, cut_event=cut, media_type="text/event-stream", headers=SSE_HEADERS)
 
     @staticmethod
     def _check_deadline(result: Result, sub: Submit) -> None:
@@ -275,10 +301,8 @@ class Gateway:
                 )
             make = completion_body if kind == "completions" else chat_body
             return JSONResponse(make(result, self.model_name, created, sub.sampling.logprobs is not None))
-        return StreamingResponse(
-            self._sse(kind, first, messages, rid, created, include_usage, t0, sub.sampling.logprobs is not None),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        return self._stream(
+            self._sse(kind, first, messages, rid, created, include_usage, t0, sub.sampling.logprobs is not None), sse_error
         )
 
     async def _drain(self, messages: AsyncGenerator[Delta | Result, None], request: Request, sub: Submit) -> Result | None:
@@ -360,10 +384,7 @@ class Gateway:
                         yield chunk([], usage_body(msg))
             yield b"data: [DONE]\n\n"
         except KvrouteError as exc:
-            type_ = ERROR_STATUS.get(exc.code, (500, "internal_error"))[1]
-            err = {"error": {"message": str(exc), "type": type_, "code": exc.code, "param": None}}
-            yield b"data: " + json.dumps(err).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
+            yield sse_error(str(exc), exc.code)
         finally:
             await messages.aclose()  # on client disconnect this sends the cancel
 
@@ -391,6 +412,7 @@ class Guard:
                 status["code"] = message["status"]
             await send(message)
 
+        limit, length = self.gateway.max_body_bytes, declared_length(scope)
         try:
             if path != "/health" and not self.gateway.authorized(Request(scope)):
                 if is_anthropic(path):
@@ -402,8 +424,17 @@ class Guard:
                         "missing or wrong API key", 401, type_="authentication_error", code="invalid_api_key"
                     )
                 await response(scope, receive, counting_send)
+            elif length is not None and length > limit:  # refused before a byte of it is read
+                message = too_large_message(length, limit)
+                if is_anthropic(path):
+                    response = JSONResponse(anthropic.error_body(message, "request_too_large"), 413)
+                else:
+                    response = error_response(message, 413, type_="invalid_request_error", code="too_large")
+                await response(scope, receive, counting_send)
             else:
-                await self.app(scope, receive, counting_send)
+                await self.app(scope, limited(receive, limit), counting_send)
+        except StalledReader as exc:
+            log.warning("http_reply_cut", path=path, reason=str(exc))
         finally:
             HTTP_REQUESTS.labels(endpoint, str(status["code"])).inc()
 

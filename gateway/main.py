@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from kvroute import logs
 from kvroute.config import add_args, from_args, opt
+from protocol import MAX_FRAME_BYTES
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,17 @@ class HttpConfig:
         None, "this client's CurveZMQ key file (when the router's client socket uses CURVE)", metavar="FILE"
     )
     router_key: str | None = opt(None, "the router's public key file (.pub), with --curve-key", metavar="FILE")
+    max_body_bytes: int = opt(MAX_FRAME_BYTES, "largest request body; a larger one gets 413 before it is read")
+    max_frame_bytes: int = opt(MAX_FRAME_BYTES, "the router's --max-frame-bytes: a request larger than that gets 413 here")
+    stream_stall_s: float = opt(
+        30.0, "a streamed reply whose reader takes nothing for this long is cut: its generation is cancelled"
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024 or self.max_frame_bytes < 1024:
+            raise ValueError("max_body_bytes and max_frame_bytes must be at least 1024")
+        if self.stream_stall_s <= 0:
+            raise ValueError(f"stream_stall_s must be positive, got {self.stream_stall_s}")
 
 
 def parse_host_port(value: str) -> tuple[str, int]:
@@ -45,9 +57,10 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None) -> 
     from kvroute.client import AsyncClient
 
     host, port = parse_host_port(cfg.http)
-    client = AsyncClient(cfg.router, curve_key=cfg.curve_key, router_key=cfg.router_key)
+    client = AsyncClient(cfg.router, curve_key=cfg.curve_key, router_key=cfg.router_key, max_frame_bytes=cfg.max_frame_bytes)
     api_key = cfg.api_key or os.environ.get("KVROUTE_API_KEY") or None
-    app = build_app(Gateway(client, cfg.model_name, api_key))
+    gateway = Gateway(client, cfg.model_name, api_key, max_body_bytes=cfg.max_body_bytes, stall_s=cfg.stream_stall_s)
+    app = build_app(gateway)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False))
     log = logs.get(__name__)
     task = asyncio.ensure_future(server.serve())

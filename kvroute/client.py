@@ -5,6 +5,12 @@ router raise `KvrouteError` subclasses keyed by the stable error code. ZMQ recon
 itself; a request whose replies stop for `timeout_s` raises `TimeoutError`, and the socket is then
 re-created so that late replies from a restarted router cannot be mistaken for new ones.
 
+One request's trouble stays its own: a message over `max_frame_bytes` raises `TooLarge` before it is sent (a
+frame far over the router's cap would make it drop the connection, and with it every request on the socket);
+an error the router could not tie to a request id goes to the one request waiting, or, with several waiting,
+is logged and fails none of them; a request whose replies are not read (more than `max_buffered` waiting, the
+asyncio client) is cancelled and ends with `TooSlow`, so that a stalled reader holds bounded memory.
+
     with Client("tcp://127.0.0.1:5555") as c:
         for delta in c.stream(prompt="The capital of France is", max_tokens=8):
             print(delta.text, end="")
@@ -17,6 +23,7 @@ import collections
 import itertools
 import os
 import time
+import typing
 import uuid
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any
@@ -25,7 +32,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvroute import logs
 from protocol import (
+    MAX_FRAME_BYTES,
     Cancel,
     ChatMessage,
     Delta,
@@ -48,6 +57,9 @@ from protocol import (
 )
 
 DEFAULT_ENDPOINT = os.environ.get("KVROUTE_ENDPOINT", "tcp://127.0.0.1:5555")
+MAX_BUFFERED = 4096  # replies kept for one request that its reader has not taken yet
+
+log = logs.get(__name__)
 
 
 def secure_client_socket(sock: zmq.Socket[Any], curve_key: str | None, router_key: str | None) -> None:
@@ -120,9 +132,30 @@ class Unauthorized(KvrouteError):
     code = ErrorCode.UNAUTHORIZED
 
 
+class TooLarge(KvrouteError):
+    code = ErrorCode.TOO_LARGE
+
+
+class TooSlow(KvrouteError):
+    code = ErrorCode.TOO_SLOW
+
+
 _ERRORS: dict[str, type[KvrouteError]] = {
-    cls.code: cls for cls in (BadRequest, ContextOverflow, QueueFull, NoWorkers, WorkerLost, DeadlineExceeded, Unauthorized)
+    cls.code: cls
+    for cls in (BadRequest, ContextOverflow, QueueFull, NoWorkers, WorkerLost, DeadlineExceeded, Unauthorized, TooLarge, TooSlow)
 }
+
+
+def encode_checked(msg: Any, max_frame_bytes: int) -> bytes:
+    """The message's frame; TooLarge when it is over the cap (checked here: far over it, the router would drop
+    the connection, taking every other request on the socket with it)."""
+    frame = encode(msg)
+    if len(frame) > max_frame_bytes:
+        raise TooLarge(
+            f"request of {len(frame)} bytes is over the {max_frame_bytes}-byte frame cap; send less",
+            request_id=getattr(msg, "id", None),
+        )
+    return frame
 
 
 def error_from(msg: Error) -> KvrouteError:
@@ -199,11 +232,14 @@ class Client:
         context: zmq.Context[Any] | None = None,
         curve_key: str | None = None,
         router_key: str | None = None,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
         """`curve_key` (this client's key file) and `router_key` (the router's .pub): CURVE, see `kvroute keys`."""
         self.endpoint = endpoint
         self.curve = (curve_key, router_key)
         self.timeout_s = timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self._waiting: set[str] = set()  # request ids whose final reply has not come
         self.ctx = context or zmq.Context.instance()
         self._decoder = router_reply_decoder()
         self._inbox: dict[str, collections.deque[Any]] = collections.defaultdict(collections.deque)
@@ -232,7 +268,9 @@ class Client:
         self.close()
 
     def send(self, msg: Any) -> None:
-        self._sock.send(encode(msg))
+        self._sock.send(encode_checked(msg, self.max_frame_bytes))
+        if not isinstance(msg, Cancel) and msg.id is not None:
+            self._waiting.add(msg.id)
 
     def _next_for(self, request_id: str) -> Any:
         """Next reply for `request_id`, buffering replies for other ids. Raises on error or timeout."""
@@ -249,14 +287,17 @@ class Client:
             if isinstance(msg, Invalid):
                 raise KvrouteError(f"unreadable reply from router: {msg.reason}", code=ErrorCode.INTERNAL)
             if msg.id is None and isinstance(msg, Error):
-                raise error_from(msg)  # the router could not read our frame at all
+                if self._waiting != {request_id}:  # cannot tell whose frame it was: fail none
+                    log.warning("unattributed_error", code=msg.code, message=msg.message, waiting=len(self._waiting))
+                    continue
+                msg.id = request_id  # the router could not read the frame of the one request waiting
             self._inbox[msg.id or ""].append(msg)
         msg = box.popleft()
+        if isinstance(msg, Error | Result | StatusReply):
+            self._inbox.pop(request_id, None)
+            self._waiting.discard(request_id)
         if isinstance(msg, Error):
-            self._inbox.pop(request_id, None)
             raise error_from(msg)
-        if isinstance(msg, (Result, StatusReply)):
-            self._inbox.pop(request_id, None)
         return msg
 
     def stream(self, **kwargs: Any) -> Stream:
@@ -278,6 +319,7 @@ class Client:
 
     def cancel(self, request_id: str) -> None:
         self.send(Cancel(id=request_id))
+        self._waiting.discard(request_id)
 
     def status(self) -> StatusReply:
         rid = "status-" + uuid.uuid4().hex[:8]
@@ -300,13 +342,18 @@ class AsyncClient:
         context: zmq.asyncio.Context | None = None,
         curve_key: str | None = None,
         router_key: str | None = None,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        max_buffered: int = MAX_BUFFERED,
     ) -> None:
         self.endpoint = endpoint
         self.curve = (curve_key, router_key)
         self.timeout_s = timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self.max_buffered = max_buffered
         self.ctx = context or zmq.asyncio.Context.instance()
         self._decoder = router_reply_decoder()
         self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._cut: set[str] = set()  # requests cancelled because their reader fell behind
         self._sock = self._connect()
         self._reader: asyncio.Task[None] | None = None
 
@@ -326,13 +373,34 @@ class AsyncClient:
             frame = await self._sock.recv()
             msg = self._decoder.decode(frame)
             if isinstance(msg, Invalid):
+                log.warning("unreadable_reply", code=msg.code, reason=msg.reason)
                 continue
-            q = self._queues.get(msg.id or "")
-            if q is not None:
-                q.put_nowait(msg)
-            elif msg.id is None and isinstance(msg, Error):
-                for q in self._queues.values():  # cannot tell whose frame it was: tell everyone waiting
-                    q.put_nowait(msg)
+            if msg.id is None and isinstance(msg, Error):
+                if len(self._queues) != 1:  # cannot tell whose frame it was: fail none of them
+                    log.warning("unattributed_error", code=msg.code, message=msg.message, waiting=len(self._queues))
+                    continue
+                (msg.id,) = self._queues  # the router could not read the frame of the one request waiting
+            rid = msg.id or ""
+            q = self._queues.get(rid)
+            if q is None or rid in self._cut:
+                continue
+            if q.qsize() >= self.max_buffered:
+                self._fall_behind(rid, q)
+                continue
+            q.put_nowait(msg)
+
+    def _fall_behind(self, rid: str, q: asyncio.Queue[Any]) -> None:
+        """The reader of `rid` left max_buffered replies untaken: cancel it, and end what it will read with TooSlow
+        (what it has not read yet stays; nothing more is kept)."""
+        self._cut.add(rid)
+        message = f"the reader took none of the last {self.max_buffered} replies; the request was cancelled"
+        log.warning("reader_too_slow", request_id=rid, buffered=q.qsize())
+        q.put_nowait(Error(id=rid, code=ErrorCode.TOO_SLOW, message=message))
+        self._send_soon(Cancel(id=rid))
+
+    def _send_soon(self, msg: Any) -> None:
+        fut = typing.cast("asyncio.Future[Any]", self._sock.send(encode(msg)))  # done at once unless a send is pending
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def close(self) -> None:
         if self._reader:
@@ -361,12 +429,13 @@ class AsyncClient:
     async def stream_submit(self, sub: Submit) -> AsyncGenerator[Delta | Result, None]:
         """Send a ready-made Submit (it must carry an id); yields each Delta, then the Result."""
         assert sub.id is not None
+        frame = encode_checked(sub, self.max_frame_bytes)
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[sub.id] = q
         self._ensure_reader()
         done = False
         try:
-            await self._sock.send(encode(sub))
+            await self._sock.send(frame)
             while True:
                 msg = await self._next(q)
                 if isinstance(msg, Result):
@@ -375,10 +444,11 @@ class AsyncClient:
                     return
                 yield msg
         except KvrouteError:
-            done = True
+            done = True  # (a TooSlow one was cancelled when it was cut)
             raise
         finally:
             self._queues.pop(sub.id, None)
+            self._cut.discard(sub.id)
             if not done:
                 await self._sock.send(encode(Cancel(id=sub.id)))
 
@@ -411,11 +481,12 @@ class AsyncClient:
 
     async def _ask(self, msg: Any) -> Any:
         """Send a message that has one reply, and wait for that reply (an Error raises)."""
+        frame = encode_checked(msg, self.max_frame_bytes)
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[msg.id] = q
         self._ensure_reader()
         try:
-            await self._sock.send(encode(msg))
+            await self._sock.send(frame)
             return await self._next(q)
         finally:
             self._queues.pop(msg.id, None)

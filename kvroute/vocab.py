@@ -64,6 +64,7 @@ class Vocab:
 
     def __init__(self, model: Any, path: str | os.PathLike[str], *, owned: bool) -> None:
         self._model = model  # keeps the llama_model alive as long as the vocab pointer is used
+        self.path = Path(path)
         self._owned = owned
         self._vocab = llama_cpp.llama_model_get_vocab(model)
         v = self._vocab

@@ -69,6 +69,7 @@ from protocol.worker_messages import (
     JobError,
     Refuse,
     RouterToWorker,
+    SlotHeld,
     SlotState,
     WorkerToRouter,
 )
@@ -110,6 +111,7 @@ __all__ = [
     "RouterReply",
     "RouterToWorker",
     "Sampling",
+    "SlotHeld",
     "SlotState",
     "SlotStatus",
     "StatusReply",

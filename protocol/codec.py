@@ -50,7 +50,8 @@ class Decoder(Generic[M]):
 
     def decode(self, frame: bytes | memoryview) -> M | Invalid:
         if len(frame) > self.max_bytes:
-            return Invalid(ErrorCode.TOO_LARGE, f"frame of {len(frame)} bytes is over the {self.max_bytes}-byte cap")
+            reason = f"frame of {len(frame)} bytes is over the {self.max_bytes}-byte cap"
+            return Invalid(ErrorCode.TOO_LARGE, reason, _request_id(frame))
         try:
             raw = self._raw.decode(frame)
         except Exception as exc:  # msgspec.DecodeError, or anything a hostile frame provokes
@@ -85,6 +86,23 @@ class Decoder(Generic[M]):
             return Invalid(ErrorCode.BAD_REQUEST, f"{tag}: {exc}", rid)
         except Exception as exc:  # a validator hit something unforeseen: still an answer, not a crash
             return Invalid(ErrorCode.BAD_REQUEST, f"{tag}: {type(exc).__name__}: {exc}", rid)
+
+
+class _OnlyId(msgspec.Struct):
+    id: Any = None
+
+
+_id_decoder = msgspec.msgpack.Decoder(_OnlyId)
+
+
+def _request_id(frame: bytes | memoryview) -> str | None:
+    """The `id` of a frame too large to decode, so that the refusal reaches the request that caused it: the
+    other fields are skipped, not built (a 40 MB prompt costs a pointer move)."""
+    try:
+        rid = _id_decoder.decode(frame).id
+    except Exception:
+        return None
+    return rid if isinstance(rid, str) and 0 < len(rid) <= 128 else None
 
 
 def client_request_decoder(max_bytes: int = MAX_FRAME_BYTES) -> Decoder[Any]:

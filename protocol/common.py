@@ -42,6 +42,7 @@ class ErrorCode(enum.StrEnum):
     MODEL_MISMATCH = "model_mismatch"
     DRAINING = "draining"
     UNAUTHORIZED = "unauthorized"
+    TOO_SLOW = "too_slow"  # client side: the reader fell too far behind its replies; the request was cancelled
 
 
 class FinishReason(enum.StrEnum):

@@ -17,6 +17,17 @@ WorkerId = Annotated[str, Meta(min_length=1, max_length=64)]
 # ---- worker -> router -------------------------------------------------------------------------
 
 
+class SlotHeld(Struct, kw_only=True):
+    """What one slot's KV holds, as a worker that outlived its router reports it in `hello`."""
+
+    slot: NonNeg
+    tokens: TokenBytes  # exactly the tokens whose KV the slot holds, in position order
+    n_exact: NonNeg = 0  # deterministic mode: leading tokens whose KV was computed as prompt
+
+    def __post_init__(self) -> None:
+        check_token_bytes("tokens", self.tokens)
+
+
 class Hello(Message, tag="hello", kw_only=True):
     """First message of a worker; repeated until `accept` or `refuse` arrives."""
 
@@ -30,6 +41,8 @@ class Hello(Message, tag="hello", kw_only=True):
     n_batch: NonNeg = 0
     deterministic: bool = False
     pid: NonNeg = 0
+    weights_fingerprint: str = ""  # of the model file's tensors; must equal the router's when both are given
+    held: list[SlotHeld] | None = None  # what the slots hold (a worker that outlived its router); None: unknown
 
 
 class SlotState(Struct, kw_only=True):
@@ -48,6 +61,7 @@ class Heartbeat(Message, tag="heartbeat", kw_only=True):
     queue: NonNeg  # jobs waiting for a slot inside the worker
     draining: bool = False
     counters: dict[str, float] = {}  # the engine's monotonic counters and gauges, by name (for the router's metrics)
+    progress: NonNeg = 0  # engine steps completed: a worker with jobs whose progress stops is hung
 
 
 class JobDelta(Message, tag="job_delta", kw_only=True):

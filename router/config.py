@@ -42,6 +42,14 @@ class RouterConfig:
     queue_size: int = opt(0, "most requests waiting for a slot; 0 = 2 x total slots (at least 8)")
     no_workers_grace_s: float = opt(20.0, "with no worker connected for this long, requests get no_workers")
     heartbeat_timeout_s: float = opt(3.0, "a worker silent for this long is dead")
+    hung_after_s: float = opt(
+        60.0,
+        "a worker with jobs whose engine made no progress for this long is hung: it is treated as dead (and, when "
+        "`serve` runs it, killed and restarted). Longer than the slowest single step (one prefill chunk)",
+    )
+    max_worker_deaths: int = opt(
+        2, "a request whose worker died this many times while running it fails (a poison request) instead of moving on"
+    )
     max_frame_bytes: int = opt(8 * 1024 * 1024, "largest client frame accepted")
     drain_timeout_s: float = opt(
         30.0, "on SIGTERM: new requests get `draining`; accepted ones get this long to finish, then an error"
@@ -64,5 +72,9 @@ class RouterConfig:
             raise ValueError(f"min_match must be at least 1, got {self.min_match}")
         if self.heartbeat_timeout_s <= 0 or self.no_workers_grace_s < 0 or self.busy_wait_ms < 0 or self.hold_ms < 0:
             raise ValueError("timeouts must be positive")
+        if self.hung_after_s <= 0:
+            raise ValueError(f"hung_after_s must be positive, got {self.hung_after_s}")
+        if self.max_worker_deaths < 1:
+            raise ValueError(f"max_worker_deaths must be at least 1, got {self.max_worker_deaths}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be at least 0, got {self.drain_timeout_s}")

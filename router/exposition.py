@@ -28,6 +28,7 @@ WORKER_COUNTERS = {
     "decode_errors": ("kvroute_worker_decode_errors", "llama_decode failures"),
     "host_saves": ("kvroute_worker_host_cache_saves", "Evicted slot contents kept in host RAM"),
     "copy_failures": ("kvroute_worker_copy_failures", "State copies llama.cpp refused"),
+    "host_save_failures": ("kvroute_worker_host_save_failures", "Copies to host RAM that failed (nothing else did)"),
 }
 
 
@@ -70,6 +71,7 @@ class _Collector:
         yield _counter("kvroute_worker_deaths", "Workers declared dead", m.dead_workers)
         yield _counter("kvroute_worker_restarts", "Local workers restarted by the supervisor", m.restarts)
         yield _counter("kvroute_bad_frames", "Client frames that could not be decoded", m.bad_frames)
+        yield _counter("kvroute_peers_cut", "Clients or workers cut for not reading their messages", m.peers_cut)
         workers = list(c.workers.values())
         yield _per_worker("kvroute_worker_slots", "Slots of each worker", {w.id: len(w.slots) for w in workers}, gauge=True)
         yield _per_worker("kvroute_worker_busy_slots", "Slots running a job", {w.id: w.load.busy for w in workers}, gauge=True)
@@ -86,6 +88,8 @@ class _Collector:
                           {w.id: w.counters.get("host_cache_bytes", 0.0) for w in workers}, gauge=True)  # fmt: skip
         yield _per_worker("kvroute_worker_host_cache_entries", "Evicted slot contents kept in host RAM",
                           {w.id: w.counters.get("host_cache_entries", 0.0) for w in workers}, gauge=True)  # fmt: skip
+        yield _per_worker("kvroute_worker_snapshot_bytes", "Host RAM held by per-slot state snapshots (recurrent models)",
+                          {w.id: w.counters.get("snapshot_bytes", 0.0) for w in workers}, gauge=True)  # fmt: skip
         yield _per_worker("kvroute_worker_prefill_tokens_per_second", "Prompt tokens computed per second (last heartbeat)",
                           {w.id: w.rates.get("prefilled_tokens", 0.0) for w in workers}, gauge=True)  # fmt: skip
         yield _per_worker("kvroute_worker_decode_tokens_per_second", "Tokens generated per second (last heartbeat)",

@@ -88,13 +88,16 @@ class Metrics:
     restarts: int = 0
     redispatched: int = 0
     bad_frames: int = 0
+    peers_cut: int = 0  # clients (or workers) that did not read their messages for too long
     queue_depth: int = 0
     worker_load: dict[str, dict[str, int]] = field(default_factory=dict)
     recent: deque[RequestRecord] = field(default_factory=lambda: deque(maxlen=4096))
 
-    def finished(self, rec: RequestRecord) -> None:
+    def finished(self, rec: RequestRecord, *, count_outcome: bool = True) -> None:
+        """A job ended with a result; `count_outcome` False when its request was already answered (an error)."""
         self.recent.append(rec)
-        self.requests[rec.finish_reason] += 1
+        if count_outcome:
+            self.requests[rec.finish_reason] += 1
         self.prompt_tokens += rec.prompt_tokens
         self.generation_tokens += rec.generated_tokens
         self.predicted_reuse_tokens += rec.predicted_reuse

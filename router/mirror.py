@@ -80,11 +80,30 @@ class Mirror:
         self.workers: dict[str, list[Slot]] = {}
         self.mismatches = 0
 
-    def add_worker(self, worker: str, n_slots: int, *, contents_known: bool = True, exact: bool = False) -> list[Slot]:
-        """Slots of a newly accepted worker incarnation: empty, or `dirty` when its KV may hold anything."""
+    def add_worker(
+        self,
+        worker: str,
+        n_slots: int,
+        *,
+        contents_known: bool = True,
+        exact: bool = False,
+        held: dict[int, tuple[Tokens, int]] | None = None,
+    ) -> list[Slot]:
+        """Slots of a newly accepted worker: holding what the worker reports (`held`: slot -> tokens, n_exact; a
+        worker that outlived its router), else empty, or `dirty` when its KV may hold anything."""
         self.remove_worker(worker)
         rev = [0]
         slots = [Slot(worker, i, dirty=not contents_known, exact=exact, rev=rev) for i in range(n_slots)]
+        for slot in slots:
+            if held is None:
+                continue
+            if slot.index not in held:
+                slot.dirty = True  # not reported: unknown
+                continue
+            tokens, n_exact = held[slot.index]
+            if len(tokens):
+                slot.tokens, slot.n_exact, slot.dirty = as_tokens(tokens), n_exact, False
+                self.index.insert(slot, slot.tokens)
         self.workers[worker] = slots
         return slots
 

@@ -50,6 +50,9 @@ class Req:
     streamed: list[int] = field(default_factory=list)  # token ids received from the worker
     delivered: int = 0  # deltas sent to the client in this attempt: once any is, it cannot be re-dispatched
     attempts: int = 0
+    deaths: int = 0  # workers that died while running it: a poison request kills every worker it reaches
+    ended: bool = False  # its outcome is counted and answered (an error) though a choice may still be cancelling
+    unfit_since: float | None = None  # queued while no ready worker's slots could hold it
     queue_ms: float = 0.0
     constraint: Constraint | None = None
     output: OutputSpec = field(default_factory=OutputSpec)
@@ -103,6 +106,8 @@ class WorkerConn:
     counters: dict[str, float] = field(default_factory=dict)  # the engine's, from its last heartbeat
     rates: dict[str, float] = field(default_factory=dict)  # per second, between its last two heartbeats
     counted_at: float = 0.0
+    progress: int = 0  # the engine's step count, from its last heartbeat
+    progress_at: float = field(default_factory=time.monotonic)  # when it last moved (or the worker got work)
     load: WorkerLoad = field(init=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +119,17 @@ class WorkerConn:
             dt = now - self.counted_at
             self.rates = {k: max(0.0, (v - self.counters.get(k, 0.0)) / dt) for k, v in counters.items()}
         self.counters, self.counted_at = counters, now
+
+    def fits(self, req: Req) -> bool:
+        """Whether one of this worker's slots can hold the request's prompt and its max_tokens."""
+        ctx = self.hello.ctx_per_slot
+        return len(req.tokens) < ctx and len(req.tokens) + (req.sampling.max_tokens or 0) <= ctx
+
+    @property
+    def has_suspect(self) -> bool:
+        """Whether it runs a request that was running on a worker that died (at most one such per worker, so that
+        the next death tells which request caused it)."""
+        return any(r.deaths for r in self.jobs.values())
 
     def refresh(self) -> None:
         """Recompute the load selection sees from what it derives from: the mirror's slots and the running jobs."""

@@ -20,11 +20,23 @@ Worker load (busy slots, prefill still to compute) is derived from the mirror an
 read, never counted up and down beside them.
 
 Failure rules:
-- A worker silent for `heartbeat_timeout_s`, or whose process exited, is dead at once: its slots leave the index
-  in the same event, its requests that have not streamed to their client are queued again at the front, the
-  others end with `worker_lost`.
-- A queued request whose deadline passes gets `deadline_exceeded`; with no worker for `no_workers_grace_s`, queued
-  and new requests get `no_workers`.
+- A worker silent for `heartbeat_timeout_s`, whose process exited, or that is hung (it has jobs and its engine's
+  step count has not moved for `hung_after_s`), is dead at once: its slots leave the index in the same event, its
+  requests that have not streamed to their client are queued again at the front, the others end with
+  `worker_lost`. A hung worker, and a silent one still silent after `hung_after_s`, is also to be killed
+  (`kills`: the shell hands them to the supervisor, which restarts it).
+- A request that was running on `max_worker_deaths` workers when they died fails (`worker_lost`) instead of
+  taking the next worker down too; a request that was on one dying worker runs on a worker with no other such
+  request, so that the next death tells which request caused it.
+- A worker that says hello after the router forgot it (the router restarted, or declared it dead) reports what
+  each slot holds; the mirror starts from that, so the conversations it holds stay cached.
+- A request goes only to a worker whose slots can hold it; one no ready worker can hold for `no_workers_grace_s`
+  gets `context_overflow`.
+- A queued request whose deadline passes gets `deadline_exceeded`, and so does a running one whose worker has not
+  ended it a second after (its job is cancelled); with no worker for `no_workers_grace_s`, queued and new requests
+  get `no_workers`.
+- An error ends the request at once; a choice still running is cancelled and stays CANCELLING until its job's end
+  tells what the slot holds (the mirror stays exact).
 """
 
 from __future__ import annotations
@@ -69,6 +81,17 @@ from router.select import Dispatch, Params, Wait, coldest, predicted_reuse, sele
 log = logs.get(__name__)
 
 MAX_WAITING_SCAN = 64  # queued requests examined per event beyond those dispatched
+DEADLINE_GRACE_S = 1.0  # a worker ends a job at its deadline itself; the router steps in this much later
+
+
+@dataclass(frozen=True)
+class Kill:
+    """A worker process to kill (hung, or silent for too long); the supervisor restarts it."""
+
+    worker: str
+    incarnation: int
+    pid: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -84,10 +107,11 @@ class Out:
 class Scheduler:
     """The router's state and the life cycle of its requests. Owned by one thread (the shell's event loop)."""
 
-    def __init__(self, cfg: RouterConfig, *, fingerprint: str, model: str, router_id: str) -> None:
+    def __init__(self, cfg: RouterConfig, *, fingerprint: str, model: str, router_id: str, weights: str = "") -> None:
         self.cfg = cfg
         self.params = Params.from_config(cfg)
         self.fingerprint, self.model, self.router_id = fingerprint, model, router_id
+        self.weights = weights  # the model file's weights fingerprint ("" : not checked)
         self.mirror = Mirror()
         self.metrics = Metrics()
         self.workers: dict[str, WorkerConn] = {}
@@ -99,6 +123,8 @@ class Scheduler:
         self.no_workers_since: float | None = time.monotonic()
         self.draining = False
         self.outbox: list[Out] = []
+        self.kills: list[Kill] = []  # taken by the shell, like the outbox
+        self.silent: dict[tuple[str, int], tuple[float, int]] = {}  # declared dead for silence: (when, pid)
         self._job_ids = itertools.count(1)
         self._rid = itertools.count(1)
         self._rotation = 0
@@ -145,6 +171,8 @@ class Scheduler:
         req.state, req.job, req.worker, req.slot = ReqState.RUNNING, job, conn.id, slot
         req.predicted, req.prefill_pending, req.attempts = d.reuse, len(req.tokens) - d.reuse, req.attempts + 1
         req.streamed, req.logprobs, req.parser, req.delivered = [], [], req.output.parser(), 0
+        if not conn.jobs:
+            conn.progress_at = now  # progress is expected from now on
         self.jobs[job] = req
         conn.jobs[job] = req
         conn.refresh()
@@ -214,20 +242,26 @@ class Scheduler:
             return  # already ended (another choice of it failed first)
         reply_to = req.reply_to if all(r.reply_to is not None for r in req.choices) else None
         for r in req.choices:
-            r.reply_to = None  # nothing more is sent for any choice
-            if r is not req and r.state is ReqState.RUNNING:
-                self._cancel(r)  # its job's end still updates the mirror, then finishes it
-            elif r is req or r.state is not ReqState.CANCELLING:
+            r.reply_to, r.ended = None, True  # nothing more is sent for any choice, nor counted
+            if not self._on_worker(r):
                 self._finish(r)
+            elif r.state is ReqState.RUNNING:
+                self._cancel(r)  # its job's end still updates the mirror, then finishes it
         self.metrics.requests[code] += 1
         log.info("request_failed", request_id=req.rid, job=req.job, code=code, message=message)
         if reply_to is not None:
             self.outbox.append(Out(reply_to, Error(id=req.rid, code=code, message=message, **extra), tuple(req.envelope)))
 
+    def _on_worker(self, req: Req) -> bool:
+        """Whether the request's job is on a connected worker (its end is still to come)."""
+        conn = self.workers.get(req.worker or "")
+        return conn is not None and req.job in conn.jobs
+
     def _finish_empty(self, req: Req, reason: str) -> None:
         """End a choice that produced nothing (cancelled before it ran)."""
         self._finish(req)
-        self.metrics.requests[reason] += 1
+        if not req.ended:
+            self.metrics.requests[reason] += 1
         waited = (time.monotonic() - req.arrived) * 1000
         req.choice = Choice(index=req.index, finish_reason=reason, text="", tokens=b"")
         req.usage = Usage(prompt_tokens=len(req.tokens), cached_tokens=0, completion_tokens=0)
@@ -255,6 +289,13 @@ class Scheduler:
         if (identity, rid, 0) in self.requests:
             message = f"request id {rid!r} is already in flight"
             self.reply(identity, envelope, Error(id=rid, code=ErrorCode.BAD_REQUEST, message=message))
+            return None
+        # texts still being tokenized count against the queue: a flood of long prompts cannot pile up behind it
+        waiting = len(self.queue) + sum(r.state is ReqState.TOKENIZING for r in self.requests.values())
+        if waiting + msg.n > max(self.queue_limit(), msg.n):
+            self.metrics.requests[ErrorCode.QUEUE_FULL] += 1
+            message = f"{waiting} requests are already waiting"
+            self.reply(identity, envelope, Error(id=rid, code=ErrorCode.QUEUE_FULL, message=message, retry_after_ms=1000))
             return None
         deadline = None if msg.deadline_ms is None else time.monotonic() + msg.deadline_ms / 1000.0
         # REQ sockets take exactly one reply per request: no deltas for them
@@ -297,19 +338,15 @@ class Scheduler:
         ready = [w for w in self.workers.values() if w.state is WorkerState.READY]
         if not ready and self._no_workers_expired():
             return ErrorCode.NO_WORKERS, "no worker is connected", {}
-        if ready:
-            ctx = max(w.hello.ctx_per_slot for w in ready)
-            need = len(req.tokens) + (req.sampling.max_tokens or 0)
-            if len(req.tokens) >= ctx or need > ctx:
-                return (
-                    ErrorCode.CONTEXT_OVERFLOW,
-                    f"prompt of {len(req.tokens)} tokens + max_tokens {req.sampling.max_tokens}"
-                    f" does not fit a slot of {ctx} tokens",
-                    {},
-                )
+        if ready and not any(w.fits(req) for w in ready):
+            return ErrorCode.CONTEXT_OVERFLOW, self._overflow(req, max(w.hello.ctx_per_slot for w in ready)), {}
         if len(self.queue) + req.n > max(self.queue_limit(), req.n):
             return ErrorCode.QUEUE_FULL, f"{len(self.queue)} requests are already waiting", {"retry_after_ms": 1000}
         return None
+
+    @staticmethod
+    def _overflow(req: Req, ctx: int) -> str:
+        return f"prompt of {len(req.tokens)} tokens + max_tokens {req.sampling.max_tokens} does not fit a slot of {ctx} tokens"
 
     def queue_limit(self) -> int:
         if self.cfg.queue_size > 0:
@@ -336,8 +373,14 @@ class Scheduler:
 
     # ---- dispatch ---------------------------------------------------------------------------------
 
-    def _ready_loads(self) -> list[Any]:
-        return [w.load for w in self.workers.values() if w.state is WorkerState.READY]
+    def _ready_loads(self, req: Req) -> list[Any]:
+        """The loads of the ready workers this request may go to: their slots hold it, and, for a request that was
+        on a worker that died, no other such request runs there."""
+        return [
+            w.load
+            for w in self.workers.values()
+            if w.state is WorkerState.READY and w.fits(req) and not (req.deaths and w.has_suspect)
+        ]
 
     def _pump(self) -> None:
         """Dispatch queued requests, oldest first, while idle slots remain."""
@@ -346,11 +389,14 @@ class Scheduler:
         now = time.monotonic()
         waiting = 0
         for req in list(self.queue):
-            loads = self._ready_loads()
-            if not any(w.busy < len(w.slots) for w in loads):
+            if not any(w.state is WorkerState.READY and w.load.busy < len(w.slots) for w in self.workers.values()):
                 break  # no idle slot anywhere
             if waiting >= MAX_WAITING_SCAN:
                 break  # bound the work per event when many requests wait for particular slots
+            loads = self._ready_loads(req)
+            if not any(w.busy < len(w.slots) for w in loads):
+                waiting += 1  # none of the workers it may go to has an idle slot
+                continue
             t0 = time.perf_counter()
             match = self.mirror.index.match(req.tokens)
             if req.index > 0:  # another choice of a request: beside its first choice, which computes the prompt
@@ -397,16 +443,24 @@ class Scheduler:
 
     def hello(self, identity: bytes, msg: Hello) -> None:
         if identity != msg.worker_id.encode():
-            reason = "ZMQ identity must equal worker_id"
-            self.outbox.append(Out(identity, Refuse(code=ErrorCode.BAD_REQUEST, reason=reason), worker=True))
+            refusal = Refuse(code=ErrorCode.BAD_REQUEST, reason="ZMQ identity must equal worker_id")
+            self.outbox.append(Out(identity, refusal, worker=True))
             return
+        reason: str | None = None
         if msg.model_fingerprint != self.fingerprint:
             reason = (
                 f"model fingerprint {msg.model_fingerprint[:16]} differs from the router's {self.fingerprint[:16]} ({self.model})"
             )
+        elif self.weights and msg.weights_fingerprint and msg.weights_fingerprint != self.weights:
+            reason = (
+                f"model weights {msg.weights_fingerprint[:16]} differ from the router's {self.weights[:16]} ({self.model}):"
+                " the same vocabulary with other weights (another quantization or fine-tune) would answer differently"
+            )
+        if reason is not None:
             log.warning("worker_refused", worker=msg.worker_id, code="model_mismatch", reason=reason)
             self.outbox.append(Out(identity, Refuse(code=ErrorCode.MODEL_MISMATCH, reason=reason), worker=True))
             return
+        self.silent.pop((msg.worker_id, msg.incarnation), None)  # it came back
         old = self.workers.get(msg.worker_id)
         if old is not None and old.hello.incarnation == msg.incarnation:
             old.last_seen = time.monotonic()  # a repeated hello: our accept crossed it
@@ -414,9 +468,13 @@ class Scheduler:
             return
         if old is not None:
             self.worker_dead(msg.worker_id, f"new incarnation {msg.incarnation}")
-        known = (msg.worker_id, msg.incarnation) not in self.seen  # a fresh process starts empty
+        held = None
+        if msg.held is not None:  # what each slot holds: the mirror starts from it
+            held = {h.slot: (np.frombuffer(h.tokens, dtype="<i4").astype(np.int32), h.n_exact) for h in msg.held}
+        # without a report, a fresh process starts empty; one seen before may hold anything
+        known = held is not None or (msg.worker_id, msg.incarnation) not in self.seen
         self.seen.add((msg.worker_id, msg.incarnation))
-        slots = self.mirror.add_worker(msg.worker_id, msg.slots, contents_known=known, exact=msg.deterministic)
+        slots = self.mirror.add_worker(msg.worker_id, msg.slots, contents_known=known, exact=msg.deterministic, held=held)
         conn = WorkerConn(msg, slots)
         self.workers[msg.worker_id] = conn
         self.no_workers_since = None
@@ -429,6 +487,7 @@ class Scheduler:
             ctx_per_slot=msg.ctx_per_slot,
             device=msg.device,
             pid=msg.pid,
+            held_tokens=sum(s.n_tokens for s in slots),
         )
         self._pump()
 
@@ -450,8 +509,11 @@ class Scheduler:
             self._job_error(conn, msg)
 
     def _heartbeat(self, conn: WorkerConn, msg: Heartbeat) -> None:
+        now = time.monotonic()
         conn.queue = msg.queue
-        conn.counted(msg.counters, time.monotonic())
+        conn.counted(msg.counters, now)
+        if msg.progress != conn.progress:
+            conn.progress, conn.progress_at = msg.progress, now
         conn.state = WorkerState.DRAINING if msg.draining else WorkerState.READY
         for st in msg.slots:
             if st.slot >= len(conn.slots) or st.busy:
@@ -521,7 +583,8 @@ class Scheduler:
                 req.rid, conn.id, slot.index, msg.prompt_tokens, req.predicted, msg.reused_tokens,
                 msg.generated_tokens, msg.finish_reason, timings.ttft_ms, timings.queue_ms, req.attempts,
                 msg.restored_tokens,
-            )
+            ),
+            count_outcome=not req.ended,
         )  # fmt: skip
         log.info(
             "request_done",
@@ -581,15 +644,24 @@ class Scheduler:
         for req in list(conn.jobs.values()):
             self._to_worker(conn, JobCancel(id=req.job or ""))  # in case it is only slow
             del conn.jobs[req.job or ""]
+            req.deaths += 1
             if req.state is ReqState.CANCELLING:
                 self._finish_empty(req, "cancelled")
             elif req.started:
                 self._fail(req, ErrorCode.WORKER_LOST, f"worker {worker} died ({reason}) while streaming this request")
+            elif req.deaths >= self.cfg.max_worker_deaths:
+                log.warning("poison_request", request_id=req.rid, deaths=req.deaths)
+                self._fail(
+                    req,
+                    ErrorCode.WORKER_LOST,
+                    f"{req.deaths} workers died while running this request (the last: {worker}, {reason}); it is not"
+                    f" sent to another (--max-worker-deaths {self.cfg.max_worker_deaths})",
+                )
             else:
                 self.jobs.pop(req.job or "", None)
                 self._enqueue(req, front=True)
                 self.metrics.redispatched += 1
-                log.info("request_requeued", request_id=req.rid, attempts=req.attempts)
+                log.info("request_requeued", request_id=req.rid, attempts=req.attempts, deaths=req.deaths)
         if not any(w.state is WorkerState.READY for w in self.workers.values()) and self.no_workers_since is None:
             self.no_workers_since = time.monotonic()
         self._pump()
@@ -605,27 +677,56 @@ class Scheduler:
     def tick(self, now: float) -> None:
         for conn in list(self.workers.values()):
             if now - conn.last_seen > self.cfg.heartbeat_timeout_s:
+                self.silent[(conn.id, conn.hello.incarnation)] = (now, conn.hello.pid)
                 self.worker_dead(conn.id, f"no heartbeat for {now - conn.last_seen:.1f} s")
-        for req in list(self.queue):
-            if req.deadline is not None and now >= req.deadline:
+            elif conn.jobs and now - conn.progress_at > self.cfg.hung_after_s:
+                reason = f"hung: {len(conn.jobs)} jobs and no engine progress for {now - conn.progress_at:.1f} s"
+                self.kills.append(Kill(conn.id, conn.hello.incarnation, conn.hello.pid, reason))
+                self.worker_dead(conn.id, reason)
+        for (worker, incarnation), (since, pid) in list(self.silent.items()):
+            if now - since > self.cfg.hung_after_s:  # declared dead for silence, and never came back
+                del self.silent[(worker, incarnation)]
+                self.kills.append(Kill(worker, incarnation, pid, f"silent for {now - since:.1f} s after it was declared dead"))
+        for req in list(self.requests.values()):
+            if req.deadline is None or now < req.deadline or req.state is ReqState.DONE or req.ended:
+                continue
+            if req.state is ReqState.QUEUED:
                 self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was queued")
+            elif req.state is ReqState.RUNNING and now >= req.deadline + DEADLINE_GRACE_S:
+                self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was running")
+        self._unfit(now)
         if self.queue and not self.workers and self._no_workers_expired():
             for req in list(self.queue):
                 self._fail(req, ErrorCode.NO_WORKERS, f"no worker connected for {self.cfg.no_workers_grace_s:g} s")
         if any(r.wait_since is not None for r in self.queue):
             self._pump()
 
+    def _unfit(self, now: float) -> None:
+        """Queued requests that no ready worker can hold (the one that could left) wait `no_workers_grace_s` for
+        one to come back, then get `context_overflow`."""
+        ready = [w for w in self.workers.values() if w.state is WorkerState.READY]
+        if not ready:
+            return
+        for req in list(self.queue):
+            if any(w.fits(req) for w in ready):
+                req.unfit_since = None
+            elif req.unfit_since is None:
+                req.unfit_since = now
+            elif now - req.unfit_since >= self.cfg.no_workers_grace_s:
+                self._fail(req, ErrorCode.CONTEXT_OVERFLOW, self._overflow(req, max(w.hello.ctx_per_slot for w in ready)))
+
+    def take_kills(self) -> list[Kill]:
+        kills, self.kills = self.kills, []
+        return kills
+
     def drain_expired(self) -> None:
         """The drain's time is up: every request still open ends with `draining` (its job cancelled)."""
         for req in list(self.requests.values()):
-            if req.state is ReqState.DONE:
+            if req.state is ReqState.DONE or req.ended:
                 continue
-            conn = self.workers.get(req.worker or "")
-            if req.state in (ReqState.RUNNING, ReqState.CANCELLING) and conn is not None and req.job:
-                self._to_worker(conn, JobCancel(id=req.job))
             if req.state is ReqState.CANCELLING:
                 self._finish_empty(req, "cancelled")  # what a cancelled request gets, a little early
-            else:
+            else:  # (a running choice's job is cancelled)
                 self._fail(req, ErrorCode.DRAINING, "the router stopped before this request finished (drain timeout)")
 
     # ---- views ------------------------------------------------------------------------------------

@@ -5,7 +5,13 @@ One asyncio task reads each socket and a ticker runs every 100 ms; every event g
 produced is sent right after (`_flush`). A send to a client that is gone, or to an unreachable worker, is
 reported to the core as its own event. All state is owned by this loop: no locks.
 
-- A frame a client sends that cannot be decoded gets an `error` reply naming the problem; the loop goes on.
+- A frame a client sends that cannot be decoded gets an `error` reply naming the problem (and the request id when
+  it can be read, even from a frame over the size cap); the loop goes on.
+- A peer that does not read (its pipe is at the high-water mark) gets what is for it kept in order in a backlog,
+  sent as it reads again; a client that stays behind for BACKLOG_TIMEOUT_S, or BACKLOG_MAX messages, is cut (its
+  requests cancelled, logged), a worker is declared dead. Nothing is dropped without a log line.
+- Workers the core wants killed (hung, or silent long after they were declared dead) go to `on_kill` (the
+  supervisor, under `kvroute serve`; systemd's watchdog does it for units).
 - A long prompt is rendered and tokenized on a thread (llama_tokenize releases the GIL), so the loop keeps
   serving everyone else; the request is in flight meanwhile.
 
@@ -21,12 +27,14 @@ second; WATCHDOG=1 from the ticker when the unit asks for it; STOPPING=1 when dr
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import functools
 import time
 import typing
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -37,6 +45,7 @@ from chat.template import ChatTemplate
 from kvroute import logs
 from kvroute.notify import notify, watchdog_interval_s
 from kvroute.vocab import Vocab
+from kvroute.weights import GGUFError, weights_fingerprint
 from protocol import (
     Cancel,
     Detokenize,
@@ -60,7 +69,7 @@ from router.metrics import Metrics
 from router.mirror import Mirror
 from router.prepare import PrepareError, prepare, text_chars, tokens_reply
 from router.requests import Req, WorkerConn
-from router.scheduler import Scheduler
+from router.scheduler import Kill, Out, Scheduler
 from router.security import Gatekeeper, Security
 
 log = logs.get(__name__)
@@ -71,6 +80,8 @@ CLOSE_LINGER_MS = 1000  # last replies (drain errors) get this long to leave whe
 # Text longer than this is tokenized on a thread: llama_tokenize takes ~3 us a token here (80 ms for a 130 kB,
 # 26k-token conversation), which on the event loop would stall every other client for as long.
 TOKENIZE_INLINE_CHARS = 16 * 1024
+BACKLOG_MAX = 100_000  # messages kept for one peer that does not read
+BACKLOG_TIMEOUT_S = 30.0  # how long a peer may stay behind
 
 
 def send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
@@ -101,7 +112,16 @@ class Router:
         eos = vocab.piece(vocab.eos).decode("utf-8", "replace") if vocab.eos is not None else ""
         template = ChatTemplate.choose(vocab.chat_template, cfg.chat_template, cfg.chat_format, bos_text=bos, eos_text=eos)
         self.chat = ChatFormat(template)
-        self.core = Scheduler(cfg, fingerprint=vocab.fingerprint, model=vocab.name, router_id=self.router_id)
+        try:
+            weights = weights_fingerprint(vocab.path)
+        except (GGUFError, OSError) as exc:
+            log.warning("no_weights_fingerprint", reason=str(exc), effect="workers' weights are not compared")
+            weights = ""
+        self.core = Scheduler(cfg, fingerprint=vocab.fingerprint, model=vocab.name, router_id=self.router_id, weights=weights)
+        self.on_kill: Callable[[Kill], None] | None = None  # set by the supervisor of local workers
+        # per peer (worker?, identity): messages waiting while its pipe is full, and since when
+        self._backlog: dict[tuple[bool, bytes], collections.deque[Out]] = {}
+        self._behind_since: dict[tuple[bool, bytes], float] = {}
         self._stop = asyncio.Event()
         self.ready = asyncio.Event()
         self.client_sock: zmq.asyncio.Socket | None = None
@@ -241,17 +261,63 @@ class Router:
         """Send what the core produced; a send that fails becomes the core's next event (and is flushed too)."""
         while out := self.core.take():
             for o in out:
-                sock = self.worker_sock if o.worker else self.client_sock
-                assert sock is not None
-                try:
-                    send_now(sock, [o.to, *o.envelope, encode(o.msg)])
-                except zmq.ZMQError as exc:
-                    if exc.errno != zmq.EHOSTUNREACH:
-                        log.warning("send_failed", worker=o.worker, error=str(exc))
-                    elif o.worker:
-                        self.core.worker_dead(o.to.decode("utf-8", "replace"), "unreachable")
-                    else:
-                        self.core.client_gone(o.to)
+                key = (o.worker, o.to)
+                if key in self._backlog:
+                    self._backlog[key].append(o)  # behind what already waits for this peer, in order
+                else:
+                    self._send(o)
+        for kill in self.core.take_kills():
+            log.warning("worker_kill", worker=kill.worker, incarnation=kill.incarnation, pid=kill.pid, reason=kill.reason)
+            if self.on_kill is not None:
+                self.on_kill(kill)
+
+    def _send(self, o: Out) -> bool:
+        """Send one message; False when the peer's pipe is full (the message then waits in its backlog)."""
+        sock = self.worker_sock if o.worker else self.client_sock
+        assert sock is not None
+        try:
+            send_now(sock, [o.to, *o.envelope, encode(o.msg)])
+        except zmq.Again:
+            key = (o.worker, o.to)
+            self._backlog.setdefault(key, collections.deque()).appendleft(o)
+            self._behind_since.setdefault(key, time.monotonic())
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                log.warning("send_failed", worker=o.worker, error=str(exc), message=type(o.msg).__name__)
+            elif o.worker:
+                self.core.worker_dead(o.to.decode("utf-8", "replace"), "unreachable")
+            else:
+                self.core.client_gone(o.to)
+        return True
+
+    def _catch_up(self, now: float) -> None:
+        """Send what waits for peers whose pipes were full; cut the peers that stay behind too long."""
+        for key, backlog in list(self._backlog.items()):
+            del self._backlog[key]  # (so that `_send` puts a refused message back in a fresh one)
+            while backlog and self._send(backlog.popleft()):
+                pass
+            if key in self._backlog:  # still full: what was left goes behind the refused message
+                self._backlog[key].extend(backlog)
+                backlog = self._backlog[key]
+                since = self._behind_since[key]
+                if len(backlog) > BACKLOG_MAX or now - since > BACKLOG_TIMEOUT_S:
+                    self._cut(key, len(backlog), now - since)
+            else:
+                self._behind_since.pop(key, None)
+        self._flush()
+
+    def _cut(self, key: tuple[bool, bytes], waiting: int, behind_s: float) -> None:
+        worker, identity = key
+        del self._backlog[key], self._behind_since[key]
+        peer = identity.decode("utf-8", "replace") if worker else identity.hex()
+        log.warning("peer_cut", worker=worker, peer=peer, unsent=waiting, behind_s=round(behind_s, 1),
+                    reason="it did not read its messages")  # fmt: skip
+        self.core.metrics.peers_cut += 1
+        if worker:
+            self.core.worker_dead(peer, f"did not read its messages for {behind_s:.0f} s")
+        else:
+            self.core.client_gone(identity)
 
     # ---- client side ----------------------------------------------------------------------------
 
@@ -379,6 +445,8 @@ class Router:
     def tick(self, now: float) -> None:
         self.core.tick(now)
         self._flush()
+        if self._backlog:
+            self._catch_up(now)
         self._check_drained(now)
         if now >= self._next_status:
             self._next_status = now + STATUS_EVERY_S

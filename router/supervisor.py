@@ -2,7 +2,9 @@
 
 Each worker id runs one process at a time; every start is a new incarnation (so the router starts it
 with empty slots). An exit is reported to the router at once (`Router.worker_exited`), which purges
-the worker's slots and re-dispatches its unstarted requests in the same loop turn. More than
+the worker's slots and re-dispatches its unstarted requests in the same loop turn. A worker the router finds
+hung (jobs and no engine progress), or silent long after it was declared dead (stopped), is killed here
+(`kill`, the router's `on_kill`) and so restarted like one that crashed. More than
 `max_restarts` restarts within `restart_window_s` stop the restarts for that worker, with a log line
 saying so; exit status 3 (the router refused the worker) is not restarted either.
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 from kvroute import logs
 from kvroute.config import opt
+from router.scheduler import Kill
 from router.server import Router
 
 log = logs.get(__name__)
@@ -72,6 +75,7 @@ class Supervisor:
         self.children = {s.worker_id: _Child(s) for s in specs}
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        router.on_kill = self.kill
 
     def start(self) -> None:
         self._tasks = [asyncio.ensure_future(self._keep(c)) for c in self.children.values()]
@@ -79,6 +83,15 @@ class Supervisor:
     def pid(self, worker_id: str) -> int | None:
         proc = self.children[worker_id].proc
         return proc.pid if proc is not None and proc.returncode is None else None
+
+    def kill(self, kill: Kill) -> None:
+        """SIGKILL a worker incarnation this supervisor runs (others: not ours, or already gone)."""
+        child = self.children.get(kill.worker)
+        if child is None or child.incarnation != kill.incarnation or child.proc is None or child.proc.returncode is not None:
+            return
+        log.warning("worker_killed", worker=kill.worker, incarnation=kill.incarnation, pid=child.proc.pid, reason=kill.reason)
+        with contextlib.suppress(ProcessLookupError):
+            child.proc.kill()
 
     def command(self, child: _Child) -> list[str]:
         return [

@@ -18,7 +18,9 @@ class WorkerConfig:
     gpu: int | None = opt(None, "GPU index to pin the context to (all layers offloaded); default: CPU", metavar="I")
     connect: str = opt("tcp://127.0.0.1:5556", "router's worker endpoint to connect to")
     worker_id: str = opt("w0", "this worker's id (its ZMQ identity)")
-    incarnation: int = opt(0, "incarnation number; grows each time this worker id is restarted")
+    incarnation: int | None = opt(
+        None, "this process start's number (default: the start time in ms, new on every start, systemd's included)"
+    )
     deterministic: bool = opt(
         False, "bit-identical greedy output cached vs cold and batched vs alone (no weight repacking, no flash attention)"
     )

@@ -44,6 +44,7 @@ from protocol import (
     JobDone,
     JobError,
     Message,
+    SlotHeld,
     SlotState,
     Timings,
     TokenLogprob,
@@ -52,6 +53,7 @@ from protocol import (
     unpack_tokens,
 )
 from worker.config import WorkerConfig
+from worker.faults import Faults
 from worker.guide import Guide, GuideError, GuideTokenizer
 from worker.host_cache import Entry, HostCache
 from worker.llama import Llama
@@ -95,6 +97,7 @@ class Counters:
     restored_from_slots: int = 0  # of restored_tokens: copied from another slot
     restored_from_host: int = 0  # of restored_tokens: restored from host RAM
     copy_failures: int = 0  # llama.cpp refused a state copy (the slot was cleared and prefilled instead)
+    host_save_failures: int = 0  # a copy to host RAM failed (nothing else did: the slot went on)
     decode_s: float = 0.0  # time inside llama_decode
     step_s: float = 0.0  # time of whole steps (batch building + decode + sampling + messages)
 
@@ -196,6 +199,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._running = False
         self._decode = self.llama.decode  # tests replace this to inject failures
+        self.faults = Faults.from_env()  # failpoints of the fault tests; none unless KVROUTE_FAULTS is set
+        if self.faults:
+            log.warning("fault_injection_on", faults=self.faults.rules)
+        self.progress = 0  # steps completed; a worker whose progress stops while it has jobs is hung
 
     # ---- any thread ----
 
@@ -234,6 +241,15 @@ class Engine:
         """Forget every job without reporting and clear every slot (the router restarted with an empty mirror)."""
         self._inbox.put(("reset", None))
 
+    def forget_jobs(self) -> Future[int]:
+        """End every job without a word, keeping what the slots hold (the router forgot this worker: it restarted,
+        or it declared this worker dead and already answered for those jobs). The future gives how many."""
+        return self.call(lambda e: e._forget_jobs())
+
+    def held(self) -> Future[list[SlotHeld]]:
+        """What every slot holds, read on the compute thread (for the hello to a router that does not know it)."""
+        return self.call(lambda e: [SlotHeld(slot=s.id, tokens=pack_tokens(s.tokens), n_exact=s.n_exact) for s in e.table.slots])
+
     def call(self, fn: Callable[[Engine], Any]) -> Future[Any]:
         """Run `fn(engine)` on the compute thread between two steps."""
         fut: Future[Any] = Future()
@@ -255,11 +271,17 @@ class Engine:
         return [SlotState(slot=s.id, busy=s.phase is busy, n_tokens=s.n_tokens, job_id=s.job_id) for s in self.table.slots]
 
     def figures(self) -> dict[str, float]:
-        """The counters, and the host-RAM cache's size, for the heartbeat (plain reads of compute-thread state)."""
+        """The counters, the host-RAM cache's size and the snapshots' bytes, for the heartbeat (plain reads of
+        compute-thread state)."""
         out: dict[str, float] = dataclasses.asdict(self.counters)
         out["host_cache_bytes"] = self.host.nbytes
         out["host_cache_entries"] = len(self.host)
+        out["snapshot_bytes"] = sum(len(s.snapshot.data) for s in list(self.table.slots) if s.snapshot is not None)
         return out
+
+    def working(self) -> bool:
+        """Whether any job waits or runs (a plain read, for the watchdog: progress is expected only then)."""
+        return bool(self.waiting) or any(s.phase is SlotPhase.BUSY for s in self.table.slots)
 
     @property
     def queue_len(self) -> int:
@@ -283,6 +305,7 @@ class Engine:
                 self._step()
             except Exception as exc:  # a bug: fail the running jobs, keep the worker alive
                 self._fail_all(exc)
+            self.progress += 1
 
     def _handle(self, kind: str, arg: Any) -> None:
         if kind == "job":
@@ -475,6 +498,7 @@ class Engine:
         if not self.llama.state_set(slot.id, entry.data):
             self.counters.copy_failures += 1
             log.warning("state_restore_refused", slot=slot.id, tokens=len(entry.tokens))
+            self.host.drop(entry)  # it would fail again
             self._clear(slot)
             return 0
         slot.tokens, slot.n_exact, slot.snapshot = list(entry.tokens), entry.n_exact, None
@@ -490,8 +514,16 @@ class Engine:
         tokens, n = slot.tokens, slot.n_tokens
         if self.host.covers(tokens) or any(o is not slot and o.tokens[:n] == tokens for o in self.table.slots):
             return
-        pos_min = self.llama.state_pos_min(slot.id, n)
-        if self.host.put(tokens, slot.n_exact, self.llama.state_get(slot.id), pos_min):
+        if not self.host.make_room(self.llama.state_size(slot.id)):
+            return  # over the whole budget: nothing is allocated
+        try:
+            pos_min = self.llama.state_pos_min(slot.id, n)
+            data = self.llama.state_get(slot.id)
+        except (RuntimeError, MemoryError) as exc:  # the copy is a nicety: the job goes on without it
+            self.counters.host_save_failures += 1
+            log.warning("host_save_failed", slot=slot.id, tokens=n, error=str(exc))
+            return
+        if self.host.put(tokens, slot.n_exact, data, pos_min):
             self.counters.host_saves += 1
 
     def _awaits_prefill(self, req: Request) -> bool:
@@ -558,6 +590,8 @@ class Engine:
             plan = self._build(group, budget)
             if not plan:
                 return budget
+            if self.faults:
+                self.faults.before_decode([slot.job.id for slot, _, _ in plan])
             t1 = time.perf_counter()
             ret = self._decode()
             self._copying.clear()  # llama_decode does the pending stream copies before anything else
@@ -799,6 +833,20 @@ class Engine:
             reqs += [slot.job for slot in self.table.busy() if slot.job is not None]
         for req in reqs:
             self._error(req, ErrorCode.DRAINING, "the worker is shutting down; this job was handed back")
+        return len(reqs)
+
+    def _forget_jobs(self) -> int:
+        reqs = [*self.waiting, *(slot.job for slot in self.table.busy() if slot.job is not None)]
+        for req in self.waiting:
+            self._forget(req)
+        self.waiting.clear()
+        for slot in self.table.busy():
+            if slot.job is not None:
+                self._release(slot.job, slot)  # the slot keeps the KV its job computed
+        for req in reqs:
+            req.silent = True
+        if reqs:
+            log.info("jobs_forgotten", jobs=len(reqs), reason="the router does not know this worker any more")
         return len(reqs)
 
     def _reset(self) -> None:

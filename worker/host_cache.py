@@ -50,6 +50,15 @@ class HostCache:
         n = len(tokens)
         return any(len(e.tokens) >= n and e.tokens[:n] == tokens for e in self.entries)
 
+    def make_room(self, nbytes: int) -> bool:
+        """Drop least recently used entries until `nbytes` more fit; False (nothing dropped) when they never can.
+        Asked before a state is copied out, so that the copy never takes memory beyond the budget."""
+        if nbytes <= 0 or nbytes > self.capacity:
+            return False
+        while self.entries and self.nbytes + nbytes > self.capacity:
+            self._drop(min(self.entries, key=lambda e: e.last_used))
+        return True
+
     def put(self, tokens: list[int], n_exact: int, data: StateData, pos_min: int = 0) -> bool:
         """Keep a copy of a sequence holding `tokens`; entries it extends are dropped. False when it cannot fit."""
         if len(data) > self.capacity:
@@ -76,6 +85,11 @@ class HostCache:
 
     def used(self, entry: Entry) -> None:
         self._touch(entry)
+
+    def drop(self, entry: Entry) -> None:
+        """Forget an entry (its restore failed: it would fail again)."""
+        if entry in self.entries:
+            self._drop(entry)
 
     def clear(self) -> None:
         self.entries.clear()

@@ -203,6 +203,10 @@ class Llama:
         floor = max(self.seq_pos_min(seq), 0)
         return max(floor, n - self.info.n_swa) if self.info.n_swa > 0 else floor
 
+    def state_size(self, seq: int) -> int:
+        """Bytes `state_get(seq)` would allocate (asked before allocating, so a budget can say no first)."""
+        return int(llama_cpp.llama_state_seq_get_size(self.ctx, seq))
+
     def state_get(self, seq: int) -> StateData:
         """A copy of what `seq` holds (its KV cells and their positions), kept in one ctypes buffer (no extra copy)."""
         size = llama_cpp.llama_state_seq_get_size(self.ctx, seq)

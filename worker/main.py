@@ -28,6 +28,7 @@ from kvroute import logs
 from kvroute.client import secure_client_socket
 from kvroute.config import UsageError, add_args, from_args
 from kvroute.notify import notify, watchdog_interval_s
+from kvroute.weights import GGUFError, weights_fingerprint
 from protocol import (
     Accept,
     Drain,
@@ -45,12 +46,14 @@ from protocol import (
 )
 from worker.config import WorkerConfig
 from worker.engine import Engine
+from worker.faults import Faults
 
 log = logs.get(__name__)
 
 BEAT_S = 1.0
 POLL_S = 0.1
 EXIT_REFUSED = 3
+HELD_WAIT_S = 2.0  # a hello waits this long for the compute thread to say what the slots hold, then says "unknown"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     logs.setup(process=f"worker-{args.worker_id}")
     try:
         cfg = from_args(WorkerConfig, args)
+        Faults.from_env()  # a malformed KVROUTE_FAULTS stops start-up with one line, before the model loads
         probe: zmq.Socket[bytes]
         with zmq.Context.instance().socket(zmq.DEALER) as probe:  # unreadable keys stop start-up before the model loads
             secure_client_socket(probe, cfg.curve_key, cfg.router_key)
@@ -94,6 +98,15 @@ class WorkerServer:
         self.ready_sent = False
         self.draining = False
         self.router_id: str | None = None
+        # every process start is a new incarnation, so a router never mistakes it for the process before it
+        self.incarnation = cfg.incarnation if cfg.incarnation is not None else time.time_ns() // 1_000_000
+        self.told_held = False  # the last hello said what the slots hold (else a new router means clearing them)
+        self.watched_progress = -1
+        try:
+            self.weights = weights_fingerprint(engine.vocab.path)
+        except (GGUFError, OSError) as exc:
+            log.warning("no_weights_fingerprint", reason=str(exc))
+            self.weights = ""
 
     def sink(self, msg: Message) -> None:
         """Called by the compute thread: hand an encoded message to the I/O thread."""
@@ -105,9 +118,15 @@ class WorkerServer:
 
     def hello(self) -> Hello:
         llama = self.engine.llama
+        try:
+            held = self.engine.held().result(timeout=HELD_WAIT_S)
+        except TimeoutError:
+            held = None
+            log.warning("slots_unknown", reason=f"the compute thread did not answer in {HELD_WAIT_S:g} s")
+        self.told_held = held is not None
         return Hello(
             worker_id=self.cfg.worker_id,
-            incarnation=self.cfg.incarnation,
+            incarnation=self.incarnation,
             slots=self.cfg.slots,
             ctx_per_slot=self.engine.n_ctx,
             model_fingerprint=self.engine.vocab.fingerprint,
@@ -116,18 +135,31 @@ class WorkerServer:
             n_batch=self.cfg.n_batch,
             deterministic=self.cfg.deterministic,
             pid=os.getpid(),
+            weights_fingerprint=self.weights,
+            held=held,
         )
 
     def heartbeat(self) -> Heartbeat:
         e = self.engine
         return Heartbeat(
             worker_id=self.cfg.worker_id,
-            incarnation=self.cfg.incarnation,
+            incarnation=self.incarnation,
             slots=e.slot_states(),
             queue=e.queue_len,
             draining=e.draining or self.draining,
             counters=e.figures(),
+            progress=e.progress,
         )
+
+    def watchdog(self) -> None:
+        """systemd's WATCHDOG=1, but only while the engine is idle or has stepped since the last one: a compute
+        thread stuck in llama_decode stops the pings, and systemd restarts the worker (WatchdogSec=)."""
+        progress = self.engine.progress
+        if progress != self.watched_progress or not self.engine.working():
+            notify(watchdog=True)
+        else:
+            log.warning("watchdog_withheld", reason="jobs are running and the engine made no progress", progress=progress)
+        self.watched_progress = progress
 
     def status_line(self) -> str:
         """One line for systemd's STATUS=."""
@@ -201,7 +233,7 @@ class WorkerServer:
                     notify(status=self.status_line())
                 if watchdog_s is not None and now >= next_watchdog:
                     next_watchdog = now + watchdog_s
-                    notify(watchdog=True)
+                    self.watchdog()
                 # a signal interrupts nothing here: look at least every POLL_S so draining starts at once
                 wait_s = min(next_beat - time.monotonic(), POLL_S) if drain_deadline is None else 0.05
                 events = dict(poller.poll(timeout=max(1, int(wait_s * 1000))))
@@ -241,15 +273,20 @@ class WorkerServer:
             if not self.accepted:
                 log.info("accepted", router_id=msg.router_id)
             if self.router_id is not None and msg.router_id != self.router_id:
-                log.info("router_restarted", router_id=msg.router_id)
-                self.engine.reset()
+                log.info("router_restarted", router_id=msg.router_id, slots_reported=self.told_held)
+                if not self.told_held:  # the new router's mirror is empty: make it the truth
+                    self.engine.reset()
             self.router_id, self.accepted = msg.router_id, True
             if not self.ready_sent:  # model loaded and accepted: this worker can serve
                 self.ready_sent = True
                 notify(ready=True, status=self.status_line())
         elif isinstance(msg, Refuse):
             if msg.code == ErrorCode.NOT_FOUND:
-                log.info("router_forgot_us", reason=msg.reason)
+                if self.accepted:
+                    log.info("router_forgot_us", reason=msg.reason)
+                    # the router answered for our jobs already, or never knew them: end them, keep the KV; the
+                    # next hello says what each slot holds (the compute thread takes it after this)
+                    self.engine.forget_jobs()
                 self.accepted = False
                 return None
             log.error("refused", code=msg.code, reason=msg.reason)

@@ -322,6 +322,8 @@ EXAMPLES: list[Example] = [
             n_batch=512,
             deterministic=True,
             pid=4242,
+            weights_fingerprint="f24a794ded70f117",
+            held=[p.SlotHeld(slot=0, tokens=p.pack_tokens([2, 9259, 1010]), n_exact=3), p.SlotHeld(slot=1, tokens=b"")],
         ),
         {},
     ),
@@ -335,6 +337,7 @@ EXAMPLES: list[Example] = [
             queue=2,
             draining=False,
             counters={"generated_tokens": 1200.0, "prefilled_tokens": 5400.0, "host_cache_bytes": 1048576.0},
+            progress=4821,
         ),
         {},
     ),
@@ -471,6 +474,7 @@ ALL_STRUCTS: list[type[msgspec.Struct]] = [
     p.SlotStatus,
     p.WorkerStatus,
     p.SlotState,
+    p.SlotHeld,
     p.Constraint,
 ]
 

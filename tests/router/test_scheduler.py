@@ -4,10 +4,10 @@ and what each event sends."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import numpy as np
 import pytest
+from scheduler_helpers import CLIENT, PROMPT, core, delta, done, hello, jobs, submit, to_client
 
 from chat.output import OutputSpec
 from protocol import (
@@ -16,84 +16,17 @@ from protocol import (
     Error,
     Heartbeat,
     Hello,
-    Job,
     JobCancel,
-    JobDelta,
-    JobDone,
     JobError,
     Refuse,
     Result,
     Sampling,
     SlotState,
     Submit,
-    Timings,
-    pack_tokens,
     token_hash,
-    unpack_tokens,
 )
-from router.config import RouterConfig
 from router.prepare import Prepared, PrepareError
 from router.requests import ReqState
-from router.scheduler import Out, Scheduler
-
-CLIENT = b"client-1"
-PROMPT = np.arange(100, 140, dtype=np.int32)
-
-
-def core(**cfg: Any) -> Scheduler:
-    cfg.setdefault("busy_wait_ms", 0)
-    return Scheduler(RouterConfig(**cfg), fingerprint="fp", model="m", router_id="r1")
-
-
-def hello(s: Scheduler, worker: str = "w0", slots: int = 2, incarnation: int = 1) -> list[Out]:
-    msg = Hello(worker_id=worker, incarnation=incarnation, slots=slots, ctx_per_slot=4096, model_fingerprint="fp", device="cpu")
-    s.hello(worker.encode(), msg)
-    return s.take()
-
-
-def submit(s: Scheduler, rid: str = "a", tokens: np.ndarray = PROMPT, **kw: Any) -> list[Out]:
-    sampling = kw.pop("sampling", Sampling(max_tokens=8, temperature=0.0))
-    req = s.accept(CLIENT, (), Submit(id=rid, tokens=pack_tokens(tokens.tolist()), sampling=sampling, **kw))
-    if req is not None:
-        assert req.state is ReqState.TOKENIZING and s.requests[req.key] is req
-        s.prepared(req, Prepared(tokens, None, OutputSpec()))
-    return s.take()
-
-
-def jobs(out: list[Out]) -> list[Job]:
-    return [o.msg for o in out if isinstance(o.msg, Job)]
-
-
-def to_client(out: list[Out], kind: type) -> list[Any]:
-    return [o.msg for o in out if not o.worker and isinstance(o.msg, kind)]
-
-
-def done(s: Scheduler, job: Job, generated: list[int], *, worker: str = "w0", finish: str = "length") -> list[Out]:
-    prompt = unpack_tokens(job.tokens)
-    kept = (prompt + generated)[:-1]
-    s.worker_message(
-        worker.encode(),
-        JobDone(
-            id=job.id,
-            slot=job.slot,
-            finish_reason=finish,
-            text="x" * len(generated),
-            tokens=pack_tokens(generated),
-            prompt_tokens=len(prompt),
-            reused_tokens=job.predicted_reuse,
-            prefilled_tokens=len(prompt) - job.predicted_reuse,
-            generated_tokens=len(generated),
-            slot_tokens=len(kept),
-            slot_hash=token_hash(kept),
-            timings=Timings(),
-        ),
-    )
-    return s.take()
-
-
-def delta(s: Scheduler, job: Job, tokens: list[int], worker: str = "w0") -> list[Out]:
-    s.worker_message(worker.encode(), JobDelta(id=job.id, text="x", tokens=pack_tokens(tokens), reused_tokens=0))
-    return s.take()
 
 
 def test_a_request_goes_tokenizing_queued_running_done() -> None:
@@ -185,14 +118,18 @@ def test_refusals_at_accept_and_after_preparing() -> None:
     s = core(queue_size=1)
     hello(s, slots=1)
     submit(s, "a")  # runs
-    submit(s, "b")  # queued
-    (err,) = to_client(submit(s, "c"), Error)
-    assert err.code == "queue_full" and err.retry_after_ms
-    (err,) = to_client(submit(s, "a"), Error)
-    assert err.code == "bad_request" and "already in flight" in err.message
     big = np.arange(5000, dtype=np.int32)
     (err,) = to_client(submit(s, "d", tokens=big), Error)
     assert err.code == "context_overflow" and "4096" in err.message
+    tokenizing = s.accept(CLIENT, (), Submit(id="t", prompt="a long text"))  # counts against the queue already
+    (err,) = to_client(submit(s, "c"), Error)
+    assert tokenizing is not None and err.code == "queue_full" and err.retry_after_ms
+    s.prepared(tokenizing, Prepared(PROMPT, None, OutputSpec()))  # queued now
+    (err,) = to_client(submit(s, "c"), Error)
+    assert err.code == "queue_full"
+    (err,) = to_client(submit(s, "a"), Error)
+    assert err.code == "bad_request" and "already in flight" in err.message
+    s = core()
     req = s.accept(CLIENT, (), Submit(id="e", prompt="x"))
     assert req is not None
     s.prepared(req, PrepareError("`tool_choice` names an unknown function", "tool_choice"))
@@ -248,7 +185,10 @@ def test_drain_timeout_ends_every_open_request_with_draining() -> None:
     assert sorted(e.id for e in to_client(out, Error)) == ["queued", "running"]
     assert all(e.code == "draining" for e in to_client(out, Error))
     assert [o.msg.id for o in out if isinstance(o.msg, JobCancel)] == [job.id]
-    assert not s.requests and not s.queue
+    # the running one is answered, and stays cancelling until its job's end says what its slot holds
+    assert [r.state for r in s.requests.values()] == [ReqState.CANCELLING] and not s.queue
+    assert not to_client(done(s, job, [5], finish="cancelled"), Result) and not s.requests
+    assert s.metrics.requests["draining"] == 2 and not s.metrics.requests["cancelled"]  # counted once
 
 
 def test_workers_say_hello_first_and_a_wrong_model_is_refused() -> None:

@@ -1,0 +1,101 @@
+"""A fingerprint of a GGUF file's weights, so that a router refuses a worker whose model has the router's
+vocabulary but other weights (another quantization, another fine-tune): its tokens would mean the same, its
+KV would not, and replies would differ by worker.
+
+It hashes the tensor table (every tensor's name, shape, type and offset: a quantization changes the types)
+and the first bytes of every tensor's data (a fine-tune changes them), reading the header and one small
+block per tensor, not the whole file: milliseconds for a 250 MB model, well under a second for a 70 GB one.
+The `gguf` package (llama.cpp's own reader) would parse every metadata value into numpy arrays first, 11 s
+for the default model's 262k-token vocabulary here, so the few header fields needed are read here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import struct
+from pathlib import Path
+
+SAMPLE_BYTES = 1024  # of each tensor's data
+# GGUF metadata value types -> fixed size in bytes (8 = string, 9 = array: variable)
+_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF this reader understands; the message says where it stopped."""
+
+
+def weights_fingerprint(path: str | Path) -> str:
+    """Hex digest of the tensor table and a sample of every tensor's data. Raises GGUFError (OSError when the
+    file cannot be read)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        try:
+            return _Reader(m).fingerprint()
+        except (struct.error, IndexError) as exc:
+            raise GGUFError(f"{path}: malformed GGUF header ({exc})") from None
+
+
+class _Reader:
+    def __init__(self, m: mmap.mmap) -> None:
+        self.m, self.pos = m, 0
+
+    def _take(self, fmt: str) -> int:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.m):
+            raise GGUFError(f"the file ends inside its header (byte {self.pos})")
+        (value,) = struct.unpack_from(fmt, self.m, self.pos)
+        self.pos += size
+        return int(value)
+
+    def _string(self) -> bytes:
+        n = self._take("<Q")
+        if self.pos + n > len(self.m):
+            raise GGUFError(f"a string of {n} bytes runs past the end of the file (byte {self.pos})")
+        s = self.m[self.pos : self.pos + n]
+        self.pos += n
+        return s
+
+    def _skip_value(self, kind: int) -> None:
+        if kind == _STRING:
+            n = self._take("<Q")  # (not `self.pos += self._take(...)`: that reads pos before _take moves it)
+            self.pos += n
+        elif kind == _ARRAY:
+            inner, count = self._take("<I"), self._take("<Q")
+            if inner in _SIZES:
+                self.pos += _SIZES[inner] * count
+            else:
+                for _ in range(count):
+                    self._skip_value(inner)
+        elif kind in _SIZES:
+            self.pos += _SIZES[kind]
+        else:
+            raise GGUFError(f"unknown metadata value type {kind} at byte {self.pos}")
+
+    def fingerprint(self) -> str:
+        if self.m[:4] != b"GGUF":
+            raise GGUFError("not a GGUF file (no GGUF magic)")
+        self.pos = 4
+        version = self._take("<I")
+        if version not in (2, 3):
+            raise GGUFError(f"GGUF version {version} is not supported (2 and 3 are)")
+        n_tensors, n_kv = self._take("<Q"), self._take("<Q")
+        alignment = 32
+        for _ in range(n_kv):
+            key, kind = self._string(), self._take("<I")
+            if key == b"general.alignment" and kind == 4:
+                alignment = self._take("<I")
+            else:
+                self._skip_value(kind)
+        h = hashlib.blake2b(digest_size=16)
+        offsets = []
+        for _ in range(n_tensors):
+            name, n_dims = self._string(), self._take("<I")
+            dims = [self._take("<Q") for _ in range(n_dims)]
+            kind, offset = self._take("<I"), self._take("<Q")
+            h.update(name + struct.pack(f"<I{n_dims}QIQ", n_dims, *dims, kind, offset))
+            offsets.append(offset)
+        data = -(-self.pos // alignment) * alignment
+        for offset in offsets:
+            h.update(self.m[data + offset : data + offset + SAMPLE_BYTES])
+        return h.hexdigest()
