@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 from dataclasses import dataclass
 
 from kvroute import logs
@@ -41,6 +42,27 @@ class HttpConfig:
             raise ValueError(f"stream_stall_s must be positive, got {self.stream_stall_s}")
 
 
+# Each connection's kernel send buffer, fixed (Linux would grow it to 4 MB): what queues for a reader that stopped
+# reading stays bounded, and such a reader is found (--stream-stall-s) after a few hundred KB, not megabytes.
+SEND_BUFFER_BYTES = 256 * 1024
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The HTTP listening socket; accepted connections inherit its send buffer size."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
 def parse_host_port(value: str) -> tuple[str, int]:
     """'HOST:PORT' -> (host, port); raises ValueError naming the problem."""
     host, sep, port = value.rpartition(":")
@@ -63,7 +85,7 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None) -> 
     app = build_app(gateway)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False))
     log = logs.get(__name__)
-    task = asyncio.ensure_future(server.serve())
+    task = asyncio.ensure_future(server.serve(sockets=[listen_socket(host, port)]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if task.done():

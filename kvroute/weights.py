@@ -30,10 +30,24 @@ def weights_fingerprint(path: str | Path) -> str:
     """Hex digest of the tensor table and a sample of every tensor's data. Raises GGUFError (OSError when the
     file cannot be read)."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        try:
-            return _Reader(m).fingerprint()
-        except (struct.error, IndexError) as exc:
-            raise GGUFError(f"{path}: malformed GGUF header ({exc})") from None
+        table, starts = _read(m, path)
+        h = hashlib.blake2b(table, digest_size=16)
+        for start in starts:
+            h.update(m[start : start + SAMPLE_BYTES])
+        return h.hexdigest()
+
+
+def tensor_data_starts(path: str | Path) -> list[int]:
+    """Where each tensor's data starts in the file (the fault tests alter weights there)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        return _read(m, path)[1]
+
+
+def _read(m: mmap.mmap, path: str | Path) -> tuple[bytes, list[int]]:
+    try:
+        return _Reader(m).tensors()
+    except (struct.error, IndexError) as exc:
+        raise GGUFError(f"{path}: malformed GGUF header ({exc})") from None
 
 
 class _Reader:
@@ -72,7 +86,8 @@ class _Reader:
         else:
             raise GGUFError(f"unknown metadata value type {kind} at byte {self.pos}")
 
-    def fingerprint(self) -> str:
+    def tensors(self) -> tuple[bytes, list[int]]:
+        """The tensor table (names, shapes, types, offsets) as bytes, and where each tensor's data starts."""
         if self.m[:4] != b"GGUF":
             raise GGUFError("not a GGUF file (no GGUF magic)")
         self.pos = 4
@@ -87,15 +102,12 @@ class _Reader:
                 alignment = self._take("<I")
             else:
                 self._skip_value(kind)
-        h = hashlib.blake2b(digest_size=16)
-        offsets = []
+        table, offsets = bytearray(), []
         for _ in range(n_tensors):
             name, n_dims = self._string(), self._take("<I")
             dims = [self._take("<Q") for _ in range(n_dims)]
             kind, offset = self._take("<I"), self._take("<Q")
-            h.update(name + struct.pack(f"<I{n_dims}QIQ", n_dims, *dims, kind, offset))
+            table += name + struct.pack(f"<I{n_dims}QIQ", n_dims, *dims, kind, offset)
             offsets.append(offset)
         data = -(-self.pos // alignment) * alignment
-        for offset in offsets:
-            h.update(self.m[data + offset : data + offset + SAMPLE_BYTES])
-        return h.hexdigest()
+        return bytes(table), [data + offset for offset in offsets]

@@ -52,4 +52,6 @@ def test_units_are_notify_type_hardened_and_restart(units: Path) -> None:
             "KillSignal=SIGTERM",
         ):
             assert line in text.splitlines(), f"{name} lacks {line}"
+        assert any(line.startswith("WatchdogSec=") for line in text.splitlines()), f"{name} sets no WatchdogSec"
+    assert "RestartPreventExitStatus=3" in (DEPLOY / "kvroute-worker@.service").read_text()  # refused: no restart loop
     assert "--gpu %i" in (DEPLOY / "kvroute-worker@.service").read_text()

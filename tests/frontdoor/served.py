@@ -22,7 +22,14 @@ def free_port() -> int:
 class Served:
     """`kvroute serve ...` started with free ports; `stop()` sends SIGTERM and waits."""
 
-    def __init__(self, *flags: str, api_key: str | None = None, wait_ready: bool = True, log: Path | None = None) -> None:
+    def __init__(
+        self,
+        *flags: str,
+        api_key: str | None = None,
+        wait_ready: bool = True,
+        log: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.http_port = free_port()
         self.zmq = f"tcp://127.0.0.1:{free_port()}"
         self.worker_ep = f"tcp://127.0.0.1:{free_port()}"
@@ -43,11 +50,16 @@ class Served:
         ]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "KVROUTE_LOG_FORMAT": "json"}
         self.log_path = log
         out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - closed in stop()
         self._out = out
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "KVROUTE_LOG_FORMAT": "json", **(env or {})},
+            start_new_session=True,
+        )
         if wait_ready:
             self.wait_health(200)
 

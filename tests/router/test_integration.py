@@ -164,7 +164,8 @@ def test_kill_9_mid_load_nothing_hangs_and_the_worker_comes_back(system):
     victim = None
     deadline = time.monotonic() + 60
     while victim is None and time.monotonic() < deadline:
-        while c.sock.poll(50):
+        time.sleep(0.02)
+        while c.sock.poll(0):  # (not poll(50): deltas of 3 streams can come faster than that, and never stop it)
             msg = c.recv()
             if isinstance(msg, Delta):
                 out[msg.id][0].append(msg)
@@ -188,17 +189,21 @@ def test_kill_9_mid_load_nothing_hangs_and_the_worker_comes_back(system):
             out[msg.id][0].append(msg)
         else:
             out[msg.id] = (out[msg.id][0], msg)
+    hit = 0  # (a job may have finished in the moment between the look and the kill: then its result stands)
     for rid, stream, started in on_victim:
         final = out[rid][1]
         if started:
-            assert isinstance(final, Error) and final.code == "worker_lost", (rid, final)
+            lost = isinstance(final, Error) and final.code == "worker_lost"
+            assert lost or (isinstance(final, Result) and final.worker == victim), (rid, final)
+            hit += lost
         elif not stream:  # re-dispatched: to the other worker, or to the victim's next incarnation
             assert isinstance(final, Result), (rid, final)
             rec = next(r for r in router.metrics.recent if r.id == rid)
-            assert rec.attempts == 2 and rec.predicted_reuse == rec.reused_tokens
+            assert rec.attempts in (1, 2) and rec.predicted_reuse == rec.reused_tokens
+            hit += rec.attempts == 2
     others = [v[1] for rid, v in out.items() if rid not in {j[0] for j in on_victim}]
     assert all(isinstance(f, Result) for f in others)
-    assert router.metrics.redispatched >= 1 and router.metrics.dead_workers >= 1
+    assert hit >= 1 and router.metrics.dead_workers >= 1
     # the supervisor restarts it as a new incarnation, with empty slots in the mirror
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

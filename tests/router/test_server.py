@@ -22,7 +22,9 @@ from protocol import (
     StatusReply,
     StatusRequest,
     Submit,
+    encode,
     pack_tokens,
+    router_reply_decoder,
     unpack_tokens,
 )
 from router.config import RouterConfig
@@ -310,3 +312,43 @@ def test_a_long_text_is_tokenized_while_the_router_keeps_serving(fake_router, vo
     assert isinstance(c.recv_until_end("after")[1], Result)
     c.close()
     w.close()
+
+
+def test_a_client_that_stops_reading_gets_every_message_in_order_when_it_reads_again(fake_router, vocab):
+    """Its pipe reaches the high-water mark: what is for it waits in the router's backlog (nothing dropped), and
+    the router goes on serving others meanwhile."""
+    rt, cep, wep = fake_router
+    w = FakeWorker(wep, "w0", vocab)
+    w.hello()
+    slow = zmq.Context.instance().socket(zmq.DEALER)
+    slow.setsockopt(zmq.LINGER, 0)
+    slow.setsockopt(zmq.RCVHWM, 1)
+    slow.setsockopt(zmq.RCVBUF, 4096)
+    slow.connect(cep)
+    slow.send(encode(submit("slow", list(range(10, 30)))))
+    job = w.recv()
+    n, text = 3000, "y" * 2000  # 6 MB: more than the pipe and the socket buffers hold
+    for i in range(n):
+        w.delta(job, [i % 100 + 1], text=text)
+    w.done(job, [1, 2])
+    deadline = time.monotonic() + 10
+    while not rt.router._backlog and time.monotonic() < deadline:
+        w.heartbeat()
+        time.sleep(0.1)
+    assert rt.router._backlog, "the client's pipe never filled"
+    other = RawClient(cep)
+    other.send(StatusRequest(id="st"))
+    assert isinstance(other.recv(5), StatusReply)  # not held up by the slow reader
+    dec, deltas = router_reply_decoder(), 0
+    while True:
+        assert slow.poll(10_000), f"stopped after {deltas} deltas"
+        msg = dec.decode(slow.recv())
+        if isinstance(msg, Delta):
+            assert msg.text == text
+            deltas += 1
+        else:
+            assert isinstance(msg, Result), msg
+            break
+    assert deltas == n and not rt.router._backlog and rt.router.metrics.peers_cut == 0
+    for x in (slow, other, w):
+        x.close()

@@ -54,7 +54,7 @@ def test_prefix_is_copied_from_another_idle_slot(copier, vocab):
     assert warm.tokens == cold.tokens  # the copied KV is the KV a cold run computes, bit for bit
     assert cold.final.reused_tokens == 0 and cold.final.restored_tokens == 0
     after = counters(copier)
-    assert after["slot_copies"] == before["slot_copies"] + 1 and after["copy_failures"] == 0
+    assert after["slot_copies"] == before["slot_copies"] + 1 and after["copy_failures"] == before["copy_failures"]
     assert_slot_invariant(copier, warm)
     assert_slot_invariant(copier, first)  # the source slot is untouched
 
@@ -93,7 +93,44 @@ def test_evicted_conversation_is_restored_from_host_ram(copier, vocab):
     assert back.final.restored_tokens == back.final.reused_tokens >= len(history) - 8
     assert back.tokens == cold.tokens
     after = counters(copier)
-    assert after["host_restores"] == saved["host_restores"] + 1 and after["copy_failures"] == 0
+    assert after["host_restores"] == saved["host_restores"] + 1 and after["copy_failures"] == saved["copy_failures"]
+    assert_slot_invariant(copier, back)
+
+
+def test_a_failed_save_or_restore_fails_no_job_and_the_entry_that_failed_is_dropped(copier, vocab):
+    clear_all(copier)
+    history = vocab.tokenize(DOC * 2 + " Keeper: the storm passed.")
+    llama = copier.llama
+    get, put = llama.state_get, llama.state_set
+
+    def failing_get(seq: int) -> None:
+        raise MemoryError("no memory for the copy (injected)")
+
+    def evict_all() -> list:
+        for i in range(3):
+            complete(copier, history, slot=i, max_tokens=2)
+        return [complete(copier, vocab.tokenize(f"Other prompt {i}: the price of fish."), slot=i, max_tokens=2) for i in range(3)]
+
+    failures = copier.call(lambda e: e.counters.host_save_failures).result(10)
+    llama.state_get = failing_get
+    try:
+        others = evict_all()
+    finally:
+        llama.state_get = get
+    assert all(isinstance(o.final, JobDone) for o in others)  # the save failed, the jobs did not
+    assert copier.call(lambda e: (e.counters.host_save_failures, len(e.host))).result(10) == (failures + 1, 0)
+
+    evict_all()  # this time the history is saved
+    assert copier.call(lambda e: len(e.host)).result(10) == 1
+    before = counters(copier)
+    llama.state_set = lambda seq, data: False  # llama.cpp refuses the state
+    try:
+        back = complete(copier, history + vocab.tokenize(" Visitor: and the lamp?", add_special=False), slot=0)
+    finally:
+        llama.state_set = put
+    assert isinstance(back.final, JobDone) and back.final.restored_tokens == 0  # served cold
+    assert counters(copier)["copy_failures"] == before["copy_failures"] + 1
+    assert copier.call(lambda e: len(e.host)).result(10) == 0  # dropped: it would fail again
     assert_slot_invariant(copier, back)
 
 
@@ -117,6 +154,7 @@ def test_copy_from_a_slot_holding_more_than_a_window_past_the_shared_prefix(copi
     copy carries every layer in full (llama.cpp's state data would carry only the last window), so the cut is
     valid and the answer is what a cold run gives."""
     clear_all(copier)
+    failures = counters(copier)["copy_failures"]
     shared = vocab.tokenize(DOC)
     source = shared + vocab.tokenize(LONG, add_special=False)
     first = complete(copier, source, slot=0, max_tokens=2)
@@ -127,7 +165,7 @@ def test_copy_from_a_slot_holding_more_than_a_window_past_the_shared_prefix(copi
     assert isinstance(warm.final, JobDone), warm.final
     assert warm.final.restored_tokens == warm.final.reused_tokens >= len(shared) - 8
     assert warm.tokens == cold.tokens
-    assert counters(copier)["copy_failures"] == 0
+    assert counters(copier)["copy_failures"] == failures
     assert copier.call(lambda e: e.counters.invariant_violations).result(10) == 0
     assert_slot_invariant(copier, warm)
     assert_slot_invariant(copier, first)

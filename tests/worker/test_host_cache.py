@@ -41,3 +41,23 @@ def test_zero_capacity_keeps_nothing():
     cache = HostCache(0)
     assert not cache.put([1, 2], 2, blob(1))
     assert len(cache) == 0
+
+
+def test_room_is_made_before_a_state_is_copied_out():
+    cache = HostCache(300)
+    for i in range(3):
+        assert cache.put([i], 1, blob(100))
+    assert cache.make_room(150)  # the two least recently used go: the copy then fits
+    assert sorted(e.tokens[0] for e in cache.entries) == [2] and cache.nbytes == 100
+    assert not cache.make_room(301) and not cache.make_room(0)  # never fits: nothing dropped
+    assert len(cache) == 1
+
+
+def test_a_dropped_entry_is_forgotten_and_its_bytes_freed():
+    cache = HostCache(300)
+    assert cache.put([1, 2], 2, blob(100)) and cache.put([3], 1, blob(50))
+    entry, _ = cache.best([1, 2])
+    assert entry is not None
+    cache.drop(entry)
+    cache.drop(entry)  # twice: nothing more happens
+    assert cache.best([1, 2]) == (None, 0) and cache.nbytes == 50 and len(cache) == 1
