@@ -41,7 +41,11 @@ class RouterConfig:
     )
     queue_size: int = opt(0, "most requests waiting for a slot; 0 = 2 x total slots (at least 8)")
     no_workers_grace_s: float = opt(20.0, "with no worker connected for this long, requests get no_workers")
-    heartbeat_timeout_s: float = opt(3.0, "a worker silent for this long is dead")
+    heartbeat_timeout_s: float = opt(
+        10.0,
+        "a worker silent for this long is dead (one that exits under `serve`, or restarts, is noticed at once; a busy"
+        " CPU box can delay a worker's heartbeats by seconds)",
+    )
     hung_after_s: float = opt(
         60.0,
         "a worker with jobs whose engine made no progress for this long is hung: it is treated as dead (and, when "

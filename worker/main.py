@@ -228,6 +228,8 @@ class WorkerServer:
                 if drain_deadline is not None and self._drained(dealer, drain_deadline):
                     return 0
                 if now >= next_beat:
+                    if next_beat and now - next_beat > BEAT_S:  # the router may declare this worker dead soon
+                        log.warning("heartbeat_late", late_s=round(now - next_beat, 2))
                     dealer.send(encode(self.heartbeat() if self.accepted else self.hello()))
                     next_beat = now + BEAT_S
                     notify(status=self.status_line())

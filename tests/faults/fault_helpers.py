@@ -4,6 +4,7 @@ status, and the worker processes of a `kvroute serve`."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +15,13 @@ import httpx
 
 from kvroute.client import Client, KvrouteError
 from protocol import Result, StatusReply
+
+# `Served` (a real `kvroute serve` on free ports) is the front-door tests'; no conftest.py here, as tests/chat
+# imports its own conftest by name
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontdoor"))
+from served import Served, free_port
+
+__all__ = ["Served", "free_port"]
 
 T = TypeVar("T")
 
@@ -89,7 +97,7 @@ class HttpStream(threading.Thread):
         self.chunks = 0
         self.finish_reason: str | None = None
         self.completion_tokens = 0
-        self.error: Exception | None = None
+        self.error: Exception | None = None  # an HTTP failure, or the error event that ended the stream
         self.start()
 
     def run(self) -> None:
@@ -108,6 +116,8 @@ class HttpStream(threading.Thread):
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     event = json.loads(line[6:])
+                    if "error" in event:
+                        self.error = RuntimeError(f"error event: {event['error']}")
                     for choice in event.get("choices", []):
                         if choice.get("delta", {}).get("content"):
                             self.chunks += 1

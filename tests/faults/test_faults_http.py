@@ -13,8 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import zmq
-from fault_helpers import BOUND_S, HttpStream, all_ready, restarts, status, wait_for
-from served import Served
+from fault_helpers import BOUND_S, HttpStream, Served, all_ready, restarts, status, wait_for
 
 from protocol import ChatMessage, Error, Submit, encode, router_reply_decoder
 

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import zmq
-from fault_helpers import BOUND_S, all_ready, wait_for
-from served import free_port
+from fault_helpers import BOUND_S, all_ready, free_port, wait_for
 
 from kvroute.client import Client, ContextOverflow
 from kvroute.model import resolve_model
