@@ -4,6 +4,12 @@ Every system gets the same model, the same thread count and the same context per
 - `kvroute`: `kvroute serve --policy prefix` (the default policy);
 - `kvroute-cold`: the same with `--no-prefix-cache` (every request computed from scratch);
 - `kvroute-rr`: `--policy round-robin`, only meaningful with more than one worker;
+- `llama-server`: llama.cpp's own server, built from the llama.cpp vendored in the pinned llama-cpp-python sdist
+  (bench/llama_server.py), the server kvroute competes with, at its best settings here: one slot per kvroute
+  slot in one unified KV (`--parallel`, `--ctx-size` = slots x ctx per slot), `--swa-full` (Gemma 3's
+  sliding-window layers kept whole, so any cached prefix can be reused), `--cache-ram 2048` (evicted prompts
+  kept in host RAM, as kvroute's `--host-cache-mb` default), flash attention `auto`, and the same chat template
+  (`--chat-template gemma`);
 - `llama-cpp-python`: `python -m llama_cpp.server`, the OpenAI server a Python user would pick instead. It is
   run with `--interrupt_requests False` (its default cuts off a running stream whenever another request
   arrives, which would leave nothing to measure under concurrency) and `--logits_all False` (its default
@@ -25,11 +31,12 @@ from pathlib import Path
 
 import httpx
 
-SYSTEMS = ("kvroute", "kvroute-cold", "kvroute-rr", "llama-cpp-python")
+SYSTEMS = ("kvroute", "kvroute-cold", "kvroute-rr", "llama-server", "llama-cpp-python")
 DESCRIPTIONS = {
     "kvroute": "kvroute serve --policy prefix",
     "kvroute-cold": "kvroute serve --no-prefix-cache",
     "kvroute-rr": "kvroute serve --policy round-robin",
+    "llama-server": "llama-server --parallel SLOTS --swa-full --cache-ram 2048 -fa auto (llama.cpp of the pinned sdist)",
     "llama-cpp-python": "python -m llama_cpp.server (interrupt_requests off, logits_all off)",
 }
 
@@ -82,6 +89,25 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
         else:
             raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
         return [[*serve, *setup.kvroute_flags, "--http", f"127.0.0.1:{port}"]]
+    if name == "llama-server":
+        from bench.llama_server import binary
+
+        slots = setup.workers * setup.slots
+        return [[
+            str(binary()),
+            "--model", setup.model,
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--parallel", str(slots),
+            "--ctx-size", str(setup.ctx_per_slot * slots),
+            "--threads", str(setup.threads),
+            "--threads-batch", str(setup.threads),
+            "--swa-full",
+            "--cache-ram", "2048",
+            "--flash-attn", "auto",
+            "--chat-template", "gemma",
+            "--no-webui",
+        ]]  # fmt: skip
     if name == "llama-cpp-python":
         argv = [
             sys.executable, "-m", "llama_cpp.server",

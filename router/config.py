@@ -39,7 +39,10 @@ class RouterConfig:
         "after a job a slot is held this long for its own conversation's next turn; others wait (--busy-wait-ms at most). "
         "Off by default: workers keep evicted contents in host RAM (--host-cache-mb), so holding only idles slots",
     )
-    queue_size: int = opt(0, "most requests waiting for a slot; 0 = 2 x total slots (at least 8)")
+    queue_size: int = opt(
+        0,
+        "most requests waiting for a slot; 0 = 256, or 4 x total slots when that is more (agents arrive in dozens)",
+    )
     no_workers_grace_s: float = opt(20.0, "with no worker connected for this long, requests get no_workers")
     heartbeat_timeout_s: float = opt(
         10.0,

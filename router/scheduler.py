@@ -81,6 +81,9 @@ from router.select import Dispatch, Params, Wait, coldest, predicted_reuse, sele
 log = logs.get(__name__)
 
 MAX_WAITING_SCAN = 64  # queued requests examined per event beyond those dispatched
+# the default bound on waiting requests (--queue-size 0): agents arrive in bursts of dozens and should wait their
+# turn, as llama-server lets them, while a flood still gets queue_full instead of memory growing without bound
+DEFAULT_QUEUE = 256
 DEADLINE_GRACE_S = 1.0  # a worker ends a job at its deadline itself; the router steps in this much later
 
 
@@ -351,7 +354,7 @@ class Scheduler:
     def queue_limit(self) -> int:
         if self.cfg.queue_size > 0:
             return self.cfg.queue_size
-        return max(8, 2 * sum(len(w.slots) for w in self.workers.values()))
+        return max(DEFAULT_QUEUE, 4 * sum(len(w.slots) for w in self.workers.values()))
 
     def _no_workers_expired(self) -> bool:
         return self.no_workers_since is not None and time.monotonic() - self.no_workers_since >= self.cfg.no_workers_grace_s

@@ -1,7 +1,8 @@
 """The engine: one compute thread owns the llama context and runs the step loop over the slots.
 
 Each step is one `llama_decode`: one decode row for every generating slot first, then prefill chunks of
-the slots still reading their prompt, up to `n_batch` prompt tokens (chunked prefill). Logits are asked
+the slots still reading their prompt, up to `n_batch` prompt tokens (chunked prefill), the prompt with the least
+left to compute first (one passed over PREFILL_PATIENCE_STEPS steps in a row before all). Logits are asked
 only for rows that are sampled. Jobs join and leave between steps; with nothing to do the thread blocks.
 
 Other threads talk to the engine only through `submit`, `cancel`, `drain`, `reset` and `call` (a queue to the
@@ -71,6 +72,8 @@ MS = 1000.0
 COPY_MIN = 32
 COPY_RATIO = 64
 SAVE_MIN = 64  # an eviction that loses fewer tokens than this is not worth a host-RAM copy
+# a prompt that got no prefill budget this many steps in a row takes it before prompts with less left to compute
+PREFILL_PATIENCE_STEPS = 4
 
 
 @dataclass
@@ -131,6 +134,7 @@ class Request:
     cancelled: bool = False
     silent: bool = False  # reset by a router restart: the new router does not know this job
     t_assigned: float = 0.0
+    passed_over: int = 0  # steps in a row in which its prompt got no prefill budget
     t_first: float = 0.0
 
 
@@ -577,8 +581,10 @@ class Engine:
             return
         self._check(busy)
         budget = self.n_batch
-        # one llama_decode for all slots; in deterministic mode one per slot (see the module docstring)
-        groups = [[s] for s in self.table.busy()] if self.exact else [self.table.busy()]
+        # one llama_decode for all slots; in deterministic mode one per slot (see the module docstring), taking the
+        # prefill budget in the same order as one batch does
+        busy = self._prefill_order(self.table.busy())
+        groups = [[s] for s in busy] if self.exact else [busy]
         for group in groups:
             budget = self._run(group, budget)
         self.counters.step_s += time.perf_counter() - t0
@@ -611,6 +617,18 @@ class Engine:
             self._commit(plan)
         return budget - prefilled
 
+    @staticmethod
+    def _prefill_order(slots: list[Slot]) -> list[Slot]:
+        """Who gets the step's prefill budget first: the prompt with the least left to compute (an agent's 50-token
+        turn does not wait behind a cold 800-token prompt), except that one passed over PREFILL_PATIENCE_STEPS
+        steps in a row goes before all of those, so that a stream of short prompts never starves a long one."""
+
+        def key(slot: Slot) -> tuple[bool, int]:
+            req: Request = slot.job
+            return req.passed_over < PREFILL_PATIENCE_STEPS, len(req.prompt) - slot.n_tokens
+
+        return sorted(slots, key=key)
+
     def _build(self, busy: list[Slot], budget: int) -> list[tuple[Slot, int, int]]:
         """Fill the batch: decode rows first, then prefill chunks. Returns (slot, tokens added, sampled row or -1)."""
         batch = self.llama.batch
@@ -624,11 +642,11 @@ class Engine:
             else:
                 prefilling.append(slot)
         self.counters.decode_rows += len(plan)
-        prefilling.sort(key=lambda s: s.job.t_assigned)  # oldest prompt first: it finishes soonest
-        for slot in prefilling:
-            if budget <= 0:
-                break
+        for slot in prefilling:  # (in _prefill_order)
             req = slot.job
+            req.passed_over += 1  # (back to 0 below when it gets a chunk)
+            if budget <= 0:
+                continue
             start, end = slot.n_tokens, len(req.prompt)
             take = min(end - start, budget)
             if self.exact and 0 < end - start - take < EXACT_ROWS:
@@ -640,6 +658,7 @@ class Engine:
             last = start + take == end
             row = batch.add_run(req.prompt[start : start + take], start, slot.id, last)
             plan.append((slot, take, row if last else -1))
+            req.passed_over = 0
             budget -= take
             self.counters.prefill_rows += take
         return plan

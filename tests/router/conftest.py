@@ -27,6 +27,7 @@ def fake_router(vocab: Vocab) -> Iterator[tuple[RouterThread, str, str]]:
         no_workers_grace_s=30.0,
         min_match=4,
         busy_wait_ms=0,
+        queue_size=8,
     )
     rt = start_router(cfg, vocab)
     yield rt, client_ep, worker_ep

@@ -253,3 +253,8 @@ def test_the_exposition_counts_a_two_turn_conversation_and_the_readme_names_ever
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     undocumented = [n for n in families if n.removeprefix("kvroute_worker_") not in readme and n not in readme]
     assert not undocumented, f"README's metrics table lacks {undocumented}"
+
+
+def test_the_default_queue_lets_a_dozen_agents_wait_their_turn():
+    s = core()  # --queue-size 0: the default bound
+    assert s.queue_limit() >= 256

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 from worker_helpers import assert_slot_invariant, complete, start
 
 from protocol import JobDone, JobError, token_hash
+from worker.engine import PREFILL_PATIENCE_STEPS, Engine
 
 pytestmark = pytest.mark.model
 
@@ -119,3 +121,29 @@ def test_invariant_violation_is_reported_and_slot_cleared(engine, vocab):
     assert err.slot == 2 and err.slot_tokens == 0
     assert engine.counters.invariant_violations == before + 1
     assert engine.call(lambda e: (e.llama.seq_len(2), e.table[2].n_tokens)).result(10) == (0, 0)
+
+
+def test_a_short_prompt_is_prefilled_before_a_long_one_that_came_first(engine, vocab):
+    """Prefill budget goes to the prompt with the least left to compute: a 50-token agent turn that arrives while a
+    cold 1,500-token prompt is being read gets its first token first (oldest-first would finish the long one first)."""
+    long_prompt = vocab.tokenize("The keeper wrote in the log every night of the year. " * 125)
+    short_prompt = vocab.tokenize("Visitor: is the lamp lit tonight? Keeper:")
+    assert len(long_prompt) > 2 * engine.n_batch and len(short_prompt) < 64
+    long_run = start(engine, long_prompt, slot=2, prefix_cache=False, max_tokens=2)
+    while not engine.call(lambda e: e.table.slots[2].n_tokens > 0).result(10):  # the long one is being read
+        pass
+    short_run = start(engine, short_prompt, slot=3, prefix_cache=False, max_tokens=2)
+    long_run.wait(), short_run.wait()
+    assert isinstance(long_run.final, JobDone) and isinstance(short_run.final, JobDone)
+    assert short_run.times[0] < long_run.times[0]
+
+
+def test_a_long_prompt_passed_over_too_often_goes_first():
+    def slot(name: str, prompt: int, done: int, passed_over: int = 0) -> SimpleNamespace:
+        job = SimpleNamespace(prompt=[0] * prompt, passed_over=passed_over)
+        return SimpleNamespace(name=name, n_tokens=done, job=job)
+
+    short, long_ = slot("short", 60, 0), slot("long", 2000, 512)
+    assert [s.name for s in Engine._prefill_order([long_, short])] == ["short", "long"]
+    long_.job.passed_over = PREFILL_PATIENCE_STEPS
+    assert [s.name for s in Engine._prefill_order([short, long_])] == ["long", "short"]

@@ -1,0 +1,69 @@
+"""llama-server, built from the llama.cpp vendored in the pinned llama-cpp-python sdist: the server kvroute is
+compared with. Built once (cmake, CPU, no network features; a few minutes on 2 cores) and cached.
+
+    .venv/bin/python -m bench.llama_server      # build if needed, print the binary's path
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = version("llama-cpp-python")  # the pinned version: the same llama.cpp as the workers
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",  # (it would download the web UI)
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+)
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("KVROUTE_CACHE", Path.home() / ".cache" / "kvroute"))
+    return root / f"llama-server-{LLAMA_CPP_PYTHON}"
+
+
+def binary() -> Path:
+    """The llama-server binary, built first when it is not cached."""
+    out = cache_dir() / "llama-server"
+    if out.exists():
+        return out
+    with tempfile.TemporaryDirectory(prefix="llama-server-build-") as tmp:
+        src = _vendored_llama_cpp(Path(tmp))
+        build = Path(tmp) / "build"
+        jobs = str(os.cpu_count() or 2)
+        subprocess.run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS], check=True)
+        subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], check=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(build / "bin" / "llama-server", out)
+    return out
+
+
+def _vendored_llama_cpp(tmp: Path) -> Path:
+    """vendor/llama.cpp of the llama-cpp-python sdist of the pinned version (pip downloads it)."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(tmp),
+         f"llama-cpp-python=={LLAMA_CPP_PYTHON}"],
+        check=True,
+    )  # fmt: skip
+    sdist = next(tmp.glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(sdist) as tar:
+        tar.extractall(tmp, filter="data")
+    return tmp / sdist.name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
+
+
+if __name__ == "__main__":
+    print(binary())
