@@ -24,7 +24,7 @@ import msgspec
 from msgspec import Meta
 
 from gateway.blocks import Blocks, Kind
-from gateway.openai_schema import RequestError
+from gateway.openai_schema import RequestError, Strict, validation_problem
 from protocol import (
     MAX_DEADLINE_MS,
     ChatMessage,
@@ -40,10 +40,6 @@ from protocol import (
     Tool,
     ToolCall,
 )
-
-
-class Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    pass
 
 
 class Text(Strict, tag_field="type", tag="text"):
@@ -189,14 +185,9 @@ def decode(body: dict[str, Any], kind: type[Any]) -> Any:
     try:
         return msgspec.convert(body, kind)
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        at = re.search(r" - at `\$\.?([^`]*)`$", text)
-        where = at.group(1) if at else ""
-        unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
-        if unknown:
-            param = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+        param, where, message = validation_problem(exc)
+        if param:
             raise RequestError(f"{param}: not supported by kvroute", param=param) from None
-        message = text.split(" - at ")[0]
         raise RequestError(f"{where}: {message}" if where else message, param=where or None) from None
 
 

@@ -6,11 +6,11 @@ from typing import Any
 
 import msgspec
 
-from gateway.openai_schema import RequestError
+from gateway.openai_schema import RequestError, Strict, validation_problem
 from protocol import Detokenize, StatusReply, Submit, Tokenize, Tokens, pack_tokens, unpack_tokens
 
 
-class TokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class TokenizeBody(Strict):
     """llama-server's /tokenize body (`model` allowed, as everywhere)."""
 
     content: str
@@ -24,20 +24,13 @@ class TokenizeBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         try:
             return msgspec.convert(body, cls)
         except msgspec.ValidationError as exc:
-            raise RequestError(f"invalid /tokenize body: {exc}", param=_param(str(exc))) from None
+            param, where, _ = validation_problem(exc)
+            raise RequestError(f"invalid /tokenize body: {exc}", param=param or where or None) from None
 
     def message(self) -> Tokenize:
         return Tokenize(
             prompt=self.content, add_special=self.add_special, parse_special=self.parse_special, with_pieces=self.with_pieces
         )
-
-
-def _param(text: str) -> str | None:
-    if "unknown field `" in text:
-        return text.split("unknown field `", 1)[1].split("`", 1)[0]
-    if " - at `$." in text:
-        return text.rsplit(" - at `$.", 1)[1].rstrip("`")
-    return None
 
 
 def tokenize_reply(tokens: Tokens, with_pieces: bool) -> dict[str, Any]:

@@ -47,9 +47,20 @@ class RequestError(Exception):
         self.message, self.param, self.status, self.code, self.type = message, param, status, code, type_
 
 
-def _where(path: str) -> str:
-    """msgspec's `$.messages[0].role` -> `messages[0].role`."""
-    return path.removeprefix("$").removeprefix(".")
+class Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A request shape that refuses fields it does not name (every HTTP API's body types derive from it)."""
+
+
+def validation_problem(exc: msgspec.ValidationError) -> tuple[str | None, str, str]:
+    """What a body failed on, from msgspec's error: (the path of a field the type does not have, or None; the path of
+    the value at fault, '' for the body itself; msgspec's message without the path). Paths as `messages[0].role`."""
+    text = str(exc)
+    at = re.search(r" - at `\$\.?([^`]*)`$", text)
+    where = at.group(1) if at else ""
+    unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
+    if unknown:
+        return (f"{where}.{unknown.group(1)}" if where else unknown.group(1)), where, text
+    return None, where, text.split(" - at ")[0]
 
 
 def decode(body: dict[str, Any], kind: type[t.ChatRequest] | type[t.CompletionRequest]) -> Any:
@@ -57,16 +68,11 @@ def decode(body: dict[str, Any], kind: type[t.ChatRequest] | type[t.CompletionRe
     try:
         return msgspec.convert(body, kind)
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        at = re.search(r" - at `([^`]*)`$", text)
-        where = _where(at.group(1)) if at else ""
-        unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
-        if unknown:
-            param = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+        param, where, message = validation_problem(exc)
+        if param:
             raise RequestError(
                 f"`{param}` is not supported by kvroute (ignoring it would change the reply without telling you)", param=param
             ) from None
-        message = text.split(" - at ")[0]
         raise RequestError(
             f"invalid `{where}`: {message}" if where else f"invalid request: {message}", param=where or None
         ) from None

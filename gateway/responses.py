@@ -25,7 +25,7 @@ import msgspec
 from msgspec import Meta
 
 from gateway.blocks import Blocks, Event, Kind
-from gateway.openai_schema import RequestError, chat_logprobs
+from gateway.openai_schema import RequestError, Strict, chat_logprobs, validation_problem
 from protocol import (
     MAX_DEADLINE_MS,
     MAX_LOGPROBS,
@@ -42,10 +42,6 @@ from protocol import (
     ToolCall,
     ToolCallDelta,
 )
-
-
-class Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    pass
 
 
 class InputText(Strict, tag_field="type", tag="input_text"):
@@ -189,12 +185,8 @@ def decode(body: dict[str, Any]) -> ResponsesRequest:
     try:
         req = msgspec.convert(body, ResponsesRequest)
     except msgspec.ValidationError as exc:
-        text = str(exc)
-        at = re.search(r" - at `\$\.?([^`]*)`$", text)
-        where = at.group(1) if at else ""
-        unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
-        if unknown:
-            param = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+        param, where, message = validation_problem(exc)
+        if param:
             raise RequestError(f"`{param}` is not supported by kvroute", param=param) from None
         if where == "previous_response_id":
             raise RequestError(
@@ -202,7 +194,6 @@ def decode(body: dict[str, Any]) -> ResponsesRequest:
                 " (it is served from cache)",
                 param=where,
             ) from None
-        message = text.split(" - at ")[0]
         raise RequestError(f"invalid `{where}`: {message}" if where else message, param=where or None) from None
     return req
 
