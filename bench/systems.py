@@ -55,6 +55,7 @@ class Setup:
     slots: int
     ctx_per_slot: int
     kvroute_flags: tuple[str, ...] = ()  # more `kvroute serve` flags, for every kvroute system
+    llama_server_flags: tuple[str, ...] = ()  # more llama-server flags (e.g. --spec-type)
 
 
 def free_port() -> int:
@@ -107,6 +108,7 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
             "--flash-attn", "auto",
             "--chat-template", "gemma",
             "--no-webui",
+            *setup.llama_server_flags,
         ]]  # fmt: skip
     if name == "llama-cpp-python":
         argv = [

@@ -47,8 +47,12 @@ class LocalWorkers:
     n_batch: int = opt(512, "most prompt tokens computed in one engine step")
     host_cache_mb: int = opt(2048, "host RAM per worker for evicted slot contents, restored when they are wanted again")
     deterministic: bool = opt(
-        False, "bit-identical greedy output cached vs cold (workers run without weight repacking and flash attention)"
+        False, "bit-identical output cached vs cold and batched vs alone (workers pad small batches, no flash attention)"
     )
+    spec: str = opt("none", "speculative decoding: ngram = guesses from the conversation itself (output unchanged)",
+                    choices=["none", "ngram"])  # fmt: skip
+    spec_max: int = opt(16, "most guessed tokens verified per slot and step (--spec ngram)")
+    spec_ngram: int = opt(4, "tokens that must match an earlier place in the conversation before guessing")
 
     def __post_init__(self) -> None:
         if self.cpu_workers < 0 or self.slots < 1 or self.ctx_per_slot < 16 or self.threads < 0 or self.host_cache_mb < 0:
@@ -70,6 +74,9 @@ def worker_specs(local: LocalWorkers, model: str) -> list[WorkerSpec]:
         n_batch=local.n_batch,
         host_cache_mb=local.host_cache_mb,
         deterministic=local.deterministic,
+        spec=local.spec,
+        spec_max=local.spec_max,
+        spec_ngram=local.spec_ngram,
     )
     own = ("worker_id", "incarnation", "connect", "curve_key", "router_key")
 

@@ -29,6 +29,8 @@ WORKER_COUNTERS = {
     "host_saves": ("kvroute_worker_host_cache_saves", "Evicted slot contents kept in host RAM"),
     "copy_failures": ("kvroute_worker_copy_failures", "State copies llama.cpp refused"),
     "host_save_failures": ("kvroute_worker_host_save_failures", "Copies to host RAM that failed (nothing else did)"),
+    "spec_proposed": ("kvroute_worker_spec_proposed", "Guessed tokens verified (--spec ngram)"),
+    "spec_accepted": ("kvroute_worker_spec_accepted", "Guessed tokens the sampler took"),
 }
 
 

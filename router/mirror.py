@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvroute.slots import SlotPhase
+from kvroute.slots import EXACT_ROWS, SlotPhase
 from protocol import token_hash
 from router.index import Index, Tokens, as_tokens
 
@@ -41,8 +41,8 @@ class Slot:
     hits: int = 0  # jobs that reused at least min_match tokens here
     reused_total: int = 0
     before: Tokens | None = None  # contents before the running job, restored if the worker never touched it
-    exact: bool = False  # the worker runs in deterministic mode (it reuses only KV computed as prompt)
-    n_exact: int = 0  # leading tokens computed as prompt (not generated): what a deterministic worker reuses
+    exact: bool = False  # the worker runs in deterministic mode (it reuses only KV computed in full-size ubatches)
+    n_exact: int = 0  # leading tokens computed in full-size ubatches: what a deterministic worker reuses
     before_exact: int = 0
     rev: list[int] = field(default_factory=lambda: [0])  # shared by a worker's slots; bumped on any change
 
@@ -164,7 +164,8 @@ class Mirror:
         held = full[:slot_tokens]
         if slot_tokens <= len(full) and token_hash(held) == slot_hash:
             self._idle(slot, held, dirty=False)
-            slot.n_exact = min(n_prompt, slot_tokens)
+            # a deterministic worker computes every token of a prompt of EXACT_ROWS or more exactly, generated ones too
+            slot.n_exact = slot_tokens if n_prompt >= EXACT_ROWS else 0
             return None
         self.mismatches += 1
         mm = Mismatch(slot.worker, slot.index, job, len(full), slot_tokens, token_hash(held), slot_hash)

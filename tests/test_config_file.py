@@ -78,13 +78,14 @@ def test_local_worker_flags_are_written_from_the_worker_config() -> None:
     from kvroute.config import add_args, from_args
     from worker.config import WorkerConfig
 
-    local = LocalWorkers(cpu_workers=2, slots=3, ctx_per_slot=2048, threads=4, n_batch=256, host_cache_mb=0, deterministic=True)
+    sizes = {"slots": 3, "ctx_per_slot": 2048, "threads": 4, "n_batch": 256, "host_cache_mb": 0}
+    local = LocalWorkers(cpu_workers=2, deterministic=True, spec="ngram", spec_max=3, **sizes)
     specs = worker_specs(local, "/m.gguf")
     assert [s.worker_id for s in specs] == ["cpu0", "cpu1"]
     parser = argparse.ArgumentParser()
     add_args(parser, WorkerConfig)
     cfg = from_args(WorkerConfig, parser.parse_args(list(specs[0].flags)))
-    want = WorkerConfig(model="/m.gguf", slots=3, ctx_per_slot=2048, threads=4, n_batch=256, host_cache_mb=0, deterministic=True)
+    want = WorkerConfig(model="/m.gguf", deterministic=True, spec="ngram", spec_max=3, **sizes)
     assert cfg == want
     gpu = worker_specs(LocalWorkers(gpus="1"), "/m.gguf")[0]
     assert gpu.worker_id == "gpu1" and from_args(WorkerConfig, parser.parse_args(list(gpu.flags))).gpu == 1

@@ -22,8 +22,18 @@ class WorkerConfig:
         None, "this process start's number (default: the start time in ms, new on every start, systemd's included)"
     )
     deterministic: bool = opt(
-        False, "bit-identical greedy output cached vs cold and batched vs alone (no weight repacking, no flash attention)"
+        False,
+        "bit-identical output cached vs cold and batched vs alone (small batches padded; no weight repacking, no flash "
+        "attention)",
     )
+    spec: str = opt(
+        "none",
+        "speculative decoding: ngram = verify guesses taken from the conversation itself (prompt lookup) in the "
+        "same batch; output unchanged",
+        choices=["none", "ngram"],
+    )
+    spec_max: int = opt(16, "most guessed tokens verified per slot and step (--spec ngram)")
+    spec_ngram: int = opt(4, "tokens that must match an earlier place in the conversation before guessing (--spec ngram)")
     snapshots: bool = opt(
         False, "restore per-slot state snapshots instead of trimming KV (automatic for recurrent/hybrid models)"
     )
@@ -45,6 +55,14 @@ class WorkerConfig:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.n_batch < 1:
             raise ValueError(f"n_batch must be at least 1, got {self.n_batch}")
+        if self.spec not in ("none", "ngram"):
+            raise ValueError(f"--spec must be none or ngram, got {self.spec!r}")
+        if not 1 <= self.spec_max <= self.n_batch:
+            raise ValueError(f"--spec-max must be in 1..n_batch ({self.n_batch}), got {self.spec_max}")
+        if not 1 <= self.spec_ngram <= 64:
+            raise ValueError(f"--spec-ngram must be in 1..64, got {self.spec_ngram}")
+        if self.spec != "none" and self.snapshots:
+            raise ValueError("--spec cannot be used with --snapshots (rejected guesses are removed by trimming KV)")
         if self.host_cache_mb < 0:
             raise ValueError(f"host_cache_mb must be at least 0, got {self.host_cache_mb}")
         if self.drain_timeout_s < 0:

@@ -9,11 +9,21 @@ Other threads talk to the engine only through `submit`, `cancel`, `drain`, `rese
 compute thread); results come back as protocol messages (JobDelta, then one JobDone or JobError) passed to the
 job's sink, on the compute thread.
 
-Deterministic mode (measured on CPU, see DESIGN.md): a token's KV is bit-reproducible only if it is computed
-the same way every time. llama.cpp computes ubatches of fewer than EXACT_ROWS rows with different kernels than
-larger ones, and pairs sequences inside a ubatch. So in this mode every slot gets its own `llama_decode` per
-step (decode rows alone, prefill chunks of at least EXACT_ROWS tokens), and a slot reuses only the prefix whose
-KV came from such prefill chunks (`Slot.n_exact`): generated tokens are recomputed as prompt on the next turn.
+Deterministic mode (measured on CPU, see DESIGN.md): a token's KV and logits are bit-reproducible only if they
+are computed the same way every time. Measured with flash attention off (it is: its result depends on how much
+of the KV came from earlier ubatches): llama.cpp computes a ubatch of fewer than EXACT_ROWS rows, or with a single
+row of some sequence, with other kernels; from EXACT_ROWS rows with at least 2 of each sequence on, a row's result
+does not depend on its ubatch. With one KV stream per slot, llama.cpp splits a batch into ubatches of consecutive
+seq ids with equal rows per sequence. So in this mode the generating slots decode together in one batch in which
+every slot, idle ones too, has exactly `pad_rows` rows (at least 2, and pad_rows x slots >= EXACT_ROWS): a slot's
+decode row, its guesses, then
+padding at the positions after them, removed again right after the decode. Prefill chunks of at least
+EXACT_ROWS tokens get a `llama_decode` of their own. Every token's KV is then what a prompt pass computes, so a
+slot reuses its generated tokens too (`Slot.n_exact`, which covers everything but a prompt's too-short tail).
+
+Speculation (`--spec ngram`, worker/speculate.py): a generating slot's row may be followed by rows of guessed
+tokens; its sampler takes the rows in order while they agree with the guess, and the KV of the guessed tokens it
+did not take is removed before anything else happens (so the invariant below holds after every step).
 
 Invariant (checked after every decode, and before building a batch): for every slot,
 `llama_memory_seq_pos_max(slot) + 1 == len(slot.tokens)`. A violation is counted, logged with an id, reported
@@ -60,6 +70,7 @@ from worker.host_cache import Entry, HostCache
 from worker.llama import Llama
 from worker.sampling import Sampler, SamplingError
 from worker.slots import Slot, SlotTable, Snapshot
+from worker.speculate import Drafter
 from worker.stopping import TextStream
 
 log = logs.get(__name__)
@@ -71,6 +82,7 @@ MS = 1000.0
 # the cells copied (prefill costs ~100x a token's memcpy on CPU, ~50x on GPU).
 COPY_MIN = 32
 COPY_RATIO = 64
+PAD_TOKEN = 0  # token of deterministic mode's padding rows (any id: their KV is removed after the decode)
 SAVE_MIN = 64  # an eviction that loses fewer tokens than this is not worth a host-RAM copy
 # a prompt that got no prefill budget this many steps in a row takes it before prompts with less left to compute
 PREFILL_PATIENCE_STEPS = 4
@@ -101,6 +113,8 @@ class Counters:
     restored_from_host: int = 0  # of restored_tokens: restored from host RAM
     copy_failures: int = 0  # llama.cpp refused a state copy (the slot was cleared and prefilled instead)
     host_save_failures: int = 0  # a copy to host RAM failed (nothing else did: the slot went on)
+    spec_proposed: int = 0  # guessed tokens verified (speculation)
+    spec_accepted: int = 0  # of spec_proposed: taken by the sampler
     decode_s: float = 0.0  # time inside llama_decode
     step_s: float = 0.0  # time of whole steps (batch building + decode + sampling + messages)
 
@@ -135,6 +149,8 @@ class Request:
     silent: bool = False  # reset by a router restart: the new router does not know this job
     t_assigned: float = 0.0
     passed_over: int = 0  # steps in a row in which its prompt got no prefill budget
+    drafter: Drafter | None = None  # speculation: guesses from this job's history
+    draft: list[int] = field(default_factory=list)  # the guessed tokens in the batch being decoded
     t_first: float = 0.0
 
 
@@ -193,6 +209,14 @@ class Engine:
         self.copies = not self.snapshots
         self.host = HostCache(cfg.host_cache_mb * 2**20 if self.copies else 0)
         self.exact = cfg.deterministic
+        self.pad_rows = max(2, -(-EXACT_ROWS // cfg.slots)) if self.exact else 0  # rows of each slot in a decode batch
+        if self.exact:
+            self.n_ctx -= self.pad_rows  # room for a full slot's padding
+        # guesses are verified in the slot's own rows and the rejected ones' KV removed (needs seq_rm); in
+        # deterministic mode they take a slot's padding rows
+        self.spec = cfg.spec == "ngram" and not self.snapshots
+        if cfg.spec != "none" and not self.spec:
+            log.warning("speculation_off", reason="this model's memory cannot be trimmed (recurrent or hybrid)")
         self.table = SlotTable(cfg.slots)
         self.counters = Counters()
         self.draining = False
@@ -584,14 +608,19 @@ class Engine:
         # one llama_decode for all slots; in deterministic mode one per slot (see the module docstring), taking the
         # prefill budget in the same order as one batch does
         busy = self._prefill_order(self.table.busy())
-        groups = [[s] for s in busy] if self.exact else [busy]
-        for group in groups:
-            budget = self._run(group, budget)
+        if not self.exact:
+            self._run(busy, budget)
+        else:  # the generating slots together, padded; then each prompt chunk alone (see the module docstring)
+            self._run([s for s in busy if s.job.generated], budget)
+            for slot in busy:
+                if slot.job is not None and not slot.job.generated:
+                    budget = self._run([slot], budget)
         self.counters.step_s += time.perf_counter() - t0
 
     def _run(self, group: list[Slot], budget: int) -> int:
         """Build, decode and commit one batch for `group`. Returns the prefill budget left."""
         group = [s for s in group if s.job is not None]
+        padded = self.exact and bool(group) and bool(group[0].job.generated)  # deterministic mode's decode batch
         while True:
             plan = self._build(group, budget)
             if not plan:
@@ -602,6 +631,8 @@ class Engine:
             ret = self._decode()
             self._copying.clear()  # llama_decode does the pending stream copies before anything else
             self.counters.decode_s += time.perf_counter() - t1
+            if padded:
+                self._unpad(plan)
             if ret == 1 and budget > 1 and any(n > 1 for _, n, _ in plan):
                 self.counters.decode_retries += 1
                 budget //= 2  # no KV room for this batch: retry with a smaller prefill chunk (memory is unchanged)
@@ -610,12 +641,12 @@ class Engine:
         c = self.counters
         c.steps += 1
         c.batch_rows += self.llama.batch.n
-        prefilled = sum(n for slot, n, _ in plan if not slot.job.generated)
+        used = sum(n - 1 if slot.job.generated else n for slot, n, _ in plan)  # prompt and guessed rows
         if ret != 0:
             self._decode_failed(plan, ret)
         else:
             self._commit(plan)
-        return budget - prefilled
+        return budget - used
 
     @staticmethod
     def _prefill_order(slots: list[Slot]) -> list[Slot]:
@@ -633,14 +664,22 @@ class Engine:
         """Fill the batch: decode rows first, then prefill chunks. Returns (slot, tokens added, sampled row or -1)."""
         batch = self.llama.batch
         batch.clear()
+        if self.exact and busy and busy[0].job.generated:  # (the generating group; see _step)
+            return self._build_padded(busy)
         plan: list[tuple[Slot, int, int]] = []
         prefilling: list[Slot] = []
         for slot in busy:
             req: Request = slot.job
-            if req.generated:
-                plan.append((slot, 1, batch.add(req.generated[-1], slot.n_tokens, slot.id, True)))
-            else:
+            if not req.generated:
                 prefilling.append(slot)
+                continue
+            pos = slot.n_tokens
+            row = batch.add(req.generated[-1], pos, slot.id, True)
+            req.draft = self._guess(req, slot, budget) if self.spec else []
+            for i, tok in enumerate(req.draft, 1):
+                batch.add(tok, pos + i, slot.id, True)
+            budget -= len(req.draft)
+            plan.append((slot, 1 + len(req.draft), row))
         self.counters.decode_rows += len(plan)
         for slot in prefilling:  # (in _prefill_order)
             req = slot.job
@@ -663,12 +702,51 @@ class Engine:
             self.counters.prefill_rows += take
         return plan
 
+    def _build_padded(self, generating: list[Slot]) -> list[tuple[Slot, int, int]]:
+        """Deterministic mode's decode batch: every slot, in seq id order, has exactly `pad_rows` rows: a generating
+        slot its decode row, then guesses, then padding; any other slot padding after the tokens it holds."""
+        batch = self.llama.batch
+        plan: list[tuple[Slot, int, int]] = []
+        mine = {s.id for s in generating}
+        for slot in self.table.slots:
+            pos, rows = slot.n_tokens, 0
+            if slot.id in mine:
+                req: Request = slot.job
+                row = batch.add(req.generated[-1], pos, slot.id, True)
+                req.draft = self._guess(req, slot, self.pad_rows - 1) if self.spec else []
+                for i, tok in enumerate(req.draft, 1):
+                    batch.add(tok, pos + i, slot.id, True)
+                rows = 1 + len(req.draft)
+                plan.append((slot, rows, row))
+            for i in range(rows, self.pad_rows):
+                batch.add(PAD_TOKEN, pos + i, slot.id, False)
+        self.counters.decode_rows += len(plan)
+        return plan
+
+    def _unpad(self, plan: list[tuple[Slot, int, int]]) -> None:
+        """Remove the padding rows' KV (every slot's positions after its real rows)."""
+        rows = {slot.id: n for slot, n, _ in plan}
+        for slot in self.table.slots:
+            self.llama.seq_rm(slot.id, slot.n_tokens + rows.get(slot.id, 0), -1)  # (checked by the invariant)
+
+    def _guess(self, req: Request, slot: Slot, budget: int) -> list[int]:
+        """Tokens to verify after the slot's decode row: within the step's budget, the slot's context, and what the
+        job may still produce."""
+        if req.drafter is None:
+            req.drafter = Drafter(slot.tokens + req.generated[-1:], self.n_ctx + 1, self.cfg.spec_ngram, self.cfg.spec_max)
+        limit = min(budget, self.n_ctx - 1 - slot.n_tokens, req.max_gen - len(req.generated) - 1)
+        return req.drafter.propose(limit)
+
     def _commit(self, plan: list[tuple[Slot, int, int]]) -> None:
         """The decode succeeded: record the tokens now in KV, check the invariant, sample the output rows."""
         for slot, n, _ in plan:
             req: Request = slot.job
             if req.generated:
+                start = slot.n_tokens
                 slot.tokens.append(req.generated[-1])
+                slot.tokens.extend(req.draft)  # in KV now; the part the sampler does not take is removed below
+                if self.exact and slot.n_exact == start:
+                    slot.n_exact = slot.n_tokens  # computed in a padded batch: as a prompt pass would
             else:
                 start = slot.n_tokens
                 slot.tokens.extend(req.prompt[start : start + n])
@@ -684,13 +762,46 @@ class Engine:
             if row < 0 or req is None:  # mid-prompt chunk, or the job was ended by the invariant check
                 continue
             assert req.sampler is not None  # freed only when the job ends
+            if req.draft:
+                self._verify(req, slot, row, now)
+                continue
             tok, logprob = req.sampler.sample(ctx, row)
             self._on_token(req, slot, tok, now, logprob)
+
+    def _verify(self, req: Request, slot: Slot, row: int, now: float) -> None:
+        """The sampler takes the slot's rows in order while they agree with the guess (row i's logits follow the
+        guess's first i tokens); the guessed tokens' KV after the first disagreement is removed."""
+        draft, req.draft = req.draft, []
+        assert req.sampler is not None and req.drafter is not None
+        picked: list[tuple[int, TokenLogprob | None]] = []
+        for i in range(len(draft) + 1):
+            picked.append(req.sampler.sample(self.llama.ctx, row + i))
+            if i == len(draft) or picked[-1][0] != draft[i]:
+                break
+        taken = len(picked) - 1
+        keep = slot.n_tokens - (len(draft) - taken)
+        self.counters.spec_proposed += len(draft)
+        self.counters.spec_accepted += taken
+        req.drafter.verified(len(draft), taken)
+        if keep < slot.n_tokens:
+            self._trim(slot, keep)
+            if slot.n_tokens != keep:  # the trim failed and cleared the slot: this job's KV is gone
+                error_id = uuid.uuid4().hex[:16]
+                log.error("spec_trim_failed", error_id=error_id, slot=slot.id, keep=keep)
+                message = f"could not remove rejected guesses from slot {slot.id} (error {error_id})"
+                self._error(req, ErrorCode.INTERNAL, message, error_id)
+                return
+        for tok, logprob in picked:
+            self._on_token(req, slot, tok, now, logprob)
+            if slot.job is not req:  # the job ended (end of generation, a stop, its length)
+                return
 
     def _on_token(self, req: Request, slot: Slot, tok: int, now: float, logprob: TokenLogprob | None = None) -> None:
         if not req.generated:
             req.t_first = now
         req.generated.append(tok)
+        if req.drafter is not None:
+            req.drafter.push(tok)
         self.counters.generated_tokens += 1
         if tok in self.vocab.eog_tokens and not req.job.sampling.ignore_eos:
             self._done(req, slot, FinishReason.STOP)
@@ -733,6 +844,9 @@ class Engine:
 
     def _done(self, req: Request, slot: Slot, reason: FinishReason) -> None:
         now = time.monotonic()
+        held = len(req.prompt) + len(req.generated)
+        if slot.n_tokens > held:  # guessed tokens past where the job ended (it stopped mid-guess)
+            self._trim(slot, held)
         t_first = req.t_first or now
         timings = Timings(
             queue_ms=(req.t_assigned - req.t_arrival) * MS,

@@ -137,7 +137,7 @@ class Llama:
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.no_perf = True
-        if deterministic:
+        if deterministic:  # flash attention's result depends on how much of the KV was computed in earlier ubatches
             cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         if not self.ctx:

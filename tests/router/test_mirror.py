@@ -100,19 +100,22 @@ def test_remove_worker_purges_its_slots_from_the_index():
     assert new[0].dirty and len(m.index) == 0
 
 
-def test_deterministic_worker_reuse_is_limited_to_prompt_computed_tokens():
+def test_deterministic_worker_reuse_covers_generated_tokens_and_leaves_a_chunk():
     m = Mirror()
     (s,) = m.add_worker("w0", 1, exact=True)
     prompt = toks(*range(1, 41))
     m.assign(s, "j1", prompt)
     gen = toks(90, 91, 92)
     assert m.finish(s, "j1", prompt, gen, 42, token_hash([*range(1, 41), 90, 91])) is None
-    assert s.n_exact == 40
-    # the next turn shares all 42 held tokens, but generated KV is recomputed in deterministic mode
+    assert s.n_exact == 42  # generated tokens are computed in padded batches, exactly as a prompt pass
     nxt = toks(*range(1, 41), 90, 91, *([7] * 10))
-    assert predicted_reuse(42, len(nxt), s, Params()) == 40
-    # and at least 8 prompt tokens are always computed
-    assert predicted_reuse(40, 44, s, Params()) == 36
+    assert predicted_reuse(42, len(nxt), s, Params()) == 42
+    # at least 8 prompt tokens are always computed
+    assert predicted_reuse(42, 44, s, Params()) == 36
+    # a prompt under 8 tokens is computed in a small ubatch: nothing of it or its reply is reusable
+    m.assign(s, "j2", toks(1, 2, 3))
+    assert m.finish(s, "j2", toks(1, 2, 3), toks(4, 5), 4, token_hash([1, 2, 3, 4])) is None
+    assert s.n_exact == 0
 
 
 def test_worker_copies_count_as_predicted_only_when_reported_and_never_below_prediction():

@@ -1,0 +1,159 @@
+"""Speculative decoding from the conversation's own n-grams, with the real default model: the output is what it is
+without speculation (deterministic mode, where results do not depend on batch shape: greedy, a seeded sampling chain
+with penalties and a logit bias, a grammar), guesses are taken, the slot's KV stays exact, a job that ends mid-guess
+keeps only its own tokens, and impossible flags are refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from worker_helpers import Run, assert_slot_invariant, complete
+
+from protocol import Constraint, JobDone
+from worker.config import WorkerConfig
+from worker.engine import Engine
+from worker.speculate import Drafter
+
+pytestmark = pytest.mark.model
+
+PATTERN = "red, green, blue, yellow, " * 8
+
+
+@pytest.fixture(scope="module")
+def exact_spec() -> Iterator[Engine]:
+    """Deterministic mode with speculation: 2 slots, so each slot's 4 rows per decode batch carry 3 guesses."""
+    eng = Engine(WorkerConfig(slots=2, ctx_per_slot=1024, threads=2, deterministic=True, spec="ngram")).start()
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def fast_spec() -> Iterator[Engine]:
+    """Default settings with speculation, guesses of up to 8 tokens."""
+    eng = Engine(WorkerConfig(slots=2, ctx_per_slot=1024, threads=2, spec="ngram", spec_max=8)).start()
+    yield eng
+    eng.stop()
+
+
+def set_spec(engine: Engine, on: bool) -> None:
+    engine.call(lambda e: setattr(e, "spec", on)).result(10)
+
+
+def spec_counts(engine: Engine) -> tuple[int, int, int]:
+    c = engine.call(lambda e: e.counters).result(10)
+    return c.spec_proposed, c.spec_accepted, c.invariant_violations
+
+
+SAMPLINGS = {
+    "greedy": {},
+    "seeded-chain": {"temperature": 0.9, "seed": 11, "top_k": 40, "presence_penalty": 0.3, "logit_bias": {"236761": -2.0}},
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_output_is_identical_with_and_without_speculation(exact_spec, name):
+    prompt = exact_spec.vocab.tokenize(PATTERN)
+    kw = {"max_tokens": 48, **SAMPLINGS[name]}
+    set_spec(exact_spec, False)
+    plain = complete(exact_spec, prompt, slot=0, prefix_cache=False, **kw)
+    set_spec(exact_spec, True)
+    before = spec_counts(exact_spec)
+    guessed = complete(exact_spec, prompt, slot=0, prefix_cache=False, **kw)
+    after = spec_counts(exact_spec)
+    assert isinstance(plain.final, JobDone) and isinstance(guessed.final, JobDone)
+    assert guessed.tokens == plain.tokens and guessed.final.text == plain.final.text
+    assert after[1] > before[1], "no guess was taken: the test did not exercise speculation"
+    assert after[2] == before[2]  # no invariant violation
+    assert_slot_invariant(exact_spec, guessed)
+
+
+def test_a_grammar_constrains_guessed_tokens_too(exact_spec):
+    prompt = exact_spec.vocab.tokenize(PATTERN)
+    grammar = Constraint(grammar='start: ("red, " | "green, " | "blue, ")+ "yellow."\n')
+    set_spec(exact_spec, False)
+    plain = complete(exact_spec, prompt, slot=1, prefix_cache=False, max_tokens=40, constraint=grammar)
+    set_spec(exact_spec, True)
+    guessed = complete(exact_spec, prompt, slot=1, prefix_cache=False, max_tokens=40, constraint=grammar)
+    assert isinstance(guessed.final, JobDone)
+    assert guessed.tokens == plain.tokens
+    assert "yellow," not in guessed.final.text  # the pattern's own continuation is not what the grammar allows
+    assert_slot_invariant(exact_spec, guessed)
+
+
+def test_guesses_are_taken_and_the_kv_stays_exact(fast_spec):
+    prompt = fast_spec.vocab.tokenize(PATTERN)
+    before = spec_counts(fast_spec)
+    run = complete(fast_spec, prompt, slot=0, max_tokens=64)
+    after = spec_counts(fast_spec)
+    assert isinstance(run.final, JobDone) and run.final.generated_tokens == 64
+    assert after[1] - before[1] >= 16  # the pattern is guessed most of the way
+    assert after[2] == before[2]
+    assert run.final.slot_tokens == len(prompt) + 63  # prompt + reply but its last token, as without guesses
+    assert_slot_invariant(fast_spec, run)
+    nxt = complete(fast_spec, prompt + run.tokens + fast_spec.vocab.tokenize(" red,", add_special=False), slot=0, max_tokens=4)
+    assert nxt.final.reused_tokens == run.final.slot_tokens  # the next turn reuses it all
+    assert_slot_invariant(fast_spec, nxt)
+
+
+def stop_inside_a_guess(run: Run) -> str:
+    """A stop string that first appears at a token taken from a guess with more taken tokens after it: deltas sent
+    by one verification arrive within microseconds of each other."""
+    text = ""
+    ends = []
+    for d in run.deltas:
+        text += d.text
+        ends.append(len(text))
+    for j in range(1, len(run.deltas) - 1):
+        in_burst = run.times[j] - run.times[j - 1] < 1e-3 and run.times[j + 1] - run.times[j] < 1e-3
+        if not in_burst or not run.deltas[j].text:
+            continue
+        for n in range(1, ends[j] + 1):
+            stop = text[ends[j] - n : ends[j]]
+            if text.find(stop) + n == ends[j]:
+                return stop
+    raise AssertionError(f"no token inside a taken guess in {[d.text for d in run.deltas]}")
+
+
+def test_a_job_that_stops_inside_a_guess_keeps_only_its_own_tokens(fast_spec):
+    prompt = fast_spec.vocab.tokenize(PATTERN)
+    free = complete(fast_spec, prompt, slot=1, prefix_cache=False, max_tokens=40)
+    stop = stop_inside_a_guess(free)
+    run = complete(fast_spec, prompt, slot=1, prefix_cache=False, max_tokens=40, stop=[stop])  # the same guesses
+    assert isinstance(run.final, JobDone) and run.final.stop == stop and stop not in run.final.text
+    # the slot keeps the stopping token's KV (it was a taken guess) and drops the guessed tokens after it
+    assert run.final.slot_tokens == len(prompt) + run.final.generated_tokens
+    assert_slot_invariant(fast_spec, run)
+
+
+def test_max_tokens_bounds_the_guesses(fast_spec):
+    prompt = fast_spec.vocab.tokenize(PATTERN)
+    run = complete(fast_spec, prompt, slot=1, prefix_cache=False, max_tokens=13)
+    assert isinstance(run.final, JobDone) and run.final.generated_tokens == 13
+    assert run.final.slot_tokens == len(prompt) + 12
+    assert_slot_invariant(fast_spec, run)
+
+
+def test_drafter_guesses_what_followed_the_latest_occurrence():
+    d = Drafter([1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 6, 7, 1, 2, 3], capacity=4, n=3, k_max=8)
+    d.k = 8
+    assert d.propose(8) == [4, 6, 7, 1, 2, 3]  # after the latest earlier "1 2 3", up to the end of the history
+    assert d.propose(2) == [4, 6]
+    d.push(4)
+    assert d.propose(8) == [6, 7, 1, 2, 3, 4]
+    d.push(8)
+    assert d.propose(8) == []  # "3 4 8" never occurred
+    d.verified(proposed=4, accepted=4)
+    assert d.k == 8
+    d.verified(proposed=8, accepted=2)
+    assert d.k == 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "flag"),
+    [({"spec_max": 0}, "--spec-max"), ({"spec_ngram": 0}, "--spec-ngram"), ({"spec": "draft"}, "--spec"),
+     ({"spec": "ngram", "snapshots": True}, "--snapshots"), ({"spec_max": 600}, "--spec-max")],
+)  # fmt: skip
+def test_impossible_speculation_flags_are_refused_naming_the_flag(fields, flag):
+    with pytest.raises(ValueError, match=flag):
+        WorkerConfig(**fields)
