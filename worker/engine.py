@@ -16,9 +16,8 @@ row of some sequence, with other kernels; from EXACT_ROWS rows with at least 2 o
 does not depend on its ubatch. With one KV stream per slot, llama.cpp splits a batch into ubatches of consecutive
 seq ids with equal rows per sequence. So in this mode the generating slots decode together in one batch in which
 every slot, idle ones too, has exactly `pad_rows` rows (at least 2, and pad_rows x slots >= EXACT_ROWS): a slot's
-decode row, its guesses, then
-padding at the positions after them, removed again right after the decode. Prefill chunks of at least
-EXACT_ROWS tokens get a `llama_decode` of their own. Every token's KV is then what a prompt pass computes, so a
+decode row, its guesses, then padding at the positions after them, removed again right after the decode. Prefill
+chunks of at least EXACT_ROWS tokens get a `llama_decode` of their own. Every token's KV is then what a prompt pass computes, so a
 slot reuses its generated tokens too (`Slot.n_exact`, which covers everything but a prompt's too-short tail).
 
 Speculation (`--spec ngram`, worker/speculate.py): a generating slot's row may be followed by rows of guessed
@@ -605,8 +604,8 @@ class Engine:
             return
         self._check(busy)
         budget = self.n_batch
-        # one llama_decode for all slots; in deterministic mode one per slot (see the module docstring), taking the
-        # prefill budget in the same order as one batch does
+        # one llama_decode for all slots; in deterministic mode one for the generating slots and one per prompt
+        # chunk (see the module docstring), taking the prefill budget in the same order as one batch does
         busy = self._prefill_order(self.table.busy())
         if not self.exact:
             self._run(busy, budget)
