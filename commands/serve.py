@@ -64,20 +64,24 @@ class LocalWorkers:
         except ValueError:
             raise ValueError(f"--gpus takes comma-separated integers, got {self.gpus!r}") from None
 
+    def worker_config(self, model: str | None) -> WorkerConfig:
+        """What every local worker shares (its checks raise ValueError naming the flag)."""
+        return WorkerConfig(
+            model=model,
+            slots=self.slots,
+            ctx_per_slot=self.ctx_per_slot,
+            n_batch=self.n_batch,
+            host_cache_mb=self.host_cache_mb,
+            deterministic=self.deterministic,
+            spec=self.spec,
+            spec_max=self.spec_max,
+            spec_ngram=self.spec_ngram,
+        )
+
 
 def worker_specs(local: LocalWorkers, model: str) -> list[WorkerSpec]:
     """Each local worker's flags, written from its WorkerConfig (id, incarnation and endpoint are the supervisor's)."""
-    base = WorkerConfig(
-        model=model,
-        slots=local.slots,
-        ctx_per_slot=local.ctx_per_slot,
-        n_batch=local.n_batch,
-        host_cache_mb=local.host_cache_mb,
-        deterministic=local.deterministic,
-        spec=local.spec,
-        spec_max=local.spec_max,
-        spec_ngram=local.spec_ngram,
-    )
+    base = local.worker_config(model)
     own = ("worker_id", "incarnation", "connect", "curve_key", "router_key")
 
     def flags(**fields: Any) -> tuple[str, ...]:
@@ -182,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
         router_cfg = from_args(RouterConfig, args)
         local = from_args(LocalWorkers, args)
         local.gpu_list()
+        local.worker_config(None)  # a bad worker flag stops start-up here, before any process starts
         sup_cfg = from_args(SupervisorConfig, args)
     except ValueError as exc:
         raise UsageError(str(exc)) from None

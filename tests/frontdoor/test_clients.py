@@ -98,7 +98,15 @@ def test_cli_unreachable_router_is_one_line() -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [["serve", "--slots", "lots"], ["serve", "--http", "nowhere"], ["complete"], ["worker", "--threads", "-"]]
+    "args",
+    [
+        ["serve", "--slots", "lots"],
+        ["serve", "--http", "nowhere"],
+        ["serve", "--spec-max", "0"],
+        ["worker", "--spec-ngram", "0"],
+        ["complete"],
+        ["worker", "--threads", "-"],
+    ],
 )
 def test_cli_bad_flags_are_one_clear_line(args: list[str]) -> None:
     out = kvroute(*args)
