@@ -1,4 +1,5 @@
-"""An asyncio streaming client of the OpenAI completions API that times each request the same way on every system.
+"""An asyncio streaming client of the OpenAI completions API (or chat completions, one user message) that times
+each request the same way on every system.
 
 TTFT is the time from sending the request to the first streamed chunk with non-empty text. Token counts come
 from the final usage chunk (`stream_options.include_usage`) where the server sends one; otherwise the output
@@ -51,10 +52,11 @@ class CompletionClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def complete(self, prompt: str, max_tokens: int, *, session: str, turn: int, t0: float) -> Sample:
-        """Stream one greedy completion of `prompt`; never raises for a server error (it goes in `error`)."""
+    async def complete(self, prompt: str, max_tokens: int, *, session: str, turn: int, t0: float, chat: bool = False) -> Sample:
+        """Stream one greedy completion of `prompt` (with `chat`: the reply to it as one user message, in the
+        server's chat template); never raises for a server error (it goes in `error`)."""
         body: dict[str, Any] = {
-            "prompt": prompt,
+            **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}),
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "stream": True,
@@ -69,7 +71,8 @@ class CompletionClient:
         usage: dict[str, Any] | None = None
         error: str | None = None
         try:
-            async with self._http.stream("POST", f"{self.base_url}/v1/completions", json=body) as resp:
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            async with self._http.stream("POST", f"{self.base_url}{path}", json=body) as resp:
                 if resp.status_code != 200:
                     raw = (await resp.aread()).decode("utf-8", "replace")
                     error = f"HTTP {resp.status_code}: {raw[:300]}"
@@ -85,7 +88,8 @@ class CompletionClient:
                             error = f"stream error: {json.dumps(event['error'])[:300]}"
                             break
                         for choice in event.get("choices") or ():
-                            text = choice.get("text") or ""
+                            text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                            text = text or ""
                             if text:
                                 if ttft is None:
                                     ttft = time.perf_counter() - sent

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.exact_probe [--rounds 5] [--threads 2]
 
-1. throughput: 3 slots generating 48 tokens each at once: aggregate tokens/s (slot 0 keeps the conversation);
+1. throughput: 3 slots generating 48 tokens each at once: aggregate decode tokens/s (slot 3 keeps the conversation);
 2. agent turn: a conversation of ~1,000 tokens gets its next 40-token user message, then its reply of 24 tokens,
    and so on: time to first token of the turn, whose history (previous reply included) is cached.
 
@@ -14,26 +14,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-from bench.worker_bench import run
-from protocol import Job, Sampling, pack_tokens, unpack_tokens
+from bench.worker_bench import decode_rate, run
+from protocol import unpack_tokens
 from worker.config import WorkerConfig
 from worker.engine import Engine
 
 STORY = "The lighthouse keeper wrote in the log that the wind had turned north before dawn and the sea rose. "
-
-
-def throughput(engine: Engine, tag: str) -> float:
-    prompts = {i: engine.vocab.tokenize(f"{tag} story {i}: {STORY}") for i in (1, 2, 3)}
-    streams = []
-    t0 = time.perf_counter()
-    for i, p in prompts.items():
-        job = Job(id=f"{tag}-{i}", slot=i, tokens=pack_tokens(p), prefix_cache=False,
-                  sampling=Sampling(temperature=0.0, max_tokens=48, ignore_eos=True))  # fmt: skip
-        streams.append(engine.submit(job))
-    done = [s.result(600) for s in streams]
-    return sum(d.generated_tokens for d in done) / (time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -49,11 +36,12 @@ def main() -> None:
     ttft: dict[str, list[float]] = {m: [] for m in engines}
     for r in range(a.rounds):
         for m, e in engines.items():
-            tput[m].append(throughput(e, f"r{r}"))
+            stories = [vocab.tokenize(f"r{r} story {i}: {STORY}") for i in range(3)]
+            tput[m].append(decode_rate(e, stories, 48, None))
             text = f"\nUser: question {r}, about the boats and the lamp in the storm, please answer.\nKeeper:"
             turn = vocab.tokenize(text, add_special=False)
             prompt = history[m] + turn
-            done = run(e, prompt, f"{m}-t{r}", slot=0, max_tokens=24)
+            done = run(e, prompt, f"{m}-t{r}", slot=3, max_tokens=24)
             if r > 0:  # the first turn is cold
                 ttft[m].append(done.timings.ttft_ms)
             history[m] = prompt + unpack_tokens(done.tokens)

@@ -13,9 +13,8 @@ without speculation, and kvroute's share of guessed tokens taken.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import asyncio
 import dataclasses
-import json
 import statistics
 import time
 from contextlib import ExitStack
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.client import CompletionClient
 from bench.systems import Server, Setup
 from kvroute.model import resolve_model
 
@@ -58,37 +58,54 @@ SYSTEMS = {
 }
 
 
-def stream(url: str, content: str, max_tokens: int) -> tuple[int, float, float]:
-    """(completion tokens, seconds to the first text, seconds from the first text to the end)."""
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+async def edit_rate(client: CompletionClient, max_tokens: int) -> tuple[float, int]:
+    """Decode tokens/s of the edit (tokens after the first / time after the first), and its token count."""
+    sample = await client.complete(EDIT, max_tokens, session="edit", turn=0, t0=time.perf_counter(), chat=True)
+    if sample.error or sample.ttft is None:
+        raise RuntimeError(f"the edit failed: {sample.error or 'no text'}")
+    return (sample.output_tokens - 1) / (sample.total - sample.ttft), sample.output_tokens
+
+
+async def batch_rate(client: CompletionClient, round_: int, max_tokens: int) -> float:
+    """Total tokens/s of one short story per topic, all at once; a failed request stops the probe."""
     t0 = time.perf_counter()
-    first = None
-    tokens = 0
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if first is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                first = time.perf_counter()
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    end = time.perf_counter()
-    if first is None:
-        raise RuntimeError(f"{url}: no content in the reply")
-    return tokens, first - t0, end - first
+    asks = [f"Round {round_}: write a short story about {t}." for t in TOPICS]
+    samples = await asyncio.gather(
+        *(client.complete(ask, max_tokens, session=f"story-{i}", turn=0, t0=t0, chat=True) for i, ask in enumerate(asks))
+    )
+    failed = [s.error for s in samples if s.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(asks)} stories failed: {failed[0]}")
+    return sum(s.output_tokens for s in samples) / (time.perf_counter() - t0)
 
 
 def spec_counters(url: str) -> tuple[float, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    values = {}
+    values: dict[str, float] = {}
     for line in text.splitlines():
         for name in ("kvroute_worker_spec_proposed_total", "kvroute_worker_spec_accepted_total"):
             if line.startswith(name):
                 values[name] = values.get(name, 0.0) + float(line.split()[-1])
     return values.get("kvroute_worker_spec_proposed_total", 0.0), values.get("kvroute_worker_spec_accepted_total", 0.0)
+
+
+async def measure(
+    urls: dict[str, str], args: argparse.Namespace, edit: dict[str, list[float]], batch: dict[str, list[float]]
+) -> None:
+    """The rounds, every system in each (appends to `edit` and `batch`)."""
+    clients = {n: CompletionClient(url) for n, url in urls.items()}
+    try:
+        for c in clients.values():
+            await edit_rate(c, 4)  # warm-up
+        for r in range(args.rounds):
+            for n, c in clients.items():
+                rate, tokens = await edit_rate(c, args.edit_tokens)
+                edit[n].append(rate)
+                batch[n].append(await batch_rate(c, r, args.batch_tokens))
+                print(f"round {r} {n:28s} edit {rate:6.1f} tok/s ({tokens} tokens)  batch {batch[n][-1]:6.1f} tok/s", flush=True)
+    finally:
+        for c in clients.values():
+            await c.aclose()
 
 
 def main() -> None:
@@ -110,20 +127,7 @@ def main() -> None:
             kind, kv_flags, ls_flags = SYSTEMS[n]
             setup = dataclasses.replace(base, kvroute_flags=kv_flags, llama_server_flags=ls_flags)
             servers[n] = stack.enter_context(Server(kind, setup, logs / f"{n}.log"))
-        for s in servers.values():
-            stream(s.url, "Say hello.", 4)  # warm-up
-        pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(len(TOPICS)))
-        for r in range(args.rounds):
-            for n, s in servers.items():
-                tokens, _, decode_s = stream(s.url, EDIT, args.edit_tokens)
-                edit[n].append((tokens - 1) / decode_s)
-                t0 = time.perf_counter()
-                asks = [f"Round {r}: write a short story about {t}." for t in TOPICS]
-                jobs = [pool.submit(stream, s.url, ask, args.batch_tokens) for ask in asks]
-                done = sum(j.result()[0] for j in jobs)
-                batch[n].append(done / (time.perf_counter() - t0))
-                print(f"round {r} {n:28s} edit {edit[n][-1]:6.1f} tok/s ({tokens} tokens)  "
-                      f"batch {batch[n][-1]:6.1f} tok/s", flush=True)  # fmt: skip
+        asyncio.run(measure({n: s.url for n, s in servers.items()}, args, edit, batch))
         taken = {n: spec_counters(s.url) for n, s in servers.items() if SYSTEMS[n][0] == "kvroute"}
     ref = "llama-server" if "llama-server" in names else names[0]
     for label, figures in (("edit decode", edit), ("8 at once", batch)):
