@@ -1,6 +1,9 @@
-"""Figures from samples, the markdown report, the PNG plots and the goals of issue 6.
+"""Figures from samples, the markdown report, the PNG plots and the goals (issue 6's against kvroute-cold and
+llama-cpp-python, issue 16's against llama-server and llama.cpp alone).
 
 Every figure is computed from the raw samples kept in the run's JSON file, so a report can be rebuilt from it.
+With interleaved repeats, a system's figure is the median over the repeats, its spread their min and max, and a
+ratio between two systems the median of the ratios of the same repeat (each pair measured minutes apart).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 Samples = list[dict[str, Any]]
+Results = dict[str, dict[str, dict[str, Any]]]  # workload -> system -> figures
 T = TypeVar("T")
 
 # Long-session: TTFT "at turn 10" and "at the last turn" are medians of a few turns around them, so that one
@@ -82,6 +86,32 @@ def figures(workload: str, samples: Samples, wall: float) -> dict[str, Any]:
     return f
 
 
+def combine(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One system's figures over repeats: each number's median (per-turn lists turn by turn), `spread` each
+    number's (min, max), `runs` every repeat's own figures. Errors and requests add up: a request that failed in
+    any repeat counts."""
+    out: dict[str, Any] = {"runs": list(runs), "spread": {}}
+    for key in runs[0]:
+        values = [r.get(key) for r in runs]
+        if key in ("errors", "requests"):
+            out[key] = sum(v or 0 for v in values)
+        elif all(isinstance(v, list) for v in values):
+            columns = zip(*values, strict=False)
+            out[key] = [_median([x for x in col if x is not None]) for col in columns]
+        elif all(isinstance(v, int | float) or v is None for v in values):
+            known = [v for v in values if v is not None]
+            out[key] = _median(known)
+            if known:
+                out["spread"][key] = (min(known), max(known))
+        else:
+            out[key] = values[0]
+    return out
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 # --- tables ------------------------------------------------------------------------------------------------
 
 # workload -> (headline figure, whether lower is better, the columns shown)
@@ -92,6 +122,11 @@ COLUMNS: dict[str, tuple[str, bool, list[tuple[str, str]]]] = {
         [("ttft_p50_last10_s", "p50 TTFT last 10 turns"), ("ttft_mean_s", "mean TTFT"), ("wall_s", "wall"), ("reuse", "reuse")],
     ),
     "multi-agent": (
+        "ttft_mean_s",
+        True,
+        [("ttft_mean_s", "mean TTFT"), ("ttft_p90_s", "p90 TTFT"), ("wall_s", "wall"), ("reuse", "reuse")],
+    ),
+    "many-agents": (
         "ttft_mean_s",
         True,
         [("ttft_mean_s", "mean TTFT"), ("ttft_p90_s", "p90 TTFT"), ("wall_s", "wall"), ("reuse", "reuse")],
@@ -141,7 +176,8 @@ def fmt(key: str, value: Any) -> str:
 
 
 def table(workload: str, per_system: dict[str, dict[str, Any]]) -> str:
-    """One markdown table: a row per system, its figures and its headline figure's ratio to kvroute's."""
+    """One markdown table: a row per system, its figures (medians over the repeats, the headline with its
+    min-max) and its headline figure's ratio to kvroute's."""
     headline, _, cols = COLUMNS[workload]
     base = per_system.get("kvroute", {}).get(headline)
     head = ["system", *(label for _, label in cols), f"{dict(cols)[headline]} / kvroute", "errors"]
@@ -149,9 +185,16 @@ def table(workload: str, per_system: dict[str, dict[str, Any]]) -> str:
     for name, f in per_system.items():
         value = f.get(headline)
         ratio = f"{value / base:.2f}x" if value is not None and base else "n/a"
-        cells = [name, *(fmt(k, f.get(k)) for k, _ in cols), ratio, str(f.get("errors", 0))]
+        cells = [name, *(_cell(k, f, k == headline) for k, _ in cols), ratio, str(f.get("errors", 0))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(key: str, f: dict[str, Any], with_spread: bool) -> str:
+    lo_hi = f.get("spread", {}).get(key)
+    if not with_spread or lo_hi is None or len(f.get("runs", ())) < 2:
+        return fmt(key, f.get(key))
+    return f"{fmt(key, f.get(key))} ({fmt(key, lo_hi[0])} to {fmt(key, lo_hi[1])})"
 
 
 # --- goals -------------------------------------------------------------------------------------------------
@@ -163,23 +206,31 @@ class Goal:
     text: str
     met: bool | None  # None: not evaluated (a system or workload was not run)
     detail: str
+    baseline: str = ""  # what kvroute is compared with
 
 
-def _ratio_goal(
-    workload: str, text: str, results: dict[str, dict[str, dict[str, Any]]], key: str, other: str, limit: float, at_most: bool
-) -> Goal:
+def paired_ratios(mine: dict[str, Any], theirs: dict[str, Any], key: str) -> list[float]:
+    """`key` of kvroute over the other system's, repeat by repeat (the repeats of one round are run side by side);
+    one ratio, of the figures themselves, when there were no repeats."""
+    pairs = zip(mine.get("runs") or [mine], theirs.get("runs") or [theirs], strict=False)
+    return [m[key] / t[key] for m, t in pairs if m.get(key) is not None and t.get(key)]
+
+
+def _ratio_goal(workload: str, text: str, results: Results, key: str, other: str, limit: float, at_most: bool) -> Goal:
     per = results.get(workload)
     if per is None:
-        return Goal(workload, text, None, "workload not run")
-    mine, theirs = per.get("kvroute", {}).get(key), per.get(other, {}).get(key)
-    if mine is None or theirs is None or theirs == 0:
-        return Goal(workload, text, None, f"needs kvroute and {other} figures")
-    r = mine / theirs
+        return Goal(workload, text, None, "workload not run", other)
+    mine, theirs = per.get("kvroute", {}), per.get(other, {})
+    ratios = paired_ratios(mine, theirs, key)
+    if not ratios:
+        return Goal(workload, text, None, f"needs kvroute and {other} figures", other)
+    r = statistics.median(ratios)
     met = r <= limit if at_most else r >= limit
     bound = f"{'<=' if at_most else '>='} {limit}"
-    detail = f"kvroute {fmt(key, mine)} vs {other} {fmt(key, theirs)}: ratio {r:.3f} (goal {bound})"
+    spread = f", repeats {min(ratios):.3f}-{max(ratios):.3f}" if len(ratios) > 1 else ""
+    detail = f"kvroute {fmt(key, mine.get(key))} vs {other} {fmt(key, theirs.get(key))}: ratio {r:.3f}{spread} (goal {bound})"
     failed = _failures(per, ("kvroute", other))
-    return Goal(workload, text, met and not failed, detail + failed)
+    return Goal(workload, text, met and not failed, detail + failed, other)
 
 
 def _failures(per: dict[str, dict[str, Any]], systems: Sequence[str]) -> str:
@@ -189,9 +240,17 @@ def _failures(per: dict[str, dict[str, Any]], systems: Sequence[str]) -> str:
 
 
 def goals(
-    results: dict[str, dict[str, dict[str, Any]]], floor: dict[str, Any] | None = None, long_turns_goal: int = 300
+    results: Results,
+    floor: dict[str, Any] | None = None,
+    long_turns_goal: int = 300,
+    agent_floor: dict[str, Any] | None = None,
 ) -> list[Goal]:
-    """The goals of issue 6, checked against this run's figures (`floor`: llama.cpp alone on the long session)."""
+    """The goals of issues 6 and 16, checked against this run's figures (`floor`: llama.cpp alone on the long
+    session's turns, `agent_floor`: on agent-long's last 10)."""
+    return _issue6_goals(results, floor, long_turns_goal) + _llama_server_goals(results, agent_floor)
+
+
+def _issue6_goals(results: Results, floor: dict[str, Any] | None, long_turns_goal: int) -> list[Goal]:
     out = [
         _ratio_goal(
             "agent-long", "p50 TTFT over the last 10 turns: kvroute <= 0.15 x kvroute-cold", results,
@@ -201,7 +260,7 @@ def goals(
     per = results.get("long-session", {}).get("kvroute")
     text = f"long session: TTFT at turn {long_turns_goal} <= 1.5 x TTFT at turn 10 (kvroute)"
     if per is None or per.get("last_over_turn10") is None:
-        out.append(Goal("long-session", text, None, "needs the long-session workload on kvroute (at least 12 turns)"))
+        out.append(Goal("long-session", text, None, "needs the long-session workload on kvroute (at least 12 turns)", "itself"))
     else:
         r = per["last_over_turn10"]
         short = f"; this run had {per['turns']} turns, not {long_turns_goal}" if per["turns"] < long_turns_goal else ""
@@ -212,7 +271,7 @@ def goals(
         if floor and floor.get("last_over_turn10"):
             detail += f"; {floor_line(floor)}"
         failed = _failures(results["long-session"], ("kvroute",))
-        out.append(Goal("long-session", text, r <= 1.5 and not failed, detail + failed))
+        out.append(Goal("long-session", text, r <= 1.5 and not failed, detail + failed, "itself"))
     for w in ("multi-agent", "fanout"):
         text = f"{w}: kvroute mean TTFT <= 0.5 x llama-cpp-python"
         out.append(_ratio_goal(w, text, results, "ttft_mean_s", "llama-cpp-python", 0.5, True))
@@ -225,10 +284,50 @@ def goals(
     return out
 
 
+# Issue 16's goals against llama-server: (workload, figure, what it is, limit, whether the figure is at most it)
+LLAMA_SERVER_GOALS = (
+    ("agent-long", "ttft_p50_last10_s", "p50 TTFT of the last 10 turns", 0.85, True),
+    ("multi-agent", "ttft_mean_s", "mean TTFT", 0.5, True),
+    ("multi-agent", "ttft_p90_s", "p90 TTFT", 0.6, True),
+    ("many-agents", "ttft_mean_s", "mean TTFT", 0.5, True),
+    ("many-agents", "ttft_p90_s", "p90 TTFT", 0.6, True),
+    ("throughput", "output_tokens_per_s", "output tokens/s", 1.0, False),
+    ("fanout", "ttft_mean_s", "mean TTFT", 0.4, True),
+)
+
+
+def _llama_server_goals(results: Results, agent_floor: dict[str, Any] | None) -> list[Goal]:
+    """Issue 16: the server users compare kvroute with, at its best settings, and llama.cpp alone."""
+    out = []
+    for w, key, what, limit, at_most in LLAMA_SERVER_GOALS:
+        text = f"{w}: {what} {'<=' if at_most else '>='} {limit} x llama-server"
+        out.append(_ratio_goal(w, text, results, key, "llama-server", limit, at_most))
+        if w == "agent-long":
+            out.append(_agent_floor_goal(results, agent_floor))
+    return out
+
+
+def _agent_floor_goal(results: Results, floor: dict[str, Any] | None) -> Goal:
+    text = "agent-long: p50 TTFT of the last 10 turns <= 1.05 x llama.cpp alone (prefill of the same new tokens)"
+    mine = results.get("agent-long", {}).get("kvroute", {}).get("ttft_p50_last10_s")
+    if mine is None or not floor or not floor.get("p50_s"):
+        why = floor["skipped"] if floor and "skipped" in floor else "needs agent-long on kvroute and llama.cpp alone"
+        return Goal("agent-long", text, None, why, "llama.cpp alone")
+    r = mine / floor["p50_s"]
+    detail = f"kvroute {fmt('x_s', mine)} vs llama.cpp alone {fmt('x_s', floor['p50_s'])}: ratio {r:.3f} (goal <= 1.05)"
+    failed = _failures(results["agent-long"], ("kvroute",))
+    return Goal("agent-long", text, r <= 1.05 and not failed, detail + failed, "llama.cpp alone")
+
+
 def floor_line(floor: dict[str, Any]) -> str:
-    """One sentence on what llama.cpp alone needs for the long session's turns (bench/floor.py)."""
+    """One sentence on what llama.cpp alone needs for the compared turns (bench/floor.py)."""
     if "skipped" in floor:
         return f"llama.cpp alone not measured: {floor['skipped']}"
+    if "p50_s" in floor:
+        return (
+            f"llama.cpp alone (bench/floor.py, no server) prefills the same new tokens after the same history in "
+            f"{fmt('x_s', floor['p50_s'])} (median of the last {len(floor['points'])} turns)"
+        )
     return (
         f"llama.cpp alone (bench/floor.py, no server) prefills the same new tokens after the same history in "
         f"{fmt('x_s', floor['turn10_s'])} at turn 10 and {fmt('x_s', floor['last_s'])} at the last turn: "

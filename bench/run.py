@@ -1,7 +1,9 @@
-"""`python -m bench.run`: run the workloads against each system in turn and write a report.
+"""`python -m bench.run`: run the workloads against each system, in interleaved repeats, and write a report.
 
-For each workload, each system is started fresh (same model, threads and context), warmed with one short
-request, measured, and stopped; so no system inherits another workload's cache. Output, under --out:
+For each workload and each repeat, each system is started fresh (same model, threads and context), warmed with
+one short request, measured, and stopped; so no system inherits another workload's or repeat's cache. The systems
+take turns within a repeat, in an order that rotates from one repeat to the next, so that a slow minute on a
+shared machine lands on every system alike; ratios pair the repeats. Output, under --out:
 `<timestamp>.json` (setup, every sample, every figure), `<timestamp>.md` (a table per workload, the goals),
 `<timestamp>-<workload>.png` plots, and `<timestamp>-logs/` with each server's log.
 """
@@ -37,7 +39,7 @@ COLD_SKIPPED = {"long-session"}
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench.run",
-        description="Benchmark kvroute against itself without prefix caching and against llama-cpp-python's server.",
+        description="Benchmark kvroute against llama-server, llama-cpp-python's server and itself without prefix caching.",
     )
     known = ", ".join(WORKLOADS)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated workloads to run (default: all: {known})")
@@ -48,15 +50,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=4, help="kvroute slots per worker (default: 4)")
     p.add_argument("--ctx-per-slot", type=int, default=0, help="context per conversation; 0: what each workload needs")
     p.add_argument("--kvroute-flags", default="", help="more `kvroute serve` flags for every kvroute system, e.g. '--hold-ms 0'")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, to check the harness in a minute or two")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every workload on every system (default: 3)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes and one repeat, to check the harness in a few minutes")
     p.add_argument("--cold-long-session", action="store_true", help="also run kvroute-cold on long-session (very slow)")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for the report (default: bench/results)")
     p.add_argument("--request-timeout", type=float, default=900.0, help="seconds before one request is given up (default: 900)")
     g = p.add_argument_group("workload sizes")
     add_args(g, Sizes)  # type: ignore[arg-type]
     if "--quick" in (sys.argv[1:] if argv is None else argv):
-        p.set_defaults(**QUICK)  # tiny defaults; size flags given explicitly still win
-    return p.parse_args(argv)
+        p.set_defaults(**QUICK, repeats=1)  # tiny defaults; size flags given explicitly still win
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
+    return args
 
 
 def ctx_needed(workload: Workload, tokenize: Any) -> int:
@@ -180,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": machine(),
         "sizes": asdict(sizes),
+        "repeats": args.repeats,
         "systems": {s: DESCRIPTIONS[s] for s in chosen},
         "workloads": {},
     }
@@ -196,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     run["machine"]["load_average_at_end"] = round(os.getloadavg()[0], 2)
     results = {w: {s: v["figures"] for s, v in e["systems"].items()} for w, e in run["workloads"].items()}
     floor = run["workloads"].get("long-session", {}).get("floor")
-    run["goals"] = [asdict(g) for g in report.goals(results, floor)]
+    agent_floor = run["workloads"].get("agent-long", {}).get("floor")
+    run["goals"] = [asdict(g) for g in report.goals(results, floor, agent_floor=agent_floor)]
     json_path.write_text(json.dumps(run, indent=1))
     md_path = write_markdown(run, out, stamp)
     print(f"\nwrote {json_path} and {md_path} ({run['duration_s'] / 60:.1f} min)")
@@ -215,7 +223,8 @@ def run_one(
     out: Path,
     stamp: str,
 ) -> None:
-    """Run workload `wname` on every chosen system in turn; its entry goes into run["workloads"]."""
+    """Run workload `wname` on every chosen system, `--repeats` times, the systems taking turns in each repeat (in
+    an order rotated by one each repeat); its entry goes into run["workloads"]."""
     workload = build(wname, sizes, tokenize)
     ctx = args.ctx_per_slot or ctx_needed(workload, tokenize)
     setup = Setup(
@@ -229,44 +238,71 @@ def run_one(
     entry: dict[str, Any] = {"description": workload.description, "setup": asdict(setup), "systems": {}, "skipped": {}}
     run["workloads"][wname] = entry
     print(f"== {wname}: {workload.description}; context per conversation {ctx}", file=sys.stderr, flush=True)
+    runnable = []
     for name, skip in systems_for(wname, chosen, args):
         if skip:
             entry["skipped"][name] = skip
             print(f"-- {name}: skipped: {skip}", file=sys.stderr, flush=True)
-            continue
-        log_path = out / f"{stamp}-logs" / f"{wname}-{name}.log"
-        load_before = round(os.getloadavg()[0], 2)
-        try:
-            with Server(name, setup, log_path) as server:
-                print(f"-- {name}: ready in {server.startup_s:.1f}s on {server.url}", file=sys.stderr, flush=True)
-                samples, wall = asyncio.run(measure(server, workload, args.request_timeout))
-        except SystemError_ as exc:
-            entry["skipped"][name] = f"failed: {exc}"
-            print(f"-- {name}: FAILED: {exc}", file=sys.stderr, flush=True)
-            continue
-        rows = [s.to_json() for s in samples]
-        for r in rows:  # servers that report no usage: count the prompt with the model's tokenizer (+BOS)
-            if r["prompt_tokens"] is None:
-                r["prompt_tokens_source"] = "local tokenizer"
-                r["prompt_tokens"] = None if r["error"] else 1 + len(tokenize(prompt_of(workload, r, rows)))
-        entry["systems"][name] = {
-            "samples": rows,
-            "figures": report.figures(wname, rows, wall),
-            "load_average": [load_before, round(os.getloadavg()[0], 2)],
-        }
-        (out / f"{stamp}.json").write_text(json.dumps(run, indent=1))  # keep what is done if a later system fails
-    if wname == "long-session" and "kvroute" in entry["systems"]:
-        entry["floor"] = measure_floor(entry["systems"]["kvroute"]["samples"], setup)
+        else:
+            runnable.append(name)
+    for repeat in range(args.repeats):
+        shift = repeat % max(1, len(runnable))
+        for name in runnable[shift:] + runnable[:shift]:
+            if name in entry["skipped"]:
+                continue  # it failed in an earlier repeat
+            measured = measure_once(wname, workload, name, setup, args, tokenize, out / f"{stamp}-logs" / f"{wname}-{name}.log")
+            if isinstance(measured, str):
+                entry["skipped"][name] = measured
+                entry["systems"].pop(name, None)
+                continue
+            system = entry["systems"].setdefault(name, {"repeats": []})
+            system["repeats"].append(measured)
+            system["samples"] = system["repeats"][0]["samples"]  # the plots and llama.cpp alone read the first repeat
+            system["figures"] = report.combine([r["figures"] for r in system["repeats"]])
+            (out / f"{stamp}.json").write_text(json.dumps(run, indent=1))  # keep what is done if a later system fails
+    if wname in ("long-session", "agent-long") and "kvroute" in entry["systems"]:
+        entry["floor"] = measure_floor(wname, entry["systems"]["kvroute"]["samples"], setup)
         (out / f"{stamp}.json").write_text(json.dumps(run, indent=1))
 
 
-def measure_floor(samples: list[dict[str, Any]], setup: Setup) -> dict[str, Any]:
-    """llama.cpp alone on the turns the long-session goal compares: the prefill of each turn's new tokens after the
-    history kvroute reused (`bench/floor.py`, in its own process). No server can make a turn cheaper than this."""
+def measure_once(
+    wname: str, workload: Workload, name: str, setup: Setup, args: argparse.Namespace, tokenize: Any, log_path: Path
+) -> dict[str, Any] | str:
+    """One repeat of `workload` on a freshly started system `name`: its samples, figures and the load average
+    around it; or why it could not be measured."""
+    load_before = round(os.getloadavg()[0], 2)
+    try:
+        with Server(name, setup, log_path) as server:
+            print(f"-- {name}: ready in {server.startup_s:.1f}s on {server.url}", file=sys.stderr, flush=True)
+            samples, wall = asyncio.run(measure(server, workload, args.request_timeout))
+    except SystemError_ as exc:
+        print(f"-- {name}: FAILED: {exc}", file=sys.stderr, flush=True)
+        return f"failed: {exc}"
+    rows = [s.to_json() for s in samples]
+    for r in rows:  # servers that report no usage: count the prompt with the model's tokenizer (+BOS)
+        if r["prompt_tokens"] is None:
+            r["prompt_tokens_source"] = "local tokenizer"
+            r["prompt_tokens"] = None if r["error"] else 1 + len(tokenize(prompt_of(workload, r, rows)))
+    return {
+        "samples": rows,
+        "figures": report.figures(wname, rows, wall),
+        "load_average": [load_before, round(os.getloadavg()[0], 2)],
+    }
+
+
+def measure_floor(wname: str, samples: list[dict[str, Any]], setup: Setup) -> dict[str, Any]:
+    """llama.cpp alone on the turns a goal compares (long-session: around turn 10 and the last turns; agent-long:
+    the last 10): the prefill of each turn's new tokens after the history kvroute reused (`bench/floor.py`, in its
+    own process). No server can make a turn cheaper than this."""
     turns = sorted((s for s in samples if not s["error"] and s["cached_tokens"] is not None), key=lambda s: s["turn"])
-    early, late = report.compared_turns(turns)
-    if len(turns) <= report.EARLY_TURNS.stop:
+    if wname == "agent-long":
+        early, late = [], turns[-10:]
+    elif len(turns) <= report.EARLY_TURNS.stop:
         return {"skipped": f"needs more than {report.EARLY_TURNS.stop} turns"}
+    else:
+        early, late = report.compared_turns(turns)
+    if not late:
+        return {"skipped": "kvroute served no turn"}
     points = [(s["cached_tokens"], s["prompt_tokens"] - s["cached_tokens"]) for s in early + late]
     argv = [
         sys.executable, "-m", "bench.floor", "--threads", str(setup.threads), "--slots", str(setup.slots),
@@ -279,8 +315,10 @@ def measure_floor(samples: list[dict[str, Any]], setup: Setup) -> dict[str, Any]
         return {"skipped": f"bench.floor failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}"}
     measured = [tuple(p) for p in json.loads(proc.stdout.strip().splitlines()[-1])["points"]]
     secs = [t for _, _, t in measured]
-    turn10, last = statistics.median(secs[: len(early)]), statistics.median(secs[len(early) :])
     turns_1based = [s["turn"] + 1 for s in early + late]
+    if wname == "agent-long":
+        return {"points": measured, "turns": turns_1based, "p50_s": statistics.median(secs)}
+    turn10, last = statistics.median(secs[: len(early)]), statistics.median(secs[len(early) :])
     return {"points": measured, "turns": turns_1based, "turn10_s": turn10, "last_s": last, "last_over_turn10": last / turn10}
 
 
@@ -310,6 +348,9 @@ def write_markdown(run: dict[str, Any], out: Path, stamp: str) -> Path:
         "TTFT is measured by the client from sending the request to the first streamed text; reuse is cached tokens / "
         "prompt tokens as the server reports them (n/a where it does not). Ratios are the headline figure over kvroute's.",
         "",
+        f"Every figure is the median of {run.get('repeats', 1)} interleaved repeat(s), the headline's min-max in brackets; "
+        "a goal's ratio is the median of the ratios of the same repeat, with their min-max.",
+        "",
     ]
     for wname, entry in run["workloads"].items():
         setup = entry["setup"]
@@ -325,8 +366,11 @@ def write_markdown(run: dict[str, Any], out: Path, stamp: str) -> Path:
         if figs:
             lines += [report.table(wname, figs), ""]
         if figs:
-            loads = ", ".join(f"{s} {v['load_average'][0]} -> {v['load_average'][1]}" for s, v in entry["systems"].items())
-            lines += [f"Load average (1 min) before -> after each system: {loads}.", ""]
+            loads = "; ".join(
+                f"{s} " + ", ".join(f"{r['load_average'][0]} -> {r['load_average'][1]}" for r in v["repeats"])
+                for s, v in entry["systems"].items()
+            )
+            lines += [f"Load average (1 min) before -> after each repeat: {loads}.", ""]
         if entry.get("floor"):
             lines += [report.floor_line(entry["floor"]) + ".", ""]
         for s, why in entry["skipped"].items():
@@ -337,7 +381,7 @@ def write_markdown(run: dict[str, Any], out: Path, stamp: str) -> Path:
         if figs and wname in ("agent-long", "long-session"):
             png = out / f"{stamp}-{wname}.png"
             report.plot_turns(wname, figs, png, entry.get("floor"))
-        elif figs and wname == "multi-agent":
+        elif figs and wname in ("multi-agent", "many-agents"):
             png = out / f"{stamp}-{wname}.png"
             report.plot_distribution(wname, {s: v["samples"] for s, v in entry["systems"].items()}, png)
         if png:

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 from kvroute.config import opt
 
-WORKLOADS = ("agent-long", "multi-agent", "throughput", "fanout", "long-session")
+WORKLOADS = ("agent-long", "multi-agent", "many-agents", "throughput", "fanout", "long-session")
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """Every size and count of the five workloads; each field is a flag of `python -m bench.run`."""
+    """Every size and count of the workloads; each field is a flag of `python -m bench.run`."""
 
     seed: int = opt(1234, "seed of the text generator (same seed, same prompts)")
     turns: int = opt(30, "agent-long: turns of the one session")
@@ -32,6 +32,7 @@ class Sizes:
     max_tokens: int = opt(32, "max_tokens of each turn (agent-long, long-session, multi-agent, fanout)")
     long_turns: int = opt(300, "long-session: turns of the one session")
     sessions: int = opt(6, "multi-agent: concurrent sessions")
+    many_sessions: int = opt(12, "many-agents: concurrent sessions (multi-agent's sessions and sizes otherwise)")
     session_turns: int = opt(8, "multi-agent: turns of each session")
     shared_tokens: int = opt(300, "multi-agent: tokens of the preamble every session shares")
     system_tokens: int = opt(800, "multi-agent: tokens of each session's own system prompt")
@@ -53,6 +54,7 @@ QUICK = {
     "max_tokens": 8,
     "long_turns": 12,
     "sessions": 3,
+    "many_sessions": 5,
     "session_turns": 2,
     "shared_tokens": 60,
     "system_tokens": 120,
@@ -217,7 +219,7 @@ def grow(head: str, target: int, sentence: Callable[[], str], tokenize: Callable
     return text
 
 
-# --- the five workloads -------------------------------------------------------------------------------------
+# --- the workloads -----------------------------------------------------------------------------------------
 
 
 def _turn(text: str) -> str:
@@ -255,20 +257,27 @@ def long_session(sizes: Sizes, tokenize: Callable[[str], list[int]]) -> Workload
     return Workload("long-session", desc, (session,), 1)
 
 
-def multi_agent(sizes: Sizes, tokenize: Callable[[str], list[int]]) -> Workload:
+def multi_agent(sizes: Sizes, tokenize: Callable[[str], list[int]], name: str = "multi-agent", n: int = 0) -> Workload:
+    """`n` (default: --sessions) agents at once, each with its own system prompt after a shared preamble."""
+    n = n or sizes.sessions
     gen = TextGen(f"{sizes.seed}:multi-agent:shared")
     shared = grow("Team handbook. Read it before answering.", sizes.shared_tokens, gen.statement, tokenize)
     sessions = []
-    for i in range(sizes.sessions):
+    for i in range(n):
         own = TextGen(f"{sizes.seed}:multi-agent:{i}")
         system = grow(f"\n\nYou are agent {i + 1}. Your own notes follow.", sizes.system_tokens, own.statement, tokenize)
         messages = _messages(own, sizes.session_turns, sizes.user_tokens, tokenize)
         sessions.append(Session(f"agent-{i + 1}", shared + system, messages, sizes.max_tokens))
     desc = (
-        f"{sizes.sessions} concurrent sessions, {sizes.shared_tokens}-token shared preamble + {sizes.system_tokens}-token "
+        f"{n} concurrent sessions, {sizes.shared_tokens}-token shared preamble + {sizes.system_tokens}-token "
         f"own system prompt, {sizes.session_turns} turns of {sizes.user_tokens}-token messages, max_tokens {sizes.max_tokens}"
     )
-    return Workload("multi-agent", desc, tuple(sessions), sizes.sessions)
+    return Workload(name, desc, tuple(sessions), n)
+
+
+def many_agents(sizes: Sizes, tokenize: Callable[[str], list[int]]) -> Workload:
+    """multi-agent with more agents (--many-sessions, 12): on 4 slots most of them wait for a slot at every turn."""
+    return multi_agent(sizes, tokenize, "many-agents", sizes.many_sessions)
 
 
 def throughput(sizes: Sizes, tokenize: Callable[[str], list[int]]) -> Workload:
@@ -302,6 +311,7 @@ def fanout(sizes: Sizes, tokenize: Callable[[str], list[int]]) -> Workload:
 BUILDERS: dict[str, Callable[[Sizes, Callable[[str], list[int]]], Workload]] = {
     "agent-long": agent_long,
     "multi-agent": multi_agent,
+    "many-agents": many_agents,
     "throughput": throughput,
     "fanout": fanout,
     "long-session": long_session,

@@ -77,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(cfg).start()
     server = WorkerServer(cfg, engine)
     try:
+        t0 = time.monotonic()
+        while not engine.guide_tokenizer.wait(0.1):  # its build stalls the whole process for a second: not while serving
+            if stop.is_set():
+                return 0
+        log.info("guide_tokenizer_ready", seconds=round(time.monotonic() - t0, 2))
         return server.serve(stop)
     finally:
         engine.stop()

@@ -33,6 +33,9 @@ def test_counts_follow_the_sizes() -> None:
     assert len(build("long-session", SMALL, words).sessions[0].messages) == SMALL.long_turns
     multi = build("multi-agent", SMALL, words)
     assert (len(multi.sessions), multi.concurrency, multi.n_requests) == (3, 3, 3 * SMALL.session_turns)
+    many = build("many-agents", SMALL, words)
+    assert (len(many.sessions), many.concurrency) == (SMALL.many_sessions, SMALL.many_sessions)
+    assert many.sessions[:3] == multi.sessions  # the same agents, more of them
     throughput = build("throughput", SMALL, words)
     assert (len(throughput.sessions), throughput.concurrency) == (SMALL.requests, SMALL.concurrency)
     assert len({s.opening for s in throughput.sessions}) == SMALL.requests  # distinct prompts
