@@ -9,7 +9,9 @@ Every system gets the same model, the same thread count and the same context per
   slot in one unified KV (`--parallel`, `--ctx-size` = slots x ctx per slot), `--swa-full` (Gemma 3's
   sliding-window layers kept whole, so any cached prefix can be reused), `--cache-ram 2048` (evicted prompts
   kept in host RAM, as kvroute's `--host-cache-mb` default), flash attention `auto`, and the same chat template
-  (`--chat-template gemma`);
+  (`--no-jinja --chat-template gemma`: with Jinja on, as it is by default, llama-server takes the name "gemma" for
+  a template's source and renders every conversation as the five characters "gemma"; the start-up check below
+  makes sure a conversation is rendered);
 - `llama-cpp-python`: `python -m llama_cpp.server`, the OpenAI server a Python user would pick instead. It is
   run with `--interrupt_requests False` (its default cuts off a running stream whenever another request
   arrives, which would leave nothing to measure under concurrency) and `--logits_all False` (its default
@@ -36,7 +38,8 @@ DESCRIPTIONS = {
     "kvroute": "kvroute serve --policy prefix",
     "kvroute-cold": "kvroute serve --no-prefix-cache",
     "kvroute-rr": "kvroute serve --policy round-robin",
-    "llama-server": "llama-server --parallel SLOTS --swa-full --cache-ram 2048 -fa auto (llama.cpp of the pinned sdist)",
+    "llama-server": "llama-server --parallel SLOTS --swa-full --cache-ram 2048 -fa auto --no-jinja --chat-template gemma "
+    "(llama.cpp of the pinned sdist)",
     "llama-cpp-python": "python -m llama_cpp.server (interrupt_requests off, logits_all off)",
 }
 
@@ -106,6 +109,7 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
             "--swa-full",
             "--cache-ram", "2048",
             "--flash-attn", "auto",
+            "--no-jinja",
             "--chat-template", "gemma",
             "--no-webui",
             *setup.llama_server_flags,
@@ -196,9 +200,21 @@ class Server:
                         )
                 with contextlib.suppress(httpx.HTTPError):
                     if self._ready(http):
+                        self._check_template(http)
                         return
                 time.sleep(0.5)
         raise SystemError_(f"{self.name} was not ready after {self.ready_timeout_s:.0f} s\n{self._log_tail()}")
+
+    def _check_template(self, http: httpx.Client) -> None:
+        """llama-server must render a conversation with the model's turns: a wrong template flag is not an error
+        there, it silently sends the model something else (see `--no-jinja` above)."""
+        if self.name != "llama-server":
+            return
+        probe = "template probe: say yes"
+        body = {"messages": [{"role": "user", "content": probe}]}
+        prompt = http.post(f"{self.url}/apply-template", json=body).json().get("prompt", "")
+        if probe not in prompt or "<start_of_turn>user" not in prompt:
+            raise SystemError_(f"{self.name} renders a conversation as {prompt!r}: its chat template flags are wrong")
 
     def stop(self) -> None:
         procs, self._procs = self._procs, []

@@ -24,7 +24,8 @@ from bench.systems import Server, Setup
 from kvroute.client import Client
 from kvroute.model import resolve_model
 
-DOC = "The lighthouse keeper's log, autumn. The wind turned north before dawn and the sea rose against the rocks. " * 8
+SENTENCE = "The lighthouse keeper's log, autumn. The wind turned north before dawn and the sea rose against the rocks. "
+DOC = SENTENCE * 8  # about 200 tokens; --doc-sentences makes it longer
 
 
 def http_ttft(url: str, question: str, *, nodelay: bool) -> float:
@@ -57,8 +58,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--requests", type=int, default=8, help="requests per system and client in each round")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--doc-sentences", type=int, default=8, help="sentences of the cached document (8: ~200 tokens)")
     args = p.parse_args()
-    setup = Setup(model=str(resolve_model(None)), threads=args.threads, workers=1, slots=4, ctx_per_slot=2048)
+    global DOC
+    DOC = SENTENCE * args.doc_sentences
+    ctx = max(2048, -(-(args.doc_sentences * 25 + 256) // 256) * 256)
+    setup = Setup(model=str(resolve_model(None)), threads=args.threads, workers=1, slots=4, ctx_per_slot=ctx)
     logs = Path("bench/results/turn-probe-logs")
     with ExitStack() as stack:
         kv = stack.enter_context(Server("kvroute", setup, logs / "kvroute.log"))

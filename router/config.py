@@ -8,6 +8,7 @@ from kvroute.config import opt
 
 POLICIES = ["prefix", "round-robin", "least-loaded"]
 CHAT_FORMATS = ["gemma", "chatml"]
+QUEUE_ORDERS = ["shortest", "fifo"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,14 @@ class RouterConfig:
         0,
         "after a job a slot is held this long for its own conversation's next turn; others wait (--busy-wait-ms at most). "
         "Off by default: workers keep evicted contents in host RAM (--host-cache-mb), so holding only idles slots",
+    )
+    queue_order: str = opt(
+        "shortest",
+        "which waiting request takes a freed slot: 'shortest' = the least prompt left to compute after the longest "
+        "prefix any slot holds (a 50-token turn does not wait behind a cold 800-token prompt), 'fifo' = the oldest",
+    )
+    queue_bound_ms: int = opt(
+        3000, "with --queue-order shortest, a request waiting this long goes before every shorter one (nothing starves)"
     )
     queue_size: int = opt(
         0,
@@ -75,6 +84,10 @@ class RouterConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.chat_format not in CHAT_FORMATS:
             raise ValueError(f"chat_format must be one of {CHAT_FORMATS}, got {self.chat_format!r}")
+        if self.queue_order not in QUEUE_ORDERS:
+            raise ValueError(f"queue_order must be one of {QUEUE_ORDERS}, got {self.queue_order!r}")
+        if self.queue_bound_ms < 0:
+            raise ValueError(f"queue_bound_ms must be at least 0, got {self.queue_bound_ms}")
         if self.min_match < 1:
             raise ValueError(f"min_match must be at least 1, got {self.min_match}")
         if self.heartbeat_timeout_s <= 0 or self.no_workers_grace_s < 0 or self.busy_wait_ms < 0 or self.hold_ms < 0:

@@ -13,6 +13,7 @@ from chat.request import ChatFormat, prompt_constraint
 from chat.template import TemplateError
 from kvroute.vocab import Vocab
 from protocol import Constraint, Detokenize, Submit, Tokenize, Tokens, pack_tokens
+from router.prompt_tokens import PromptTokenizer
 
 PLAIN = OutputSpec()
 
@@ -39,20 +40,26 @@ def text_chars(msg: Submit | Tokenize) -> int:
     return sum(len(m.text()) + sum(len(c.arguments) for c in m.tool_calls or ()) for m in msg.messages or ())
 
 
-def prepare(msg: Submit, vocab: Vocab, chat: ChatFormat) -> Prepared:
-    """Raises PrepareError naming the problem (and the field)."""
+def prepare(msg: Submit, vocab: Vocab, chat: ChatFormat, prompts: PromptTokenizer | None = None) -> Prepared:
+    """Raises PrepareError naming the problem (and the field). `prompts` tokenizes texts reusing the tokens of
+    recent prompts' heads (the router's); without it every text is tokenized whole."""
+
+    def tokenize(text: str, add_special: bool) -> np.ndarray:
+        if prompts is not None:
+            return prompts.tokenize(text, add_special)
+        return np.asarray(vocab.tokenize(text, add_special=add_special), dtype=np.int32)
+
     try:
         if msg.messages is not None:
             p = chat.prepare(msg)
-            tokens = np.asarray(vocab.tokenize(p.text, add_special=p.add_bos), dtype=np.int32)
-            return Prepared(tokens, p.constraint, p.output)
+            return Prepared(tokenize(p.text, p.add_bos), p.constraint, p.output)
         limit = prompt_constraint(msg)
     except ChatError as exc:
         raise PrepareError(str(exc), exc.param) from None
     except TemplateError as exc:
         raise PrepareError(f"chat template error: {exc}", "messages") from None
     if msg.prompt is not None:
-        return Prepared(np.asarray(vocab.tokenize(msg.prompt), dtype=np.int32), limit, PLAIN)
+        return Prepared(tokenize(msg.prompt, True), limit, PLAIN)
     assert msg.tokens is not None
     toks = np.frombuffer(msg.tokens, dtype="<i4").astype(np.int32)
     if len(toks) and (toks.min() < 0 or toks.max() >= vocab.n_vocab):

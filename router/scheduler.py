@@ -81,6 +81,7 @@ from router.select import Dispatch, Params, Wait, coldest, predicted_reuse, sele
 log = logs.get(__name__)
 
 MAX_WAITING_SCAN = 64  # queued requests examined per event beyond those dispatched
+SORT_WINDOW = 64  # --queue-order shortest orders the oldest this many waiting requests
 # the default bound on waiting requests (--queue-size 0): agents arrive in bursts of dozens and should wait their
 # turn, as llama-server lets them, while a flood still gets queue_full instead of memory growing without bound
 DEFAULT_QUEUE = 256
@@ -385,13 +386,32 @@ class Scheduler:
             if w.state is WorkerState.READY and w.fits(req) and not (req.deaths and w.has_suspect)
         ]
 
+    def _in_order(self, now: float) -> list[Req]:
+        """The queue in the order requests take freed slots. `fifo`: oldest first. `shortest`: first, oldest first,
+        the requests that arrived `queue_bound_ms` ago or more (so nothing starves); then the least prompt left to
+        compute after the longest prefix any slot holds, among the SORT_WINDOW oldest (the rest follow in order: a
+        long queue costs no more per event). Measured: bench/README.md, "Queue order"."""
+        if self.cfg.queue_order == "fifo" or len(self.queue) < 2:
+            return list(self.queue)
+        bound = self.cfg.queue_bound_ms / 1000
+        head = [(r, self.mirror.index.match(r.tokens)) for r in self.queue[:SORT_WINDOW]]
+
+        def key(item: tuple[int, tuple[Req, Any]]) -> tuple[int, int, int]:
+            i, (req, match) = item
+            if now - req.arrived >= bound:
+                return (0, 0, i)
+            return (1, match.length - match.best, i)
+
+        ordered = [req for _, (req, _) in sorted(enumerate(head), key=key)]
+        return ordered + self.queue[SORT_WINDOW:]
+
     def _pump(self) -> None:
-        """Dispatch queued requests, oldest first, while idle slots remain."""
+        """Dispatch queued requests, in `_in_order`'s order, while idle slots remain."""
         if not self.queue:
             return
         now = time.monotonic()
         waiting = 0
-        for req in list(self.queue):
+        for req in self._in_order(now):
             if not any(w.state is WorkerState.READY and w.load.busy < len(w.slots) for w in self.workers.values()):
                 break  # no idle slot anywhere
             if waiting >= MAX_WAITING_SCAN:
@@ -401,7 +421,7 @@ class Scheduler:
                 waiting += 1  # none of the workers it may go to has an idle slot
                 continue
             t0 = time.perf_counter()
-            match = self.mirror.index.match(req.tokens)
+            match = self.mirror.index.match(req.tokens)  # afresh: a dispatch in this loop may have changed the mirror
             if req.index > 0:  # another choice of a request: beside its first choice, which computes the prompt
                 lead = req.choices[0]
                 if lead.state in (ReqState.QUEUED, ReqState.TOKENIZING):

@@ -68,6 +68,7 @@ from router.config import RouterConfig
 from router.metrics import Metrics
 from router.mirror import Mirror
 from router.prepare import PrepareError, prepare, text_chars, tokens_reply
+from router.prompt_tokens import PromptTokenizer
 from router.requests import Req, WorkerConn
 from router.scheduler import Kill, Out, Scheduler
 from router.security import Gatekeeper, Security
@@ -112,6 +113,7 @@ class Router:
         eos = vocab.piece(vocab.eos).decode("utf-8", "replace") if vocab.eos is not None else ""
         template = ChatTemplate.choose(vocab.chat_template, cfg.chat_template, cfg.chat_format, bos_text=bos, eos_text=eos)
         self.chat = ChatFormat(template)
+        self.prompts = PromptTokenizer(vocab)  # a conversation's next prompt: only its new part is tokenized
         try:
             weights = weights_fingerprint(vocab.path)
         except (GGUFError, OSError) as exc:
@@ -365,7 +367,7 @@ class Router:
         req = self.core.accept(identity, envelope, msg)
         if req is None:
             return
-        work = functools.partial(prepare, msg, self.vocab, self.chat)
+        work = functools.partial(prepare, msg, self.vocab, self.chat, self.prompts)
         if text_chars(msg) <= TOKENIZE_INLINE_CHARS:
             try:
                 self.core.prepared(req, work())

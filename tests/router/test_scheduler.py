@@ -258,3 +258,19 @@ def test_the_exposition_counts_a_two_turn_conversation_and_the_readme_names_ever
 def test_the_default_queue_lets_a_dozen_agents_wait_their_turn():
     s = core()  # --queue-size 0: the default bound
     assert s.queue_limit() >= 256
+
+
+@pytest.mark.parametrize(("order", "bound_ms", "first"), [("shortest", 3000, "d"), ("fifo", 3000, "c"), ("shortest", 0, "c")])
+def test_a_freed_slot_goes_to_the_waiting_turn_with_the_least_left_to_compute(order: str, bound_ms: int, first: str) -> None:
+    s = core(queue_order=order, queue_bound_ms=bound_ms)
+    hello(s, slots=1)
+    (job_b,) = jobs(submit(s, "b"))
+    cold = np.arange(1000, 1300, dtype=np.int32)  # 300 tokens no slot holds, queued first
+    assert not jobs(submit(s, "c", cold))
+    turn = np.concatenate([PROMPT, [7, 9, 9, 9]]).astype(np.int32)  # b's conversation, next turn: 4 tokens to compute
+    assert not jobs(submit(s, "d", turn))
+    (nxt,) = jobs(done(s, job_b, [7, 8]))
+    assert nxt.id.startswith(first)
+    # the other one is next: a waiting request is never dropped by the ordering
+    (last,) = jobs(done(s, nxt, [5]))
+    assert last.id.startswith("c" if first == "d" else "d")

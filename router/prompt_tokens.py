@@ -1,0 +1,128 @@
+"""Tokenizing a conversation's prompt without tokenizing its whole history again every turn.
+
+A chat prompt is the previous turn's prompt, the reply, and a few new messages, rendered with the model's turn
+markers (`<start_of_turn>`, `<|im_end|>`...). llama.cpp's tokenizer first cuts a text at its special tokens and
+tokenizes the pieces between them on their own (`tokenizer_st_partition` in src/llama-vocab.cpp), so the tokens of
+a text are the tokens of its part up to the end of a special token, followed by the tokens of the rest tokenized
+without BOS. `PromptTokenizer` keeps, for recent prompts, the tokens of their part up to their last such cut, and
+tokenizes a prompt that starts with one of those parts from there on: a 3,800-token prompt takes 12 ms to
+tokenize whole on this project's machine, about 0.5 ms as a next turn.
+
+A cut after special token S gives the same tokens only if nothing reaches across it, so S must be a control token
+(parsed as special in chat prompts) that strips no whitespace (no LSTRIP/RSTRIP attribute), whose text overlaps no
+other special token's text (no special that starts inside S or ends inside it, none that contains it), in a
+vocabulary that adds no token at the end of a text (EOS) and tokenizes with SentencePiece or BPE (where a piece
+after a special token is tokenized the same with or without what came before it). Any other vocabulary, or a text
+with no such cut, is tokenized whole. The cuts are learnt from the prompts themselves: the control tokens found in
+a prompt tokenized whole (a template's turn markers, out of Gemma's 6,250 control tokens) become cut points once
+checked.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import OrderedDict
+
+import llama_cpp
+import numpy as np
+
+from kvroute.vocab import Vocab
+
+CUTS_TRIED = 32  # cut points looked up per prompt, from its end: a next turn finds its previous prompt in a few
+SPECIAL = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+STRIPS = llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP | llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP
+
+
+class PromptTokenizer:
+    """`tokenize(text, add_special)` as `Vocab.tokenize(text, add_special=..., parse_special=True)`, reusing the
+    tokens of recent prompts' heads. Safe to call from several threads."""
+
+    def __init__(self, vocab: Vocab, *, max_entries: int = 512, max_chars: int = 64 << 20) -> None:
+        self.vocab = vocab
+        self.max_entries, self.max_chars = max_entries, max_chars
+        self._entries: OrderedDict[tuple[bool, str], np.ndarray] = OrderedDict()  # LRU: (add_special, head) -> tokens
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.reused_tokens = 0  # tokens taken from a kept head instead of tokenized again (for tests and metrics)
+        v = vocab.pointer
+        kind = llama_cpp.llama_vocab_type(v)
+        usable = kind in (
+            llama_cpp.LLAMA_VOCAB_TYPE_SPM,
+            llama_cpp.LLAMA_VOCAB_TYPE_BPE,
+        ) and not llama_cpp.llama_vocab_get_add_eos(v)
+        self._text: dict[int, str] = {}  # special token id -> its text
+        candidates = []  # control tokens that strip no whitespace
+        for t in range(vocab.n_vocab) if usable else ():
+            attr = llama_cpp.llama_vocab_get_attr(v, t)
+            if attr & SPECIAL:
+                self._text[t] = (llama_cpp.llama_vocab_get_text(v, t) or b"").decode("utf-8", "replace")
+                if attr & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL and not attr & STRIPS and self._text[t]:
+                    candidates.append(t)
+        self._candidates = np.asarray(candidates, dtype=np.int32)
+        self._judged: dict[str, bool] = {}  # special text -> whether prompts may be cut after it
+        self._cut: re.Pattern[str] | None = None
+
+    def _alone(self, s: str) -> bool:
+        """No other special token's text overlaps `s`: none contains it, starts inside it or ends inside it."""
+        for t in self._text.values():
+            if t == s or not t:
+                continue
+            if s in t or any(t.startswith(s[k:]) or t.endswith(s[:k]) for k in range(1, len(s))):
+                return False
+        return True
+
+    def _learn(self, tokens: np.ndarray) -> bool:
+        """Judge the control tokens in a prompt tokenized whole; new safe ones become cut points (then True)."""
+        found = np.unique(tokens[np.isin(tokens, self._candidates)]) if len(self._candidates) else ()
+        texts = [self._text[int(t)] for t in found]
+        with self._lock:
+            new = [s for s in texts if s not in self._judged]
+            for s in new:
+                self._judged[s] = self._alone(s)
+            if not any(self._judged[s] for s in new):
+                return False
+            safe = sorted((s for s, ok in self._judged.items() if ok), key=len, reverse=True)
+            self._cut = re.compile("|".join(re.escape(s) for s in safe))
+            return True
+
+    def tokenize(self, text: str, add_special: bool) -> np.ndarray:
+        cut = self._cut
+        cuts = [m.end() for m in cut.finditer(text)] if cut is not None else []
+        if not cuts:
+            tokens = self._whole(text, add_special)
+            if cut is None and self._learn(tokens):  # the router's first chat prompt: keep its head for the next
+                return self.tokenize(text, add_special)
+            return tokens
+        last = cuts[-1]
+        kept, at = None, 0
+        with self._lock:
+            for c in reversed(cuts[-CUTS_TRIED:]):
+                kept = self._entries.get((add_special, text[:c]))
+                if kept is not None:
+                    self._entries.move_to_end((add_special, text[:c]))
+                    self.reused_tokens += len(kept)
+                    at = c
+                    break
+        if kept is None:
+            head = self._whole(text[:last], add_special)
+            self._learn(head)
+        else:
+            head = kept if at == last else np.concatenate([kept, self._whole(text[at:last], False)])
+        self._keep(add_special, text[:last], head)
+        return np.concatenate([head, self._whole(text[last:], False)])
+
+    def _whole(self, text: str, add_special: bool) -> np.ndarray:
+        return np.asarray(self.vocab.tokenize(text, add_special=add_special), dtype=np.int32)
+
+    def _keep(self, add_special: bool, head: str, tokens: np.ndarray) -> None:
+        key = (add_special, head)
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return
+            self._entries[key] = tokens
+            self._chars += len(head)
+            while len(self._entries) > self.max_entries or self._chars > self.max_chars:
+                (_, old), _ = self._entries.popitem(last=False)
+                self._chars -= len(old)
