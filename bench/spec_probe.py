@@ -1,9 +1,9 @@
 """Speculative decoding on an agent's edit: the model is shown a file and answers with it again, one request at a
-time; and plain generation, 8 requests at once (where guesses rarely hold, so speculation must cost nothing).
-kvroute with and without `--spec ngram`, llama-server with and without `--spec-type ngram-simple` and
-`ngram-mod`, all interleaved in every round.
+time; and plain generation, 8 requests at once (where guesses hold less, so speculation must cost nothing).
+kvroute with (`--spec auto`, the default) and without (`--spec none`) speculation, llama-server with and without
+`--spec-type ngram-simple` and `ngram-mod`, all interleaved in every round.
 
-    .venv/bin/python -m bench.spec_probe [--rounds 3] [--systems kvroute,kvroute-spec,...]
+    .venv/bin/python -m bench.spec_probe [--rounds 3] [--systems kvroute,kvroute-nospec,...]
 
 Prints, per system, decode tokens/s of the edit (tokens after the first / time after the first) and the total
 tokens/s of the concurrent batch: the median over rounds, the min-max across rounds, the ratio to llama-server
@@ -49,8 +49,8 @@ EDIT = f"Here is settings.py:\n```python\n{FILE}```\nRepeat the whole file exact
 TOPICS = ["a lighthouse", "a river", "a market", "a library", "a train", "a garden", "a storm", "a bakery"]
 
 SYSTEMS = {
-    "kvroute": ("kvroute", (), ()),
-    "kvroute-spec": ("kvroute", ("--spec", "ngram"), ()),
+    "kvroute-nospec": ("kvroute", ("--spec", "none"), ()),
+    "kvroute": ("kvroute", (), ()),  # --spec auto: ngram
     "kvroute-spec-64": ("kvroute", ("--spec", "ngram", "--spec-max", "64"), ()),
     "llama-server": ("llama-server", (), ()),
     "llama-server-ngram-simple": ("llama-server", (), ("--spec-type", "ngram-simple")),

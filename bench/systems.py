@@ -4,6 +4,7 @@ Every system gets the same model, the same thread count and the same context per
 - `kvroute`: `kvroute serve --policy prefix` (the default policy);
 - `kvroute-cold`: the same with `--no-prefix-cache` (every request computed from scratch);
 - `kvroute-rr`: `--policy round-robin`, only meaningful with more than one worker;
+- `kvroute-nospec`: `--spec none` (no speculative decoding, which is on by default);
 - `llama-server`: llama.cpp's own server, built from the llama.cpp vendored in the pinned llama-cpp-python sdist
   (bench/llama_server.py), the server kvroute competes with, at its best settings here: one slot per kvroute
   slot in one unified KV (`--parallel`, `--ctx-size` = slots x ctx per slot), `--swa-full` (Gemma 3's
@@ -33,11 +34,12 @@ from pathlib import Path
 
 import httpx
 
-SYSTEMS = ("kvroute", "kvroute-cold", "kvroute-rr", "llama-server", "llama-cpp-python")
+SYSTEMS = ("kvroute", "kvroute-cold", "kvroute-rr", "kvroute-nospec", "llama-server", "llama-cpp-python")
 DESCRIPTIONS = {
     "kvroute": "kvroute serve --policy prefix",
     "kvroute-cold": "kvroute serve --no-prefix-cache",
     "kvroute-rr": "kvroute serve --policy round-robin",
+    "kvroute-nospec": "kvroute serve --spec none",
     "llama-server": "llama-server --parallel SLOTS --swa-full --cache-ram 2048 -fa auto --no-jinja --chat-template gemma "
     "(llama.cpp of the pinned sdist)",
     "llama-cpp-python": "python -m llama_cpp.server (interrupt_requests off, logits_all off)",
@@ -90,6 +92,8 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
             serve += ["--policy", "prefix", "--no-prefix-cache"]
         elif name == "kvroute-rr":
             serve += ["--policy", "round-robin"]
+        elif name == "kvroute-nospec":
+            serve += ["--policy", "prefix", "--spec", "none"]
         else:
             raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
         return [[*serve, *setup.kvroute_flags, "--http", f"127.0.0.1:{port}"]]

@@ -49,8 +49,12 @@ class LocalWorkers:
     deterministic: bool = opt(
         False, "bit-identical output cached vs cold and batched vs alone (workers pad small batches, no flash attention)"
     )
-    spec: str = opt("none", "speculative decoding: ngram = guesses from the conversation itself (output unchanged)",
-                    choices=["none", "ngram"])  # fmt: skip
+    spec: str = opt(
+        "auto",
+        "speculative decoding: ngram = guesses from the conversation itself (output unchanged); auto = ngram unless "
+        "--snapshots or the model's memory cannot be trimmed; none = off",
+        choices=["auto", "ngram", "none"],
+    )
     spec_max: int = opt(16, "most guessed tokens verified per slot and step (--spec ngram)")
     spec_ngram: int = opt(4, "tokens that must match an earlier place in the conversation before guessing")
 

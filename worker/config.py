@@ -27,10 +27,11 @@ class WorkerConfig:
         "attention)",
     )
     spec: str = opt(
-        "none",
+        "auto",
         "speculative decoding: ngram = verify guesses taken from the conversation itself (prompt lookup) in the "
-        "same batch; output unchanged",
-        choices=["none", "ngram"],
+        "same batch, output unchanged; auto = ngram unless --snapshots or the model's memory cannot be trimmed "
+        "(recurrent, hybrid); none = off",
+        choices=["auto", "ngram", "none"],
     )
     spec_max: int = opt(16, "most guessed tokens verified per slot and step (--spec ngram)")
     spec_ngram: int = opt(4, "tokens that must match an earlier place in the conversation before guessing (--spec ngram)")
@@ -55,13 +56,13 @@ class WorkerConfig:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.n_batch < 1:
             raise ValueError(f"n_batch must be at least 1, got {self.n_batch}")
-        if self.spec not in ("none", "ngram"):
-            raise ValueError(f"--spec must be none or ngram, got {self.spec!r}")
+        if self.spec not in ("auto", "ngram", "none"):
+            raise ValueError(f"--spec must be auto, ngram or none, got {self.spec!r}")
         if not 1 <= self.spec_max <= self.n_batch:
             raise ValueError(f"--spec-max must be in 1..n_batch ({self.n_batch}), got {self.spec_max}")
         if not 1 <= self.spec_ngram <= 64:
             raise ValueError(f"--spec-ngram must be in 1..64, got {self.spec_ngram}")
-        if self.spec != "none" and self.snapshots:
+        if self.spec == "ngram" and self.snapshots:
             raise ValueError("--spec cannot be used with --snapshots (rejected guesses are removed by trimming KV)")
         if self.host_cache_mb < 0:
             raise ValueError(f"host_cache_mb must be at least 0, got {self.host_cache_mb}")

@@ -20,7 +20,7 @@ decode row, its guesses, then padding at the positions after them, removed again
 chunks of at least EXACT_ROWS tokens get a `llama_decode` of their own. Every token's KV is then what a prompt pass computes, so a
 slot reuses its generated tokens too (`Slot.n_exact`, which covers everything but a prompt's too-short tail).
 
-Speculation (`--spec ngram`, worker/speculate.py): a generating slot's row may be followed by rows of guessed
+Speculation (`--spec auto|ngram`, worker/speculate.py): a generating slot's row may be followed by rows of guessed
 tokens; its sampler takes the rows in order while they agree with the guess, and the KV of the guessed tokens it
 did not take is removed before anything else happens (so the invariant below holds after every step).
 
@@ -213,8 +213,8 @@ class Engine:
             self.n_ctx -= self.pad_rows  # room for a full slot's padding
         # guesses are verified in the slot's own rows and the rejected ones' KV removed (needs seq_rm); in
         # deterministic mode they take a slot's padding rows
-        self.spec = cfg.spec == "ngram" and not self.snapshots
-        if cfg.spec != "none" and not self.spec:
+        self.spec = cfg.spec != "none" and not self.snapshots
+        if cfg.spec == "ngram" and not self.spec:
             log.warning("speculation_off", reason="this model's memory cannot be trimmed (recurrent or hybrid)")
         self.table = SlotTable(cfg.slots)
         self.counters = Counters()
@@ -772,10 +772,13 @@ class Engine:
         guess's first i tokens); the guessed tokens' KV after the first disagreement is removed."""
         draft, req.draft = req.draft, []
         assert req.sampler is not None and req.drafter is not None
-        picked: list[tuple[int, TokenLogprob | None]] = []
+        guide = req.sampler.guide
+        picked: list[tuple[int, TokenLogprob | None, bool]] = []  # token, its log-probability, grammar complete after it
         for i in range(len(draft) + 1):
-            picked.append(req.sampler.sample(self.llama.ctx, row + i))
-            if i == len(draft) or picked[-1][0] != draft[i]:
+            tok, logprob = req.sampler.sample(self.llama.ctx, row + i)
+            complete = guide is not None and guide.done  # the grammar allows nothing after this token
+            picked.append((tok, logprob, complete))
+            if complete or i == len(draft) or tok != draft[i]:
                 break
         taken = len(picked) - 1
         keep = slot.n_tokens - (len(draft) - taken)
@@ -790,12 +793,16 @@ class Engine:
                 message = f"could not remove rejected guesses from slot {slot.id} (error {error_id})"
                 self._error(req, ErrorCode.INTERNAL, message, error_id)
                 return
-        for tok, logprob in picked:
-            self._on_token(req, slot, tok, now, logprob)
+        for tok, logprob, complete in picked:
+            self._on_token(req, slot, tok, now, logprob, complete)
             if slot.job is not req:  # the job ended (end of generation, a stop, its length)
                 return
 
-    def _on_token(self, req: Request, slot: Slot, tok: int, now: float, logprob: TokenLogprob | None = None) -> None:
+    def _on_token(
+        self, req: Request, slot: Slot, tok: int, now: float, logprob: TokenLogprob | None = None, complete: bool | None = None
+    ) -> None:
+        """Take one sampled token. `complete`: whether the grammar was complete right after it (given by `_verify`,
+        whose sampler has already gone through the later rows; otherwise read from the guide now)."""
         if not req.generated:
             req.t_first = now
         req.generated.append(tok)
@@ -808,8 +815,9 @@ class Engine:
         stream = req.stream
         text = stream.push(self.vocab.piece(tok))
         assert req.sampler is not None
-        guide = req.sampler.guide
-        complete = guide is not None and guide.done  # the grammar allows nothing more
+        if complete is None:
+            guide = req.sampler.guide
+            complete = guide is not None and guide.done  # the grammar allows nothing more
         delta = JobDelta(id=req.id, text=text, tokens=pack_tokens([tok]), logprobs=[] if logprob is None else [logprob])
         if len(req.generated) == 1:
             delta.reused_tokens = req.reused

@@ -81,6 +81,22 @@ def test_a_grammar_constrains_guessed_tokens_too(exact_spec):
     assert_slot_invariant(exact_spec, guessed)
 
 
+def test_a_grammar_that_completes_inside_a_taken_guess_ends_there_and_not_before(fast_spec):
+    prompt = fast_spec.vocab.tokenize(PATTERN)
+    want = "red, green, blue, yellow, red, green, blue"  # the pattern, guessed on past where the grammar ends
+    grammar = Constraint(grammar=f'start: "{want}"\n')
+    set_spec(fast_spec, False)
+    plain = complete(fast_spec, prompt, slot=1, prefix_cache=False, max_tokens=40, constraint=grammar)
+    set_spec(fast_spec, True)
+    before = spec_counts(fast_spec)
+    guessed = complete(fast_spec, prompt, slot=1, prefix_cache=False, max_tokens=40, constraint=grammar)
+    after = spec_counts(fast_spec)
+    assert isinstance(guessed.final, JobDone) and guessed.final.finish_reason == "stop"
+    assert guessed.final.text == plain.final.text == want and guessed.tokens == plain.tokens
+    assert after[1] > before[1], "no guess was taken: the test did not exercise speculation"
+    assert_slot_invariant(fast_spec, guessed)
+
+
 def test_guesses_are_taken_and_the_kv_stays_exact(fast_spec):
     prompt = fast_spec.vocab.tokenize(PATTERN)
     before = spec_counts(fast_spec)
