@@ -29,7 +29,7 @@ from kvroute.config import add_args, from_args, opt, to_flags
 from router.config import RouterConfig
 from router.server import Router
 from router.supervisor import Supervisor, SupervisorConfig, WorkerSpec
-from worker.config import WorkerConfig
+from worker.config import FLASH_ATTN, KV_TYPES, WorkerConfig
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,14 @@ class LocalWorkers:
     )
     spec_max: int = opt(16, "most guessed tokens verified per slot and step (--spec ngram)")
     spec_ngram: int = opt(4, "tokens that must match an earlier place in the conversation before guessing")
+    cache_type_k: str = opt("f16", "type of the KV cache's keys: f16, q8_0 (half the memory) or q4_0", choices=list(KV_TYPES))
+    cache_type_v: str = opt(
+        "f16", "type of the KV cache's values: f16, q8_0 or q4_0 (quantized values need flash attention)",
+        choices=list(KV_TYPES),
+    )  # fmt: skip
+    flash_attn: str = opt(
+        "auto", "flash attention: auto (llama.cpp decides; on with quantized values), on or off", choices=list(FLASH_ATTN)
+    )
 
     def __post_init__(self) -> None:
         if self.cpu_workers < 0 or self.slots < 1 or self.ctx_per_slot < 16 or self.threads < 0 or self.host_cache_mb < 0:
@@ -80,6 +88,9 @@ class LocalWorkers:
             spec=self.spec,
             spec_max=self.spec_max,
             spec_ngram=self.spec_ngram,
+            cache_type_k=self.cache_type_k,
+            cache_type_v=self.cache_type_v,
+            flash_attn=self.flash_attn,
         )
 
 

@@ -164,6 +164,9 @@ def format_status(st: StatusReply) -> str:
             )
         if not w.slots:
             lines.append(f"{w.worker:<10} {w.incarnation:>3} {w.device:<8} {w.state:<9}")
+    sizes = [f"{w.worker} {w.ctx_per_slot} tokens, {w.kv_bytes_per_slot / 2**20:.1f} MiB of KV" for w in st.workers]
+    if sizes:
+        lines += ["", "per slot: " + "; ".join(sizes)]
     return "\n".join(lines)
 
 

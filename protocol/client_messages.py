@@ -198,6 +198,8 @@ class WorkerStatus(Struct, kw_only=True):
     queue: int
     slots: list[SlotStatus]
     restarts: int = 0
+    ctx_per_slot: int = 0  # tokens one slot holds at most
+    kv_bytes_per_slot: int = 0  # bytes of KV cache one slot takes (its --cache-type-k/-v)
 
 
 class StatusReply(Message, tag="status_reply", kw_only=True):

@@ -764,6 +764,8 @@ class Scheduler:
                 state=c.state.value,
                 queue=c.queue,
                 restarts=self.restarts.get(c.id, 0),
+                ctx_per_slot=c.hello.ctx_per_slot,
+                kv_bytes_per_slot=c.hello.kv_bytes // max(1, c.hello.slots),
                 slots=[
                     SlotStatus(
                         slot=s.index,

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from kvroute.config import opt
 
+KV_TYPES = ("f16", "q8_0", "q4_0")  # --cache-type-k/-v: f16 as llama.cpp's default, or quantized (less memory)
+FLASH_ATTN = ("auto", "on", "off")
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -38,6 +41,14 @@ class WorkerConfig:
     snapshots: bool = opt(
         False, "restore per-slot state snapshots instead of trimming KV (automatic for recurrent/hybrid models)"
     )
+    cache_type_k: str = opt("f16", "type of the KV cache's keys: f16, q8_0 (half the memory) or q4_0", choices=list(KV_TYPES))
+    cache_type_v: str = opt(
+        "f16", "type of the KV cache's values: f16, q8_0 or q4_0 (quantized values need flash attention)",
+        choices=list(KV_TYPES),
+    )  # fmt: skip
+    flash_attn: str = opt(
+        "auto", "flash attention: auto (llama.cpp decides; on with quantized values), on or off", choices=list(FLASH_ATTN)
+    )
     host_cache_mb: int = opt(
         2048, "host RAM for copies of evicted slot contents, restored when their conversation returns (0: off)"
     )
@@ -66,6 +77,18 @@ class WorkerConfig:
             raise ValueError("--spec cannot be used with --snapshots (rejected guesses are removed by trimming KV)")
         if self.host_cache_mb < 0:
             raise ValueError(f"host_cache_mb must be at least 0, got {self.host_cache_mb}")
+        for flag, value, allowed in (
+            ("--cache-type-k", self.cache_type_k, KV_TYPES),
+            ("--cache-type-v", self.cache_type_v, KV_TYPES),
+            ("--flash-attn", self.flash_attn, FLASH_ATTN),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.deterministic and self.flash_attn == "on":
+            raise ValueError("--flash-attn on cannot be used with --deterministic (its result depends on the batch)")
+        if self.cache_type_v != "f16" and (self.flash_attn == "off" or self.deterministic):
+            why = "--deterministic turns it off" if self.deterministic else "--flash-attn off"
+            raise ValueError(f"--cache-type-v {self.cache_type_v} needs flash attention ({why})")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be at least 0, got {self.drain_timeout_s}")
         if (self.curve_key is None) != (self.router_key is None):

@@ -198,6 +198,8 @@ class Engine:
             threads=cfg.threads,
             gpu=cfg.gpu,
             deterministic=cfg.deterministic,
+            kv_types=(cfg.cache_type_k, cfg.cache_type_v),
+            flash_attn=cfg.flash_attn,
         )
         self.vocab = self.llama.vocab
         self.guide_tokenizer = GuideTokenizer(self.vocab)  # built on its own thread, ready long before a grammar is

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     StateData = ctypes.Array[ctypes.c_uint8]  # one sequence's saved state (its KV cells), as llama.cpp wrote it
 
 
+KV_GGML_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
+KV_BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # ggml blocks of 32 values: scale + quants
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     n_layer: int
@@ -107,7 +111,11 @@ class Llama:
         threads: int,
         gpu: int | None = None,
         deterministic: bool = False,
+        kv_types: tuple[str, str] = ("f16", "f16"),
+        flash_attn: str = "auto",
     ) -> None:
+        """`kv_types`: the KV cache's key and value types (f16, q8_0, q4_0); `flash_attn`: auto, on or off
+        (WorkerConfig has checked the combinations; deterministic mode turns it off)."""
         init_backend()
         self.path = Path(path)
         mp = llama_cpp.llama_model_default_params()
@@ -137,7 +145,12 @@ class Llama:
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.no_perf = True
+        cp.type_k, cp.type_v = (KV_GGML_TYPES[t] for t in kv_types)
         if deterministic:  # flash attention's result depends on how much of the KV was computed in earlier ubatches
+            cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        elif flash_attn == "on" or (flash_attn == "auto" and kv_types[1] != "f16"):  # quantized values need it
+            cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        elif flash_attn == "off":
             cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         if not self.ctx:
@@ -147,10 +160,10 @@ class Llama:
         self.slots = slots
         self.ctx_per_slot = llama_cpp.llama_n_ctx_seq(self.ctx)
         self.batch = Batch(self.rows)
-        self.info = self._info(slots * ctx_per_slot)
+        self.info = self._info(slots * ctx_per_slot, kv_types)
         self.device = "cpu" if gpu is None else f"cuda:{gpu}"
 
-    def _info(self, n_cells: int) -> ModelInfo:
+    def _info(self, n_cells: int, kv_types: tuple[str, str]) -> ModelInfo:
         m = self.model
         arch = _meta_str(m, "general.architecture") or ""
         n_layer = llama_cpp.llama_model_n_layer(m)
@@ -160,7 +173,8 @@ class Llama:
         k = _meta_int(m, f"{arch}.attention.key_length") or head
         v = _meta_int(m, f"{arch}.attention.value_length") or head
         recurrent = bool(llama_cpp.llama_model_is_recurrent(m) or llama_cpp.llama_model_is_hybrid(m))
-        kv = 0 if llama_cpp.llama_model_is_recurrent(m) else n_layer * n_cells * n_head_kv * (k + v) * 2  # f16 K and V
+        k_bytes, v_bytes = (KV_BYTES_PER_VALUE[t] for t in kv_types)
+        kv = 0 if llama_cpp.llama_model_is_recurrent(m) else int(n_layer * n_cells * n_head_kv * (k * k_bytes + v * v_bytes))
         return ModelInfo(n_layer=n_layer, n_swa=llama_cpp.llama_model_n_swa(m), recurrent=recurrent, kv_bytes=kv)
 
     # ---- calls the engine makes (compute thread only) ----

@@ -84,11 +84,13 @@ def test_cli_complete_then_status_shows_the_slot(served: Served) -> None:
     assert status.returncode == 0, status.stderr
     lines = status.stdout.splitlines()
     assert lines[0].startswith("model ")
-    rows = [line.split() for line in lines[4:] if line.strip()]
+    rows = [line.split() for line in lines[4:] if line.strip() and not line.startswith("per slot:")]
     assert rows and all(len(r) >= 8 for r in rows)
     assert any(int(r[6]) > 0 for r in rows), status.stdout  # some slot holds tokens now
+    assert lines[-1].startswith("per slot: cpu0 1024 tokens, ") and lines[-1].endswith(" MiB of KV")
     raw = json.loads(kvroute("status", "--connect", served.zmq, "--json").stdout)
-    assert raw["workers"][0]["slots"]
+    worker = raw["workers"][0]
+    assert worker["slots"] and worker["ctx_per_slot"] == 1024 and worker["kv_bytes_per_slot"] > 0
 
 
 def test_cli_unreachable_router_is_one_line() -> None:
@@ -104,6 +106,8 @@ def test_cli_unreachable_router_is_one_line() -> None:
         ["serve", "--http", "nowhere"],
         ["serve", "--spec-max", "0"],
         ["worker", "--spec-ngram", "0"],
+        ["serve", "--cache-type-v", "q8_0", "--flash-attn", "off"],
+        ["worker", "--cache-type-k", "q5_1"],
         ["complete"],
         ["worker", "--threads", "-"],
     ],

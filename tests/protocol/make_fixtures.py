@@ -302,6 +302,8 @@ EXAMPLES: list[Example] = [
                         p.SlotStatus(slot=1, busy=False, n_tokens=0, request_id=None, reused_total=0, last_used_s=12.5),
                     ],
                     restarts=1,
+                    ctx_per_slot=4096,
+                    kv_bytes_per_slot=37748736,
                 )
             ],
         ),
