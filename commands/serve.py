@@ -29,7 +29,7 @@ from kvroute.config import add_args, from_args, opt, to_flags
 from router.config import RouterConfig
 from router.server import Router
 from router.supervisor import Supervisor, SupervisorConfig, WorkerSpec
-from worker.config import FLASH_ATTN, KV_TYPES, WorkerConfig
+from worker.config import WorkerConfig, cache_type_opt, flash_attn_opt, spec_max_opt, spec_ngram_opt, spec_opt
 
 
 @dataclass(frozen=True)
@@ -49,22 +49,12 @@ class LocalWorkers:
     deterministic: bool = opt(
         False, "bit-identical output cached vs cold and batched vs alone (workers pad small batches, no flash attention)"
     )
-    spec: str = opt(
-        "auto",
-        "speculative decoding: ngram = guesses from the conversation itself (output unchanged); auto = ngram unless "
-        "--snapshots or the model's memory cannot be trimmed; none = off",
-        choices=["auto", "ngram", "none"],
-    )
-    spec_max: int = opt(16, "most guessed tokens verified per slot and step (--spec ngram)")
-    spec_ngram: int = opt(4, "tokens that must match an earlier place in the conversation before guessing")
-    cache_type_k: str = opt("f16", "type of the KV cache's keys: f16, q8_0 (half the memory) or q4_0", choices=list(KV_TYPES))
-    cache_type_v: str = opt(
-        "f16", "type of the KV cache's values: f16, q8_0 or q4_0 (quantized values need flash attention)",
-        choices=list(KV_TYPES),
-    )  # fmt: skip
-    flash_attn: str = opt(
-        "auto", "flash attention: auto (llama.cpp decides; on with quantized values), on or off", choices=list(FLASH_ATTN)
-    )
+    spec: str = spec_opt()
+    spec_max: int = spec_max_opt()
+    spec_ngram: int = spec_ngram_opt()
+    cache_type_k: str = cache_type_opt("keys")
+    cache_type_v: str = cache_type_opt("values")
+    flash_attn: str = flash_attn_opt()
 
     def __post_init__(self) -> None:
         if self.cpu_workers < 0 or self.slots < 1 or self.ctx_per_slot < 16 or self.threads < 0 or self.host_cache_mb < 0:

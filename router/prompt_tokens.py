@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import llama_cpp
 import numpy as np
@@ -43,6 +43,7 @@ class PromptTokenizer:
         self.max_entries, self.max_chars = max_entries, max_chars
         self._entries: OrderedDict[tuple[bool, str], np.ndarray] = OrderedDict()  # LRU: (add_special, head) -> tokens
         self._chars = 0
+        self._lengths: Counter[int] = Counter()  # lengths of the kept heads: a cut of another length is no lookup
         self._lock = threading.Lock()
         self.reused_tokens = 0  # tokens taken from a kept head instead of tokenized again (for tests and metrics)
         v = vocab.pointer
@@ -91,13 +92,15 @@ class PromptTokenizer:
         cuts = [m.end() for m in cut.finditer(text)] if cut is not None else []
         if not cuts:
             tokens = self._whole(text, add_special)
-            if cut is None and self._learn(tokens):  # the router's first chat prompt: keep its head for the next
+            if self._learn(tokens):  # the first prompt with these turn markers: keep its head for the next
                 return self.tokenize(text, add_special)
             return tokens
         last = cuts[-1]
         kept, at = None, 0
         with self._lock:
             for c in reversed(cuts[-CUTS_TRIED:]):
+                if c not in self._lengths:
+                    continue
                 kept = self._entries.get((add_special, text[:c]))
                 if kept is not None:
                     self._entries.move_to_end((add_special, text[:c]))
@@ -123,6 +126,10 @@ class PromptTokenizer:
                 return
             self._entries[key] = tokens
             self._chars += len(head)
+            self._lengths[len(head)] += 1
             while len(self._entries) > self.max_entries or self._chars > self.max_chars:
                 (_, old), _ = self._entries.popitem(last=False)
                 self._chars -= len(old)
+                self._lengths[len(old)] -= 1
+                if not self._lengths[len(old)]:
+                    del self._lengths[len(old)]

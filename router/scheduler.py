@@ -386,6 +386,9 @@ class Scheduler:
             if w.state is WorkerState.READY and w.fits(req) and not (req.deaths and w.has_suspect)
         ]
 
+    def _idle_slot(self) -> bool:
+        return any(w.state is WorkerState.READY and w.load.busy < len(w.slots) for w in self.workers.values())
+
     def _in_order(self, now: float) -> list[Req]:
         """The queue in the order requests take freed slots. `fifo`: oldest first. `shortest`: first, oldest first,
         the requests that arrived `queue_bound_ms` ago or more (so nothing starves); then the least prompt left to
@@ -407,13 +410,13 @@ class Scheduler:
 
     def _pump(self) -> None:
         """Dispatch queued requests, in `_in_order`'s order, while idle slots remain."""
-        if not self.queue:
-            return
+        if not self.queue or not self._idle_slot():
+            return  # (before ordering the queue: a new request or a tick while every slot is busy costs nothing)
         now = time.monotonic()
         waiting = 0
         for req in self._in_order(now):
-            if not any(w.state is WorkerState.READY and w.load.busy < len(w.slots) for w in self.workers.values()):
-                break  # no idle slot anywhere
+            if not self._idle_slot():
+                break
             if waiting >= MAX_WAITING_SCAN:
                 break  # bound the work per event when many requests wait for particular slots
             loads = self._ready_loads(req)

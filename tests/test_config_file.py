@@ -89,3 +89,13 @@ def test_local_worker_flags_are_written_from_the_worker_config() -> None:
     assert cfg == want
     gpu = worker_specs(LocalWorkers(gpus="1"), "/m.gguf")[0]
     assert gpu.worker_id == "gpu1" and from_args(WorkerConfig, parser.parse_args(list(gpu.flags))).gpu == 1
+
+
+def test_every_command_prints_its_help() -> None:
+    """Help texts go through argparse's %-formatting: a stray '%' in one would make `--help` crash."""
+    from commands.cli import build_parser
+
+    _, _, subparsers = build_parser()
+    assert {"serve", "worker", "router"} <= set(subparsers)
+    for name, p in subparsers.items():
+        assert f"usage: kvroute {name}" in p.format_help()

@@ -4,11 +4,43 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from kvroute.config import opt
 
 KV_TYPES = ("f16", "q8_0", "q4_0")  # --cache-type-k/-v: f16 as llama.cpp's default, or quantized (less memory)
 FLASH_ATTN = ("auto", "on", "off")
+SPEC = ("auto", "ngram", "none")
+
+
+# The fields below are the worker's and `kvroute serve`'s (which hands them on to its workers): one definition each.
+
+
+def spec_opt() -> Any:
+    return opt(
+        "auto",
+        "speculative decoding: ngram = verify guesses taken from the conversation itself (prompt lookup) in the "
+        "same batch, output unchanged; auto = ngram unless --snapshots or the model's memory cannot be trimmed "
+        "(recurrent, hybrid); none = off",
+        choices=list(SPEC),
+    )
+
+
+def spec_max_opt() -> Any:
+    return opt(16, "most guessed tokens verified per slot and step (--spec ngram)")
+
+
+def spec_ngram_opt() -> Any:
+    return opt(4, "tokens that must match an earlier place in the conversation before guessing (--spec ngram)")
+
+
+def cache_type_opt(of: str) -> Any:
+    need = " (quantized values need flash attention)" if of == "values" else ""
+    return opt("f16", f"type of the KV cache's {of}: f16, q8_0 (about half of f16's memory) or q4_0{need}", choices=list(KV_TYPES))
+
+
+def flash_attn_opt() -> Any:
+    return opt("auto", "flash attention: auto (llama.cpp decides; on with quantized values), on or off", choices=list(FLASH_ATTN))
 
 
 @dataclass(frozen=True)
@@ -29,26 +61,15 @@ class WorkerConfig:
         "bit-identical output cached vs cold and batched vs alone (small batches padded; no weight repacking, no flash "
         "attention)",
     )
-    spec: str = opt(
-        "auto",
-        "speculative decoding: ngram = verify guesses taken from the conversation itself (prompt lookup) in the "
-        "same batch, output unchanged; auto = ngram unless --snapshots or the model's memory cannot be trimmed "
-        "(recurrent, hybrid); none = off",
-        choices=["auto", "ngram", "none"],
-    )
-    spec_max: int = opt(16, "most guessed tokens verified per slot and step (--spec ngram)")
-    spec_ngram: int = opt(4, "tokens that must match an earlier place in the conversation before guessing (--spec ngram)")
+    spec: str = spec_opt()
+    spec_max: int = spec_max_opt()
+    spec_ngram: int = spec_ngram_opt()
     snapshots: bool = opt(
         False, "restore per-slot state snapshots instead of trimming KV (automatic for recurrent/hybrid models)"
     )
-    cache_type_k: str = opt("f16", "type of the KV cache's keys: f16, q8_0 (half the memory) or q4_0", choices=list(KV_TYPES))
-    cache_type_v: str = opt(
-        "f16", "type of the KV cache's values: f16, q8_0 or q4_0 (quantized values need flash attention)",
-        choices=list(KV_TYPES),
-    )  # fmt: skip
-    flash_attn: str = opt(
-        "auto", "flash attention: auto (llama.cpp decides; on with quantized values), on or off", choices=list(FLASH_ATTN)
-    )
+    cache_type_k: str = cache_type_opt("keys")
+    cache_type_v: str = cache_type_opt("values")
+    flash_attn: str = flash_attn_opt()
     host_cache_mb: int = opt(
         2048, "host RAM for copies of evicted slot contents, restored when their conversation returns (0: off)"
     )
@@ -67,7 +88,7 @@ class WorkerConfig:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.n_batch < 1:
             raise ValueError(f"n_batch must be at least 1, got {self.n_batch}")
-        if self.spec not in ("auto", "ngram", "none"):
+        if self.spec not in SPEC:
             raise ValueError(f"--spec must be auto, ngram or none, got {self.spec!r}")
         if not 1 <= self.spec_max <= self.n_batch:
             raise ValueError(f"--spec-max must be in 1..n_batch ({self.n_batch}), got {self.spec_max}")

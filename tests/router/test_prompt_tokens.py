@@ -75,3 +75,16 @@ def test_a_special_another_special_overlaps_is_no_cut(vocab: Vocab) -> None:
     assert not pt._alone("<x>")  # one ends inside it
     assert not pt._alone("<q>")  # one contains it
     assert pt._alone("<ok>")
+
+
+def test_only_the_most_recent_heads_are_kept(vocab: Vocab) -> None:
+    pt = PromptTokenizer(vocab, max_entries=2)
+    prompts = [turn("user", f"conversation {i}") + "<start_of_turn>model\n" for i in range(4)]
+    for p in prompts:
+        pt.tokenize(p, True)
+    assert len(pt._entries) == 2 and sum(pt._lengths.values()) == 2
+    before = pt.reused_tokens
+    assert pt.tokenize(prompts[0] + "x", True).tolist() == vocab.tokenize(prompts[0] + "x")  # forgotten: whole
+    assert pt.reused_tokens == before
+    assert pt.tokenize(prompts[3] + "x", True).tolist() == vocab.tokenize(prompts[3] + "x")  # kept: reused
+    assert pt.reused_tokens > before
