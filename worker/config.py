@@ -36,7 +36,9 @@ def spec_ngram_opt() -> Any:
 
 def cache_type_opt(of: str) -> Any:
     need = " (quantized values need flash attention)" if of == "values" else ""
-    return opt("f16", f"type of the KV cache's {of}: f16, q8_0 (about half of f16's memory) or q4_0{need}", choices=list(KV_TYPES))
+    return opt(
+        "f16", f"type of the KV cache's {of}: f16, q8_0 (about half of f16's memory) or q4_0{need}", choices=list(KV_TYPES)
+    )
 
 
 def flash_attn_opt() -> Any:
