@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -51,6 +52,14 @@ class CompletionClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    async def metrics(self) -> Series | None:
+        """The server's /metrics, parsed; None where it has none (not kvroute) or it did not answer."""
+        try:
+            resp = await self._http.get(f"{self.base_url}/metrics")
+        except httpx.HTTPError:
+            return None
+        return parse_metrics(resp.text) if resp.status_code == 200 else None
 
     async def complete(self, prompt: str, max_tokens: int, *, session: str, turn: int, t0: float, chat: bool = False) -> Sample:
         """Stream one greedy completion of `prompt` (with `chat`: the reply to it as one user message, in the
@@ -150,3 +159,34 @@ async def run_workload(client: CompletionClient, workload: Workload, on_sample: 
     results = await asyncio.gather(*(one(s) for s in workload.sessions))
     wall = time.perf_counter() - t0
     return [s for r in results for s in r], wall
+
+
+# --- the server's own counters (kvroute's /metrics) ------------------------------------------------------------
+
+Series = dict[str, dict[tuple[tuple[str, str], ...], float]]  # metric -> its labels (sorted pairs) -> value
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str) -> Series:
+    """Prometheus' text format -> {metric: {labels: value}}; comments and unreadable lines are skipped."""
+    out: Series = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or line.startswith("#"):
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        labels = tuple(sorted(_LABEL.findall(m.group(2) or "")))
+        out.setdefault(m.group(1), {})[labels] = value
+    return out
+
+
+def metrics_delta(before: Series, after: Series) -> Series:
+    """What each series of `after` grew by since `before` (a series new in `after` counts from 0)."""
+    return {
+        name: {labels: v - before.get(name, {}).get(labels, 0.0) for labels, v in series.items()}
+        for name, series in after.items()
+    }

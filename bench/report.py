@@ -66,6 +66,7 @@ def figures(workload: str, samples: Samples, wall: float) -> dict[str, Any]:
         "output_tokens": out_tokens,
         "output_tokens_per_s": out_tokens / wall if wall > 0 else None,
         "prompt_tokens": sum(s["prompt_tokens"] or 0 for s in ok),
+        "cached_tokens": sum(s["cached_tokens"] for s in known) if known and len(known) == len(ok) else None,
         # Reuse is only known where the server reports cached tokens for every request.
         "reuse": (sum(s["cached_tokens"] for s in known) / sum(s["prompt_tokens"] for s in known))
         if known and len(known) == len(ok)
@@ -84,6 +85,74 @@ def figures(workload: str, samples: Samples, wall: float) -> dict[str, Any]:
         f["turns"] = len(per_turn)
         f["last_over_turn10"] = f["ttft_last_s"] / f["ttft_turn10_s"] if f["ttft_last_s"] and f["ttft_turn10_s"] else None
     return f
+
+
+def oracle_figures(samples: Samples, oracle: Any) -> dict[str, Any]:
+    """scale-out: the measured reuse against the offline oracle's (`bench.oracle.Oracle`) over the same requests,
+    in all and split into the sessions' first turns (the shared prompt) and the later turns (their histories)."""
+    ok = [s for s in samples if not s["error"]]
+    if any(s["cached_tokens"] is None for s in ok):
+        return {"oracle_reused_tokens": oracle.reused, "oracle_reuse": oracle.reused / oracle.prompt if oracle.prompt else None}
+    cached = sum(s["cached_tokens"] for s in ok)
+    first = sum(s["cached_tokens"] for s in ok if s["turn"] == 0)
+
+    def share(mine: int, best: int) -> float | None:
+        return mine / best if best else None
+
+    return {
+        "prefilled_tokens": sum(s["prompt_tokens"] or 0 for s in ok) - cached,
+        "oracle_reused_tokens": oracle.reused,
+        "oracle_prefilled_tokens": oracle.prompt - oracle.reused,
+        "oracle_reuse": share(oracle.reused, oracle.prompt),
+        "oracle_shared_tokens": oracle.shared,
+        "oracle_workers": oracle.workers,
+        "reuse_of_oracle": share(cached, oracle.reused),
+        "reuse_of_oracle_first_turns": share(first, oracle.first_turns),
+        "reuse_of_oracle_later_turns": share(cached - first, oracle.later_turns),
+    }
+
+
+# The router's and workers' counters a kvroute system's /metrics gave over one workload (bench.client.metrics_delta)
+ROUTER_FIGURES = {
+    "router_reused_tokens": "kvroute_prefix_cache_hits_total",
+    "router_predicted_tokens": "kvroute_reuse_predicted_tokens_total",
+    "router_mispredictions": "kvroute_reuse_mispredictions_total",
+    "worker_reused_tokens": "kvroute_worker_reused_tokens_total",
+    "worker_prefilled_tokens": "kvroute_worker_prefill_tokens_total",
+}
+
+
+def router_figures(delta: dict[str, dict[tuple[tuple[str, str], ...], float]]) -> dict[str, Any]:
+    """Figures from the change of kvroute's /metrics over a workload: what the router counted as reused (it must
+    equal the usage's cached tokens: both are the worker's own count), what it predicted, how often it was wrong
+    (a worker that restores more from host RAM than predicted is not wrong), where restored tokens came from, and
+    how many jobs each worker ran."""
+
+    def total(name: str, **labels: str) -> int:
+        series = delta.get(name, {})
+        return round(sum(v for k, v in series.items() if set(labels.items()) <= set(k)))
+
+    out: dict[str, Any] = {key: total(name) for key, name in ROUTER_FIGURES.items()}
+    out["restored_host_tokens"] = total("kvroute_worker_restored_tokens_total", source="host")
+    out["restored_slot_tokens"] = total("kvroute_worker_restored_tokens_total", source="slot")
+    jobs = delta.get("kvroute_worker_jobs_done_total", {})
+    out["jobs_per_worker"] = [round(v) for _, v in sorted(jobs.items())]
+    decisions = delta.get("kvroute_router_decisions_total", {})
+    out["router_decisions"] = {dict(k).get("kind", "?"): round(v) for k, v in sorted(decisions.items()) if v}
+    return out
+
+
+def router_line(name: str, f: dict[str, Any]) -> str:
+    """One sentence per kvroute system: the router's own account of the workload (medians over the repeats)."""
+    decisions = ", ".join(f"{k} {v}" for k, v in (f.get("router_decisions") or {}).items())
+    n = {k: fmt("x_tokens", f.get(k)) for k in (*ROUTER_FIGURES, "cached_tokens", "restored_host_tokens", "restored_slot_tokens")}
+    return (
+        f"`{name}`: the router counted {n['router_reused_tokens']} reused prompt tokens (the responses' usage "
+        f"{n['cached_tokens']}, the workers {n['worker_reused_tokens']}), predicted {n['router_predicted_tokens']}, "
+        f"{fmt('x_tokens', f.get('router_mispredictions'))} jobs mispredicted; restored from host RAM "
+        f"{n['restored_host_tokens']}, from another slot {n['restored_slot_tokens']}; jobs per worker "
+        f"{f.get('jobs_per_worker')}; decisions {decisions or 'n/a'}"
+    )
 
 
 def combine(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -146,6 +215,18 @@ COLUMNS: dict[str, tuple[str, bool, list[tuple[str, str]]]] = {
         True,
         [("ttft_mean_s", "mean TTFT"), ("ttft_p90_s", "p90 TTFT"), ("wall_s", "wall"), ("reuse", "reuse")],
     ),
+    "scale-out": (
+        "reuse",
+        False,
+        [
+            ("reuse", "reuse"),
+            ("reuse_of_oracle", "reuse / oracle's"),
+            ("prefilled_tokens", "prompt tokens computed"),
+            ("ttft_mean_s", "mean TTFT"),
+            ("ttft_p90_s", "p90 TTFT"),
+            ("wall_s", "wall"),
+        ],
+    ),
     "long-session": (
         "ttft_last_s",
         True,
@@ -164,8 +245,10 @@ COLUMNS: dict[str, tuple[str, bool, list[tuple[str, str]]]] = {
 def fmt(key: str, value: Any) -> str:
     if value is None:
         return "n/a"
-    if key == "reuse":
+    if key in ("reuse", "oracle_reuse") or key.startswith("reuse_of_oracle"):
         return f"{100 * value:.1f}%"
+    if key.endswith(("_tokens", "_workers", "_mismatches", "_mispredictions")) and isinstance(value, float):
+        return f"{value:.0f}"  # a median of an even number of repeats
     if key == "output_tokens_per_s":
         return f"{value:.1f}"
     if key.endswith("_s"):
@@ -247,7 +330,39 @@ def goals(
 ) -> list[Goal]:
     """The goals of issues 6 and 16, checked against this run's figures (`floor`: llama.cpp alone on the long
     session's turns, `agent_floor`: on agent-long's last 10)."""
-    return _issue6_goals(results, floor, long_turns_goal) + _llama_server_goals(results, agent_floor)
+    return _issue6_goals(results, floor, long_turns_goal) + _llama_server_goals(results, agent_floor) + _scale_out_goals(results)
+
+
+def _scale_out_goals(results: Results) -> list[Goal]:
+    """Issue 17: what routing buys across workers. Reuse against the offline oracle (bench/oracle.py) with the same
+    slots and host RAM, against round-robin, and mean TTFT against least-loaded (which balances without prefixes)."""
+    w = "scale-out"
+    return [
+        _oracle_goal(results),
+        _ratio_goal(w, f"{w}: reuse >= 3 x round-robin's", results, "reuse", "kvroute-rr", 3.0, False),
+        _ratio_goal(w, f"{w}: mean TTFT <= 1.0 x least-loaded's", results, "ttft_mean_s", "kvroute-ll", 1.0, True),
+    ]
+
+
+def _oracle_goal(results: Results) -> Goal:
+    text = "scale-out: reuse >= 0.9 x the offline oracle's (same slots and host RAM)"
+    per = results.get("scale-out")
+    mine = (per or {}).get("kvroute", {})
+    shares = [r["reuse_of_oracle"] for r in mine.get("runs") or [mine] if r.get("reuse_of_oracle") is not None]
+    if per is None or not shares:
+        return Goal("scale-out", text, None, "needs the scale-out workload on kvroute" if per else "workload not run", "oracle")
+    r = statistics.median(shares)
+    spread = f", repeats {min(shares):.3f}-{max(shares):.3f}" if len(shares) > 1 else ""
+    parts = [
+        f"{label} {fmt('reuse', mine.get(key))}"
+        for label, key in (("first turns", "reuse_of_oracle_first_turns"), ("later turns", "reuse_of_oracle_later_turns"))
+    ]
+    detail = (
+        f"kvroute reused {fmt('reuse', mine.get('reuse'))} of the prompt tokens, "
+        f"the oracle {fmt('reuse', mine.get('oracle_reuse'))}: ratio {r:.3f}{spread} ({', '.join(parts)}; goal >= 0.9)"
+    )
+    failed = _failures(per, ("kvroute",))
+    return Goal("scale-out", text, r >= 0.9 and not failed, detail + failed, "oracle")
 
 
 def _issue6_goals(results: Results, floor: dict[str, Any] | None, long_turns_goal: int) -> list[Goal]:

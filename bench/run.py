@@ -26,14 +26,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench import report
-from bench.client import CompletionClient, Sample, run_workload
-from bench.systems import DESCRIPTIONS, SYSTEMS, Server, Setup, SystemError_
+from bench import oracle, report
+from bench.client import CompletionClient, Sample, Series, metrics_delta, run_workload
+from bench.systems import DESCRIPTIONS, ROUTING, SYSTEMS, Server, Setup, SystemError_
 from bench.workloads import QUICK, WORKLOADS, Sizes, Workload, build, model_tokenizer
 from kvroute.config import add_args, from_args
 
 # A cold system on the long session computes every turn's whole history: hours at 300 turns on 2 cores.
 COLD_SKIPPED = {"long-session"}
+# scale-out compares kvroute's routing policies on several workers: a server with no router has nothing to show
+# there, and the kvroute variants that change something else run only when named with --systems.
+SCALE_OUT_ONLY_NAMED = ("kvroute-cold", "kvroute-nospec")
+# The workers' counters reach the router's /metrics with their heartbeats, one a second.
+BEAT_WAIT_S = 1.5
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--systems", default=None, help=f"comma-separated systems (of {', '.join(SYSTEMS)}); default: all that apply")
     p.add_argument("--model", default=None, help="GGUF path (default: kvroute's default model)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="threads of every system (default: cores)")
-    p.add_argument("--workers", type=int, default=1, help="kvroute workers; kvroute-rr runs only when > 1 (default: 1)")
+    p.add_argument("--workers", type=int, default=1, help="kvroute workers; kvroute-rr/-ll run only when > 1 (default: 1)")
     p.add_argument("--slots", type=int, default=4, help="kvroute slots per worker (default: 4)")
     p.add_argument("--ctx-per-slot", type=int, default=0, help="context per conversation; 0: what each workload needs")
     p.add_argument("--kvroute-flags", default="", help="more `kvroute serve` flags for every kvroute system, e.g. '--hold-ms 0'")
@@ -124,26 +129,49 @@ def _progress(workload: str, system: str) -> Any:
     return show
 
 
-async def measure(server: Server, workload: Workload, timeout_s: float) -> tuple[list[Sample], float]:
+async def measure(
+    server: Server, workload: Workload, timeout_s: float, counters: dict[str, Series] | None = None
+) -> tuple[list[Sample], float]:
+    """Warm the server up, then run the workload. With `counters`, kvroute's /metrics go in it: "delta", what they
+    grew by over the workload alone (after the warm-up)."""
     client = CompletionClient(server.url, timeout_s=timeout_s)
     try:
         warm = await client.complete("Hello, world.", 4, session="warmup", turn=0, t0=time.perf_counter())
         if warm.error:
             raise SystemError_(f"{server.name}: the warm-up request failed: {warm.error}")
-        return await run_workload(client, workload, _progress(workload.name, server.name))
+        before = None
+        if counters is not None:
+            await asyncio.sleep(BEAT_WAIT_S)  # so that the warm-up's job is in the workers' counters already
+            before = await client.metrics()
+        measured = await run_workload(client, workload, _progress(workload.name, server.name))
+        if before is not None and counters is not None:
+            await asyncio.sleep(BEAT_WAIT_S)
+            after = await client.metrics()
+            if after is not None:
+                counters["delta"] = metrics_delta(before, after)
+        return measured
     finally:
         await client.aclose()
 
 
-def systems_for(workload: str, chosen: list[str], args: argparse.Namespace) -> list[tuple[str, str | None]]:
-    """(system, reason it is skipped or None) for each chosen system."""
+def systems_for(
+    workload: str, chosen: list[str], args: argparse.Namespace, workers: int | None = None
+) -> list[tuple[str, str | None]]:
+    """(system, reason it is skipped or None) for each chosen system; `workers`: kvroute's on this workload
+    (default: --workers)."""
+    workers = args.workers if workers is None else workers
+    named = bool(getattr(args, "systems", None))
     out: list[tuple[str, str | None]] = []
     for name in chosen:
         reason = None
-        if name == "kvroute-rr" and args.workers < 2:
-            reason = "round-robin needs more than one worker (--workers)"
+        if name in ROUTING and workers < 2:
+            reason = "a routing policy needs more than one worker (--workers)"
         elif name == "kvroute-cold" and workload in COLD_SKIPPED and not args.cold_long_session:
             reason = "every turn recomputed from scratch would take hours (--cold-long-session to run it)"
+        elif workload == "scale-out" and not name.startswith("kvroute"):
+            reason = "scale-out compares kvroute's routing across workers; this server has no router"
+        elif workload == "scale-out" and name in SCALE_OUT_ONLY_NAMED and not named:
+            reason = "scale-out compares routing policies (name it in --systems to run it)"
         out.append((name, reason))
     return out
 
@@ -169,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench: error: unknown system {s!r} (known: {', '.join(SYSTEMS)})", file=sys.stderr)
                 return 2
     else:
-        chosen = [s for s in SYSTEMS if s != "kvroute-rr" or args.workers > 1]
+        chosen = list(SYSTEMS)  # the routing policies are skipped on workloads with one worker
     sizes = from_args(Sizes, args)
     if args.model is None:
         from kvroute.model import resolve_model
@@ -230,8 +258,8 @@ def run_one(
     setup = Setup(
         model=args.model,
         threads=args.threads,
-        workers=args.workers,
-        slots=args.slots,
+        workers=workload.workers or args.workers,
+        slots=workload.slots or args.slots,
         ctx_per_slot=ctx,
         kvroute_flags=tuple(shlex.split(args.kvroute_flags)),
     )
@@ -239,7 +267,7 @@ def run_one(
     run["workloads"][wname] = entry
     print(f"== {wname}: {workload.description}; context per conversation {ctx}", file=sys.stderr, flush=True)
     runnable = []
-    for name, skip in systems_for(wname, chosen, args):
+    for name, skip in systems_for(wname, chosen, args, setup.workers):
         if skip:
             entry["skipped"][name] = skip
             print(f"-- {name}: skipped: {skip}", file=sys.stderr, flush=True)
@@ -271,10 +299,11 @@ def measure_once(
     """One repeat of `workload` on a freshly started system `name`: its samples, figures and the load average
     around it; or why it could not be measured."""
     load_before = round(os.getloadavg()[0], 2)
+    counters: dict[str, Series] | None = {} if name.startswith("kvroute") else None
     try:
         with Server(name, setup, log_path) as server:
             print(f"-- {name}: ready in {server.startup_s:.1f}s on {server.url}", file=sys.stderr, flush=True)
-            samples, wall = asyncio.run(measure(server, workload, args.request_timeout))
+            samples, wall = asyncio.run(measure(server, workload, args.request_timeout, counters))
     except SystemError_ as exc:
         print(f"-- {name}: FAILED: {exc}", file=sys.stderr, flush=True)
         return f"failed: {exc}"
@@ -283,11 +312,34 @@ def measure_once(
         if r["prompt_tokens"] is None:
             r["prompt_tokens_source"] = "local tokenizer"
             r["prompt_tokens"] = None if r["error"] else 1 + len(tokenize(prompt_of(workload, r, rows)))
+    figures = report.figures(wname, rows, wall)
+    if counters and "delta" in counters:
+        figures.update(report.router_figures(counters["delta"]))
+    if wname == "scale-out":
+        requests = oracle_requests(workload, rows, tokenize)
+        # a system that left a worker idle paid the shared prompt fewer times: its oracle does too (bench/oracle.py)
+        used = sum(1 for jobs in figures.get("jobs_per_worker") or () if jobs > 0) or setup.workers
+        figures.update(report.oracle_figures(rows, oracle.oracle(requests, used)))
+        # the oracle tokenizes the prompts itself: it must count what the server counted
+        counted = {(r["session"], r["turn"]): r["prompt_tokens"] for r in rows if not r["error"]}
+        figures["oracle_prompt_mismatches"] = sum(len(q.prompt) != counted[(q.session, q.turn)] for q in requests)
     return {
         "samples": rows,
-        "figures": report.figures(wname, rows, wall),
+        "figures": figures,
         "load_average": [load_before, round(os.getloadavg()[0], 2)],
     }
+
+
+def oracle_requests(workload: Workload, rows: list[dict[str, Any]], tokenize: Any) -> list[oracle.Request]:
+    """The run's successful requests as the oracle sees them: the prompt's tokens as the server counts them (BOS
+    first) and, after them, the reply's."""
+    out = []
+    for r in rows:
+        if r["error"]:
+            continue
+        prompt = (oracle.BOS, *tokenize(prompt_of(workload, r, rows)))
+        out.append(oracle.Request(r["session"], r["turn"], prompt, (*prompt, *tokenize(r["text"]))))
+    return out
 
 
 def measure_floor(wname: str, samples: list[dict[str, Any]], setup: Setup) -> dict[str, Any]:
@@ -327,6 +379,28 @@ def prompt_of(workload: Workload, row: dict[str, Any], rows: list[dict[str, Any]
     session = next(s for s in workload.sessions if s.name == row["session"])
     earlier = sorted((r for r in rows if r["session"] == row["session"] and r["turn"] < row["turn"]), key=lambda r: r["turn"])
     return session.prompt(row["turn"], [r["text"] for r in earlier])
+
+
+def scale_out_lines(figs: dict[str, dict[str, Any]], setup: dict[str, Any]) -> str:
+    """What the oracle is and what the router counted, under the scale-out table."""
+    out = []
+    for name, f in figs.items():
+        keys = ("oracle_workers", "oracle_shared_tokens", "oracle_reuse", "oracle_prefilled_tokens", "reuse_of_oracle",
+                "reuse_of_oracle_first_turns", "reuse_of_oracle_later_turns", "oracle_prompt_mismatches")  # fmt: skip
+        n = {k: report.fmt(k, f.get(k)) for k in keys}
+        if f.get("oracle_reuse") is not None:
+            out.append(
+                f"- `{name}`: the oracle (bench/oracle.py: each session on one worker, on the {n['oracle_workers']} of "
+                f"{setup['workers']} workers {name} ran jobs on, the {n['oracle_shared_tokens']} tokens every prompt "
+                f"shares computed once on each) reuses {n['oracle_reuse']} of the same prompts and computes "
+                f"{n['oracle_prefilled_tokens']} of their tokens; {name} reached {n['reuse_of_oracle']} of its "
+                f"reuse (first turns {n['reuse_of_oracle_first_turns']}, later turns "
+                f"{n['reuse_of_oracle_later_turns']}); prompts the oracle counted otherwise than the server: "
+                f"{n['oracle_prompt_mismatches']}"
+            )
+        if f.get("router_reused_tokens") is not None:
+            out.append("- " + report.router_line(name, f))
+    return "\n".join(out)
 
 
 def write_markdown(run: dict[str, Any], out: Path, stamp: str) -> Path:
@@ -373,6 +447,8 @@ def write_markdown(run: dict[str, Any], out: Path, stamp: str) -> Path:
             lines += [f"Load average (1 min) before -> after each repeat: {loads}.", ""]
         if entry.get("floor"):
             lines += [report.floor_line(entry["floor"]) + ".", ""]
+        if wname == "scale-out" and figs:
+            lines += [scale_out_lines(figs, setup), ""]
         for s, why in entry["skipped"].items():
             lines += [f"- `{s}` not measured: {why.splitlines()[0]}"]
         if entry["skipped"]:
@@ -381,7 +457,7 @@ def write_markdown(run: dict[str, Any], out: Path, stamp: str) -> Path:
         if figs and wname in ("agent-long", "long-session"):
             png = out / f"{stamp}-{wname}.png"
             report.plot_turns(wname, figs, png, entry.get("floor"))
-        elif figs and wname in ("multi-agent", "many-agents"):
+        elif figs and wname in ("multi-agent", "many-agents", "scale-out"):
             png = out / f"{stamp}-{wname}.png"
             report.plot_distribution(wname, {s: v["samples"] for s, v in entry["systems"].items()}, png)
         if png:

@@ -4,6 +4,8 @@ Every system gets the same model, the same thread count and the same context per
 - `kvroute`: `kvroute serve --policy prefix` (the default policy);
 - `kvroute-cold`: the same with `--no-prefix-cache` (every request computed from scratch);
 - `kvroute-rr`: `--policy round-robin`, only meaningful with more than one worker;
+- `kvroute-ll`: `--policy least-loaded` (the worker with the fewest busy slots and queued prefill, prefixes
+  ignored), likewise;
 - `kvroute-nospec`: `--spec none` (no speculative decoding, which is on by default);
 - `llama-server`: llama.cpp's own server, built from the llama.cpp vendored in the pinned llama-cpp-python sdist
   (bench/llama_server.py), the server kvroute competes with, at its best settings here: one slot per kvroute
@@ -34,11 +36,13 @@ from pathlib import Path
 
 import httpx
 
-SYSTEMS = ("kvroute", "kvroute-cold", "kvroute-rr", "kvroute-nospec", "llama-server", "llama-cpp-python")
+SYSTEMS = ("kvroute", "kvroute-cold", "kvroute-rr", "kvroute-ll", "kvroute-nospec", "llama-server", "llama-cpp-python")
+ROUTING = ("kvroute-rr", "kvroute-ll")  # policies that only differ from kvroute's with more than one worker
 DESCRIPTIONS = {
     "kvroute": "kvroute serve --policy prefix",
     "kvroute-cold": "kvroute serve --no-prefix-cache",
     "kvroute-rr": "kvroute serve --policy round-robin",
+    "kvroute-ll": "kvroute serve --policy least-loaded",
     "kvroute-nospec": "kvroute serve --spec none",
     "llama-server": "llama-server --parallel SLOTS --swa-full --cache-ram 2048 -fa auto --no-jinja --chat-template gemma "
     "(llama.cpp of the pinned sdist)",
@@ -92,6 +96,8 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
             serve += ["--policy", "prefix", "--no-prefix-cache"]
         elif name == "kvroute-rr":
             serve += ["--policy", "round-robin"]
+        elif name == "kvroute-ll":
+            serve += ["--policy", "least-loaded"]
         elif name == "kvroute-nospec":
             serve += ["--policy", "prefix", "--spec", "none"]
         else:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from kvroute.config import opt
 
-WORKLOADS = ("agent-long", "multi-agent", "many-agents", "throughput", "fanout", "long-session")
+WORKLOADS = ("agent-long", "multi-agent", "many-agents", "throughput", "fanout", "long-session", "scale-out")
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,13 @@ class Sizes:
     fanout_concurrency: int = opt(4, "fanout: requests in flight at once")
     document_tokens: int = opt(1000, "fanout: tokens of the shared document")
     question_tokens: int = opt(30, "fanout: tokens of each question")
+    scale_sessions: int = opt(12, "scale-out: concurrent agent sessions")
+    scale_turns: int = opt(8, "scale-out: turns of each session")
+    scale_shared_tokens: int = opt(400, "scale-out: tokens of the system prompt every session shares")
+    scale_user_tokens: int = opt(40, "scale-out: tokens of each user message")
+    scale_max_tokens: int = opt(16, "scale-out: max_tokens of each turn")
+    scale_workers: int = opt(2, "scale-out: kvroute workers (instead of --workers)")
+    scale_slots: int = opt(2, "scale-out: slots per worker (instead of --slots)")
 
 
 # Tiny sizes for checking the harness end to end in a minute or two (`--quick`).
@@ -66,6 +73,11 @@ QUICK = {
     "fanout_concurrency": 2,
     "document_tokens": 200,
     "question_tokens": 15,
+    "scale_sessions": 4,
+    "scale_turns": 2,
+    "scale_shared_tokens": 60,
+    "scale_user_tokens": 15,
+    "scale_max_tokens": 4,
 }
 
 
@@ -91,12 +103,15 @@ class Session:
 
 @dataclass(frozen=True)
 class Workload:
-    """Sessions run `concurrency` at a time; each session's turns run one after the other."""
+    """Sessions run `concurrency` at a time; each session's turns run one after the other. `workers` and `slots`,
+    when set, are the kvroute layout the workload is about (scale-out), instead of the run's --workers/--slots."""
 
     name: str
     description: str
     sessions: tuple[Session, ...]
     concurrency: int
+    workers: int = 0
+    slots: int = 0
 
     @property
     def n_requests(self) -> int:
@@ -308,6 +323,27 @@ def fanout(sizes: Sizes, tokenize: Callable[[str], list[int]]) -> Workload:
     return Workload("fanout", desc, tuple(sessions), sizes.fanout_concurrency)
 
 
+def scale_out(sizes: Sizes, tokenize: Callable[[str], list[int]]) -> Workload:
+    """Many agents on several workers (issue 17): every session starts with the same system prompt, then each turn
+    appends the reply and a new user message. Only routing decides how much of that a worker finds cached: a
+    session's next turn must land where its history is, and a new session anywhere the shared prompt is."""
+    gen = TextGen(f"{sizes.seed}:scale-out:shared")
+    head = "You are one of a team of agents sharing this system prompt. Follow the team's notes below."
+    shared = grow(head, sizes.scale_shared_tokens, gen.statement, tokenize)
+    sessions = []
+    for i in range(sizes.scale_sessions):
+        own = TextGen(f"{sizes.seed}:scale-out:{i}")
+        messages = _messages(own, sizes.scale_turns, sizes.scale_user_tokens, tokenize)
+        sessions.append(Session(f"agent-{i + 1}", shared, messages, sizes.scale_max_tokens))
+    desc = (
+        f"{sizes.scale_sessions} concurrent sessions on kvroute {sizes.scale_workers} workers x {sizes.scale_slots} "
+        f"slots, {sizes.scale_shared_tokens}-token shared system prompt, {sizes.scale_turns} turns of "
+        f"{sizes.scale_user_tokens}-token messages, max_tokens {sizes.scale_max_tokens}"
+    )
+    n = sizes.scale_sessions
+    return Workload("scale-out", desc, tuple(sessions), n, workers=sizes.scale_workers, slots=sizes.scale_slots)
+
+
 BUILDERS: dict[str, Callable[[Sizes, Callable[[str], list[int]]], Workload]] = {
     "agent-long": agent_long,
     "multi-agent": multi_agent,
@@ -315,6 +351,7 @@ BUILDERS: dict[str, Callable[[Sizes, Callable[[str], list[int]]], Workload]] = {
     "throughput": throughput,
     "fanout": fanout,
     "long-session": long_session,
+    "scale-out": scale_out,
 }
 
 

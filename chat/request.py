@@ -151,3 +151,42 @@ def generic_reply(m: dict[str, Any]) -> str:
         )
         return '{"tool_calls": [' + items + "]}"
     return json.dumps({"response": m["content"]}, ensure_ascii=False)
+
+
+SYSTEM_ROLES = ("system", "developer")
+
+
+def shift_points(messages: list[ChatMessage]) -> list[int]:
+    """Where `--context-shift` may resume a history too long for a slot, fewest messages dropped first (see
+    `shifted`). The leading system messages and the last user message always stay; before that user message the
+    history resumes only at a user message (templates that want user and assistant turns to alternate stay
+    happy), after it at any message but a tool result (which stays with the call it answers)."""
+    head, n = leading_system(messages), len(messages)
+    last_user = _last_user(messages)
+    if last_user is None:  # no user message: keep at least the last message (and the tool results after it)
+        return [i for i in range(head + 1, n) if messages[i].role != "tool"]
+    before = [i for i in range(head + 1, last_user + 1) if messages[i].role == "user"]
+    # from last_user + 2 on: resuming at last_user + 1 keeps what resuming at last_user does
+    after = [i for i in range(last_user + 2, n + 1) if i == n or messages[i].role != "tool"]
+    return before + after
+
+
+def shifted(messages: list[ChatMessage], at: int) -> list[ChatMessage]:
+    """The history resumed at `at` (one of `shift_points`): the leading system messages, the last user message when
+    `at` is past it, then messages[at:]."""
+    head = leading_system(messages)
+    last_user = _last_user(messages)
+    kept_user = [messages[last_user]] if last_user is not None and at > last_user else []
+    return messages[:head] + kept_user + messages[at:]
+
+
+def _last_user(messages: list[ChatMessage]) -> int | None:
+    return next((i for i in range(len(messages) - 1, -1, -1) if messages[i].role == "user"), None)
+
+
+def leading_system(messages: list[ChatMessage]) -> int:
+    """How many messages at the start are system (or developer) messages."""
+    n = 0
+    while n < len(messages) and messages[n].role in SYSTEM_ROLES:
+        n += 1
+    return n

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +26,22 @@ import zmq.asyncio
 
 from gateway.main import HttpConfig, parse_host_port, serve_http
 from kvroute import logs
-from kvroute.config import add_args, from_args, opt, to_flags
-from router.config import RouterConfig
+from kvroute.config import UsageError, add_args, from_args, opt, to_flags
+from router.config import DEFAULT_CLIENT_ENDPOINT, RouterConfig
 from router.server import Router
 from router.supervisor import Supervisor, SupervisorConfig, WorkerSpec
-from worker.config import WorkerConfig, cache_type_opt, flash_attn_opt, spec_max_opt, spec_ngram_opt, spec_opt
+from worker.config import (
+    WorkerConfig,
+    cache_type_opt,
+    ctx_per_slot_opt,
+    flash_attn_opt,
+    kv_budget_opt,
+    n_gpu_layers_opt,
+    spec_max_opt,
+    spec_ngram_opt,
+    spec_opt,
+)
+from worker.context_size import cpu_budget_bytes
 
 
 @dataclass(frozen=True)
@@ -42,10 +54,18 @@ class LocalWorkers:
         aliases=("--cpu-workers",),
     )
     slots: int = opt(4, "slots per worker")
-    ctx_per_slot: int = opt(4096, "context length of each slot, in tokens")
+    ctx_per_slot: int = ctx_per_slot_opt()
+    kv_budget_mb: int = kv_budget_opt(" (divided among the CPU workers)")
+    n_gpu_layers: int | None = n_gpu_layers_opt("--gpus")
     threads: int = opt(0, "CPU threads per worker; 0 = the CPU count divided among the CPU workers")
     n_batch: int = opt(512, "most prompt tokens computed in one engine step")
     host_cache_mb: int = opt(2048, "host RAM per worker for evicted slot contents, restored when they are wanted again")
+    cache_dir: str | None = opt(
+        None,
+        "disk tier: each worker keeps saved states in DIR/<worker id>, survives restarts (default: no disk tier)",
+        metavar="DIR",
+    )
+    disk_cache_gb: float = opt(16.0, "most disk space each worker's --cache-dir tier takes")
     deterministic: bool = opt(
         False, "bit-identical output cached vs cold and batched vs alone (workers pad small batches, no flash attention)"
     )
@@ -57,8 +77,12 @@ class LocalWorkers:
     flash_attn: str = flash_attn_opt()
 
     def __post_init__(self) -> None:
-        if self.cpu_workers < 0 or self.slots < 1 or self.ctx_per_slot < 16 or self.threads < 0 or self.host_cache_mb < 0:
-            raise ValueError("cpu_workers, slots, ctx_per_slot, threads and host_cache_mb must be positive")
+        if self.cpu_workers < 0 or self.slots < 1 or self.threads < 0 or self.host_cache_mb < 0:
+            raise ValueError("cpu_workers, slots, threads and host_cache_mb must be positive")
+        if self.n_gpu_layers is not None and self.n_gpu_layers < 0:
+            raise ValueError(f"--n-gpu-layers must be at least 0, got {self.n_gpu_layers}")
+        if self.n_gpu_layers and not self.gpus:
+            raise ValueError(f"--n-gpu-layers {self.n_gpu_layers} needs --gpus (without it the workers run on CPU)")
 
     def gpu_list(self) -> list[int]:
         try:
@@ -72,8 +96,10 @@ class LocalWorkers:
             model=model,
             slots=self.slots,
             ctx_per_slot=self.ctx_per_slot,
+            kv_budget_mb=self.kv_budget_mb,
             n_batch=self.n_batch,
             host_cache_mb=self.host_cache_mb,
+            disk_cache_gb=self.disk_cache_gb,
             deterministic=self.deterministic,
             spec=self.spec,
             spec_max=self.spec_max,
@@ -92,12 +118,18 @@ def worker_specs(local: LocalWorkers, model: str) -> list[WorkerSpec]:
     def flags(**fields: Any) -> tuple[str, ...]:
         return tuple(to_flags(dataclasses.replace(base, **fields), skip=own))
 
+    def own_dir(name: str) -> str | None:  # a disk tier is one worker's: each gets a directory of its own
+        return None if local.cache_dir is None else str(Path(local.cache_dir) / name)
+
     gpus = local.gpu_list()
     if gpus:
-        return [WorkerSpec(f"gpu{g}", flags(gpu=g, threads=local.threads or 2)) for g in gpus]
+        gpu_flags = {"threads": local.threads or 2, "n_gpu_layers": local.n_gpu_layers}
+        return [WorkerSpec(f"gpu{g}", flags(gpu=g, cache_dir=own_dir(f"gpu{g}"), **gpu_flags)) for g in gpus]
     n = local.cpu_workers
-    threads = local.threads or max(1, (os.cpu_count() or 1) // max(1, n))
-    return [WorkerSpec(f"cpu{i}", flags(threads=threads)) for i in range(n)]
+    cpu_flags: dict[str, Any] = {"threads": local.threads or max(1, (os.cpu_count() or 1) // max(1, n))}
+    if n > 1 and local.ctx_per_slot == 0 and local.kv_budget_mb == 0:  # the auto budget is the machine's, not each one's
+        cpu_flags["kv_budget_mb"] = cpu_budget_bytes(n) >> 20
+    return [WorkerSpec(f"cpu{i}", flags(cache_dir=own_dir(f"cpu{i}"), **cpu_flags)) for i in range(n)]
 
 
 def connect_endpoint(bound: str) -> str:
@@ -171,6 +203,39 @@ async def serve(
         await sup.stop()
 
 
+def guard_zmq_clients(router_cfg: RouterConfig, http: HttpConfig | None) -> tuple[RouterConfig, HttpConfig | None]:
+    """With an API key on the HTTP API, the ZMQ client socket must not be a way around it. Without CURVE client keys,
+    the default TCP endpoint becomes an IPC socket in a directory only this user can enter; an endpoint the user
+    chose is kept, with a warning when it is TCP."""
+    keyed = http is not None and bool(http.api_key or os.environ.get("KVROUTE_API_KEY"))
+    if not keyed or router_cfg.client_keys or http is None:
+        return router_cfg, http
+    endpoint = router_cfg.client_endpoint
+    if endpoint == DEFAULT_CLIENT_ENDPOINT:
+        endpoint = f"ipc://{private_dir() / f'clients-{parse_host_port(http.http)[1]}.sock'}"
+        logs.get(__name__).info("zmq_clients_private", endpoint=endpoint, reason="the HTTP API has a key")
+        return dataclasses.replace(router_cfg, client_endpoint=endpoint), dataclasses.replace(http, router=endpoint)
+    if not endpoint.startswith("ipc://"):
+        logs.get(__name__).warning(
+            "zmq_clients_open",
+            endpoint=endpoint,
+            reason="the HTTP API has a key but anyone who reaches this ZMQ endpoint is served without one: use "
+            "--zmq ipc://PATH or CURVE client keys (--client-keys)",
+        )
+    return router_cfg, http
+
+
+def private_dir() -> Path:
+    """A directory only this user can enter, for IPC sockets ($XDG_RUNTIME_DIR, else one under the temp dir)."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = Path(base) / "kvroute" if base else Path(tempfile.gettempdir()) / f"kvroute-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    if path.stat().st_uid != os.getuid():
+        raise UsageError(f"{path} belongs to another user: give --zmq ipc://PATH in a directory of yours")
+    path.chmod(0o700)
+    return path
+
+
 def _say_where(router_cfg: RouterConfig, http: HttpConfig | None, model: str) -> None:
     """One short block on stdout saying what is served where (logs go to stderr)."""
     lines = [f"kvroute serving {Path(model).name}"]
@@ -183,7 +248,6 @@ def _say_where(router_cfg: RouterConfig, http: HttpConfig | None, model: str) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.config import UsageError
     from router.main import run_loop
 
     logs.setup(process="serve")
@@ -199,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
         http = http_config(args, router_cfg)
     except ValueError as exc:
         raise UsageError(f"--http: {exc}") from None
+    router_cfg, http = guard_zmq_clients(router_cfg, http)
     run_loop(serve(router_cfg, local, sup_cfg, http=http))
     zmq.asyncio.Context.instance().destroy(linger=1000)  # the last replies leave before the process does
     return 0

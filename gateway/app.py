@@ -9,6 +9,7 @@ translates, and answers errors in its own shape (Anthropic's under /v1/messages)
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import uuid
@@ -109,23 +110,39 @@ class Gateway:
         model_name: str,
         api_key: str | None = None,
         *,
+        tenant_per_key: bool = False,
         max_body_bytes: int = MAX_FRAME_BYTES,
         stall_s: float = STALL_S,
     ) -> None:
+        """`api_key`: one key, or several comma-separated; `tenant_per_key`: each key is a tenant (its `cache_salt`)."""
         self.client = client
         self.model_name = model_name
-        self.api_key = api_key
+        self.api_keys = [k.strip() for k in (api_key or "").split(",") if k.strip()]
+        self.tenant_per_key = tenant_per_key
         self.max_body_bytes = max_body_bytes
         self.stall_s = stall_s
 
     # ---- helpers --------------------------------------------------------------------------------
 
-    def authorized(self, request: Request) -> bool:
-        if not self.api_key:
-            return True
+    def key_of(self, request: Request) -> str | None:
+        """The API key the request presents, when it is one of ours."""
         header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        return hmac.compare_digest(token.encode(), self.api_key.encode())
+        token = (header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")).encode()
+        found = None
+        for key in self.api_keys:  # (every key compared, in constant time each: no timing tells which matched)
+            if hmac.compare_digest(token, key.encode()):
+                found = key
+        return found
+
+    def authorized(self, request: Request) -> bool:
+        return not self.api_keys or self.key_of(request) is not None
+
+    def salt_of(self, request: Request, salt: str | None) -> str | None:
+        """The request's tenant (`cache_salt`): with --tenant-per-key its key's, combined with the salt it gives."""
+        if not self.tenant_per_key:
+            return salt
+        key = hashlib.sha256((self.key_of(request) or "").encode()).hexdigest()[:32]
+        return f"key:{key}" if salt is None else f"key:{key}/{salt}"
 
     async def body(self, request: Request) -> dict[str, Any]:
         raw = await request.body()
@@ -224,7 +241,8 @@ class Gateway:
         return JSONResponse({"prompt": (await self.client.tokens(helpers.render_message(sub))).text})
 
     async def slots(self, request: Request) -> Response:
-        return JSONResponse(helpers.slots_body(await asyncio.wait_for(self.client.status(), 10.0)))
+        status = self.client.status(cache_salt=self.salt_of(request, None))
+        return JSONResponse(helpers.slots_body(await asyncio.wait_for(status, 10.0)))
 
     async def _serve(
         self,
@@ -237,6 +255,7 @@ class Gateway:
     ) -> Response:
         """Run a submit for an API shape: `reply(result)` is its body, `events(messages)` its stream, and
         `on_error(message, code)` an error in the middle of the stream."""
+        sub.cache_salt = self.salt_of(request, sub.cache_salt)
         messages = self.client.stream_submit(sub)
         first = await anext(messages)  # errors before the first token become an HTTP status
         if not stream:
@@ -285,6 +304,7 @@ class Gateway:
         rid = uuid.uuid4().hex[:24]
         body = await self.body(request)
         sub, stream, include_usage = (completion_submit if kind == "completions" else chat_submit)(body, rid)
+        sub.cache_salt = self.salt_of(request, sub.cache_salt)
         created = now()
         loop = asyncio.get_running_loop()
         t0 = loop.time()

@@ -22,8 +22,14 @@ class HttpConfig:
     model_name: str = opt("default", "model name listed by /v1/models (kvroute serve sets it from the GGUF)")
     api_key: str | None = opt(
         None,
-        "require this key (Authorization: Bearer KEY) on every endpoint but /health; default: $KVROUTE_API_KEY",
+        "require this key (Authorization: Bearer KEY) on every endpoint but /health; several: comma-separated; "
+        "default: $KVROUTE_API_KEY",
         metavar="KEY",
+    )
+    tenant_per_key: bool = opt(
+        False,
+        "each API key is a tenant: cached prefixes are shared only between requests made with the same key (and the "
+        "same cache_salt, when a request gives one), and /slots hides other tenants' slots",
     )
     curve_key: str | None = opt(
         None, "this client's CurveZMQ key file (when the router's client socket uses CURVE)", metavar="FILE"
@@ -40,6 +46,8 @@ class HttpConfig:
             raise ValueError("max_body_bytes and max_frame_bytes must be at least 1024")
         if self.stream_stall_s <= 0:
             raise ValueError(f"stream_stall_s must be positive, got {self.stream_stall_s}")
+        if self.tenant_per_key and not (self.api_key or os.environ.get("KVROUTE_API_KEY")):
+            raise ValueError("--tenant-per-key needs --api-key (or $KVROUTE_API_KEY): tenants are told apart by key")
 
 
 # Each connection's kernel send buffer, fixed (Linux would grow it to 4 MB): what queues for a reader that stopped
@@ -81,7 +89,14 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None) -> 
     host, port = parse_host_port(cfg.http)
     client = AsyncClient(cfg.router, curve_key=cfg.curve_key, router_key=cfg.router_key, max_frame_bytes=cfg.max_frame_bytes)
     api_key = cfg.api_key or os.environ.get("KVROUTE_API_KEY") or None
-    gateway = Gateway(client, cfg.model_name, api_key, max_body_bytes=cfg.max_body_bytes, stall_s=cfg.stream_stall_s)
+    gateway = Gateway(
+        client,
+        cfg.model_name,
+        api_key,
+        tenant_per_key=cfg.tenant_per_key,
+        max_body_bytes=cfg.max_body_bytes,
+        stall_s=cfg.stream_stall_s,
+    )
     app = build_app(gateway)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False))
     log = logs.get(__name__)

@@ -156,6 +156,7 @@ def completion_submit(raw: dict[str, Any], request_id: str) -> tuple[Submit, boo
         response_format=_response_format(body),
         grammar=body.grammar,
         n=body.n or 1,
+        cache_salt=body.cache_salt,
     )
     return sub, stream, include_usage
 
@@ -239,6 +240,7 @@ def chat_submit(raw: dict[str, Any], request_id: str) -> tuple[Submit, bool, boo
         grammar=body.grammar,
         chat_template_kwargs=body.chat_template_kwargs or {},
         n=body.n or 1,
+        cache_salt=body.cache_salt,
     )
     return sub, stream, include_usage
 
@@ -248,12 +250,15 @@ def chat_submit(raw: dict[str, Any], request_id: str) -> tuple[Submit, bool, boo
 
 def usage_body(result: Result) -> dict[str, Any]:
     u = result.usage
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
+    if result.dropped_messages:  # --context-shift: the prompt served is not the one sent
+        body["context_shift"] = {"dropped_messages": result.dropped_messages, "dropped_tokens": result.dropped_tokens}
+    return body
 
 
 def finish_reason(reason: str) -> str:

@@ -154,6 +154,8 @@ class Common(Strict):
     # kvroute's extensions
     ignore_eos: bool | None = None
     deadline_ms: Annotated[int, Meta(ge=1, le=MAX_DEADLINE_MS)] | None = None
+    # vLLM's: cached prefixes are shared only between requests with the same salt (a tenant)
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     # ignored: they cannot change the reply
     user: Any = None
     metadata: Any = None

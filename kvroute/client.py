@@ -321,9 +321,10 @@ class Client:
         self.send(Cancel(id=request_id))
         self._waiting.discard(request_id)
 
-    def status(self) -> StatusReply:
+    def status(self, cache_salt: str | None = None) -> StatusReply:
+        """Every worker and slot; slots holding another tenant's prompts than `cache_salt`'s show only busy/idle."""
         rid = "status-" + uuid.uuid4().hex[:8]
-        self.send(StatusRequest(id=rid))
+        self.send(StatusRequest(id=rid, cache_salt=cache_salt))
         msg = self._next_for(rid)
         assert isinstance(msg, StatusReply)
         return msg
@@ -463,9 +464,9 @@ class AsyncClient:
     async def cancel(self, request_id: str) -> None:
         await self._sock.send(encode(Cancel(id=request_id)))
 
-    async def status(self) -> StatusReply:
+    async def status(self, cache_salt: str | None = None) -> StatusReply:
         rid = f"status-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
-        reply: StatusReply = await self._ask(StatusRequest(id=rid))
+        reply: StatusReply = await self._ask(StatusRequest(id=rid, cache_salt=cache_salt))
         return reply
 
     async def metrics(self) -> str:

@@ -5,6 +5,8 @@ them (and predicts what the worker will reuse) must agree to the token.
 - `reused(lcp, length, n_exact, exact)`: the prompt tokens a slot holding a prefix of `lcp` of them gives a job:
   one less on a full match (logits are not cached: the last prompt token is computed again); on a deterministic
   worker at most the KV computed as prompt (`n_exact`), leaving a chunk of EXACT_ROWS to compute.
+- `worth_copy(gain, n_copied)`: whether copying a prefix in (from another slot or a cached state) is worth it.
+- `restore_keep(lcp, n_tokens, min_keep)`: what a cached state of `n_tokens` tokens gives a prompt sharing `lcp`.
 - `common_prefix(a, b)` of two token sequences (lists or int32 arrays).
 """
 
@@ -20,6 +22,13 @@ EXACT_ROWS = 8
 deterministic worker computes at least this many prompt tokens of every job."""
 
 
+# Copying a prefix moves memory: another slot's whole stream (ctx_per_slot cells, about 18 KB each for Gemma 3
+# 270M), or a cached state. Worth it when it saves at least COPY_MIN prompt tokens and 1/COPY_RATIO of the cells
+# copied (prefill costs ~100x a token's memcpy on CPU, ~50x on GPU).
+COPY_MIN = 32
+COPY_RATIO = 64
+
+
 class SlotPhase(enum.Enum):
     IDLE = "idle"
     BUSY = "busy"
@@ -31,6 +40,17 @@ def reused(lcp: int, length: int, n_exact: int = 0, exact: bool = False) -> int:
     if exact:
         reuse = max(0, min(reuse, n_exact, length - EXACT_ROWS))
     return max(reuse, 0)
+
+
+def worth_copy(gain: int, n_copied: int) -> bool:
+    """Whether a copy that gives `gain` more prompt tokens than the slot has, moving `n_copied` cells, pays."""
+    return gain >= max(COPY_MIN, n_copied // COPY_RATIO)
+
+
+def restore_keep(lcp: int, n_tokens: int, min_keep: int) -> int:
+    """Of `lcp` reusable tokens of a saved state holding `n_tokens`, those it can give: a state whose sliding-window
+    layers hold only their last window cannot be cut before `min_keep` (none at all then)."""
+    return lcp if lcp >= n_tokens or lcp >= min_keep else 0
 
 
 def common_prefix(a: Any, b: Any) -> int:

@@ -58,6 +58,7 @@ from protocol.common import (
 )
 from protocol.worker_messages import (
     Accept,
+    CacheEntry,
     Constraint,
     Drain,
     Heartbeat,
@@ -81,6 +82,7 @@ __all__ = [
     "MAX_LOGPROBS",
     "PROTOCOL_VERSION",
     "Accept",
+    "CacheEntry",
     "Cancel",
     "ChatMessage",
     "Choice",

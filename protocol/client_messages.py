@@ -8,7 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from protocol.chat import MAX_TOOLS, ChatMessage, ResponseFormat, TokenLogprob, Tool, ToolCall, ToolCallDelta, ToolChoice
-from protocol.common import DeadlineMs, Message, Sampling, Struct, Timings, TokenBytes, Usage, check_token_bytes
+from protocol.common import DeadlineMs, Message, NonNeg, Sampling, Struct, Timings, TokenBytes, Usage, check_token_bytes
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
 MAX_CHOICES = 16
@@ -40,6 +40,8 @@ class Submit(Message, tag="submit", kw_only=True):
     grammar: Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None  # GBNF or Lark
     chat_template_kwargs: dict[str, Any] = {}  # extra variables for the chat template (enable_thinking ...)
     n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1  # choices; they share the prompt's KV
+    # the tenant: cached prefixes are shared only between requests with the same salt (vLLM's name)
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.tokens))
@@ -70,6 +72,7 @@ class StatusRequest(Message, tag="status", kw_only=True):
     """Ask for the router's view of workers and slots."""
 
     id: RequestId | None = None
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None  # whose slots show in full
 
 
 class Tokenize(Message, tag="tokenize", kw_only=True):
@@ -165,6 +168,9 @@ class Result(Message, tag="result", kw_only=True):
     tool_calls: list[ToolCall] = []  # parsed from the output; finish_reason is then `tool_calls`
     logprobs: list[TokenLogprob] = []  # one per generated token, when sampling.logprobs is set
     choices: list[Choice] = []  # n > 1: every choice in index order (the fields above repeat choice 0)
+    # the router's --context-shift dropped this many of the oldest messages (and so many prompt tokens) to fit a slot
+    dropped_messages: NonNeg = 0
+    dropped_tokens: NonNeg = 0
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens)
@@ -188,6 +194,7 @@ class SlotStatus(Struct, kw_only=True):
     request_id: str | None = None
     reused_total: int = 0  # tokens reused on this slot so far
     last_used_s: float = 0.0  # seconds since the slot last finished a job
+    other_tenant: bool = False  # it holds another tenant's prompt: its length, request and reuse are not shown
 
 
 class WorkerStatus(Struct, kw_only=True):

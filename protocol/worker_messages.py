@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -12,6 +12,7 @@ from protocol.client_messages import MAX_GRAMMAR_CHARS, RequestId
 from protocol.common import DeadlineMs, Message, NonNeg, Sampling, Struct, Timings, TokenBytes, check_token_bytes
 
 WorkerId = Annotated[str, Meta(min_length=1, max_length=64)]
+CacheSalt = Annotated[str, Meta(max_length=64)]  # a digest of the client's cache_salt, never the salt itself
 
 
 # ---- worker -> router -------------------------------------------------------------------------
@@ -23,6 +24,30 @@ class SlotHeld(Struct, kw_only=True):
     slot: NonNeg
     tokens: TokenBytes  # exactly the tokens whose KV the slot holds, in position order
     n_exact: NonNeg = 0  # deterministic mode: leading tokens whose KV was computed as prompt
+    salt: CacheSalt = ""  # the tenant whose prompt it holds (Job.cache_salt)
+
+    def __post_init__(self) -> None:
+        check_token_bytes("tokens", self.tokens)
+
+
+class CacheEntry(Struct, kw_only=True):
+    """An entry of a worker's cache of saved slot states (host RAM, or disk), which the router indexes like a slot:
+    a prompt sharing a prefix with it can have it restored into a slot instead of computing it.
+
+    Its tokens are not sent again when the router knows them: an entry made from the contents a slot held before its
+    current job names that `slot` (the router's mirror has them; `hash` checks it). Otherwise (`hello`, the disk
+    tier) `tokens` carries them."""
+
+    id: NonNeg  # unique within the worker process and its tier
+    tier: Literal["ram", "disk"] = "ram"
+    n_tokens: NonNeg
+    hash: str  # token_hash() of its tokens
+    nbytes: NonNeg  # size of the saved state (a restore copies this much)
+    n_exact: NonNeg = 0  # deterministic mode: leading tokens whose KV was computed as prompt
+    min_keep: NonNeg = 0  # shortest prefix a restore can keep (sliding-window layers hold only their last window)
+    slot: int = -1  # the slot whose previous contents it holds (-1: see tokens)
+    tokens: TokenBytes = b""
+    salt: CacheSalt = ""  # the tenant whose prompt it holds
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens)
@@ -43,6 +68,7 @@ class Hello(Message, tag="hello", kw_only=True):
     pid: NonNeg = 0
     weights_fingerprint: str = ""  # of the model file's tensors; must equal the router's when both are given
     held: list[SlotHeld] | None = None  # what the slots hold (a worker that outlived its router); None: unknown
+    cached: list[CacheEntry] = []  # its cache of saved states, tokens included (none when `held` is None)
 
 
 class SlotState(Struct, kw_only=True):
@@ -92,6 +118,9 @@ class JobDone(Message, tag="job_done", kw_only=True):
     timings: Timings
     stop: str | None = None
     restored_tokens: NonNeg = 0  # of reused_tokens: copied into the slot from another slot or host RAM
+    cache_added: list[CacheEntry] = []  # saved states added since the worker's previous JobDone/JobError
+    cache_dropped: list[NonNeg] = []  # ids of saved states (host RAM) dropped since then
+    disk_dropped: list[NonNeg] = []  # ids of disk-tier entries dropped since then
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens)
@@ -107,6 +136,9 @@ class JobError(Message, tag="job_error", kw_only=True):
     slot: int = -1
     slot_tokens: NonNeg = 0
     slot_hash: str = ""
+    cache_added: list[CacheEntry] = []  # as in JobDone
+    cache_dropped: list[NonNeg] = []
+    disk_dropped: list[NonNeg] = []
 
 
 WorkerToRouter = Hello | Heartbeat | JobDelta | JobDone | JobError
@@ -152,6 +184,7 @@ class Job(Message, tag="job", kw_only=True):
     predicted_reuse: NonNeg = 0  # what the router expects the slot to reuse (for logs)
     prefix_cache: bool = True  # False: clear the slot and compute the whole prompt
     constraint: Constraint | None = None  # a grammar the output must follow
+    cache_salt: CacheSalt = ""  # the tenant: its KV is reused only by jobs with the same salt ("": no tenant)
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens, empty_ok=False)

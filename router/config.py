@@ -9,6 +9,7 @@ from kvroute.config import opt
 POLICIES = ["prefix", "round-robin", "least-loaded"]
 CHAT_FORMATS = ["gemma", "chatml"]
 QUEUE_ORDERS = ["shortest", "fifo"]
+DEFAULT_CLIENT_ENDPOINT = "tcp://127.0.0.1:5555"
 
 
 @dataclass(frozen=True)
@@ -17,7 +18,11 @@ class RouterConfig:
         None, "GGUF model whose vocabulary the router tokenizes with (default: bundled Gemma 3 270M)", metavar="PATH"
     )
     client_endpoint: str = opt(
-        "tcp://127.0.0.1:5555", "endpoint bound for clients (ZMQ ROUTER)", flag="--zmq", aliases=("--listen",)
+        DEFAULT_CLIENT_ENDPOINT,
+        "endpoint bound for clients (ZMQ ROUTER); under `serve` with an API key and no CURVE client keys the default "
+        "becomes an IPC socket only this user can reach",
+        flag="--zmq",
+        aliases=("--listen",),
     )
     worker_endpoint: str = opt("tcp://127.0.0.1:5556", "endpoint bound for workers (ZMQ ROUTER)", flag="--worker-endpoint")
     policy: str = opt("prefix", "slot selection policy", choices=POLICIES)
@@ -47,6 +52,14 @@ class RouterConfig:
     )
     queue_bound_ms: int = opt(
         3000, "with --queue-order shortest, a request waiting this long goes before every shorter one (nothing starves)"
+    )
+    context_shift: bool = opt(
+        False,
+        "a chat request whose prompt + max_tokens does not fit the largest slot of the ready workers is shortened "
+        "instead of refused: the oldest messages after the leading system ones are dropped, whole (a tool call with its "
+        "results; the last user message stays), until it fits. The reply says so: usage.context_shift "
+        "{dropped_messages, dropped_tokens} in the OpenAI API, dropped_messages/dropped_tokens in the result. "
+        "Without it such a request gets context_overflow",
     )
     queue_size: int = opt(
         0,

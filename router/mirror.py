@@ -9,20 +9,28 @@ first `slot_tokens` tokens of (prompt + generated tokens), and `slot_hash` is th
   counted, the slot is recorded as empty and marked `dirty`, and the next job on it is sent with
   prefix_cache=False so the worker clears it: the mirror is exact again after one job, never trusted
   while wrong.
-- The mirror owns the `Index`; every change to a slot's tokens goes through here, so the two agree.
+- The mirror owns the index; every change to a slot's tokens goes through here, so the two agree. Tenants
+  (`cache_salt`) are isolated by keeping one index per salt: a prompt is matched only against what its own
+  tenant's prompts left in slots and saved states, so nothing (a reuse, a time to first token) tells one tenant
+  about another's prompts. The worker applies the same rule to what it reuses and copies.
+- Saved states: each worker keeps copies of evicted slot contents in host RAM and reports them (protocol
+  `CacheEntry`: added with the slot whose previous contents it copied, or with its tokens; dropped by id). The mirror
+  indexes them as owners (`Saved`) beside the slots, so selection can weigh restoring one against prefilling. An
+  added entry whose hash disagrees with the tokens the mirror knows is a mismatch: counted, not indexed.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvroute.slots import EXACT_ROWS, SlotPhase
-from protocol import token_hash
-from router.index import Index, Tokens, as_tokens
+from protocol import CacheEntry, token_hash
+from router.index import Index, Match, Tokens, as_tokens
 
 EMPTY: Tokens = np.empty(0, dtype=np.int32)
 
@@ -45,6 +53,8 @@ class Slot:
     n_exact: int = 0  # leading tokens computed in full-size ubatches: what a deterministic worker reuses
     before_exact: int = 0
     rev: list[int] = field(default_factory=lambda: [0])  # shared by a worker's slots; bumped on any change
+    salt: str = ""  # the tenant whose prompt it holds (a digest of the client's cache_salt; "": none)
+    before_salt: str = ""
 
     @property
     def busy(self) -> bool:
@@ -56,6 +66,30 @@ class Slot:
 
     def __repr__(self) -> str:
         return f"Slot({self.worker}/{self.index}, {self.phase.value}, n={len(self.tokens)})"
+
+
+SavedKey = tuple[str, int]  # (tier, id): "ram" or "disk", and the entry's id in it
+
+
+@dataclass(eq=False)
+class Saved:
+    """A state a worker saved in host RAM or on disk: restoring it into one of that worker's slots gives its prefix."""
+
+    worker: str
+    key: SavedKey
+    tokens: Tokens
+    nbytes: int
+    n_exact: int = 0
+    min_keep: int = 0  # shortest prefix a restore can keep
+    exact: bool = False  # the worker runs in deterministic mode
+    salt: str = ""  # the tenant whose prompt it holds
+
+    @property
+    def on_disk(self) -> bool:
+        return self.key[0] == "disk"
+
+    def __repr__(self) -> str:
+        return f"Saved({self.worker}/{self.key[0]}#{self.key[1]}, n={len(self.tokens)})"
 
 
 @dataclass(frozen=True)
@@ -76,8 +110,9 @@ class Mirror:
     """Every slot of every connected worker, and the one index over them."""
 
     def __init__(self) -> None:
-        self.index = Index()
+        self.indexes: dict[str, Index] = {"": Index()}  # by tenant salt
         self.workers: dict[str, list[Slot]] = {}
+        self.saved: dict[str, dict[SavedKey, Saved]] = {}  # worker -> its saved states
         self.mismatches = 0
 
     def add_worker(
@@ -87,10 +122,13 @@ class Mirror:
         *,
         contents_known: bool = True,
         exact: bool = False,
-        held: dict[int, tuple[Tokens, int]] | None = None,
+        held: dict[int, tuple[Tokens, int, str]] | None = None,
+        cached: Sequence[CacheEntry] = (),
     ) -> list[Slot]:
         """Slots of a newly accepted worker: holding what the worker reports (`held`: slot -> tokens, n_exact; a
-        worker that outlived its router), else empty, or `dirty` when its KV may hold anything."""
+        worker that outlived its router: slot -> tokens, n_exact, salt), else empty, or `dirty` when its KV may hold
+        anything; and the saved
+        states it reports (`cached`, with their tokens)."""
         self.remove_worker(worker)
         rev = [0]
         slots = [Slot(worker, i, dirty=not contents_known, exact=exact, rev=rev) for i in range(n_slots)]
@@ -100,32 +138,101 @@ class Mirror:
             if slot.index not in held:
                 slot.dirty = True  # not reported: unknown
                 continue
-            tokens, n_exact = held[slot.index]
+            tokens, n_exact, salt = held[slot.index]
             if len(tokens):
-                slot.tokens, slot.n_exact, slot.dirty = as_tokens(tokens), n_exact, False
-                self.index.insert(slot, slot.tokens)
+                slot.tokens, slot.n_exact, slot.dirty, slot.salt = as_tokens(tokens), n_exact, False, salt
+                self._index(salt).insert(slot, slot.tokens)
         self.workers[worker] = slots
+        self.saved[worker] = {}
+        self.cache_changed(worker, cached)
         return slots
 
     def remove_worker(self, worker: str) -> list[Slot]:
-        """Forget a worker: all its slots leave the index at once."""
+        """Forget a worker: all its slots and saved states leave the index at once."""
         slots = self.workers.pop(worker, [])
         for s in slots:
-            self.index.remove(s)
+            self._unindex(s, s.salt)
+        for saved in self.saved.pop(worker, {}).values():
+            self._unindex(saved, saved.salt)
         return slots
+
+    @property
+    def index(self) -> Index:
+        """The index of prompts without a tenant."""
+        return self.indexes[""]
+
+    def match(self, tokens: Tokens, salt: str = "") -> Match:
+        """What every slot and saved state of this tenant shares with the prompt."""
+        index = self.indexes.get(salt)
+        return index.match(tokens) if index is not None else Match([], len(tokens))
+
+    def _index(self, salt: str) -> Index:
+        index = self.indexes.get(salt)
+        if index is None:
+            index = self.indexes[salt] = Index()
+        return index
+
+    def _unindex(self, owner: Slot | Saved, salt: str) -> None:
+        index = self.indexes.get(salt)
+        if index is None:
+            return
+        index.remove(owner)
+        if salt and not len(index):  # (a tenant that left takes no memory)
+            del self.indexes[salt]
+
+    def cache_changed(
+        self, worker: str, added: Sequence[CacheEntry], dropped: Sequence[int] = (), disk_dropped: Sequence[int] = ()
+    ) -> list[str]:
+        """A worker's report of its saved states (before the report's own job is settled: an entry naming a slot holds
+        what the slot held before its running job): added, dropped from host RAM, dropped from disk. Returns the
+        problems found, for the log."""
+        saved, slots = self.saved.get(worker), self.workers.get(worker, [])
+        if saved is None:
+            return []
+        problems = []
+        for e in added:
+            if (e.tier, e.id) in saved:
+                continue  # known from the hello that listed it
+            if e.tokens:
+                tokens = np.frombuffer(e.tokens, dtype="<i4").astype(np.int32)
+            elif 0 <= e.slot < len(slots) and slots[e.slot].busy and slots[e.slot].before is not None:
+                tokens = slots[e.slot].before  # type: ignore[assignment]
+            else:
+                continue  # the mirror does not know what that slot held (unknown contents): not routed to
+            tokens = tokens[: e.n_tokens]
+            if e.slot >= 0 and slots[e.slot].before_salt != e.salt:
+                self.mismatches += 1
+                problems.append(f"saved state {e.id} (from slot {e.slot}) is of another tenant than the slot held")
+                continue
+            if len(tokens) != e.n_tokens or token_hash(tokens) != e.hash:
+                self.mismatches += 1
+                problems.append(f"saved state {e.id} ({e.n_tokens} tokens, from slot {e.slot}) differs from the mirror")
+                continue
+            exact = bool(slots) and slots[0].exact
+            s = Saved(worker, (e.tier, e.id), tokens, e.nbytes, e.n_exact, e.min_keep, exact, e.salt)
+            saved[s.key] = s
+            self._index(s.salt).insert(s, tokens)
+        for key in [("ram", i) for i in dropped] + [("disk", i) for i in disk_dropped]:
+            gone = saved.pop(key, None)
+            if gone is not None:
+                self._unindex(gone, gone.salt)
+        return problems
 
     def slots(self) -> list[Slot]:
         return [s for slots in self.workers.values() for s in slots]
 
-    def assign(self, slot: Slot, job: str, prompt: Tokens) -> None:
+    def assign(self, slot: Slot, job: str, prompt: Tokens, salt: str = "") -> None:
         if slot.busy:
             raise RuntimeError(f"{slot!r} is busy with {slot.job}, cannot take {job}")
         slot.phase, slot.job = SlotPhase.BUSY, job
         slot.before = None if slot.dirty else slot.tokens
-        slot.before_exact = slot.n_exact
+        slot.before_exact, slot.before_salt = slot.n_exact, slot.salt
         slot.tokens = as_tokens(prompt)
         slot.dirty = False  # the job goes with prefix_cache=False when the slot was dirty
-        self.index.insert(slot, slot.tokens)
+        if salt != slot.salt:
+            self._unindex(slot, slot.salt)
+            slot.salt = salt
+        self._index(salt).insert(slot, slot.tokens)
         slot.last_used = time.monotonic()
         slot.rev[0] += 1
 
@@ -142,6 +249,9 @@ class Mirror:
         """A JobError. Untouched (slot -1): the slot holds what it held before the job."""
         if not touched:
             before, before_exact = slot.before, slot.before_exact
+            if slot.before_salt != slot.salt:  # the worker never took the job: the slot is the old tenant's still
+                self._unindex(slot, slot.salt)
+                slot.salt = slot.before_salt
             self._idle(slot, EMPTY if before is None else before, dirty=before is None)
             slot.n_exact = before_exact if before is not None else 0
             return None
@@ -176,8 +286,8 @@ class Mirror:
         slot.phase, slot.job, slot.before = SlotPhase.IDLE, None, None
         slot.tokens, slot.dirty, slot.n_exact = tokens, dirty, 0
         if len(tokens) and not dirty:
-            self.index.insert(slot, tokens)
+            self._index(slot.salt).insert(slot, tokens)
         else:
-            self.index.remove(slot)
+            self._unindex(slot, slot.salt)
         slot.last_used = time.monotonic()
         slot.rev[0] += 1

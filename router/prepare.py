@@ -3,13 +3,15 @@ that may run on the tokenizing thread)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from chat.grammar import ChatError
 from chat.output import OutputSpec
-from chat.request import ChatFormat, prompt_constraint
+from chat.request import ChatFormat, prompt_constraint, shift_points, shifted
 from chat.template import TemplateError
 from kvroute.vocab import Vocab
 from protocol import Constraint, Detokenize, Submit, Tokenize, Tokens, pack_tokens
@@ -27,10 +29,27 @@ class PrepareError(ValueError):
 
 
 @dataclass(frozen=True)
+class Shift:
+    """What --context-shift dropped from a chat request that did not fit (0 messages: nothing could be dropped)."""
+
+    messages: int
+    tokens: int  # prompt tokens before minus after
+
+
+@dataclass(frozen=True)
 class Prepared:
     tokens: np.ndarray
     constraint: Constraint | None
     output: OutputSpec
+    shift: Shift | None = None  # set when --context-shift had to shorten the messages
+
+
+TokenizeFn = Callable[[str, bool], np.ndarray]
+
+
+def fits(n_prompt: int, max_tokens: int | None, ctx: int) -> bool:
+    """Whether a prompt and its max_tokens fit a slot of `ctx` tokens (without max_tokens, one token at least)."""
+    return n_prompt < ctx and n_prompt + (max_tokens or 0) <= ctx
 
 
 def text_chars(msg: Submit | Tokenize) -> int:
@@ -40,9 +59,12 @@ def text_chars(msg: Submit | Tokenize) -> int:
     return sum(len(m.text()) + sum(len(c.arguments) for c in m.tool_calls or ()) for m in msg.messages or ())
 
 
-def prepare(msg: Submit, vocab: Vocab, chat: ChatFormat, prompts: PromptTokenizer | None = None) -> Prepared:
+def prepare(
+    msg: Submit, vocab: Vocab, chat: ChatFormat, prompts: PromptTokenizer | None = None, *, shift_to: int | None = None
+) -> Prepared:
     """Raises PrepareError naming the problem (and the field). `prompts` tokenizes texts reusing the tokens of
-    recent prompts' heads (the router's); without it every text is tokenized whole."""
+    recent prompts' heads (the router's); without it every text is tokenized whole. `shift_to` (--context-shift):
+    the slot size chat messages must fit, dropping the oldest ones if they do not."""
 
     def tokenize(text: str, add_special: bool) -> np.ndarray:
         if prompts is not None:
@@ -51,8 +73,7 @@ def prepare(msg: Submit, vocab: Vocab, chat: ChatFormat, prompts: PromptTokenize
 
     try:
         if msg.messages is not None:
-            p = chat.prepare(msg)
-            return Prepared(tokenize(p.text, p.add_bos), p.constraint, p.output)
+            return _chat(msg, chat, tokenize, shift_to)
         limit = prompt_constraint(msg)
     except ChatError as exc:
         raise PrepareError(str(exc), exc.param) from None
@@ -66,6 +87,48 @@ def prepare(msg: Submit, vocab: Vocab, chat: ChatFormat, prompts: PromptTokenize
         bad = int(toks[(toks < 0) | (toks >= vocab.n_vocab)][0])
         raise PrepareError(f"token id {bad} is outside the vocabulary (0..{vocab.n_vocab - 1})", "tokens")
     return Prepared(toks, limit, PLAIN)
+
+
+def _chat(msg: Submit, chat: ChatFormat, tokenize: TokenizeFn, ctx: int | None) -> Prepared:
+    p = chat.prepare(msg)
+    tokens = tokenize(p.text, p.add_bos)
+    if ctx is None or fits(len(tokens), msg.sampling.max_tokens, ctx):
+        return Prepared(tokens, p.constraint, p.output)
+    return _shift(msg, chat, tokenize, ctx, Prepared(tokens, p.constraint, p.output, Shift(0, 0)))
+
+
+def _shift(msg: Submit, chat: ChatFormat, tokenize: TokenizeFn, ctx: int, whole: Prepared) -> Prepared:
+    """The history that drops the fewest messages and fits `ctx`, found by bisection over the places it may resume
+    at (the prompt shortens as more is dropped); the one that drops the most when none fits (then the scheduler
+    refuses it with both numbers)."""
+    assert msg.messages is not None
+    messages = msg.messages
+    points = shift_points(messages)
+
+    def attempt(at: int) -> Prepared:
+        kept = shifted(messages, at)
+        p = chat.prepare(msgspec.structs.replace(msg, messages=kept))
+        tokens = tokenize(p.text, p.add_bos)
+        shift = Shift(len(messages) - len(kept), max(0, len(whole.tokens) - len(tokens)))
+        return Prepared(tokens, p.constraint, p.output, shift)
+
+    def fit(p: Prepared) -> bool:
+        return fits(len(p.tokens), msg.sampling.max_tokens, ctx)
+
+    if not points:
+        return whole
+    lo, hi = 0, len(points) - 1
+    best = attempt(points[hi])
+    if not fit(best):
+        return best
+    while lo < hi:  # invariant: points[hi] fits (best is its prompt), points[:lo] do not
+        mid = (lo + hi) // 2
+        tried = attempt(points[mid])
+        if fit(tried):
+            hi, best = mid, tried
+        else:
+            lo = mid + 1
+    return best
 
 
 def tokens_reply(msg: Tokenize | Detokenize, vocab: Vocab, chat: ChatFormat) -> Tokens:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -12,9 +13,19 @@ import numpy as np
 from chat.output import OutputParser, OutputSpec
 from protocol import Choice, Constraint, Hello, Sampling, Timings, TokenLogprob, Usage
 from router.mirror import Slot
+from router.prepare import Shift, fits
 from router.select import WorkerLoad
 
 NO_TOKENS = np.zeros(0, dtype=np.int32)
+
+
+def tenant(cache_salt: str | None) -> str:
+    """The tenant a request's `cache_salt` names, as the mirror and workers key on it: a digest (the salt may be
+    derived from an API key, so it never leaves the router or shows in a log); "" for none."""
+    return "" if not cache_salt else hashlib.blake2b(cache_salt.encode(), digest_size=12).hexdigest()
+
+
+PREFILL_SAMPLE_MIN = 64  # a job prefilling fewer tokens says little about the worker's prefill speed
 
 
 class ReqState(enum.Enum):
@@ -63,6 +74,8 @@ class Req:
     choice: Choice | None = None  # this choice's reply, kept until every choice of the request has one
     usage: Usage | None = None
     timings: Timings | None = None
+    shift: Shift | None = None  # what --context-shift dropped from its messages (the result says so)
+    salt: str = ""  # its tenant: a digest of its cache_salt (prefixes are shared only within a tenant)
 
     def __post_init__(self) -> None:
         self.reply_to = self.client
@@ -87,6 +100,7 @@ class Req:
             sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + index) % (2**32 - 1))
         twin = Req(self.client, self.envelope, self.rid, sampling, self.stream, self.deadline, self.n, self.tokens, self.arrived)
         twin.constraint, twin.output, twin.index, twin.group = self.constraint, self.output, index, self.group
+        twin.salt = self.salt
         return twin
 
 
@@ -108,6 +122,7 @@ class WorkerConn:
     counted_at: float = 0.0
     progress: int = 0  # the engine's step count, from its last heartbeat
     progress_at: float = field(default_factory=time.monotonic)  # when it last moved (or the worker got work)
+    prefill_tps: float = 0.0  # prompt tokens computed per second, from its JobDone timings (moving average)
     load: WorkerLoad = field(init=False)
 
     def __post_init__(self) -> None:
@@ -119,11 +134,29 @@ class WorkerConn:
             dt = now - self.counted_at
             self.rates = {k: max(0.0, (v - self.counters.get(k, 0.0)) / dt) for k, v in counters.items()}
         self.counters, self.counted_at = counters, now
+        self._restore_cost()
+
+    def prefilled(self, tokens: int, ms: float) -> None:
+        """A job's prefill: its speed, when long enough to tell, goes into the moving average."""
+        if tokens >= PREFILL_SAMPLE_MIN and ms > 0:
+            tps = tokens / (ms / 1000)
+            self.prefill_tps = tps if not self.prefill_tps else 0.8 * self.prefill_tps + 0.2 * tps
+            self._restore_cost()
+
+    def _restore_cost(self) -> None:
+        """Selection's cost of restoring a byte, in prompt tokens: prefill speed / restore speed, once both are known."""
+        if not self.prefill_tps:
+            return
+        nbytes, seconds = self.counters.get("host_restore_bytes", 0.0), self.counters.get("host_restore_s", 0.0)
+        if nbytes and seconds > 0:
+            self.load.restore_cost = self.prefill_tps / (nbytes / seconds)
+        nbytes, seconds = self.counters.get("disk_restore_bytes", 0.0), self.counters.get("disk_restore_s", 0.0)
+        if nbytes and seconds > 0:
+            self.load.disk_restore_cost = self.prefill_tps / (nbytes / seconds)
 
     def fits(self, req: Req) -> bool:
         """Whether one of this worker's slots can hold the request's prompt and its max_tokens."""
-        ctx = self.hello.ctx_per_slot
-        return len(req.tokens) < ctx and len(req.tokens) + (req.sampling.max_tokens or 0) <= ctx
+        return fits(len(req.tokens), req.sampling.max_tokens, self.hello.ctx_per_slot)
 
     @property
     def has_suspect(self) -> bool:

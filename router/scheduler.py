@@ -75,8 +75,8 @@ from router.metrics import Metrics, RequestRecord, mispredicted
 from router.mirror import Mirror
 from router.prepare import Prepared, PrepareError
 from router.replies import choice_of, delta_of, result_of
-from router.requests import Req, ReqState, WorkerConn, WorkerState
-from router.select import Dispatch, Params, Wait, coldest, predicted_reuse, select
+from router.requests import Req, ReqState, WorkerConn, WorkerState, tenant
+from router.select import Dispatch, Params, Wait, coldest, expected_reuse, select
 
 log = logs.get(__name__)
 
@@ -166,7 +166,7 @@ class Scheduler:
         slot = d.slot
         job = f"{req.rid[:100]}.{next(self._job_ids)}"
         prefix_cache = self.cfg.prefix_cache and not slot.dirty
-        self.mirror.assign(slot, job, req.tokens)
+        self.mirror.assign(slot, job, req.tokens, req.salt)
         self._rotation += 1
         self.queue.remove(req)
         now = time.monotonic()
@@ -180,7 +180,8 @@ class Scheduler:
         self.jobs[job] = req
         conn.jobs[job] = req
         conn.refresh()
-        self.metrics.decisions["guarded" if d.guarded else "affinity" if d.affinity else "cold"] += 1
+        kind = "guarded" if d.guarded else "restore" if d.restore else "affinity" if d.affinity else "cold"
+        self.metrics.decisions[kind] += 1
         deadline_ms = None if req.deadline is None else max(1, int((req.deadline - now) * 1000))
         log.info(
             "slot_assigned",
@@ -192,6 +193,7 @@ class Scheduler:
             prefill=len(req.tokens) - d.reuse,
             cost=round(d.cost, 1),
             affinity=d.affinity,
+            restore=d.restore,
         )
         self._to_worker(
             conn,
@@ -204,6 +206,7 @@ class Scheduler:
                 predicted_reuse=d.reuse,
                 prefix_cache=prefix_cache,
                 constraint=req.constraint,
+                cache_salt=req.salt,
             ),
         )
 
@@ -278,7 +281,10 @@ class Scheduler:
         if any(r.choice is None for r in choices):
             return
         lead = choices[0]
-        self._to_client(lead, result_of(choices, lead.worker or "", lead.slot.index if lead.slot else -1))
+        result = result_of(choices, lead.worker or "", lead.slot.index if lead.slot else -1)
+        if lead.shift is not None:  # the client is told its prompt is not the one it sent
+            result.dropped_messages, result.dropped_tokens = lead.shift.messages, lead.shift.tokens
+        self._to_client(lead, result)
 
     # ---- client events ----------------------------------------------------------------------------
 
@@ -304,6 +310,7 @@ class Scheduler:
         deadline = None if msg.deadline_ms is None else time.monotonic() + msg.deadline_ms / 1000.0
         # REQ sockets take exactly one reply per request: no deltas for them
         req = Req(identity, list(envelope), rid, msg.sampling, msg.stream and not envelope, deadline, msg.n)
+        req.salt = tenant(msg.cache_salt)
         self.requests[req.key] = req
         return req
 
@@ -322,6 +329,10 @@ class Scheduler:
             self._to_client(req, err)
             return
         req.tokens, req.constraint, req.output = outcome.tokens, outcome.constraint, outcome.output
+        req.shift = outcome.shift
+        if req.shift is not None:
+            shift = req.shift
+            log.info("context_shift", request_id=req.rid, dropped_messages=shift.messages, dropped_tokens=shift.tokens)
         refusal = self._refusal(req) if len(req.tokens) else (ErrorCode.BAD_REQUEST, "the prompt has no tokens", {})
         if refusal:
             code, text, extra = refusal
@@ -350,7 +361,15 @@ class Scheduler:
 
     @staticmethod
     def _overflow(req: Req, ctx: int) -> str:
-        return f"prompt of {len(req.tokens)} tokens + max_tokens {req.sampling.max_tokens} does not fit a slot of {ctx} tokens"
+        """Both numbers: the prompt (and max_tokens) and the largest slot; what --context-shift dropped, if it tried."""
+        asked = "" if req.sampling.max_tokens is None else f" + max_tokens {req.sampling.max_tokens}"
+        s = req.shift
+        shifted = f" (after --context-shift dropped {s.messages} messages, {s.tokens} tokens)" if s is not None else ""
+        return f"prompt of {len(req.tokens)} tokens{shifted}{asked} does not fit a slot of {ctx} tokens"
+
+    def slot_context(self) -> int | None:
+        """The largest slot of the ready workers, in tokens (what a prompt must fit); None when none is ready."""
+        return max((w.hello.ctx_per_slot for w in self.workers.values() if w.state is WorkerState.READY), default=None)
 
     def queue_limit(self) -> int:
         if self.cfg.queue_size > 0:
@@ -397,7 +416,7 @@ class Scheduler:
         if self.cfg.queue_order == "fifo" or len(self.queue) < 2:
             return list(self.queue)
         bound = self.cfg.queue_bound_ms / 1000
-        head = [(r, self.mirror.index.match(r.tokens)) for r in self.queue[:SORT_WINDOW]]
+        head = [(r, self.mirror.match(r.tokens, r.salt)) for r in self.queue[:SORT_WINDOW]]
 
         def key(item: tuple[int, tuple[Req, Any]]) -> tuple[int, int, int]:
             i, (req, match) = item
@@ -424,7 +443,7 @@ class Scheduler:
                 waiting += 1  # none of the workers it may go to has an idle slot
                 continue
             t0 = time.perf_counter()
-            match = self.mirror.index.match(req.tokens)  # afresh: a dispatch in this loop may have changed the mirror
+            match = self.mirror.match(req.tokens, req.salt)  # afresh: a dispatch in this loop may have changed the mirror
             if req.index > 0:  # another choice of a request: beside its first choice, which computes the prompt
                 lead = req.choices[0]
                 if lead.state in (ReqState.QUEUED, ReqState.TOKENIZING):
@@ -462,8 +481,8 @@ class Scheduler:
         slot = coldest(conn.load, self.params.evict_half_life_s)
         if slot is None:
             return None
-        reuse = predicted_reuse(match.lcp(slot), match.length, slot, self.params)
-        return Dispatch(slot, reuse, 0.0, False)
+        reuse, restore = expected_reuse(match, slot, self.params, conn.load.saved)
+        return Dispatch(slot, reuse, 0.0, False, restore=restore)
 
     # ---- worker events ----------------------------------------------------------------------------
 
@@ -496,12 +515,16 @@ class Scheduler:
             self.worker_dead(msg.worker_id, f"new incarnation {msg.incarnation}")
         held = None
         if msg.held is not None:  # what each slot holds: the mirror starts from it
-            held = {h.slot: (np.frombuffer(h.tokens, dtype="<i4").astype(np.int32), h.n_exact) for h in msg.held}
+            held = {h.slot: (np.frombuffer(h.tokens, dtype="<i4").astype(np.int32), h.n_exact, h.salt) for h in msg.held}
         # without a report, a fresh process starts empty; one seen before may hold anything
         known = held is not None or (msg.worker_id, msg.incarnation) not in self.seen
         self.seen.add((msg.worker_id, msg.incarnation))
-        slots = self.mirror.add_worker(msg.worker_id, msg.slots, contents_known=known, exact=msg.deterministic, held=held)
+        cached = msg.cached if held is not None else ()  # (a worker that cannot say what its slots hold clears all)
+        slots = self.mirror.add_worker(
+            msg.worker_id, msg.slots, contents_known=known, exact=msg.deterministic, held=held, cached=cached
+        )
         conn = WorkerConn(msg, slots)
+        conn.load.saved = self.mirror.saved[msg.worker_id]
         self.workers[msg.worker_id] = conn
         self.no_workers_since = None
         self._to_worker(conn, Accept(worker_id=msg.worker_id, router_id=self.router_id))
@@ -576,6 +599,7 @@ class Scheduler:
             self._to_client(req, delta)
 
     def _job_done(self, conn: WorkerConn, msg: JobDone) -> None:
+        self._cache_changed(conn, msg)
         req = conn.jobs.get(msg.id)
         if req is None or req.slot is None:
             log.warning("unknown_job_done", worker=conn.id, job=msg.id)
@@ -591,6 +615,7 @@ class Scheduler:
             self.metrics.mirror_mismatches += 1
             log.error("mirror_mismatch", **mm.__dict__, reported_slot=msg.slot, via="job_done")
         conn.refresh()
+        conn.prefilled(msg.prefilled_tokens, msg.timings.prefill_ms)
         if msg.reused_tokens >= self.params.min_match:
             slot.hits += 1
         slot.reused_total += msg.reused_tokens
@@ -640,6 +665,7 @@ class Scheduler:
         self._pump()
 
     def _job_error(self, conn: WorkerConn, msg: JobError) -> None:
+        self._cache_changed(conn, msg)
         req = conn.jobs.get(msg.id)
         if req is None or req.slot is None:
             return
@@ -658,6 +684,15 @@ class Scheduler:
         else:
             self._fail(req, msg.code, msg.message, error_id=msg.error_id)
         self._pump()
+
+    def _cache_changed(self, conn: WorkerConn, msg: JobDone | JobError) -> None:
+        """The saved states a JobDone/JobError reports, before its job is settled (an entry may name the slot whose
+        previous contents it holds)."""
+        if not msg.cache_added and not msg.cache_dropped and not msg.disk_dropped:
+            return
+        for problem in self.mirror.cache_changed(conn.id, msg.cache_added, msg.cache_dropped, msg.disk_dropped):
+            self.metrics.mirror_mismatches += 1
+            log.error("mirror_mismatch", error_id=uuid.uuid4().hex[:12], worker=conn.id, problem=problem, via="cache_added")
 
     def worker_dead(self, worker: str, reason: str) -> None:
         """A worker is gone: purge its slots now, re-dispatch what it had not streamed, fail the rest."""
@@ -757,8 +792,11 @@ class Scheduler:
 
     # ---- views ------------------------------------------------------------------------------------
 
-    def status(self, rid: str | None) -> StatusReply:
+    def status(self, rid: str | None, cache_salt: str | None = None) -> StatusReply:
+        """Every worker and slot; a slot holding another tenant's prompt than the asker's (`cache_salt`) shows only
+        whether it is busy."""
         now = time.monotonic()
+        salt = tenant(cache_salt)
         workers = [
             WorkerStatus(
                 worker=c.id,
@@ -770,7 +808,9 @@ class Scheduler:
                 ctx_per_slot=c.hello.ctx_per_slot,
                 kv_bytes_per_slot=c.hello.kv_bytes // max(1, c.hello.slots),
                 slots=[
-                    SlotStatus(
+                    SlotStatus(slot=s.index, busy=s.busy, n_tokens=0, other_tenant=True)
+                    if s.salt and s.salt != salt
+                    else SlotStatus(
                         slot=s.index,
                         busy=s.busy,
                         n_tokens=len(s.tokens),

@@ -12,6 +12,12 @@ Cost of sending a prompt of L tokens to idle slot s of worker w, in prompt-token
     affine(s)  = reuse(s) if reuse(s) >= min_match else 0     a tiny match (BOS, "The") is no affinity
     recency(s) = 0.5 ** (idle seconds of s / evict_half_life_s) a hot, recently used prefix is dear
 
+A state a worker saved in host RAM (`Saved`, in the same index) is a third kind of candidate: restoring it into
+that worker's cheapest slot to overwrite gives reuse(saved) (the worker's rule: kvroute/slots.py `restore_keep`,
+`worth_copy`) at an extra cost of its bytes x the worker's `restore_cost` (prompt-token equivalents per byte: its
+measured prefill speed / restore speed). The reuse a dispatch predicts includes the restore the worker will do on
+the chosen slot, whichever way it was chosen.
+
 Guards:
 - Imbalance: when busy(max) - busy(min) > imbalance_abs and busy(max) > imbalance_rel * busy(min)
   (min over workers with an idle slot), only workers with busy <= busy(min) + imbalance_abs are
@@ -40,12 +46,16 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvroute.slots import reused
+from kvroute.slots import restore_keep, reused, worth_copy
 from router.config import RouterConfig
 from router.index import Match
-from router.mirror import Slot
+from router.mirror import Saved, SavedKey, Slot
 
 _CONFIG: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+# Until a worker has measured both: prefill ~1,000 tokens/s, restore ~1 GB/s (a CPU worker; a GPU prefills faster
+# and restores faster alike)
+RESTORE_COST_PER_BYTE = 1e-6
+DISK_RESTORE_COST_PER_BYTE = 1e-5  # ~100 MB/s, a slow disk's cold read
 
 
 @dataclass(frozen=True)
@@ -78,8 +88,14 @@ class WorkerLoad:
     slots: list[Slot]
     busy: int = 0
     queued_prefill: int = 0
+    restore_cost: float = RESTORE_COST_PER_BYTE  # prompt-token equivalents of restoring one byte from host RAM
+    disk_restore_cost: float = DISK_RESTORE_COST_PER_BYTE  # the same from its disk tier
+    saved: dict[SavedKey, Saved] = field(default_factory=dict, repr=False)  # its saved states (the mirror's)
     cold: Slot | None = field(default=None, repr=False)  # cache of coldest, valid while cold_rev holds
     cold_rev: object = field(default=None, repr=False)
+
+    def restore_cost_of(self, saved: Saved) -> float:
+        return saved.nbytes * (self.disk_restore_cost if saved.on_disk else self.restore_cost)
 
 
 @dataclass(frozen=True)
@@ -89,6 +105,7 @@ class Dispatch:
     cost: float
     affinity: bool  # chosen for its cached prefix (reuse >= min_match)
     guarded: bool = False  # the imbalance guard limited the candidates
+    restore: bool = False  # the reuse comes from a saved state the worker restores
 
 
 @dataclass(frozen=True)
@@ -105,6 +122,24 @@ def predicted_reuse(lcp: int, length: int, slot: Slot, params: Params) -> int:
     if not params.prefix_cache or slot.dirty:
         return 0
     return reused(lcp, length, slot.n_exact, slot.exact)
+
+
+def restored_reuse(lcp: int, length: int, saved: Saved, have: int) -> int:
+    """What a saved state sharing `lcp` tokens with a prompt gives on a slot that gives `have` itself: the worker's
+    rule (worker/engine.py `_source`); `have` when a restore is not worth it there."""
+    r = restore_keep(reused(lcp, length, saved.n_exact, saved.exact), len(saved.tokens), saved.min_keep)
+    return r if worth_copy(r - have, len(saved.tokens)) else have
+
+
+def expected_reuse(match: Match, slot: Slot, params: Params, saved: dict[SavedKey, Saved]) -> tuple[int, bool]:
+    """What the worker will reuse for this prompt on `slot`: its own prefix, or the state it restores (True) from its
+    `saved` ones: the one sharing the longest prefix, as the worker picks it."""
+    own = predicted_reuse(match.lcp(slot), match.length, slot, params)
+    if not params.prefix_cache or slot.dirty or not saved:
+        return own, False
+    lcp, top = max(((match.lcp(s), s) for s in saved.values()), key=lambda x: x[0])
+    r = restored_reuse(lcp, match.length, top, own) if lcp else own
+    return r, r > own
 
 
 def _recency(slot: Slot, now: float, half_life: float) -> float:
@@ -156,8 +191,8 @@ def select(match: Match, workers: list[WorkerLoad], params: Params, now: float, 
 def _plain(w: WorkerLoad, match: Match, params: Params) -> Dispatch:
     slot = coldest(w, params.evict_half_life_s)
     assert slot is not None
-    reuse = predicted_reuse(match.lcp(slot), match.length, slot, params)
-    return Dispatch(slot, reuse, float(match.length - reuse), reuse >= params.min_match)
+    reuse, restore = expected_reuse(match, slot, params, w.saved)
+    return Dispatch(slot, reuse, float(match.length - reuse), reuse >= params.min_match, restore=restore)
 
 
 def _prefix(match: Match, workers: list[WorkerLoad], params: Params, now: float, waited_ms: float) -> Decision:
@@ -177,24 +212,30 @@ def _prefix(match: Match, workers: list[WorkerLoad], params: Params, now: float,
     best: tuple[float, int, int] | None = None
     best_slot: Slot | None = None
     best_reuse = 0
+    best_restore = False
 
     holding = params.prefix_cache and params.hold_ms > 0  # the wait ends when the hold does
     hold_since = now - params.hold_ms / 1000.0
     held: Slot | None = None
+    by_name = {w.worker: w for w in workers}
 
-    def consider(s: Slot, lcp: int) -> None:
-        nonlocal best, best_slot, best_reuse, held
-        reuse = predicted_reuse(lcp, length, s, params)
+    def consider(s: Slot, lcp: int, saved: Saved | None = None, saved_lcp: int = 0) -> None:
+        nonlocal best, best_slot, best_reuse, best_restore, held
+        reuse = own = predicted_reuse(lcp, length, s, params)
+        extra = 0.0
+        if saved is not None and not s.dirty:
+            reuse = restored_reuse(saved_lcp, length, saved, own)
+            extra = by_name[s.worker].restore_cost_of(saved) if reuse > own else 0.0
         if holding and reuse < mm and s.last_used > hold_since and s.tokens.size and not s.dirty:
             held = s  # kept for its own conversation a little longer
             return
-        lost = 0 if s.dirty else len(s.tokens) - reuse
-        cost = length - (reuse if reuse >= mm else 0) + load[s.worker]
+        lost = 0 if s.dirty else len(s.tokens) - own
+        cost = length - (reuse if reuse >= mm else 0) + load[s.worker] + extra
         if lost > 0 and ew > 0:
             cost += ew * lost * _recency(s, now, hl)
         key = (cost, rank[s.worker], s.index)
         if best is None or key < best:
-            best, best_slot, best_reuse = key, s, reuse
+            best, best_slot, best_reuse, best_restore = key, s, reuse, reuse > own
 
     for w in workers:
         cold = coldest(w, hl)
@@ -206,11 +247,16 @@ def _prefix(match: Match, workers: list[WorkerLoad], params: Params, now: float,
                         consider(s, match.lcp(s))
     if params.prefix_cache:
         for level, depth in match.levels():
-            owners = cast("set[Slot]", level)
+            owners = cast("set[Slot | Saved]", level)
             top = min(depth, length - 1)
             if top < mm or (best is not None and length - top + min_load >= best[0]):
                 break  # shallower levels reuse less: none of them can win
-            idle = [s for s in owners if not s.busy and s.worker in rank]
+            idle = [s for s in owners if isinstance(s, Slot) and not s.busy and s.worker in rank]
+            for saved in owners:
+                if isinstance(saved, Saved) and saved.worker in rank:
+                    target = coldest(by_name[saved.worker], hl)  # (a restore overwrites what the slot holds)
+                    if target is not None:
+                        consider(target, match.lcp(target), saved, depth)
             if len(idle) > 32 and ew > 0:
                 plain = [s for s in idle if not (s.dirty or s.exact)]
                 for s in idle:
@@ -229,7 +275,9 @@ def _prefix(match: Match, workers: list[WorkerLoad], params: Params, now: float,
         wait = _busy_better(match, length, params, best_reuse)
         if wait is not None:
             return wait
-    return Dispatch(best_slot, best_reuse, best[0], best_reuse >= mm, guarded)
+    if not best_restore:  # the worker restores a saved state on that slot if one is worth it, chosen for it or not
+        best_reuse, best_restore = expected_reuse(match, best_slot, params, by_name[best_slot.worker].saved)
+    return Dispatch(best_slot, best_reuse, best[0], best_reuse >= mm, guarded, best_restore)
 
 
 def _vector_best(
@@ -247,12 +295,12 @@ def _vector_best(
 def _busy_better(match: Match, length: int, params: Params, idle_reuse: int) -> Wait | None:
     """The busy slot with the deepest match, if it beats the best idle choice by min_match tokens."""
     for level, depth in match.levels():
-        owners = cast("set[Slot]", level)
+        owners = cast("set[Slot | Saved]", level)
         if min(depth, length - 1) - idle_reuse < params.min_match:
             return None
         top: Wait | None = None
         for s in owners:
-            if s.busy:
+            if isinstance(s, Slot) and s.busy:
                 reuse = predicted_reuse(depth, length, s, params)
                 if reuse >= params.min_match and reuse - idle_reuse >= params.min_match and (top is None or reuse > top.reuse):
                     top = Wait(s, reuse)

@@ -31,6 +31,7 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
+import os
 import time
 import typing
 import uuid
@@ -182,6 +183,9 @@ class Router:
         # frames over the cap still get a `too_large` reply; only far larger ones drop the connection
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.cfg.max_frame_bytes + 4096)
         sock.bind(endpoint)
+        if endpoint.startswith("ipc://"):  # (only this user: the directory decides who reaches it before this)
+            with contextlib.suppress(OSError):
+                os.chmod(endpoint[len("ipc://") :], 0o600)
         assert self.gatekeeper is not None
         self.gatekeeper.watch(sock, domain)
         return sock
@@ -357,7 +361,7 @@ class Router:
         elif isinstance(msg, Cancel):
             self.core.cancel(identity, msg.id)
         elif isinstance(msg, StatusRequest):
-            self.core.reply(identity, envelope, self.core.status(msg.id))
+            self.core.reply(identity, envelope, self.core.status(msg.id, msg.cache_salt))
         elif isinstance(msg, Tokenize | Detokenize):
             self._on_tokenize(identity, envelope, msg)
         elif isinstance(msg, MetricsRequest):
@@ -367,7 +371,8 @@ class Router:
         req = self.core.accept(identity, envelope, msg)
         if req is None:
             return
-        work = functools.partial(prepare, msg, self.vocab, self.chat, self.prompts)
+        shift_to = self.core.slot_context() if self.cfg.context_shift else None  # (no ready worker: not shifted)
+        work = functools.partial(prepare, msg, self.vocab, self.chat, self.prompts, shift_to=shift_to)
         if text_chars(msg) <= TOKENIZE_INLINE_CHARS:
             try:
                 self.core.prepared(req, work())

@@ -45,14 +45,43 @@ def flash_attn_opt() -> Any:
     return opt("auto", "flash attention: auto (llama.cpp decides; on with quantized values), on or off", choices=list(FLASH_ATTN))
 
 
+def ctx_per_slot_opt() -> Any:
+    return opt(
+        0,
+        "context length of each slot, in tokens; 0 = auto: the length the model was trained for (32768 for the default "
+        "Gemma 3 270M), shortened to fit --kv-budget-mb. A length beyond the trained one is served, with a warning",
+    )
+
+
+def kv_budget_opt(cpu_share: str) -> Any:
+    return opt(
+        0,
+        "MiB that the KV cache of all slots may take with --ctx-per-slot 0 (auto): the auto length is cut to the "
+        "longest multiple of 256 whose slots x tokens x KV bytes per token fit (18 KiB per token for the default model "
+        f"with f16 KV). 0 = auto: on CPU a quarter of the RAM{cpu_share}; on a GPU three quarters of its free memory "
+        "once the weights are loaded",
+    )
+
+
+def n_gpu_layers_opt(gpu_flag: str) -> Any:
+    return opt(
+        None,
+        f"layers offloaded to the GPU ({gpu_flag}), the others run on CPU: for a model larger than the GPU's memory. "
+        f"Default: all of them with {gpu_flag}, none without",
+        metavar="N",
+    )
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str | None = opt(None, "GGUF model file (default: the bundled Gemma 3 270M)", metavar="PATH")
     slots: int = opt(4, "number of slots (parallel sequences, llama seq_ids 0..N-1)")
-    ctx_per_slot: int = opt(4096, "context length of each slot, in tokens")
+    ctx_per_slot: int = ctx_per_slot_opt()
+    kv_budget_mb: int = kv_budget_opt("")
     threads: int = opt(os.cpu_count() or 1, "CPU threads for llama.cpp")
     n_batch: int = opt(512, "most prompt tokens computed in one engine step (chunked prefill)")
-    gpu: int | None = opt(None, "GPU index to pin the context to (all layers offloaded); default: CPU", metavar="I")
+    gpu: int | None = opt(None, "GPU index to pin the model and context to (one GPU); default: CPU", metavar="I")
+    n_gpu_layers: int | None = n_gpu_layers_opt("--gpu")
     connect: str = opt("tcp://127.0.0.1:5556", "router's worker endpoint to connect to")
     worker_id: str = opt("w0", "this worker's id (its ZMQ identity)")
     incarnation: int | None = opt(
@@ -75,6 +104,13 @@ class WorkerConfig:
     host_cache_mb: int = opt(
         2048, "host RAM for copies of evicted slot contents, restored when their conversation returns (0: off)"
     )
+    cache_dir: str | None = opt(
+        None,
+        "disk tier: a directory of this worker's own for saved states. What host RAM evicts, and on a graceful stop "
+        "every slot and host-RAM entry, is written there, and restored after a restart (default: no disk tier)",
+        metavar="DIR",
+    )
+    disk_cache_gb: float = opt(16.0, "most disk space the --cache-dir tier takes (least recently used files go first)")
     drain_timeout_s: float = opt(
         60.0, "on SIGTERM: running jobs get this long to finish; then they are handed back (JobError draining)"
     )
@@ -84,8 +120,14 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.slots < 1 or self.slots > 256:
             raise ValueError(f"slots must be in 1..256, got {self.slots}")
-        if self.ctx_per_slot < 16:
-            raise ValueError(f"ctx_per_slot must be at least 16, got {self.ctx_per_slot}")
+        if self.ctx_per_slot != 0 and self.ctx_per_slot < 16:
+            raise ValueError(f"--ctx-per-slot must be 0 (auto) or at least 16, got {self.ctx_per_slot}")
+        if self.kv_budget_mb < 0:
+            raise ValueError(f"--kv-budget-mb must be at least 0 (0: auto), got {self.kv_budget_mb}")
+        if self.n_gpu_layers is not None and self.n_gpu_layers < 0:
+            raise ValueError(f"--n-gpu-layers must be at least 0, got {self.n_gpu_layers}")
+        if self.n_gpu_layers and self.gpu is None:
+            raise ValueError(f"--n-gpu-layers {self.n_gpu_layers} needs --gpu (without it the worker runs on CPU)")
         if self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.n_batch < 1:
@@ -100,6 +142,10 @@ class WorkerConfig:
             raise ValueError("--spec cannot be used with --snapshots (rejected guesses are removed by trimming KV)")
         if self.host_cache_mb < 0:
             raise ValueError(f"host_cache_mb must be at least 0, got {self.host_cache_mb}")
+        if self.disk_cache_gb < 0:
+            raise ValueError(f"--disk-cache-gb must be at least 0, got {self.disk_cache_gb}")
+        if self.cache_dir is not None and not self.cache_dir.strip():
+            raise ValueError("--cache-dir must name a directory")
         for flag, value, allowed in (
             ("--cache-type-k", self.cache_type_k, KV_TYPES),
             ("--cache-type-v", self.cache_type_v, KV_TYPES),

@@ -41,12 +41,15 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvroute import logs
 from kvroute.model import resolve_model
-from kvroute.slots import EXACT_ROWS, SlotPhase, common_prefix, reused
+from kvroute.slots import COPY_MIN, EXACT_ROWS, SlotPhase, common_prefix, restore_keep, reused, worth_copy
+from kvroute.weights import GGUFError, weights_fingerprint
 from protocol import (
+    CacheEntry,
     ErrorCode,
     FinishReason,
     Job,
@@ -63,6 +66,7 @@ from protocol import (
     unpack_tokens,
 )
 from worker.config import WorkerConfig
+from worker.disk_cache import Added, DiskCache, DiskEntry, llama_state_version
 from worker.faults import Faults
 from worker.guide import Guide, GuideError, GuideTokenizer
 from worker.host_cache import Entry, HostCache
@@ -76,13 +80,8 @@ log = logs.get(__name__)
 
 Sink = Callable[[Message], None]
 MS = 1000.0
-# Copying a prefix moves memory: another slot's whole stream (ctx_per_slot cells, about 18 KB each for Gemma 3
-# 270M), or a host-RAM entry's state. Worth it when it saves at least COPY_MIN prompt tokens and 1/COPY_RATIO of
-# the cells copied (prefill costs ~100x a token's memcpy on CPU, ~50x on GPU).
-COPY_MIN = 32
-COPY_RATIO = 64
 PAD_TOKEN = 0  # token of deterministic mode's padding rows (any id: their KV is removed after the decode)
-SAVE_MIN = 64  # an eviction that loses fewer tokens than this is not worth a host-RAM copy
+SAVE_MIN = COPY_MIN  # an eviction losing fewer tokens than a restore must gain is not worth a host-RAM copy
 # a prompt that got no prefill budget this many steps in a row takes it before prompts with less left to compute
 PREFILL_PATIENCE_STEPS = 4
 
@@ -107,6 +106,12 @@ class Counters:
     slot_copies: int = 0  # prefixes copied from another slot of this worker
     host_saves: int = 0  # evicted slot contents kept in host RAM
     host_restores: int = 0  # prefixes restored from host RAM
+    host_restore_bytes: int = 0  # bytes of the states restored (with host_restore_s: the restore speed)
+    host_restore_s: float = 0.0
+    disk_restores: int = 0  # prefixes restored from the disk tier (counted in restored_from_host)
+    disk_restore_bytes: int = 0
+    disk_restore_s: float = 0.0
+    disk_restore_failures: int = 0  # a disk entry that did not check out or that llama.cpp refused (served cold)
     restored_tokens: int = 0  # reused tokens that came from another slot or host RAM
     restored_from_slots: int = 0  # of restored_tokens: copied from another slot
     restored_from_host: int = 0  # of restored_tokens: restored from host RAM
@@ -125,6 +130,7 @@ class Source:
     lcp: int  # prompt tokens it would give (after the reuse rules)
     slot: Slot | None = None
     entry: Entry | None = None
+    disk: DiskEntry | None = None
 
 
 @dataclass(eq=False)
@@ -200,6 +206,8 @@ class Engine:
             deterministic=cfg.deterministic,
             kv_types=(cfg.cache_type_k, cfg.cache_type_v),
             flash_attn=cfg.flash_attn,
+            kv_budget_mb=cfg.kv_budget_mb,
+            n_gpu_layers=cfg.n_gpu_layers,
         )
         self.vocab = self.llama.vocab
         self.guide_tokenizer = GuideTokenizer(self.vocab)  # built on its own thread, ready long before a grammar is
@@ -208,7 +216,8 @@ class Engine:
         self.snapshots = cfg.snapshots or self.llama.info.recurrent  # trim by restoring, not by seq_rm
         # prefixes move between slots and host RAM by state copy + trim, so only where KV can be trimmed
         self.copies = not self.snapshots
-        self.host = HostCache(cfg.host_cache_mb * 2**20 if self.copies else 0)
+        self.disk = self._disk_tier(cfg) if self.copies else None
+        self.host = HostCache(cfg.host_cache_mb * 2**20 if self.copies else 0, spill=self._spill)
         self.exact = cfg.deterministic
         self.pad_rows = max(2, -(-EXACT_ROWS // cfg.slots)) if self.exact else 0  # rows of each slot in a decode batch
         if self.exact:
@@ -241,12 +250,47 @@ class Engine:
         self._thread.start()
         return self
 
+    def _disk_tier(self, cfg: WorkerConfig) -> DiskCache | None:
+        """The disk tier (--cache-dir), loaded: what a previous run left there is restorable at once."""
+        if not cfg.cache_dir or cfg.disk_cache_gb <= 0:
+            return None
+        # the files are only good for this model and the same KV layout, so both are in what each file must match
+        try:
+            fingerprint = f"{self.vocab.fingerprint}:{weights_fingerprint(self.vocab.path)}"
+        except (GGUFError, OSError) as exc:
+            log.warning("disk_tier_off", reason=f"the model's weights cannot be fingerprinted: {exc}")
+            return None
+        layout = llama_state_version(
+            f"k={cfg.cache_type_k}", f"v={cfg.cache_type_v}", f"fa={cfg.flash_attn}", f"det={cfg.deterministic}"
+        )
+        disk = DiskCache(Path(cfg.cache_dir), int(cfg.disk_cache_gb * 2**30), fingerprint, layout)
+        loaded = disk.load()
+        log.info("disk_tier", directory=cfg.cache_dir, entries=len(loaded), nbytes=disk.nbytes, enabled=disk.enabled)
+        return disk
+
+    def _spill(self, entry: Entry) -> None:
+        """A host-RAM entry dropped to make room goes to disk (written off this thread)."""
+        if self.disk is not None:
+            self.disk.put(entry.tokens, entry.n_exact, entry.pos_min, entry.data, entry.salt)
+
+    def persist(self, timeout_s: float) -> int:
+        """On a graceful stop: every slot's state and every host-RAM entry to the disk tier, waiting up to `timeout_s`
+        for the writes. Returns how many were queued (0 without a disk tier). Any thread."""
+        if self.disk is None:
+            return 0
+        queued = self.call(lambda e: e._persist()).result()
+        if not self.disk.flush(timeout_s):
+            log.warning("persist_timeout", timeout_s=timeout_s, queued=queued)
+        return int(queued)
+
     def stop(self, close: bool = True) -> None:
         """Stop the compute thread (running jobs are dropped) and free the context when `close`."""
         if self._thread is not None:
             self._inbox.put(("stop", None))
             self._thread.join()
             self._thread = None
+        if self.disk is not None:
+            self.disk.close()
         if close:
             self.guide_tokenizer.close()
             self.llama.close()
@@ -275,9 +319,19 @@ class Engine:
         or it declared this worker dead and already answered for those jobs). The future gives how many."""
         return self.call(lambda e: e._forget_jobs())
 
-    def held(self) -> Future[list[SlotHeld]]:
-        """What every slot holds, read on the compute thread (for the hello to a router that does not know it)."""
-        return self.call(lambda e: [SlotHeld(slot=s.id, tokens=pack_tokens(s.tokens), n_exact=s.n_exact) for s in e.table.slots])
+    def held(self) -> Future[tuple[list[SlotHeld], list[CacheEntry]]]:
+        """What every slot and every saved state holds, read on the compute thread (for the hello to a router that does
+        not know this worker). Changes not yet reported stay pending: a router that knows the worker already
+        ignores this hello and needs them."""
+
+        def read(e: Engine) -> tuple[list[SlotHeld], list[CacheEntry]]:
+            slots = [SlotHeld(slot=s.id, tokens=pack_tokens(s.tokens), n_exact=s.n_exact, salt=s.salt) for s in e.table.slots]
+            cached = [e._described(x, with_tokens=True) for x in e.host.entries]
+            if e.disk is not None:
+                cached += [e._described(x, with_tokens=True) for x in e.disk.entries]
+            return slots, cached
+
+        return self.call(read)
 
     def call(self, fn: Callable[[Engine], Any]) -> Future[Any]:
         """Run `fn(engine)` on the compute thread between two steps."""
@@ -434,7 +488,7 @@ class Engine:
                 still.append(req)
                 continue
             else:
-                picked = self.table.pick(req.prompt, claimed)
+                picked = self.table.pick(req.prompt, claimed, req.job.cache_salt)
                 if picked is None:
                     still.append(req)
                     continue
@@ -447,10 +501,11 @@ class Engine:
         """Reuse the slot's longest common prefix with the prompt (minus one on a full match); trim the rest."""
         self.table.assign(slot, req)
         req.slot, req.t_assigned = slot.id, time.monotonic()
-        prompt = req.prompt
-        if not req.job.prefix_cache:
+        prompt, salt = req.prompt, req.job.cache_salt
+        if not req.job.prefix_cache or slot.salt != salt:  # (another tenant's KV is never reused: its timing would tell)
             self._save(slot, 0)
             self._clear(slot)
+        slot.salt = salt
         lcp = self._reusable(slot.tokens, slot.n_exact, prompt, self.llama.seq_pos_min(slot.id))
         src = self._source(slot, prompt, lcp) if req.job.prefix_cache else None
         if src is not None:
@@ -487,28 +542,35 @@ class Engine:
         lcp = reused(common_prefix(tokens, prompt), len(prompt), n_exact, self.exact)
         return lcp if self.llama.can_keep(pos_min, len(tokens), lcp) else 0
 
-    @staticmethod
-    def _worth(lcp: int, have: int, n_copied: int) -> bool:
-        return lcp - have >= max(COPY_MIN, n_copied // COPY_RATIO)
+    def _restorable(self, entry: Entry | DiskEntry, prompt: list[int]) -> int:
+        """Prompt tokens a saved state gives (the rule the router predicts with: kvroute/slots.py)."""
+        lcp = reused(common_prefix(entry.tokens, prompt), len(prompt), entry.n_exact, self.exact)
+        return restore_keep(lcp, len(entry.tokens), self.llama.min_keep(entry.pos_min))
 
     def _source(self, slot: Slot, prompt: list[int], have: int) -> Source | None:
-        """Another slot (idle or busy: its KV is committed) or a host-RAM entry that gives enough more of the prompt
-        than the `have` tokens `slot` gives itself to be worth a copy; the one giving most."""
+        """Another slot (idle or busy: its KV is committed) or a saved state of the same tenant (`slot.salt`) that gives
+        enough more of the prompt than the `have` tokens `slot` gives itself to be worth a copy; the one giving most."""
         if not self.copies:
             return None
         best: Source | None = None
+        salt = slot.salt
         for other in self.table.slots:
-            if other is slot or not other.tokens:
+            if other is slot or not other.tokens or other.salt != salt:
                 continue
             lcp = self._reusable(other.tokens, other.n_exact, prompt, self.llama.seq_pos_min(other.id))
-            if self._worth(lcp, have, self.n_ctx) and (best is None or lcp > best.lcp):
+            if worth_copy(lcp - have, self.n_ctx) and (best is None or lcp > best.lcp):
                 best = Source(lcp, slot=other)
-        entry, _ = self.host.best(prompt)
+        entry, _ = self.host.best(prompt, salt)
         # a restore writes the slot's cells now, and a stream copy still pending into it would overwrite them
         if entry is not None and slot.id not in self._copying:
-            lcp = self._reusable(entry.tokens, entry.n_exact, prompt, entry.pos_min)
-            if self._worth(lcp, have, len(entry.tokens)) and (best is None or lcp > best.lcp):
+            lcp = self._restorable(entry, prompt)
+            if worth_copy(lcp - have, len(entry.tokens)) and (best is None or lcp > best.lcp):
                 best = Source(lcp, entry=entry)
+        on_disk, _ = self.disk.best(prompt, salt) if self.disk is not None else (None, 0)
+        if on_disk is not None and slot.id not in self._copying:
+            lcp = self._restorable(on_disk, prompt)
+            if worth_copy(lcp - have, len(on_disk.tokens)) and (best is None or lcp > best.lcp):
+                best = Source(lcp, disk=on_disk)
         return best
 
     def _copy(self, slot: Slot, src: Source) -> int:
@@ -522,8 +584,11 @@ class Engine:
             slot.tokens, slot.n_exact, slot.snapshot = list(src.slot.tokens), src.slot.n_exact, None
             self.counters.slot_copies += 1
             return src.lcp
+        if src.disk is not None:
+            return self._restore_from_disk(slot, src.disk, src.lcp)
         entry = src.entry
         assert entry is not None
+        t0 = time.perf_counter()
         if not self.llama.state_set(slot.id, entry.data):
             self.counters.copy_failures += 1
             log.warning("state_restore_refused", slot=slot.id, tokens=len(entry.tokens))
@@ -533,15 +598,57 @@ class Engine:
         slot.tokens, slot.n_exact, slot.snapshot = list(entry.tokens), entry.n_exact, None
         self.host.used(entry)
         self.counters.host_restores += 1
+        self.counters.host_restore_bytes += entry.nbytes
+        self.counters.host_restore_s += time.perf_counter() - t0
         return src.lcp
+
+    def _restore_from_disk(self, slot: Slot, entry: DiskEntry, lcp: int) -> int:
+        """Read a disk-tier entry (checked against its checksum) into the slot; 0 (slot cleared) when it fails."""
+        assert self.disk is not None
+        t0 = time.perf_counter()
+        data = self.disk.read(entry)  # a file that does not check out is removed: the prompt is computed instead
+        if data is None or not self.llama.state_set(slot.id, data):
+            self.counters.disk_restore_failures += 1
+            log.warning("disk_restore_failed", slot=slot.id, tokens=len(entry.tokens), read=data is not None)
+            if data is not None:
+                self.disk.drop(entry)
+            self._clear(slot)
+            return 0
+        slot.tokens, slot.n_exact, slot.snapshot = list(entry.tokens), entry.n_exact, None
+        self.disk.used(entry)
+        self.counters.disk_restores += 1
+        self.counters.disk_restore_bytes += len(data)
+        self.counters.disk_restore_s += time.perf_counter() - t0
+        return lcp
+
+    def _persist(self) -> int:
+        """Queue every slot's contents and every host-RAM entry for the disk tier (compute thread)."""
+        assert self.disk is not None
+        queued = 0
+        for slot in self.table.slots:
+            if slot.n_tokens < SAVE_MIN or slot.id in self._copying or self.disk.covers(slot.tokens, slot.salt):
+                continue
+            try:
+                pos_min = self.llama.state_pos_min(slot.id, slot.n_tokens)
+                data = self.llama.state_get(slot.id)
+            except (RuntimeError, MemoryError) as exc:
+                log.warning("persist_failed", slot=slot.id, error=str(exc))
+                continue
+            queued += self.disk.put(list(slot.tokens), slot.n_exact, pos_min, data, slot.salt) is not None
+        for entry in sorted(self.host.entries, key=lambda e: -e.last_used):  # most recently used first
+            queued += self.disk.put(entry.tokens, entry.n_exact, entry.pos_min, entry.data, entry.salt) is not None
+        log.info("persisting", queued=queued)
+        return queued
 
     def _save(self, slot: Slot, keep: int) -> None:
         """`slot` is about to keep only `keep` of its tokens: copy it to host RAM first when what it loses is worth
         it and no other slot or entry holds it."""
         if not self.host.capacity or slot.n_tokens - keep < SAVE_MIN or slot.id in self._copying:
             return  # (a slot whose stream copy is still pending has no KV to read yet)
-        tokens, n = slot.tokens, slot.n_tokens
-        if self.host.covers(tokens) or any(o is not slot and o.tokens[:n] == tokens for o in self.table.slots):
+        tokens, n, salt = slot.tokens, slot.n_tokens, slot.salt
+        if self.host.covers(tokens, salt) or any(
+            o is not slot and o.salt == salt and o.tokens[:n] == tokens for o in self.table.slots
+        ):
             return
         if not self.host.make_room(self.llama.state_size(slot.id)):
             return  # over the whole budget: nothing is allocated
@@ -552,7 +659,7 @@ class Engine:
             self.counters.host_save_failures += 1
             log.warning("host_save_failed", slot=slot.id, tokens=n, error=str(exc))
             return
-        if self.host.put(tokens, slot.n_exact, data, pos_min):
+        if self.host.put(tokens, slot.n_exact, data, pos_min, slot.id, salt):
             self.counters.host_saves += 1
 
     def _awaits_prefill(self, req: Request) -> bool:
@@ -560,14 +667,16 @@ class Engine:
         then the job waits for it and copies it, instead of computing the same tokens a second time alongside."""
         if not self.copies or not req.job.prefix_cache:
             return False
-        prompt = req.prompt
-        computing = [s for s in self.table.busy() if s.job is not None and not s.job.generated]
+        prompt, salt = req.prompt, req.job.cache_salt
+        computing = [s for s in self.table.busy() if s.job is not None and not s.job.generated and s.salt == salt]
         if not computing:
             return False
-        have = max(self._reusable(s.tokens, s.n_exact, prompt, self.llama.seq_pos_min(s.id)) for s in self.table.slots)
-        entry, _ = self.host.best(prompt)
-        if entry is not None:
-            have = max(have, self._reusable(entry.tokens, entry.n_exact, prompt, entry.pos_min))
+        mine = [s for s in self.table.slots if s.salt == salt]
+        have = max([self._reusable(s.tokens, s.n_exact, prompt, self.llama.seq_pos_min(s.id)) for s in mine] + [0])
+        disk = self.disk.best(prompt, salt)[0] if self.disk is not None else None
+        for saved in (self.host.best(prompt, salt)[0], disk):
+            if saved is not None:
+                have = max(have, self._restorable(saved, prompt))
         for s in computing:
             shared = min(common_prefix(s.job.prompt, prompt), len(prompt) - 1)
             if s.n_tokens < shared and shared - have >= COPY_MIN:
@@ -880,6 +989,8 @@ class Engine:
             timings=timings,
             stop=req.stream.stop,
         )
+        if not req.silent:
+            done.cache_added, done.cache_dropped, done.disk_dropped = self._cache_changes()
         self._release(req, slot)
         self.counters.jobs_done += 1
         log.debug("job_done", request_id=req.id, slot=slot.id, finish=reason.value, generated=len(req.generated))
@@ -889,6 +1000,8 @@ class Engine:
         """End a job with an error, reporting what its slot (if any) holds now."""
         slot = self.table[req.slot] if req.slot >= 0 else None
         msg = JobError(id=req.id, code=code, message=message, error_id=error_id)
+        if not req.silent:
+            msg.cache_added, msg.cache_dropped, msg.disk_dropped = self._cache_changes()
         if slot is not None:
             msg.slot, msg.slot_tokens, msg.slot_hash = slot.id, slot.n_tokens, token_hash(slot.tokens)
             self._release(req, slot)
@@ -896,6 +1009,36 @@ class Engine:
             self._forget(req)
         self.counters.jobs_failed += 1
         self._send(req.sink, msg, req.silent)
+
+    def _cache_changes(self) -> tuple[list[CacheEntry], list[int], list[int]]:
+        """The saved states added and dropped since the last report, for the router's index: added, dropped from host
+        RAM, dropped from disk (an entry both added and dropped since then is left out)."""
+        added, dropped = self.host.take_changes()
+        gone, new = set(dropped), {e.id for e in added}
+        out = [self._described(e) for e in added if e.id not in gone]
+        dropped = [i for i in dropped if i not in new]
+        events = self.disk.drain_events() if self.disk is not None else []
+        disk_gone = {ev.entry_id for ev in events if not isinstance(ev, Added)}
+        disk_new = {ev.entry_id for ev in events if isinstance(ev, Added)}
+        out += [self._described(ev) for ev in events if isinstance(ev, Added) and ev.entry_id not in disk_gone]
+        return out, dropped, sorted(disk_gone - disk_new)
+
+    def _described(self, entry: Entry | DiskEntry | Added, with_tokens: bool = False) -> CacheEntry:
+        """A saved state as the router is told of it: a host-RAM entry's tokens by reference to the slot they came
+        from, or in full (a disk entry's always: its tokens may be from before this process)."""
+        slot = entry.slot if isinstance(entry, Entry) and not with_tokens else -1
+        return CacheEntry(
+            id=entry.entry_id if isinstance(entry, Added) else entry.id,
+            tier="ram" if isinstance(entry, Entry) else "disk",
+            n_tokens=len(entry.tokens),
+            hash=token_hash(entry.tokens),
+            nbytes=entry.nbytes,
+            n_exact=entry.n_exact,
+            min_keep=self.llama.min_keep(entry.pos_min),
+            slot=slot,
+            tokens=pack_tokens(entry.tokens) if slot < 0 else b"",
+            salt=entry.salt,
+        )
 
     def _release(self, req: Request, slot: Slot) -> None:
         self.table.release(slot)

@@ -6,11 +6,17 @@ shares a long prefix with an entry gets it restored into its slot (`llama_state_
 to the shared part: milliseconds of memcpy instead of seconds of prefill. Bounded by bytes, least recently
 used out first. llama-server does the same with its `--cache-ram` (8 GiB by default).
 
+The router sees this cache: every entry has an id, and the cache lists what was added (with the slot whose contents
+it copied: the router knows those tokens from its mirror) and dropped since the last `take_changes`; the engine
+sends that with its next JobDone or JobError. An entry dropped to make room goes to `spill` first (the disk tier,
+worker/disk_cache.py, when there is one).
+
 Owned by the compute thread.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +32,9 @@ class Entry:
     n_exact: int  # deterministic mode: leading tokens whose KV came from full-size prefill chunks
     data: StateData
     pos_min: int = 0  # lowest position its sliding-window layers hold once restored (Llama.state_pos_min)
+    id: int = 0
+    slot: int = -1  # the slot whose contents it copied
+    salt: str = ""  # the tenant whose prompt it holds ("": none); entries are shared only within a tenant
     last_used: int = 0
 
     @property
@@ -36,19 +45,24 @@ class Entry:
 class HostCache:
     """Entries by LRU within `capacity` bytes. No entry is a prefix of another (the longer one is kept)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, spill: Callable[[Entry], None] | None = None) -> None:
+        """`spill` gets each entry dropped to make room (least recently used), before it goes: the disk tier."""
         self.capacity = capacity
+        self.spill = spill
         self.entries: list[Entry] = []
         self.nbytes = 0
         self._clock = 0
+        self._ids = 0
+        self.added: list[Entry] = []  # since the last take_changes
+        self.dropped: list[int] = []
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def covers(self, tokens: list[int]) -> bool:
-        """Whether an entry already holds `tokens` (or more after them): saving them again adds nothing."""
+    def covers(self, tokens: list[int], salt: str = "") -> bool:
+        """Whether an entry of this tenant already holds `tokens` (or more after them): saving them again adds nothing."""
         n = len(tokens)
-        return any(len(e.tokens) >= n and e.tokens[:n] == tokens for e in self.entries)
+        return any(e.salt == salt and len(e.tokens) >= n and e.tokens[:n] == tokens for e in self.entries)
 
     def make_room(self, nbytes: int) -> bool:
         """Drop least recently used entries until `nbytes` more fit; False (nothing dropped) when they never can.
@@ -56,28 +70,32 @@ class HostCache:
         if nbytes <= 0 or nbytes > self.capacity:
             return False
         while self.entries and self.nbytes + nbytes > self.capacity:
-            self._drop(min(self.entries, key=lambda e: e.last_used))
+            self._evict()
         return True
 
-    def put(self, tokens: list[int], n_exact: int, data: StateData, pos_min: int = 0) -> bool:
+    def put(self, tokens: list[int], n_exact: int, data: StateData, pos_min: int = 0, slot: int = -1, salt: str = "") -> bool:
         """Keep a copy of a sequence holding `tokens`; entries it extends are dropped. False when it cannot fit."""
         if len(data) > self.capacity:
             return False
         n = len(tokens)
-        for e in [e for e in self.entries if len(e.tokens) <= n and tokens[: len(e.tokens)] == e.tokens]:
+        for e in [e for e in self.entries if e.salt == salt and len(e.tokens) <= n and tokens[: len(e.tokens)] == e.tokens]:
             self._drop(e)
         while self.entries and self.nbytes + len(data) > self.capacity:
-            self._drop(min(self.entries, key=lambda e: e.last_used))
-        entry = Entry(list(tokens), n_exact, data, pos_min)
+            self._evict()
+        self._ids += 1
+        entry = Entry(list(tokens), n_exact, data, pos_min, self._ids, slot, salt)
         self._touch(entry)
         self.entries.append(entry)
         self.nbytes += entry.nbytes
+        self.added.append(entry)
         return True
 
-    def best(self, prompt: list[int]) -> tuple[Entry | None, int]:
-        """The entry sharing the longest prefix with `prompt`, and that length (0 when none shares anything)."""
+    def best(self, prompt: list[int], salt: str = "") -> tuple[Entry | None, int]:
+        """This tenant's entry sharing the longest prefix with `prompt`, and that length (0 when none shares any)."""
         best, best_lcp = None, 0
         for e in self.entries:
+            if e.salt != salt:
+                continue
             lcp = common_prefix(e.tokens, prompt)
             if lcp > best_lcp:
                 best, best_lcp = e, lcp
@@ -92,12 +110,27 @@ class HostCache:
             self._drop(entry)
 
     def clear(self) -> None:
+        self.dropped.extend(e.id for e in self.entries)
         self.entries.clear()
         self.nbytes = 0
+
+    def take_changes(self) -> tuple[list[Entry], list[int]]:
+        """Entries added and ids dropped since the last call (an entry may be in both: added, then dropped)."""
+        added, dropped = self.added, self.dropped
+        self.added, self.dropped = [], []
+        return added, dropped
+
+    def _evict(self) -> None:
+        """Drop the least recently used entry to make room, spilling it first."""
+        entry = min(self.entries, key=lambda e: e.last_used)
+        if self.spill is not None:
+            self.spill(entry)
+        self._drop(entry)
 
     def _drop(self, entry: Entry) -> None:
         self.entries.remove(entry)
         self.nbytes -= entry.nbytes
+        self.dropped.append(entry.id)
 
     def _touch(self, entry: Entry) -> None:
         self._clock += 1

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
+from kvroute import logs
 from kvroute.model import ModelError
 from kvroute.vocab import Vocab, init_backend
+from worker.context_size import CtxChoice, auto_ctx_per_slot, default_budget_bytes
 
 if TYPE_CHECKING:
     StateData = ctypes.Array[ctypes.c_uint8]  # one sequence's saved state (its KV cells), as llama.cpp wrote it
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
 
 KV_GGML_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
 KV_BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # ggml blocks of 32 values: scale + quants
+
+log = logs.get(__name__)
 
 
 @dataclass(frozen=True)
@@ -113,9 +117,12 @@ class Llama:
         deterministic: bool = False,
         kv_types: tuple[str, str] = ("f16", "f16"),
         flash_attn: str = "auto",
+        kv_budget_mb: int = 0,
+        n_gpu_layers: int | None = None,
     ) -> None:
         """`kv_types`: the KV cache's key and value types (f16, q8_0, q4_0); `flash_attn`: auto, on or off
-        (WorkerConfig has checked the combinations; deterministic mode turns it off)."""
+        (WorkerConfig has checked the combinations; deterministic mode turns it off). `ctx_per_slot` 0: the trained
+        length capped by `kv_budget_mb` (0: worker.context_size's default). `n_gpu_layers`: None = all (with `gpu`)."""
         init_backend()
         self.path = Path(path)
         mp = llama_cpp.llama_model_default_params()
@@ -124,8 +131,8 @@ class Llama:
         else:
             if not llama_cpp.llama_supports_gpu_offload():
                 raise ModelError(f"--gpu {gpu} asked for, but this llama.cpp build has no GPU support")
-            mp.n_gpu_layers = -1  # all layers
-            mp.split_mode = 0  # LLAMA_SPLIT_MODE_NONE: the whole model on main_gpu
+            mp.n_gpu_layers = -1 if n_gpu_layers is None else n_gpu_layers  # -1: all layers
+            mp.split_mode = 0  # LLAMA_SPLIT_MODE_NONE: whatever is offloaded goes to main_gpu alone
             mp.main_gpu = gpu
         if deterministic:
             mp.use_extra_bufts = False  # repacked CPU weights change results with the batch shape
@@ -133,6 +140,10 @@ class Llama:
         if not self.model:
             raise ModelError(f"llama.cpp could not load the model {self.path}")
         self.vocab = Vocab.from_model(self.model, self.path)
+        self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
+        per_token = self._kv_bytes_per_token(kv_types)
+        choice = self._choose_ctx(ctx_per_slot, slots, per_token, kv_budget_mb, gpu)
+        ctx_per_slot = choice.ctx
 
         cp = llama_cpp.llama_context_default_params()
         cp.n_seq_max = slots
@@ -160,22 +171,50 @@ class Llama:
         self.slots = slots
         self.ctx_per_slot = llama_cpp.llama_n_ctx_seq(self.ctx)
         self.batch = Batch(self.rows)
-        self.info = self._info(slots * ctx_per_slot, kv_types)
+        self.info = self._info(slots * self.ctx_per_slot, per_token)  # the cells llama.cpp made (padded to 256)
         self.device = "cpu" if gpu is None else f"cuda:{gpu}"
+        log.info(
+            "slot_context",
+            ctx_per_slot=self.ctx_per_slot,
+            reason=choice.reason,
+            n_ctx_train=self.n_ctx_train,
+            kv_mib=round(self.info.kv_bytes / 2**20, 1),
+            **({"kv_budget_mib": choice.budget_bytes >> 20} if choice.budget_bytes else {}),
+        )
 
-    def _info(self, n_cells: int, kv_types: tuple[str, str]) -> ModelInfo:
+    def _choose_ctx(self, asked: int, slots: int, per_token: float, budget_mb: int, gpu: int | None) -> CtxChoice:
+        """The slot length to create: `asked`, or with 0 the trained length capped by the budget (read after the
+        weights are loaded: a GPU's free memory is what they left)."""
+        if asked:
+            if asked > self.n_ctx_train > 0:  # llama.cpp serves it, but the model never saw positions that far
+                log.warning("ctx_beyond_training", ctx_per_slot=asked, n_ctx_train=self.n_ctx_train)
+            return CtxChoice(asked, "--ctx-per-slot")
+        budget = budget_mb * 2**20 if budget_mb else default_budget_bytes(gpu)
+        return auto_ctx_per_slot(self.n_ctx_train, slots, per_token, budget)
+
+    def _kv_bytes_per_token(self, kv_types: tuple[str, str]) -> float:
+        """KV bytes one token takes in one slot, every layer. Sliding-window layers count in full: `swa_full` keeps
+        every position in them (see below), so they take what a global layer takes. 0 for a recurrent model."""
         m = self.model
+        if llama_cpp.llama_model_is_recurrent(m):
+            return 0.0
         arch = _meta_str(m, "general.architecture") or ""
-        n_layer = llama_cpp.llama_model_n_layer(m)
         n_head = max(llama_cpp.llama_model_n_head(m), 1)
-        n_head_kv = llama_cpp.llama_model_n_head_kv(m)
         head = llama_cpp.llama_model_n_embd(m) // n_head
         k = _meta_int(m, f"{arch}.attention.key_length") or head
         v = _meta_int(m, f"{arch}.attention.value_length") or head
-        recurrent = bool(llama_cpp.llama_model_is_recurrent(m) or llama_cpp.llama_model_is_hybrid(m))
         k_bytes, v_bytes = (KV_BYTES_PER_VALUE[t] for t in kv_types)
-        kv = 0 if llama_cpp.llama_model_is_recurrent(m) else int(n_layer * n_cells * n_head_kv * (k * k_bytes + v * v_bytes))
-        return ModelInfo(n_layer=n_layer, n_swa=llama_cpp.llama_model_n_swa(m), recurrent=recurrent, kv_bytes=kv)
+        return llama_cpp.llama_model_n_layer(m) * llama_cpp.llama_model_n_head_kv(m) * (k * k_bytes + v * v_bytes)
+
+    def _info(self, n_cells: int, per_token: float) -> ModelInfo:
+        m = self.model
+        recurrent = bool(llama_cpp.llama_model_is_recurrent(m) or llama_cpp.llama_model_is_hybrid(m))
+        return ModelInfo(
+            n_layer=llama_cpp.llama_model_n_layer(m),
+            n_swa=llama_cpp.llama_model_n_swa(m),
+            recurrent=recurrent,
+            kv_bytes=int(n_cells * per_token),
+        )
 
     # ---- calls the engine makes (compute thread only) ----
 
@@ -209,6 +248,10 @@ class Llama:
         tokens and go on: the token at position `keep` attends to the window after `keep - n_swa`, which must all
         be there."""
         return keep >= n or pos_min <= max(0, keep - self.info.n_swa + 1)
+
+    def min_keep(self, pos_min: int) -> int:
+        """The shortest prefix a sequence whose layers start at `pos_min` can be cut to (`can_keep`'s bound)."""
+        return 0 if pos_min <= 0 else pos_min + self.info.n_swa - 1
 
     def state_pos_min(self, seq: int, n: int) -> int:
         """`seq_pos_min` a sequence of `n` tokens will have once `state_get(seq)` is restored: llama.cpp writes only

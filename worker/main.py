@@ -7,7 +7,8 @@ producing thread.
 Signals: SIGTERM/SIGINT drain the worker: it takes no new job (JobError `draining`, which the router
 re-dispatches), tells the router at once (a Heartbeat with draining=True: no more jobs are routed here),
 hands back the jobs still waiting for a slot, lets running jobs finish for up to --drain-timeout-s, hands
-back whatever still runs then, and exits 0. SIGHUP changes nothing and is logged.
+back whatever still runs then, writes every slot's state and host-RAM entry to the disk tier (--cache-dir; up to
+PERSIST_S), and exits 0. SIGHUP changes nothing and is logged.
 
 systemd: READY=1 once the model is loaded and the router accepted this worker; a STATUS= line (busy
 slots, queue, jobs done) with every heartbeat; STOPPING=1 when draining starts.
@@ -31,6 +32,7 @@ from kvroute.notify import notify, watchdog_interval_s
 from kvroute.weights import GGUFError, weights_fingerprint
 from protocol import (
     Accept,
+    CacheEntry,
     Drain,
     ErrorCode,
     Heartbeat,
@@ -53,6 +55,7 @@ log = logs.get(__name__)
 BEAT_S = 1.0
 POLL_S = 0.1
 EXIT_REFUSED = 3
+PERSIST_S = 30.0  # on a graceful stop, the disk tier's writes get this long
 HELD_WAIT_S = 2.0  # a hello waits this long for the compute thread to say what the slots hold, then says "unknown"
 
 
@@ -123,8 +126,9 @@ class WorkerServer:
 
     def hello(self) -> Hello:
         llama = self.engine.llama
+        cached: list[CacheEntry] = []
         try:
-            held = self.engine.held().result(timeout=HELD_WAIT_S)
+            held, cached = self.engine.held().result(timeout=HELD_WAIT_S)
         except TimeoutError:
             held = None
             log.warning("slots_unknown", reason=f"the compute thread did not answer in {HELD_WAIT_S:g} s")
@@ -142,6 +146,7 @@ class WorkerServer:
             pid=os.getpid(),
             weights_fingerprint=self.weights,
             held=held,
+            cached=cached,
         )
 
     def heartbeat(self) -> Heartbeat:
@@ -205,6 +210,9 @@ class WorkerServer:
         self._forward(dealer)
         dealer.send(encode(self.heartbeat()))
         log.info("drained", jobs_done=self.engine.counters.jobs_done)
+        persisted = self.engine.persist(PERSIST_S)  # the disk tier keeps what the slots and host RAM hold
+        if persisted:
+            log.info("persisted", states=persisted)
         return True
 
     def serve(self, stop: threading.Event) -> int:

@@ -32,6 +32,7 @@ class Slot:
     last_used: int = 0
     snapshot: Snapshot | None = None
     n_exact: int = 0  # deterministic mode: leading tokens whose KV came from full-size prefill ubatches
+    salt: str = ""  # the tenant whose prompt it holds (Job.cache_salt); reused only by the same tenant
 
     @property
     def n_tokens(self) -> int:
@@ -68,7 +69,7 @@ class SlotTable:
     def busy(self) -> list[Slot]:
         return [s for s in self.slots if s.phase is SlotPhase.BUSY]
 
-    def pick(self, prompt: list[int], exclude: set[int]) -> Slot | None:
+    def pick(self, prompt: list[int], exclude: set[int], salt: str = "") -> Slot | None:
         """An idle slot for `prompt`: the longest useful cached prefix, else an empty slot, else the least recently used.
 
         None when every slot is busy or excluded. Mutates nothing.
@@ -78,7 +79,7 @@ class SlotTable:
             return None
         best, best_lcp = None, 0
         for s in idle:
-            lcp = common_prefix(s.tokens, prompt)
+            lcp = common_prefix(s.tokens, prompt) if s.salt == salt else 0  # another tenant's prefix is not ours
             if lcp > best_lcp or (lcp == best_lcp and best is not None and s.last_used < best.last_used):
                 best, best_lcp = s, lcp
         if best is not None and best_lcp > 1 and best_lcp > self.MIN_SIMILARITY * len(prompt):

@@ -187,3 +187,43 @@ def _pings(notify: socket.socket, seconds: float) -> int:
         except TimeoutError:
             break
     return n
+
+
+def test_a_worker_restarted_with_a_disk_tier_restores_the_conversations_it_had(tmp_path):
+    """systemctl restart of a worker with --cache-dir: on SIGTERM it writes what its slots and host RAM hold to disk,
+    the new process reports it in its hello, and a conversation's next turn is restored, not recomputed: the same
+    answer (deterministic mode) as before the restart."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    solo = Cluster.__new__(Cluster)  # a router and one worker of its own (the module's cluster has two without a disk)
+    solo.logs, solo.zmq, solo.worker_ep = logs, f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    disk = ("--cache-dir", str(tmp_path / "cache"), "--deterministic")
+    solo.router = solo.start_router()
+    solo.workers = [solo.start_worker("disky", SMALL_CTX, *disk)]
+    try:
+        wait_for(lambda: _one_ready(solo), 120, "router and worker up")
+        system = {"role": "system", "content": "You keep the lighthouse log; answer in five words. " * 6}
+        history = [system, {"role": "user", "content": "What happened tonight?"}]
+        first = chat(solo.zmq, history)
+        history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And the boats?"}]
+        before = chat(solo.zmq, history)
+        assert before.usage.cached_tokens >= first.usage.prompt_tokens  # (the slot's own prefix, before the restart)
+
+        solo.workers[0].send_signal(signal.SIGTERM)  # graceful stop: drains, writes the disk tier, exits 0
+        assert solo.workers[0].wait(60) == 0
+        assert "persisted" in (logs / "disky.log").read_text()
+        solo.workers = [solo.start_worker("disky", SMALL_CTX, *disk)]
+        wait_for(lambda: _one_ready(solo), 120, "the worker back")
+
+        after = chat(solo.zmq, history)
+        assert after.usage.cached_tokens >= before.usage.cached_tokens, (before.usage, after.usage)
+        assert after.text == before.text
+    finally:
+        solo.stop()
+
+
+def _one_ready(c: Cluster) -> bool:
+    try:
+        return all_ready(c.zmq, workers=1) is not None
+    except TimeoutError:
+        return False

@@ -122,11 +122,14 @@ class FakeRouter:
         self.error: KvrouteError | None = None
         self.cancelled: list[str] = []
         self.workers_ready = True
+        self.submits: list[Submit] = []
+        self.status_salts: list[str | None] = []
 
     async def stream_submit(self, sub: Submit) -> AsyncIterator[Delta | Result]:
         if self.error:
             raise self.error
         assert sub.id
+        self.submits.append(sub)
         yield Delta(id=sub.id, text="Hel", tokens=pack_tokens([1]))
         yield Delta(id=sub.id, text="lo", tokens=pack_tokens([2]))
         yield Result(
@@ -140,7 +143,8 @@ class FakeRouter:
             slot=1,
         )
 
-    async def status(self) -> StatusReply:
+    async def status(self, cache_salt: str | None = None) -> StatusReply:
+        self.status_salts.append(cache_salt)
         slots = [SlotStatus(slot=0, busy=False, n_tokens=0)]
         workers = [WorkerStatus(worker="w0", incarnation=0, device="cpu", state="ready", queue=0, slots=slots)]
         return StatusReply(model="m", policy="prefix", queued=0, workers=workers if self.workers_ready else [])
@@ -157,9 +161,30 @@ def fake() -> FakeRouter:
     return FakeRouter()
 
 
-def client_for(fake: FakeRouter, api_key: str | None = None) -> httpx.AsyncClient:
-    app = build_app(Gateway(fake, "gemma", api_key))  # type: ignore[arg-type]
+def client_for(fake: FakeRouter, api_key: str | None = None, tenant_per_key: bool = False) -> httpx.AsyncClient:
+    app = build_app(Gateway(fake, "gemma", api_key, tenant_per_key=tenant_per_key))  # type: ignore[arg-type]
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+@pytest.mark.anyio
+async def test_with_tenant_per_key_each_key_is_a_tenant_and_a_body_salt_narrows_it(fake: FakeRouter) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with client_for(fake, "key-one, key-two", tenant_per_key=True) as c:
+        for key, body in (("key-one", chat), ("key-two", chat), ("key-one", {**chat, "cache_salt": "team-x"})):
+            r = await c.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+        r = await c.post("/v1/completions", json={"prompt": "hi"}, headers={"x-api-key": "key-two"})
+        assert r.status_code == 200
+        assert (await c.post("/v1/completions", json={"prompt": "hi"}, headers={"x-api-key": "key-3"})).status_code == 401
+        assert (await c.get("/slots", headers={"x-api-key": "key-two"})).status_code == 200
+    one, two, one_x, two_again = (s.cache_salt for s in fake.submits)
+    assert one and two and one != two and two == two_again and one_x == f"{one}/team-x"
+    assert "key-one" not in one  # (the key itself never leaves the gateway)
+    assert fake.status_salts == [two]  # /slots shows the caller's own slots in full
+    async with client_for(fake) as c:  # without the flag: the body's salt as given, none otherwise
+        await c.post("/v1/chat/completions", json={**chat, "cache_salt": "team-x"})
+        await c.post("/v1/chat/completions", json=chat)
+    assert [s.cache_salt for s in fake.submits[-2:]] == ["team-x", None]
 
 
 async def _post(fake: FakeRouter, path: str, body: Any, **kw: Any) -> httpx.Response:

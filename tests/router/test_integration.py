@@ -120,6 +120,65 @@ def test_questions_on_one_document_share_its_kv_inside_a_worker(system):
     c.close()
 
 
+def test_a_conversation_whose_slot_was_overwritten_goes_back_to_the_worker_that_saved_it(system):
+    """The router sees the workers' host-RAM caches: after every slot was taken by other prompts, a conversation's
+    next turn goes to the worker holding its history in host RAM, which restores it, as predicted."""
+    rt, cep = system
+    router = rt.router
+    c = RawClient(cep)
+    sampling = Sampling(max_tokens=4, temperature=0.0)
+    rules = " ".join(f"Rule {i}: keep the harbour log {i} dry and signed." for i in range(10))
+    system_prompt = ChatMessage(role="system", content=f"You are the harbour master. {rules}")
+    history = [system_prompt, ChatMessage(role="user", content="Hi.")]
+    c.send(Submit(id="saved-t0", messages=history, sampling=sampling))
+    first = collect(c, {"saved-t0"})["saved-t0"][1]
+    assert isinstance(first, Result), first
+    ids = {f"other{i}" for i in range(4)}  # four cold prompts at once take all four slots
+    for i, rid in enumerate(sorted(ids)):
+        text = f"Unrelated request {i}: " + " ".join(f"the price of item {i}-{k} is {k} coins." for k in range(8))
+        c.send(Submit(id=rid, prompt=text, sampling=sampling))
+    assert all(isinstance(r[1], Result) for r in collect(c, ids).values())
+    restores = router.metrics.decisions["restore"]
+    mispredicted = router.metrics.reuse_mispredictions
+    history += [ChatMessage(role="assistant", content=first.text), ChatMessage(role="user", content="And rule 3?")]
+    c.send(Submit(id="saved-t1", messages=history, sampling=sampling))
+    back = collect(c, {"saved-t1"})["saved-t1"][1]
+    assert isinstance(back, Result), back
+    rec = next(r for r in reversed(router.metrics.recent) if r.id == "saved-t1")
+    assert back.worker == first.worker and router.metrics.decisions["restore"] == restores + 1
+    assert rec.predicted_reuse == rec.reused_tokens == rec.restored_tokens == back.usage.cached_tokens > 100
+    assert router.metrics.reuse_mispredictions == mispredicted and router.metrics.mirror_mismatches == 0
+    c.close()
+
+
+def test_tenants_share_no_prefix_and_see_no_lengths_of_each_others_slots(system):
+    """Tenant B's prompt, identical to tenant A's, reports cached_tokens 0 (and so does a request without a
+    tenant); A's next one is cached; `status` asked as B shows A's slots without their lengths or request ids."""
+    _, cep = system
+    c = RawClient(cep)
+    prompt = "Secret plan of tenant A: " + " ".join(f"step {i} is to paint the boat number {i}." for i in range(12))
+    sampling = Sampling(max_tokens=2, temperature=0.0)
+    results = {}
+    for rid, salt in (("ta1", "tenant-a"), ("tb1", "tenant-b"), ("tn1", None), ("ta2", "tenant-a")):
+        c.send(Submit(id=rid, prompt=prompt, sampling=sampling, cache_salt=salt))
+        results[rid] = collect(c, {rid})[rid][1]
+        assert isinstance(results[rid], Result), results[rid]
+    assert results["tb1"].usage.cached_tokens == 0
+    assert results["tn1"].usage.cached_tokens <= 1  # (at most the BOS of another tenant-less prompt: not A's)
+    assert results["ta2"].usage.cached_tokens >= results["ta1"].usage.prompt_tokens - 1
+    c.send(StatusRequest(id="st-b", cache_salt="tenant-b"))
+    status = c.recv(10)
+    a_slot = next(
+        s for w in status.workers for s in w.slots if (w.worker, s.slot) == (results["ta2"].worker, results["ta2"].slot)
+    )
+    assert a_slot.other_tenant and a_slot.n_tokens == 0 and a_slot.request_id is None
+    c.send(StatusRequest(id="st-a", cache_salt="tenant-a"))
+    status = c.recv(10)
+    mine = next(s for w in status.workers for s in w.slots if (w.worker, s.slot) == (results["ta2"].worker, results["ta2"].slot))
+    assert not mine.other_tenant and mine.n_tokens >= results["ta2"].usage.prompt_tokens
+    c.close()
+
+
 def test_bad_client_input_gets_errors_while_others_complete(system):
     _, cep = system
     good, bad = RawClient(cep), RawClient(cep)

@@ -79,13 +79,19 @@ def test_evicted_conversation_is_restored_from_host_ram(copier, vocab):
     clear_all(copier)
     history = vocab.tokenize(DOC * 2 + " Keeper: the night was long.")
     assert len(history) > SAVE_MIN + COPY_MIN
-    for i in range(3):  # fill every slot with this conversation's history, then overwrite them all
-        complete(copier, history, slot=i, max_tokens=2)
+    fills = [complete(copier, history, slot=i, max_tokens=2) for i in range(3)]  # every slot holds this history
     before = counters(copier)
-    for i in range(3):
+    overwrites = [
         complete(copier, vocab.tokenize(f"Unrelated prompt number {i}: the price of bread."), slot=i, max_tokens=2)
+        for i in range(3)
+    ]
     saved = counters(copier)
     assert saved["host_saves"] == before["host_saves"] + 1  # three equal contents, one copy
+    # the router is told: the JobDone of the job that overwrote it names the slot and what it held (length, hash)
+    (entry,) = [e for o in overwrites for e in o.final.cache_added]
+    fill = fills[entry.slot].final
+    assert isinstance(fill, JobDone) and (entry.n_tokens, entry.hash) == (fill.slot_tokens, fill.slot_hash)
+    assert entry.nbytes > 0 and not entry.tokens
     prompt = history + vocab.tokenize(" Visitor: and the boat?", add_special=False)
     back = complete(copier, prompt, slot=0)
     cold = complete(copier, prompt, slot=1, prefix_cache=False)
@@ -95,6 +101,9 @@ def test_evicted_conversation_is_restored_from_host_ram(copier, vocab):
     after = counters(copier)
     assert after["host_restores"] == saved["host_restores"] + 1 and after["copy_failures"] == saved["copy_failures"]
     assert_slot_invariant(copier, back)
+    clear_all(copier)  # a reset drops every entry: the next JobDone says so
+    told = complete(copier, vocab.tokenize("After the reset."), slot=0, max_tokens=1)
+    assert isinstance(told.final, JobDone) and entry.id in told.final.cache_dropped
 
 
 def test_a_failed_save_or_restore_fails_no_job_and_the_entry_that_failed_is_dropped(copier, vocab):
@@ -193,3 +202,22 @@ def test_host_ram_entry_longer_than_a_window_is_only_extended(copier, vocab):
     assert counters(copier)["host_restores"] == before["host_restores"] + 1
     assert copier.call(lambda e: e.counters.invariant_violations).result(10) == 0
     assert_slot_invariant(copier, back)
+
+
+def test_a_tenants_kv_is_reused_and_copied_only_for_the_same_tenant(copier, vocab):
+    """Jobs with another cache_salt never reuse a slot's prefix, copy another slot's or restore a saved state: one
+    tenant's time to first token tells nothing of another's prompts. The same tenant reuses as ever."""
+    clear_all(copier)
+    prompt = vocab.tokenize(DOC * 2 + " Question: who lit the lamp?")
+    first = complete(copier, prompt, slot=0, cache_salt="tenant-a")
+    other = complete(copier, prompt, slot=1, cache_salt="tenant-b")  # slot 0 holds it: not copied for b
+    same_slot = complete(copier, prompt, slot=0, cache_salt="tenant-c")  # slot 0 itself: cleared, not reused
+    assert all(isinstance(r.final, JobDone) for r in (first, other, same_slot))
+    assert other.final.reused_tokens == 0 and same_slot.final.reused_tokens == 0
+    assert other.tokens == first.tokens == same_slot.tokens  # (deterministic: the same answer, computed again)
+    # tenant a's history went to host RAM when c took slot 0: a gets it back, b does not
+    back_a = complete(copier, prompt, slot=2, cache_salt="tenant-a")
+    assert back_a.final.restored_tokens == back_a.final.reused_tokens >= len(prompt) - 8
+    assert [e.salt for e in same_slot.final.cache_added] == ["tenant-a"]  # what the router is told of it
+    plain = complete(copier, prompt, slot=2)  # no salt: not tenant a's either
+    assert plain.final.reused_tokens == 0

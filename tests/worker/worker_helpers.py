@@ -58,6 +58,7 @@ def job(
     prefix_cache: bool = True,
     deadline_ms: int | None = None,
     constraint: Constraint | None = None,
+    cache_salt: str = "",
     **sampling,
 ) -> Job:
     sampling.setdefault("temperature", 0.0)
@@ -70,6 +71,7 @@ def job(
         prefix_cache=prefix_cache,
         deadline_ms=deadline_ms,
         constraint=constraint,
+        cache_salt=cache_salt,
     )
 
 

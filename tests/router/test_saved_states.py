@@ -1,0 +1,141 @@
+"""The router sees the workers' saved states (host RAM): the mirror indexes what they report, selection sends a
+conversation whose slot was overwritten back to the worker that saved it, and predicts the restore exactly."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from test_select import hold, loads, seq
+
+from protocol import CacheEntry, pack_tokens, token_hash
+from router.mirror import Mirror, Saved
+from router.select import Dispatch, Params, expected_reuse, select
+
+
+def overwrite(m: Mirror, worker: str, slot: int, new: np.ndarray, entry_id: int, nbytes: int = 1000) -> None:
+    """A job overwrites the slot; its JobDone reports the slot's previous contents saved as entry `entry_id`."""
+    s = m.workers[worker][slot]
+    before = s.tokens
+    m.assign(s, f"j{entry_id}", new)
+    added = CacheEntry(id=entry_id, n_tokens=len(before), hash=token_hash(before), nbytes=nbytes, slot=slot)
+    assert m.cache_changed(worker, [added], []) == []
+    assert m.finish(s, f"j{entry_id}", new, new[:0], len(new), token_hash(new)) is None
+
+
+def pick(m: Mirror, prompt: np.ndarray, params: Params | None = None):
+    return select(m.index.match(prompt), loads_with_saved(m), params or Params(), time.monotonic(), 0, 0.0)
+
+
+def loads_with_saved(m: Mirror):
+    out = loads(m)
+    for w in out:
+        w.saved = m.saved[w.worker]
+    return out
+
+
+def test_an_entry_named_by_its_slot_takes_the_tokens_the_slot_held_and_is_indexed():
+    m = Mirror()
+    (s,) = m.add_worker("w0", 1)
+    history = seq(300)
+    hold(m, s, history)
+    overwrite(m, "w0", 0, seq(50), entry_id=7)
+    (saved,) = m.saved["w0"].values()
+    assert isinstance(saved, Saved) and saved.key == ("ram", 7) and saved.tokens.tolist() == history.tolist()
+    assert m.index.match(np.concatenate([history, seq(5)])).lcp(saved) == 300
+    m.cache_changed("w0", [], [7])
+    assert not m.saved["w0"] and m.index.match(history).best == 0  # dropped: out of the index
+
+
+def test_an_entry_whose_hash_disagrees_is_a_counted_mismatch_and_not_indexed():
+    m = Mirror()
+    (s,) = m.add_worker("w0", 1)
+    hold(m, s, seq(100))
+    m.assign(s, "j", seq(20))
+    wrong = CacheEntry(id=1, n_tokens=100, hash=token_hash(seq(100)), nbytes=10, slot=0)
+    (problem,) = m.cache_changed("w0", [wrong], [])
+    assert "differs from the mirror" in problem and m.mismatches == 1 and not m.saved["w0"]
+
+
+def test_an_entry_of_a_slot_whose_contents_the_mirror_does_not_know_is_ignored():
+    m = Mirror()
+    (s,) = m.add_worker("w0", 1, contents_known=False)  # dirty: the mirror does not know what it held
+    m.assign(s, "j", seq(20))
+    entry = CacheEntry(id=1, n_tokens=100, hash="x", nbytes=10, slot=0)
+    assert m.cache_changed("w0", [entry], []) == [] and not m.saved["w0"] and m.mismatches == 0
+
+
+def test_entries_with_tokens_from_a_hello_are_indexed_and_go_with_their_worker():
+    m = Mirror()
+    tokens = seq(200)
+    entry = CacheEntry(id=3, n_tokens=200, hash=token_hash(tokens), nbytes=10, tokens=pack_tokens(tokens))
+    m.add_worker("w0", 1, cached=[entry])
+    assert m.index.match(tokens).best == 200
+    m.cache_changed("w0", [entry], [])  # reported again (a JobDone after the hello): known, not doubled
+    assert len(m.saved["w0"]) == 1 and len(m.index) == 1
+    m.remove_worker("w0")
+    assert len(m.index) == 0 and "w0" not in m.saved
+
+
+def test_a_returning_conversation_goes_to_the_worker_that_saved_it_and_the_restore_is_predicted():
+    m = Mirror()
+    a = m.add_worker("w0", 1)
+    b = m.add_worker("w1", 1)
+    history = seq(600)
+    hold(m, a[0], history, age_s=10)
+    overwrite(m, "w0", 0, seq(400), entry_id=1)  # another conversation took w0's slot; w0 saved the history
+    hold(m, b[0], seq(100), age_s=3600)  # w1's slot: stale, cheaper to overwrite than w0's fresh one
+    prompt = np.concatenate([history, seq(20)])
+    d = pick(m, prompt)
+    assert isinstance(d, Dispatch) and d.slot is a[0] and d.restore and d.reuse == 600
+    # without the saved state in view the stale slot elsewhere would have been the choice
+    m.cache_changed("w0", [], [1])
+    d = pick(m, prompt)
+    assert isinstance(d, Dispatch) and d.slot is b[0] and not d.restore and d.reuse == 0
+
+
+def test_restoring_costs_its_bytes_at_the_workers_speed():
+    m = Mirror()
+    (a,) = m.add_worker("w0", 1)
+    (b,) = m.add_worker("w1", 1)
+    history = seq(300)
+    hold(m, a, history)
+    overwrite(m, "w0", 0, seq(100), entry_id=1, nbytes=10**7)
+    hold(m, b, seq(100), age_s=3600)
+    prompt = np.concatenate([history, seq(10)])
+    out = loads_with_saved(m)
+    cheap = select(m.index.match(prompt), out, Params(), time.monotonic(), 0, 0.0)
+    assert isinstance(cheap, Dispatch) and cheap.restore
+    out[0].restore_cost = 1e-4  # a worker that restores slowly: 1,000 tokens' worth for this state (10 by default)
+    dear = select(m.index.match(prompt), out, Params(), time.monotonic(), 0, 0.0)
+    assert isinstance(dear, Dispatch) and dear.slot is b and not dear.restore
+
+
+def test_other_policies_still_predict_the_restore_the_worker_will_do():
+    m = Mirror()
+    (a,) = m.add_worker("w0", 1)
+    history = seq(300)
+    hold(m, a, history)
+    overwrite(m, "w0", 0, seq(100), entry_id=1)
+    prompt = np.concatenate([history, seq(10)])
+    d = pick(m, prompt, Params(policy="round-robin"))
+    assert isinstance(d, Dispatch) and d.restore and d.reuse == 300
+    # a gain under COPY_MIN is not worth a restore: the worker keeps what the slot gives, and so does the prediction
+    short = np.concatenate([history[:20], seq(10)])
+    assert expected_reuse(m.index.match(short), a, Params(), m.saved["w0"]) == (0, False)
+
+
+def test_a_saved_state_cut_before_its_sliding_window_gives_nothing():
+    m = Mirror()
+    (a,) = m.add_worker("w0", 1)
+    history = seq(900)
+    hold(m, a, history)
+    new = seq(100)
+    m.assign(a, "j", new)
+    entry = CacheEntry(id=1, n_tokens=900, hash=token_hash(history), nbytes=10, min_keep=700, slot=0)
+    m.cache_changed("w0", [entry], [])
+    assert m.finish(a, "j", new, new[:0], len(new), token_hash(new)) is None
+    far = np.concatenate([history[:800], seq(50)])
+    near = np.concatenate([history[:600], seq(50)])
+    assert expected_reuse(m.index.match(far), a, Params(), m.saved["w0"]) == (800, True)
+    assert expected_reuse(m.index.match(near), a, Params(), m.saved["w0"]) == (0, False)

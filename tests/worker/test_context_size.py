@@ -1,0 +1,105 @@
+"""The slot context a worker takes by default (the trained length, capped by the KV budget), and the flags that
+size a worker: --ctx-per-slot, --kv-budget-mb, --n-gpu-layers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import zmq
+
+from commands.serve import LocalWorkers, worker_specs
+from protocol import Hello, worker_to_router_decoder
+from worker.config import WorkerConfig
+from worker.context_size import AUTO_FLOOR, CtxChoice, auto_ctx_per_slot, cpu_budget_bytes
+
+MiB = 2**20
+GEMMA_TRAIN = 32768  # the default model's gemma3.context_length
+GEMMA_KV_PER_TOKEN = 18 * 1 * (256 * 2 + 256 * 2)  # layers x KV heads x (key + value dims) x f16 bytes
+
+
+def test_the_trained_length_unless_the_slots_would_exceed_the_budget() -> None:
+    per_slot = GEMMA_TRAIN * GEMMA_KV_PER_TOKEN  # 576 MiB
+    assert auto_ctx_per_slot(GEMMA_TRAIN, 4, GEMMA_KV_PER_TOKEN, 4 * per_slot) == CtxChoice(32768, "trained length", 4 * per_slot)
+    capped = auto_ctx_per_slot(GEMMA_TRAIN, 4, GEMMA_KV_PER_TOKEN, 1024 * MiB)
+    assert capped.reason == "kv budget" and capped.ctx == 14336  # 1 GiB / (4 x 18 KiB) = 14563, down to a multiple of 256
+    assert 4 * capped.ctx * GEMMA_KV_PER_TOKEN <= 1024 * MiB < 4 * (capped.ctx + 256) * GEMMA_KV_PER_TOKEN
+    assert auto_ctx_per_slot(GEMMA_TRAIN, 256, GEMMA_KV_PER_TOKEN, MiB).ctx == AUTO_FLOOR  # never less than a usable slot
+    assert auto_ctx_per_slot(0, 4, GEMMA_KV_PER_TOKEN, 2**40) == CtxChoice(4096, "unknown trained length", 2**40)
+    assert auto_ctx_per_slot(1 << 20, 4, 0, MiB).ctx == 1 << 20  # recurrent: the state does not grow with the length
+
+
+@pytest.mark.parametrize(
+    ("fields", "flag"),
+    [({"ctx_per_slot": 8}, "--ctx-per-slot"), ({"ctx_per_slot": -1}, "--ctx-per-slot"), ({"kv_budget_mb": -1}, "--kv-budget-mb"),
+     ({"n_gpu_layers": 10}, "--n-gpu-layers 10 needs --gpu"), ({"n_gpu_layers": -2, "gpu": 0}, "--n-gpu-layers")],
+)  # fmt: skip
+def test_impossible_sizes_are_refused_naming_the_flag(fields: dict, flag: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        WorkerConfig(**fields)
+
+
+def test_serve_hands_gpu_layers_to_gpu_workers_and_splits_the_auto_budget_among_cpu_workers() -> None:
+    assert WorkerConfig(n_gpu_layers=0).n_gpu_layers == 0 and WorkerConfig(gpu=1, n_gpu_layers=12).n_gpu_layers == 12
+    with pytest.raises(ValueError, match="--n-gpu-layers 8 needs --gpus"):
+        LocalWorkers(n_gpu_layers=8)
+    (gpu,) = worker_specs(LocalWorkers(gpus="1", n_gpu_layers=12), "/m.gguf")
+    assert gpu.flags[gpu.flags.index("--n-gpu-layers") + 1] == "12" and "--gpu" in gpu.flags
+    (one,) = worker_specs(LocalWorkers(cpu_workers=1), "/m.gguf")
+    assert "--ctx-per-slot" not in one.flags and "--kv-budget-mb" not in one.flags  # auto, the machine's budget
+    two = worker_specs(LocalWorkers(cpu_workers=2), "/m.gguf")
+    assert all(s.flags[s.flags.index("--kv-budget-mb") + 1] == str(cpu_budget_bytes(2) // MiB) for s in two)
+    fixed = worker_specs(LocalWorkers(cpu_workers=2, ctx_per_slot=1024), "/m.gguf")
+    assert all("--kv-budget-mb" not in s.flags for s in fixed)
+
+
+@contextmanager
+def started_worker(log: Path, *flags: str) -> Iterator[tuple[Hello, list[dict]]]:
+    """A real `kvroute worker` (1 slot, no --ctx-per-slot): its hello, and its log lines up to then."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    cmd = [sys.executable, "-m", "commands.cli", "worker", "--connect", f"tcp://127.0.0.1:{port}", "--worker-id", "wd"]
+    cmd += ["--slots", "1", "--threads", "1", "--host-cache-mb", "0", *flags]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=dict(os.environ, KVROUTE_LOG_FORMAT="json"), stdout=out, stderr=out)
+    try:
+        assert sock.poll(120_000), "no hello in 120 s"
+        hello = worker_to_router_decoder().decode(sock.recv_multipart()[-1])
+        assert isinstance(hello, Hello), hello
+        lines = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+        yield hello, lines
+    finally:
+        proc.kill()
+        proc.wait()
+        sock.close(linger=0)
+        ctx.term()
+
+
+def slot_context_line(lines: list[dict]) -> dict:
+    (line,) = [x for x in lines if x.get("event") == "slot_context"]
+    return line
+
+
+@pytest.mark.model
+def test_a_worker_without_ctx_per_slot_takes_the_trained_length_within_its_budget(tmp_path: Path) -> None:
+    with started_worker(tmp_path / "w.log") as (hello, lines):
+        want = auto_ctx_per_slot(GEMMA_TRAIN, 1, GEMMA_KV_PER_TOKEN, cpu_budget_bytes())
+        assert hello.ctx_per_slot == want.ctx  # 32768 wherever a quarter of the RAM holds 576 MiB
+        line = slot_context_line(lines)
+        assert (line["ctx_per_slot"], line["reason"], line["n_ctx_train"]) == (want.ctx, want.reason, GEMMA_TRAIN)
+        assert hello.kv_bytes == want.ctx * GEMMA_KV_PER_TOKEN
+
+
+@pytest.mark.model
+def test_the_kv_budget_caps_the_default_length(tmp_path: Path) -> None:
+    with started_worker(tmp_path / "w.log", "--kv-budget-mb", "64") as (hello, lines):
+        assert hello.ctx_per_slot == 3584  # 64 MiB / 18 KiB = 3640 tokens, down to a multiple of 256
+        line = slot_context_line(lines)
+        assert (line["reason"], line["kv_budget_mib"]) == ("kv budget", 64)

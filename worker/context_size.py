@@ -1,0 +1,96 @@
+"""The slot context a worker takes with `--ctx-per-slot 0` (auto), as llama-server's `-c 0` does: the context the
+model was trained for, capped so that every slot's KV cache fits a memory budget (`--kv-budget-mb`; auto: a
+quarter of the machine's RAM on CPU, three quarters of the GPU's free memory once the weights are loaded).
+
+`auto_ctx_per_slot` is the rule (pure); the rest reads the machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import llama_cpp
+
+ROUND = 256  # an auto size is a multiple of this (llama.cpp allocates KV cells in blocks of 256)
+AUTO_FLOOR = 256  # the least auto gives, whatever the budget: a smaller slot would refuse almost every prompt
+UNKNOWN_TRAIN = 4096  # for a model whose GGUF does not say what it was trained for
+RAM_SHARE = 4  # auto budget on CPU: RAM / 4, for all CPU workers of one `serve` together (the rest: weights, host cache)
+GPU_SHARE = 0.75  # auto budget on a GPU: of its free memory after the weights (the rest: compute buffers)
+GGML_GPU_TYPES = (1, 2)  # ggml_backend_dev_type: GPU, then integrated GPU (the devices llama.cpp numbers for main_gpu)
+
+
+@dataclass(frozen=True)
+class CtxChoice:
+    ctx: int  # tokens per slot
+    reason: str  # "trained length", "kv budget", "unknown trained length" or "--ctx-per-slot"
+    budget_bytes: int = 0  # the budget auto was given (0: none, the length was asked for)
+
+
+def auto_ctx_per_slot(n_ctx_train: int, slots: int, bytes_per_token: float, budget_bytes: int) -> CtxChoice:
+    """The trained length, unless `slots` slots of it take more than `budget_bytes` of KV: then the longest
+    multiple of ROUND that fits (AUTO_FLOOR at least). A model whose state does not grow with its length
+    (recurrent: 0 bytes per token) always gets its trained length."""
+    trained = n_ctx_train if n_ctx_train > 0 else UNKNOWN_TRAIN
+    why = "trained length" if n_ctx_train > 0 else "unknown trained length"
+    if bytes_per_token <= 0:
+        return CtxChoice(trained, why, budget_bytes)
+    fits = int(budget_bytes // (slots * bytes_per_token)) // ROUND * ROUND
+    if fits >= trained:
+        return CtxChoice(trained, why, budget_bytes)
+    return CtxChoice(max(fits, AUTO_FLOOR), "kv budget", budget_bytes)
+
+
+def ram_bytes() -> int:
+    """The machine's RAM, or this process's cgroup (v2) memory limit when that is less (containers, systemd's MemoryMax=)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = _cgroup_limit()
+    return min(total, limit) if limit else total
+
+
+def _cgroup_limit() -> int | None:
+    try:
+        line = next(x for x in Path("/proc/self/cgroup").read_text().splitlines() if x.startswith("0::"))
+        value = (Path("/sys/fs/cgroup") / line[3:].lstrip("/") / "memory.max").read_text().strip()
+    except (OSError, StopIteration):
+        return None
+    return int(value) if value.isdigit() else None  # "max": no limit
+
+
+def cpu_budget_bytes(workers: int = 1) -> int:
+    """Auto budget of each of `workers` CPU workers sharing this machine."""
+    return ram_bytes() // RAM_SHARE // max(1, workers)
+
+
+def gpu_free_bytes(gpu: int) -> int | None:
+    """Free memory of GPU `gpu` as llama.cpp numbers them (ggml's GPU devices in order), or None if unknown."""
+    try:
+        lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml.so"))
+    except OSError:
+        return None
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    size_p = ctypes.POINTER(ctypes.c_size_t)
+    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, size_p, size_p]
+    devices = [lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count())]
+    for kind in GGML_GPU_TYPES:  # llama.cpp takes integrated GPUs only when there is no other
+        gpus = [d for d in devices if lib.ggml_backend_dev_type(d) == kind]
+        if gpus:
+            if gpu >= len(gpus):
+                return None
+            free, total = ctypes.c_size_t(), ctypes.c_size_t()
+            lib.ggml_backend_dev_memory(gpus[gpu], ctypes.byref(free), ctypes.byref(total))
+            return int(free.value)
+    return None
+
+
+def default_budget_bytes(gpu: int | None) -> int:
+    """The auto `--kv-budget-mb` of one worker (in bytes): on a GPU, GPU_SHARE of its free memory; on CPU (or a GPU
+    whose memory cannot be read), RAM / RAM_SHARE."""
+    free = gpu_free_bytes(gpu) if gpu is not None else None
+    return int(free * GPU_SHARE) if free is not None else cpu_budget_bytes()

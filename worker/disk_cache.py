@@ -1,0 +1,599 @@
+"""Slot states on local disk, one file each, so that a conversation evicted from host RAM (or from before a restart)
+resumes without recomputing.
+
+The storage layer only: the engine decides what to save and restores what `read` gives back. Each entry is one file
+`<id>.kvs` in `directory`, holding the model fingerprint, the llama.cpp state format (`llama_state_version`), the
+exact tokens whose KV the state holds, `n_exact`, `pos_min` and the bytes `llama_state_seq_get_data` wrote, with
+CRC-32 checksums (format below). An entry id is an int, the file's stem, unique in the directory: ids survive a
+restart, so the router can be told "entry 12 holds these tokens" and "entry 12 is gone" (`drain_events`).
+
+Contract:
+- `load()` starts the tier (creates the directory, locks it against a second worker, scans it). Until then, and
+  whenever the tier is off, `enabled` is False: `put` keeps nothing and `best` finds nothing. Entry files that are
+  not ours to use (other model, other state format, truncated, corrupt) and stray temp files are logged and removed;
+  files with other names are left alone. The entries kept are reported as `Added` events, like new ones.
+- `put` never touches the disk on the caller's thread: a writer thread writes a temp file, fsyncs it and renames it,
+  so a crash never leaves a partial file under a final name. The entry shows in `best` once its file is complete.
+  Least recently used files go first to keep the total within `capacity` bytes (headers included); no entry is a
+  prefix of another (the longer one is kept, as in HostCache). `data` must not change after `put`.
+- `read` checks the whole file against its checksum and header; on any mismatch the file is removed and None comes
+  back (the caller computes the prompt instead). Nothing is raised to the caller: a failed write (disk full, an
+  unwritable directory, any OSError) is logged once and turns the tier off, pending writes dropped; the files
+  already written stay for the next start.
+- Thread safe: every method may be called from any thread. `read` reads a whole file (and `used` sets its mtime)
+  on the caller's thread.
+
+File format (little-endian):
+    header    36 bytes  magic b"KVRDISK\\n", format version u16, fingerprint length u16, state version length u16,
+                        salt length u16, token count u32, n_exact i32, pos_min i32, state bytes u64
+              ...       fingerprint (utf-8), state version (utf-8), salt (utf-8: the tenant, usually empty),
+                        tokens (int32 each)
+    meta crc  u32       zlib.crc32 of everything before it: `load` trusts the tokens without reading the state
+    state     ...       raw, as llama.cpp wrote it
+    file crc  u32       zlib.crc32 of everything before it
+CRC-32 rather than a cryptographic hash: it guards against accidental damage (torn or truncated writes, bit rot, a
+file from elsewhere), not against someone who can write the directory anyway, and it runs at ~4.7 GB/s here against
+~1 GB/s for blake2b, on the path that restores a state (both release the GIL).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import os
+import re
+import struct
+import threading
+import time
+import zlib
+from collections import deque
+from dataclasses import dataclass
+from io import FileIO
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvroute import logs
+from kvroute.slots import common_prefix
+from protocol.common import pack_tokens, unpack_tokens
+
+if TYPE_CHECKING:
+    from worker.llama import StateData
+
+log = logs.get(__name__)
+
+MAGIC = b"KVRDISK\n"
+FORMAT_VERSION = 1
+SUFFIX = ".kvs"
+TMP_SUFFIX = ".kvs.tmp"
+LOCK_NAME = ".lock"
+_HEAD = struct.Struct("<8sHHHHIiiQ")
+_CRC = struct.Struct("<I")
+_NAME = re.compile(r"(\d+)\.kvs(\.tmp)?")
+_MAX_PENDING = 1 << 30  # bytes of states queued for writing (held in RAM meanwhile) at most, by default
+
+
+def llama_state_version(*extra: object) -> str:
+    """What identifies the bytes `llama_state_seq_get_data` writes: the pinned llama-cpp-python (which vendors one
+    llama.cpp commit), llama.cpp's own version string and its sequence-state magic and version. `extra`: what else
+    changes them (the K/V cache types, flash attention's V layout), appended."""
+    import llama_cpp  # here, not at the top: the tier itself never calls llama.cpp
+
+    parts = [
+        f"llama-cpp-python={llama_cpp.__version__}",
+        f"llama.cpp={llama_cpp.llama_version().decode()}",
+        f"seq={getattr(llama_cpp, 'LLAMA_STATE_SEQ_MAGIC', 0):#x}/{getattr(llama_cpp, 'LLAMA_STATE_SEQ_VERSION', 0)}",
+    ]
+    return ";".join(parts + [str(x) for x in extra])
+
+
+@dataclass(eq=False)
+class DiskEntry:
+    id: int
+    tokens: list[int]  # exactly the tokens whose KV the state holds, in position order
+    n_exact: int
+    pos_min: int
+    nbytes: int  # the whole file: what counts against the capacity
+    state_bytes: int  # the state alone: what `read` allocates
+    path: Path
+    last_used: int  # ns since the epoch; also the file's mtime, so the LRU order survives a restart
+    salt: str = ""  # the tenant whose prompt it holds ("": none); entries are shared only within a tenant
+
+
+@dataclass(frozen=True)
+class Added:
+    """The disk tier now holds `tokens` (under `entry_id`)."""
+
+    entry_id: int
+    tokens: list[int]
+    n_exact: int
+    pos_min: int
+    nbytes: int
+    salt: str = ""
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """The disk tier no longer holds entry `entry_id`."""
+
+    entry_id: int
+
+
+Event = Added | Dropped
+
+
+@dataclass(eq=False)
+class _Write:
+    id: int
+    tokens: list[int]
+    n_exact: int
+    pos_min: int
+    data: Any  # a C-contiguous buffer (StateData, bytes...)
+    state_bytes: int
+    nbytes: int
+    salt: str = ""
+
+
+class _Bad(Exception):
+    """A file that is not a usable entry; the message says why."""
+
+
+class DiskCache:
+    """Entries on disk by LRU within `capacity` bytes; 0 means off."""
+
+    def __init__(
+        self,
+        directory: Path | str,
+        capacity_bytes: int,
+        fingerprint: str,
+        state_version: str,
+        *,
+        max_pending_bytes: int | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        self.capacity = max(0, capacity_bytes)
+        self.fingerprint = fingerprint
+        self.state_version = state_version
+        self.max_pending_bytes = min(self.capacity, _MAX_PENDING) if max_pending_bytes is None else max_pending_bytes
+        self.enabled = False
+        self.written = 0  # files written
+        self.evicted = 0  # files removed for room or superseded by a longer entry
+        self.rejected = 0  # files removed because they did not check out (at load or read)
+        self.skipped = 0  # puts dropped because the write queue was full
+        self._fp = fingerprint.encode()
+        self._sv = state_version.encode()
+        self._entries: dict[int, DiskEntry] = {}
+        self._nbytes = 0
+        self._events: list[Event] = []
+        self._queue: deque[_Write] = deque()
+        self._pending_bytes = 0
+        self._busy: _Write | None = None  # the write in progress
+        self._cond = threading.Condition()  # guards all of the above; the writer waits on it
+        self._closing = False
+        self._loaded = False
+        self._off_logged = False
+        self._clock = 0
+        self._next_id = 1
+        self._lock_fd: int | None = None
+        self._writer: threading.Thread | None = None
+
+    # -- start --------------------------------------------------------------------------------------------------
+
+    def load(self) -> list[DiskEntry]:
+        """Start the tier: create and lock the directory, keep the valid entries, remove the rest. Returns the entries
+        (each also reported as an `Added` event). Once only; later calls return the current entries."""
+        with self._cond:
+            if self._loaded:
+                return list(self._entries.values())
+            self._loaded = True
+        if self.capacity <= 0:
+            return []
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # two workers on one directory would remove each other's files
+            except OSError:
+                os.close(fd)
+                raise
+            self._lock_fd = fd
+            found = self._scan()
+        except OSError as exc:
+            self._off("directory unusable", exc)
+            return []
+        found = self._unique(found)
+        found.sort(key=lambda e: (e.last_used, e.id))
+        total = sum(e.nbytes for e in found)
+        while found and total > self.capacity:  # the capacity may have shrunk since they were written
+            e = found.pop(0)
+            total -= e.nbytes
+            self.evicted += 1
+            self._remove(e.path, "over capacity", level="info")
+        if self._off_logged:  # a file could not be removed: the directory is not ours to write
+            return []
+        with self._cond:
+            for e in found:
+                self._entries[e.id] = e
+                self._events.append(Added(e.id, e.tokens, e.n_exact, e.pos_min, e.nbytes, e.salt))
+            self._nbytes = total
+            self._clock = max([time.time_ns(), *(e.last_used for e in found)])
+            self.enabled = True
+        self._writer = threading.Thread(target=self._run, name="disk-cache-writer", daemon=True)
+        self._writer.start()
+        log.info("disk_cache_loaded", directory=str(self.directory), entries=len(found), nbytes=total, capacity=self.capacity)
+        return found
+
+    def _scan(self) -> list[DiskEntry]:
+        found: list[DiskEntry] = []
+        for path in sorted(self.directory.iterdir()):
+            m = _NAME.fullmatch(path.name)
+            if m:
+                self._next_id = max(self._next_id, int(m.group(1)) + 1)
+            if path.name == LOCK_NAME or not path.is_file():
+                continue
+            if m is None:
+                if path.name.endswith(TMP_SUFFIX) or path.name.endswith(SUFFIX):
+                    self._reject(path, "not an entry name")
+                else:
+                    log.info("disk_cache_foreign_file_left", path=str(path))  # not ours: never removed
+                continue
+            if m.group(2):
+                self._remove(path, "stray temp file (a write cut short)")
+                continue
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    st = os.fstat(f.fileno())
+                    tokens, n_exact, pos_min, state_bytes, salt = self._read_header(f, st.st_size)
+            except _Bad as exc:
+                self._reject(path, str(exc))
+                continue
+            entry_id = int(m.group(1))
+            found.append(DiskEntry(entry_id, tokens, n_exact, pos_min, st.st_size, state_bytes, path, st.st_mtime_ns, salt))
+        return found
+
+    def _unique(self, found: list[DiskEntry]) -> list[DiskEntry]:
+        """Drop entries that are a prefix of another (a crash between writing a longer entry and removing the one it
+        supersedes). In sorted order, a prefix of anything is a prefix of the entry right after it."""
+        found.sort(key=lambda e: (e.salt, e.tokens))
+        keep = []
+        for i, e in enumerate(found):
+            nxt = found[i + 1] if i + 1 < len(found) else None
+            if nxt is not None and nxt.salt == e.salt and _is_prefix(e.tokens, nxt.tokens):
+                self.evicted += 1
+                self._remove(e.path, f"superseded by entry {nxt.id}", level="info")
+            else:
+                keep.append(e)
+        return keep
+
+    # -- the caller's side ----------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def entries(self) -> list[DiskEntry]:
+        with self._cond:
+            return list(self._entries.values())
+
+    def covers(self, tokens: list[int], salt: str = "") -> bool:
+        """Whether an entry of this tenant, written or queued, already holds `tokens` (or more after them)."""
+        with self._cond:
+            return self._covered(tokens, salt)
+
+    def put(
+        self, tokens: list[int], n_exact: int, pos_min: int, data: StateData | bytes | bytearray | memoryview, salt: str = ""
+    ) -> int | None:
+        """Queue a state holding `tokens` for writing; returns its entry id, or None when nothing is queued (the tier
+        is off, an entry covers them, it is over the capacity or the write queue is full). Never blocks on disk."""
+        state_bytes = memoryview(data).nbytes
+        tokens = list(tokens)
+        salt_b = salt.encode()
+        meta = len(self._fp) + len(self._sv) + len(salt_b) + 4 * len(tokens)
+        nbytes = _HEAD.size + meta + _CRC.size + state_bytes + _CRC.size
+        with self._cond:
+            if not self.enabled or self._closing or not tokens or nbytes > self.capacity or self._covered(tokens, salt):
+                return None
+            # queued writes this one extends would be superseded as soon as written: never write them
+            for w in [w for w in self._queue if w.salt == salt and _is_prefix(w.tokens, tokens)]:
+                self._queue.remove(w)
+                self._pending_bytes -= w.state_bytes
+            if self._pending_bytes + state_bytes > self.max_pending_bytes:
+                self.skipped += 1
+                return None
+            entry_id = self._next_id
+            self._next_id += 1
+            self._queue.append(_Write(entry_id, tokens, n_exact, pos_min, data, state_bytes, nbytes, salt))
+            self._pending_bytes += state_bytes
+            self._cond.notify_all()
+            return entry_id
+
+    def best(self, prompt: list[int], salt: str = "") -> tuple[DiskEntry | None, int]:
+        """This tenant's entry sharing the longest prefix with `prompt`, and that length (0 when none shares anything)."""
+        best, best_lcp = None, 0
+        with self._cond:
+            for e in self._entries.values():
+                if e.salt != salt:
+                    continue
+                lcp = common_prefix(e.tokens, prompt)
+                if lcp > best_lcp:
+                    best, best_lcp = e, lcp
+        return best, best_lcp
+
+    def read(self, entry: DiskEntry) -> StateData | None:
+        """The entry's state, checked, in a ctypes buffer (`Llama.state_set` takes it as is); None when the entry is
+        gone or its file does not check out (then the file is removed and the entry dropped)."""
+        if self._entries.get(entry.id) is not entry:
+            return None
+        try:
+            with open(entry.path, "rb", buffering=0) as f:
+                st = os.fstat(f.fileno())
+                header = self._read_header(f, st.st_size)
+                state_bytes = header[3]
+                if header != (entry.tokens, entry.n_exact, entry.pos_min, entry.state_bytes, entry.salt):
+                    raise _Bad("header differs from the one loaded")
+                f.seek(0)
+                crc = zlib.crc32(_read_exact(f, st.st_size - state_bytes - _CRC.size))
+                buf = (ctypes.c_uint8 * state_bytes)()
+                _readinto_exact(f, memoryview(buf).cast("B"))
+                crc = zlib.crc32(buf, crc)
+                (stored,) = _CRC.unpack(_read_exact(f, _CRC.size))
+                if stored != crc:
+                    raise _Bad(f"checksum {crc:#010x} differs from the stored {stored:#010x}")
+        except _Bad as exc:
+            if self._forget(entry):
+                self._reject(entry.path, str(exc))
+            return None
+        except OSError as exc:
+            if self._forget(entry):  # (not indexed any more: the writer evicted it meanwhile, nothing is wrong)
+                self._reject(entry.path, f"unreadable: {exc}")
+            return None
+        return buf
+
+    def used(self, entry: DiskEntry) -> None:
+        """Mark `entry` most recently used, in memory and in the file's mtime (so the order survives a restart)."""
+        with self._cond:
+            if self._entries.get(entry.id) is not entry:
+                return
+            entry.last_used = self._stamp()
+        with contextlib.suppress(OSError):  # evicted meanwhile: nothing to keep
+            os.utime(entry.path, ns=(entry.last_used, entry.last_used))
+
+    def drop(self, entry: DiskEntry) -> None:
+        """Remove an entry (its restore failed: it would fail again)."""
+        if self._forget(entry):
+            self._remove(entry.path, "dropped by the caller", level="info")
+
+    def drain_events(self) -> list[Event]:
+        """What was added and dropped since the last call, in order."""
+        with self._cond:
+            events, self._events = self._events, []
+        return events
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write is done (or dropped); False when `timeout` seconds passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and self._busy is None, timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop: queued writes not begun are dropped (`flush` first to keep them), the one in progress finishes (up
+        to `timeout` seconds), the directory lock is released. The files stay for the next start."""
+        with self._cond:
+            self._closing = True
+            self._queue.clear()
+            self._pending_bytes = 0
+            self._cond.notify_all()
+        if self._writer is not None:
+            self._writer.join(timeout)
+        with self._cond:
+            self.enabled = False
+            self._entries.clear()
+            self._nbytes = 0
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- the writer thread ----------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closing or not self.enabled)
+                if self._closing or not self.enabled:
+                    return
+                w = self._busy = self._queue.popleft()
+                self._pending_bytes -= w.state_bytes
+            try:
+                self._write(w)
+            except OSError as exc:
+                self._off("write failed", exc)
+            except Exception as exc:  # a bug must not kill the thread silently with writes pending forever
+                self._off("write failed (unexpected)", exc)
+            finally:
+                with self._cond:
+                    self._busy = None
+                    self._cond.notify_all()
+
+    def _write(self, w: _Write) -> None:
+        with self._cond:
+            if not self.enabled or self._covered(w.tokens, w.salt, writing=w):
+                return
+            victims = [e for e in self._entries.values() if e.salt == w.salt and _is_prefix(e.tokens, w.tokens)]
+            room = self._nbytes - sum(e.nbytes for e in victims)
+            for e in sorted(self._entries.values(), key=lambda e: (e.last_used, e.id)):
+                if room + w.nbytes <= self.capacity:
+                    break
+                if e not in victims:
+                    victims.append(e)
+                    room -= e.nbytes
+            for e in victims:  # out of the index first: `best` no longer offers what is about to go
+                self._unindex(e)
+        for e in victims:
+            self.evicted += 1
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(e.path)
+        path = self.directory / f"{w.id}{SUFFIX}"
+        tmp = self.directory / f"{w.id}{TMP_SUFFIX}"
+        try:
+            with open(tmp, "xb", buffering=0) as f:
+                head = b"".join(
+                    [
+                        _HEAD.pack(
+                            MAGIC,
+                            FORMAT_VERSION,
+                            len(self._fp),
+                            len(self._sv),
+                            len(w.salt.encode()),
+                            len(w.tokens),
+                            w.n_exact,
+                            w.pos_min,
+                            w.state_bytes,
+                        ),
+                        self._fp,
+                        self._sv,
+                        w.salt.encode(),
+                        pack_tokens(w.tokens),
+                    ]
+                )
+                head += _CRC.pack(zlib.crc32(head))
+                data = memoryview(w.data).cast("B")
+                _write_all(f, head)
+                _write_all(f, data)
+                _write_all(f, _CRC.pack(zlib.crc32(data, zlib.crc32(head))))
+                with self._cond:
+                    stamp = self._stamp()
+                os.utime(f.fileno(), ns=(stamp, stamp))
+                os.fsync(f.fileno())  # the data is on disk before the name says the file is complete
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        self._fsync_dir()
+        with self._cond:
+            if not self.enabled:
+                return
+            entry = DiskEntry(w.id, w.tokens, w.n_exact, w.pos_min, w.nbytes, w.state_bytes, path, stamp, w.salt)
+            self._entries[w.id] = entry
+            self._nbytes += w.nbytes
+            self._events.append(Added(w.id, w.tokens, w.n_exact, w.pos_min, w.nbytes, w.salt))
+            self.written += 1
+
+    def _fsync_dir(self) -> None:
+        """Make the rename durable (an entry announced to the router is there after a power cut)."""
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    # -- helpers --------------------------------------------------------------------------------------------------
+
+    def _read_header(self, f: FileIO, size: int) -> tuple[list[int], int, int, int, str]:
+        """Check a file's header against this model and format and its length; returns (tokens, n_exact, pos_min,
+        state bytes, salt), leaving `f` at the state. Raises _Bad."""
+        raw = f.read(_HEAD.size)
+        if raw is None or len(raw) < _HEAD.size:
+            raise _Bad(f"truncated: {size} bytes")
+        magic, version, fp_len, sv_len, salt_len, n_tokens, n_exact, pos_min, state_bytes = _HEAD.unpack(raw)
+        if magic != MAGIC:
+            raise _Bad("bad magic: not a kvroute disk entry")
+        if version != FORMAT_VERSION:
+            raise _Bad(f"file format version {version}, this build reads {FORMAT_VERSION}")
+        meta_len = fp_len + sv_len + salt_len + 4 * n_tokens
+        if _HEAD.size + meta_len + _CRC.size + state_bytes + _CRC.size != size:
+            raise _Bad(f"truncated or overlong: {size} bytes, the header announces others")
+        meta = _read_exact(f, meta_len)
+        (stored,) = _CRC.unpack(_read_exact(f, _CRC.size))
+        if zlib.crc32(meta, zlib.crc32(raw)) != stored:
+            raise _Bad("header checksum differs")
+        fp, sv = meta[:fp_len], meta[fp_len : fp_len + sv_len]
+        if fp != self._fp:
+            raise _Bad(f"other model: fingerprint {fp[:16].decode(errors='replace')}")
+        if sv != self._sv:
+            raise _Bad(f"other state version: {sv.decode(errors='replace')}")
+        if n_tokens == 0:
+            raise _Bad("no tokens")
+        at = fp_len + sv_len
+        salt = meta[at : at + salt_len].decode(errors="replace")
+        return unpack_tokens(meta[at + salt_len :]), n_exact, pos_min, state_bytes, salt
+
+    def _covered(self, tokens: list[int], salt: str, writing: _Write | None = None) -> bool:
+        n = len(tokens)
+        held = [e.tokens for e in self._entries.values() if e.salt == salt]
+        held += [w.tokens for w in self._queue if w is not writing and w.salt == salt]
+        if self._busy is not None and self._busy is not writing and self._busy.salt == salt:
+            held.append(self._busy.tokens)
+        return any(len(t) >= n and t[:n] == tokens for t in held)
+
+    def _stamp(self) -> int:
+        """A strictly increasing wall-clock time in ns (ties would blur the LRU order a restart reads back)."""
+        self._clock = max(time.time_ns(), self._clock + 1)
+        return self._clock
+
+    def _unindex(self, e: DiskEntry) -> None:
+        del self._entries[e.id]
+        self._nbytes -= e.nbytes
+        self._events.append(Dropped(e.id))
+
+    def _forget(self, entry: DiskEntry) -> bool:
+        with self._cond:
+            if self._entries.get(entry.id) is not entry:
+                return False
+            self._unindex(entry)
+            return True
+
+    def _reject(self, path: Path, reason: str) -> None:
+        self.rejected += 1
+        self._remove(path, reason)
+
+    def _remove(self, path: Path, reason: str, level: str = "warning") -> bool:
+        getattr(log, level)("disk_cache_file_removed", path=str(path), reason=reason)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            self._off("cannot remove files", exc)
+            return False
+        return True
+
+    def _off(self, reason: str, exc: BaseException) -> None:
+        """Turn the tier off for good: log once, drop queued writes and every entry (the files stay)."""
+        with self._cond:
+            first, self._off_logged = not self._off_logged, True
+            self.enabled = False
+            self._queue.clear()
+            self._pending_bytes = 0
+            for e in list(self._entries.values()):
+                self._unindex(e)
+            self._cond.notify_all()
+        if first:
+            log.warning("disk_cache_off", directory=str(self.directory), reason=reason, error=str(exc))
+
+
+def _is_prefix(a: list[int], b: list[int]) -> bool:
+    return len(a) <= len(b) and b[: len(a)] == a
+
+
+def _read_exact(f: FileIO, n: int) -> bytes:
+    out = bytearray(n)
+    _readinto_exact(f, memoryview(out))
+    return bytes(out)
+
+
+def _readinto_exact(f: FileIO, buf: memoryview) -> None:
+    got = 0
+    while got < len(buf):
+        n = f.readinto(buf[got:])
+        if not n:
+            raise _Bad(f"truncated: {got} of {len(buf)} bytes")
+        got += n
+
+
+def _write_all(f: FileIO, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        n = f.write(view)
+        view = view[n:]
