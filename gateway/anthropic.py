@@ -24,7 +24,7 @@ import msgspec
 from msgspec import Meta
 
 from gateway.blocks import Blocks, Kind
-from gateway.openai_schema import RequestError, Strict, validation_problem
+from gateway.openai_schema import RequestError, Strict, context_shift, validation_problem
 from protocol import (
     MAX_DEADLINE_MS,
     ChatMessage,
@@ -367,7 +367,7 @@ def message_body(result: Result, model: str) -> dict[str, Any]:
         "content": content,
         "stop_reason": stop_reason(result),
         "stop_sequence": result.stop,
-        "usage": usage_body(u.prompt_tokens, u.cached_tokens, u.completion_tokens),
+        "usage": usage_body(u.prompt_tokens, u.cached_tokens, u.completion_tokens) | context_shift(result),
     }
 
 
@@ -405,7 +405,8 @@ async def message_events(messages: AsyncIterator[Delta | Result], rid: str, mode
         u = msg.usage
         delta = {"stop_reason": stop_reason(msg), "stop_sequence": msg.stop}
         yield sse("message_delta", {"type": "message_delta", "delta": delta,
-                                    "usage": usage_body(u.prompt_tokens, u.cached_tokens, u.completion_tokens)})  # fmt: skip
+                                    "usage": usage_body(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
+                                    | context_shift(msg)})  # fmt: skip
         yield sse("message_stop", {"type": "message_stop"})
 
 

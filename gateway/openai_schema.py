@@ -256,9 +256,15 @@ def usage_body(result: Result) -> dict[str, Any]:
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
-    if result.dropped_messages:  # --context-shift: the prompt served is not the one sent
-        body["context_shift"] = {"dropped_messages": result.dropped_messages, "dropped_tokens": result.dropped_tokens}
-    return body
+    return body | context_shift(result)
+
+
+def context_shift(result: Result) -> dict[str, Any]:
+    """The usage's `context_shift` when --context-shift dropped messages: the prompt served is not the one sent (every
+    API's usage says so the same way)."""
+    if not result.dropped_messages:
+        return {}
+    return {"context_shift": {"dropped_messages": result.dropped_messages, "dropped_tokens": result.dropped_tokens}}
 
 
 def finish_reason(reason: str) -> str:

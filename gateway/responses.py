@@ -25,7 +25,7 @@ import msgspec
 from msgspec import Meta
 
 from gateway.blocks import Blocks, Event, Kind
-from gateway.openai_schema import RequestError, Strict, chat_logprobs, validation_problem
+from gateway.openai_schema import RequestError, Strict, chat_logprobs, context_shift, validation_problem
 from protocol import (
     MAX_DEADLINE_MS,
     MAX_LOGPROBS,
@@ -407,7 +407,7 @@ def response_body(result: Result, rid: str, model: str, body: ResponsesRequest, 
         status=status,
         incomplete_details=incomplete,
         output=[_item(ev.block, rid, True, lps) for ev in events if ev.what == "close"],
-        usage=_usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens),
+        usage=_usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens) | context_shift(result),
     )
     return out
 
@@ -483,7 +483,7 @@ async def response_events(
         status, incomplete = finish(msg)
         u = msg.usage
         final = {**base, "status": status, "incomplete_details": incomplete, "output": done_items,
-                 "usage": _usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens)}  # fmt: skip
+                 "usage": _usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens) | context_shift(msg)}  # fmt: skip
         yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
 
 

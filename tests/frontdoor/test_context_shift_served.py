@@ -57,6 +57,19 @@ def test_a_long_conversation_is_served_with_its_oldest_turns_dropped(shifted: Se
     assert chunks[-1]["usage"]["context_shift"] == shift
 
 
+def test_the_anthropic_and_responses_apis_say_so_in_their_usage_too(shifted: Served) -> None:
+    system, *messages = conversation()
+    headers = {**shifted.headers, "anthropic-version": "2023-06-01"}
+    body = {"system": system["content"], "messages": messages, "max_tokens": MAX_TOKENS, "model": "default"}
+    r = httpx.post(f"{shifted.url}/v1/messages", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["usage"]["context_shift"]["dropped_messages"] > 0
+    body = {"instructions": system["content"], "input": messages, "max_output_tokens": 16, "model": "default"}
+    r = httpx.post(f"{shifted.url}/v1/responses", json=body, headers=shifted.headers, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["usage"]["context_shift"]["dropped_messages"] > 0
+
+
 def test_a_conversation_that_fits_says_nothing_about_shifting(shifted: Served) -> None:
     r = chat(shifted, conversation(1))
     assert r.status_code == 200 and "context_shift" not in r.json()["usage"], r.text[:300]
