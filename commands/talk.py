@@ -160,7 +160,8 @@ def format_status(st: StatusReply) -> str:
         for s in w.slots:
             lines.append(
                 f"{w.worker:<10} {w.incarnation:>3} {w.device:<8} {w.state:<9} {s.slot:>4} {'yes' if s.busy else 'no':<4} "
-                f"{s.n_tokens:>7} {s.reused_total:>8} {s.last_used_s:>7.1f}  {s.request_id or ''}"
+                f"{'-' if s.other_tenant else s.n_tokens:>7} {s.reused_total:>8} {s.last_used_s:>7.1f}  "
+                f"{'(another tenant)' if s.other_tenant else s.request_id or ''}"
             )
         if not w.slots:
             lines.append(f"{w.worker:<10} {w.incarnation:>3} {w.device:<8} {w.state:<9}")

@@ -265,6 +265,7 @@ class Engine:
         )
         disk = DiskCache(Path(cfg.cache_dir), int(cfg.disk_cache_gb * 2**30), fingerprint, layout)
         loaded = disk.load()
+        disk.drain_events()  # what it found goes to the router in the hello (`held`), not again with a JobDone
         log.info("disk_tier", directory=cfg.cache_dir, entries=len(loaded), nbytes=disk.nbytes, enabled=disk.enabled)
         return disk
 

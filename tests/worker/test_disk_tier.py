@@ -80,6 +80,7 @@ def test_a_restart_restores_what_a_graceful_stop_wrote_and_a_bad_file_is_served_
         assert any(t[: len(a)] == a for t in on_disk) and any(t[: len(b)] == b for t in on_disk)  # ...a warm disk
         back = complete(eng, question(vocab, a), slot=0)
         assert isinstance(back.final, JobDone) and back.final.restored_tokens >= len(a) - 8
+        assert not [e for e in back.final.cache_added if e.tier == "disk"]  # the hello told them: not sent twice
         assert back.tokens == refs[0].tokens  # restored after the restart: the same answer as computed cold
         # a file damaged on disk: logged, removed, and its prompt computed instead
         bad, _ = eng.disk.best(question(vocab, b))  # the entry that prompt would be restored from
