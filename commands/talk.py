@@ -34,6 +34,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="the router's public key file, NAME.pub ($KVROUTE_ROUTER_KEY)",
     )
+    parser.add_argument(
+        "--cache-salt",
+        default=os.environ.get("KVROUTE_CACHE_SALT"),
+        metavar="SALT",
+        help="the tenant: cached prefixes are shared only with requests of the same salt; status shows its slots in "
+        "full ($KVROUTE_CACHE_SALT)",
+    )
 
 
 def _sampling(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +81,7 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "min_p": args.min_p,
         "seed": args.seed,
         "stop": args.stop,
+        "cache_salt": args.cache_salt,
     }
 
 
@@ -174,7 +182,7 @@ def format_status(st: StatusReply) -> str:
 def run_status(args: argparse.Namespace) -> int:
     with _client(args) as client:
         try:
-            st = client.status()
+            st = client.status(cache_salt=args.cache_salt)
         except (KvrouteError, TimeoutError) as exc:
             return _fail(exc, args)
     if args.json:

@@ -165,7 +165,17 @@ def error_from(msg: Error) -> KvrouteError:
     )
 
 
-CHAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "grammar", "chat_template_kwargs", "n")
+# the Submit fields a caller may give beside the prompt and sampling
+SUBMIT_FIELDS = (
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+    "grammar",
+    "chat_template_kwargs",
+    "n",
+    "cache_salt",
+)
 
 
 def build_submit(
@@ -180,7 +190,7 @@ def build_submit(
 ) -> Submit:
     """A `submit` from keyword arguments: those of protocol.Submit (tools, tool_choice, response_format, grammar,
     n, ...; as dicts or structs) and of protocol.Sampling (temperature, max_tokens, logprobs, ...)."""
-    extra = {k: kwargs.pop(k) for k in CHAT_FIELDS if k in kwargs}
+    extra = {k: kwargs.pop(k) for k in SUBMIT_FIELDS if k in kwargs}
     try:
         params = msgspec.convert(kwargs, Sampling)
         return msgspec.convert(

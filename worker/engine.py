@@ -217,6 +217,8 @@ class Engine:
         # prefixes move between slots and host RAM by state copy + trim, so only where KV can be trimmed
         self.copies = not self.snapshots
         self.disk = self._disk_tier(cfg) if self.copies else None
+        if cfg.cache_dir and not self.copies:
+            log.warning("disk_tier_off", reason="this model's memory cannot be trimmed (--snapshots): no saved states")
         self.host = HostCache(cfg.host_cache_mb * 2**20 if self.copies else 0, spill=self._spill)
         self.exact = cfg.deterministic
         self.pad_rows = max(2, -(-EXACT_ROWS // cfg.slots)) if self.exact else 0  # rows of each slot in a decode batch

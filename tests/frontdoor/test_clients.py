@@ -86,11 +86,26 @@ def test_cli_complete_then_status_shows_the_slot(served: Served) -> None:
     assert lines[0].startswith("model ")
     rows = [line.split() for line in lines[4:] if line.strip() and not line.startswith("per slot:")]
     assert rows and all(len(r) >= 8 for r in rows)
-    assert any(int(r[6]) > 0 for r in rows), status.stdout  # some slot holds tokens now
+    assert any(r[6].isdigit() and int(r[6]) > 0 for r in rows), status.stdout  # some slot holds tokens now
     assert lines[-1].startswith("per slot: cpu0 1024 tokens, ") and lines[-1].endswith(" MiB of KV")
     raw = json.loads(kvroute("status", "--connect", served.zmq, "--json").stdout)
     worker = raw["workers"][0]
     assert worker["slots"] and worker["ctx_per_slot"] == 1024 and worker["kv_bytes_per_slot"] > 0
+
+
+def test_cli_cache_salt_keeps_a_tenants_prefix_its_own(served: Served) -> None:
+    prompt = "Tenant notes: " + "the blue door opens at nine and the green one at ten. " * 8
+
+    def cached(salt: str) -> int:
+        out = kvroute("complete", "--connect", served.zmq, "--max-tokens", "2", "--usage", "--cache-salt", salt, prompt)
+        assert out.returncode == 0, out.stderr
+        return int(out.stderr.split("cached=")[1].split()[0])
+
+    assert cached("team-a") == 0
+    assert cached("team-a") > 50  # the same tenant: its prefix
+    assert cached("team-b") == 0  # another tenant: nothing of it
+    status = kvroute("status", "--connect", served.zmq, "--cache-salt", "team-c")
+    assert "(another tenant)" in status.stdout  # the slot team-b's prompt took, seen by a third tenant
 
 
 def test_cli_unreachable_router_is_one_line() -> None:
