@@ -136,6 +136,8 @@ async def run_session(client: CompletionClient, session: Session, t0: float, on_
     completions: list[str] = []
     samples: list[Sample] = []
     for turn in range(len(session.messages)):
+        if turn < len(session.think_s):
+            await asyncio.sleep(session.think_s[turn])
         prompt = session.prompt(turn, completions)
         sample = await client.complete(prompt, session.max_tokens, session=session.name, turn=turn, t0=t0)
         samples.append(sample)

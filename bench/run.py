@@ -386,7 +386,8 @@ def scale_out_lines(figs: dict[str, dict[str, Any]], setup: dict[str, Any]) -> s
     out = []
     for name, f in figs.items():
         keys = ("oracle_workers", "oracle_shared_tokens", "oracle_reuse", "oracle_prefilled_tokens", "reuse_of_oracle",
-                "reuse_of_oracle_first_turns", "reuse_of_oracle_later_turns", "oracle_prompt_mismatches")  # fmt: skip
+                "reuse_of_oracle_first_turns", "reuse_of_oracle_later_turns", "oracle_prompt_mismatches",
+                "history_reuse")  # fmt: skip
         n = {k: report.fmt(k, f.get(k)) for k in keys}
         if f.get("oracle_reuse") is not None:
             out.append(
@@ -395,8 +396,9 @@ def scale_out_lines(figs: dict[str, dict[str, Any]], setup: dict[str, Any]) -> s
                 f"shares computed once on each) reuses {n['oracle_reuse']} of the same prompts and computes "
                 f"{n['oracle_prefilled_tokens']} of their tokens; {name} reached {n['reuse_of_oracle']} of its "
                 f"reuse (first turns {n['reuse_of_oracle_first_turns']}, later turns "
-                f"{n['reuse_of_oracle_later_turns']}); prompts the oracle counted otherwise than the server: "
-                f"{n['oracle_prompt_mismatches']}"
+                f"{n['reuse_of_oracle_later_turns']}); of the later turns' own histories (after the shared prompt) "
+                f"{name} reused {report.fmt('reuse', f.get('history_reuse'))}; prompts the oracle counted otherwise "
+                f"than the server: {n['oracle_prompt_mismatches']}"
             )
         if f.get("router_reused_tokens") is not None:
             out.append("- " + report.router_line(name, f))

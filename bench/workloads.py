@@ -51,6 +51,7 @@ class Sizes:
     scale_max_tokens: int = opt(16, "scale-out: max_tokens of each turn")
     scale_workers: int = opt(2, "scale-out: kvroute workers (instead of --workers)")
     scale_slots: int = opt(2, "scale-out: slots per worker (instead of --slots)")
+    scale_think_s: float = opt(0.5, "scale-out: before each turn a session pauses 0 to this many seconds (seeded): its tools")
 
 
 # Tiny sizes for checking the harness end to end in a minute or two (`--quick`).
@@ -89,6 +90,7 @@ class Session:
     opening: str
     messages: tuple[str, ...]
     max_tokens: int
+    think_s: tuple[float, ...] = ()  # pause before turn k (an agent running its tools); none when empty
 
     def prompt(self, turn: int, completions: Sequence[str]) -> str:
         """The prompt of `turn`: opening + every earlier (message + its completion) + this turn's message."""
@@ -334,11 +336,16 @@ def scale_out(sizes: Sizes, tokenize: Callable[[str], list[int]]) -> Workload:
     for i in range(sizes.scale_sessions):
         own = TextGen(f"{sizes.seed}:scale-out:{i}")
         messages = _messages(own, sizes.scale_turns, sizes.scale_user_tokens, tokenize)
-        sessions.append(Session(f"agent-{i + 1}", shared, messages, sizes.scale_max_tokens))
+        # Seeded pauses: every system sees the same arrivals, and they do not come back in a fixed cycle (with
+        # none, 12 sessions on 2 workers kept their turn order, so round-robin sent each to the same worker always)
+        pauses = random.Random(f"{sizes.seed}:scale-out:{i}:think")
+        think = tuple(round(pauses.uniform(0, sizes.scale_think_s), 3) for _ in messages)
+        sessions.append(Session(f"agent-{i + 1}", shared, messages, sizes.scale_max_tokens, think))
     desc = (
         f"{sizes.scale_sessions} concurrent sessions on kvroute {sizes.scale_workers} workers x {sizes.scale_slots} "
         f"slots, {sizes.scale_shared_tokens}-token shared system prompt, {sizes.scale_turns} turns of "
-        f"{sizes.scale_user_tokens}-token messages, max_tokens {sizes.scale_max_tokens}"
+        f"{sizes.scale_user_tokens}-token messages, max_tokens {sizes.scale_max_tokens}, "
+        f"0-{sizes.scale_think_s:g} s pause before each turn"
     )
     n = sizes.scale_sessions
     return Workload("scale-out", desc, tuple(sessions), n, workers=sizes.scale_workers, slots=sizes.scale_slots)

@@ -71,6 +71,7 @@ _HEAD = struct.Struct("<8sHHHHIiiQ")
 _CRC = struct.Struct("<I")
 _NAME = re.compile(r"(\d+)\.kvs(\.tmp)?")
 _MAX_PENDING = 1 << 30  # bytes of states queued for writing (held in RAM meanwhile) at most, by default
+_SCRATCH_STEP = 1 << 20  # the read buffer grows by whole MiB
 
 
 def llama_state_version(*extra: object) -> str:
@@ -176,6 +177,7 @@ class DiskCache:
         self._next_id = 1
         self._lock_fd: int | None = None
         self._writer: threading.Thread | None = None
+        self._scratch: ctypes.Array[ctypes.c_uint8] | None = None  # what `read` reads into, reused
 
     # -- start --------------------------------------------------------------------------------------------------
 
@@ -324,8 +326,9 @@ class DiskCache:
         return best, best_lcp
 
     def read(self, entry: DiskEntry) -> StateData | None:
-        """The entry's state, checked, in a ctypes buffer (`Llama.state_set` takes it as is); None when the entry is
-        gone or its file does not check out (then the file is removed and the entry dropped)."""
+        """The entry's state, checked, in a ctypes buffer (`Llama.state_set` takes it as is) that the next `read`
+        overwrites; None when the entry is gone or its file does not check out (then the file is removed and the
+        entry dropped). Compute thread only."""
         if self._entries.get(entry.id) is not entry:
             return None
         try:
@@ -337,7 +340,7 @@ class DiskCache:
                     raise _Bad("header differs from the one loaded")
                 f.seek(0)
                 crc = zlib.crc32(_read_exact(f, st.st_size - state_bytes - _CRC.size))
-                buf = (ctypes.c_uint8 * state_bytes)()
+                buf = self._buffer(state_bytes)
                 _readinto_exact(f, memoryview(buf).cast("B"))
                 crc = zlib.crc32(buf, crc)
                 (stored,) = _CRC.unpack(_read_exact(f, _CRC.size))
@@ -352,6 +355,14 @@ class DiskCache:
                 self._reject(entry.path, f"unreadable: {exc}")
             return None
         return buf
+
+    def _buffer(self, n: int) -> ctypes.Array[ctypes.c_uint8]:
+        """An n-byte view of the buffer every read reuses: fresh memory for each state costs more than reading it
+        where page faults are slow (here, beside a 2.3 GiB KV cache: 33 ms for 10 MB; reading it 1 ms, checking 2)."""
+        if self._scratch is None or len(self._scratch) < n:
+            self._scratch = None  # (freed before the larger one is allocated)
+            self._scratch = (ctypes.c_uint8 * (-(-n // _SCRATCH_STEP) * _SCRATCH_STEP))()
+        return (ctypes.c_uint8 * n).from_buffer(self._scratch)
 
     def used(self, entry: DiskEntry) -> None:
         """Mark `entry` most recently used, in memory and in the file's mtime (so the order survives a restart)."""

@@ -48,6 +48,38 @@ def test_scale_out_turns_append_the_reply_and_a_new_message() -> None:
     assert s.prompt(2, replies).startswith(s.prompt(1, replies[:1]) + replies[1])
 
 
+def test_scale_out_sessions_pause_before_each_turn_the_same_in_every_run() -> None:
+    w = build("scale-out", Sizes(), words)
+    pauses = [s.think_s for s in w.sessions]
+    assert all(len(p) == 8 and all(0 <= x <= 0.5 for x in p) for p in pauses)
+    assert len({p for p in pauses}) == 12  # each session its own: arrivals do not keep a fixed cycle
+    assert [s.think_s for s in build("scale-out", Sizes(), words).sessions] == pauses  # seeded: every system alike
+    assert all(x == 0 for s in build("scale-out", Sizes(scale_think_s=0), words).sessions for x in s.think_s)
+    assert "0-0.5 s pause before each turn" in w.description
+    assert build("many-agents", Sizes(), words).sessions[0].think_s == ()  # the other workloads do not pause
+
+
+def test_a_session_waits_its_pause_before_each_turn() -> None:
+    import asyncio
+    import time
+
+    from bench.client import run_session
+    from bench.workloads import Session
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.sent: list[float] = []
+
+        async def complete(self, prompt: str, max_tokens: int, **kw: object) -> object:
+            self.sent.append(time.perf_counter())
+            return type("S", (), {"error": None, "text": "ok"})()
+
+    rec = Recorder()
+    t0 = time.perf_counter()
+    asyncio.run(run_session(rec, Session("s", "open", ("a", "b"), 4, (0.05, 0.1)), t0))  # type: ignore[arg-type]
+    assert rec.sent[0] - t0 >= 0.05 and rec.sent[1] - rec.sent[0] >= 0.1
+
+
 def test_scale_out_sizes_are_flags_and_quick_shrinks_them() -> None:
     sizes = Sizes(scale_sessions=3, scale_turns=2, scale_workers=3, scale_slots=1, scale_shared_tokens=50)
     w = build("scale-out", sizes, words)
@@ -136,6 +168,8 @@ def test_oracle_figures_compare_the_measured_reuse_with_the_oracles() -> None:
     assert f["reuse_of_oracle_first_turns"] is None  # the oracle had nothing to reuse there
     assert (f["prefilled_tokens"], f["oracle_prefilled_tokens"], f["oracle_shared_tokens"]) == (29 - 12, 29 - 15, 4)
     assert report.fmt("reuse_of_oracle", f["reuse_of_oracle"]) == "80.0%"
+    # the later turns' own histories, after the 4 tokens every prompt shares: a reused 4 of 5, b 0 of 4
+    assert f["history_reuse"] == 4 / 9
 
 
 # --- the router's counters -----------------------------------------------------------------------------------------
@@ -200,6 +234,11 @@ def test_scale_out_goals_against_the_oracle_round_robin_and_least_loaded() -> No
     assert got["oracle"].met is True and "ratio 0.950" in got["oracle"].detail
     assert got["kvroute-rr"].met is True and "ratio 3.600" in got["kvroute-rr"].detail
     assert got["kvroute-ll"].met is False and "ratio 1.111" in got["kvroute-ll"].detail
+    assert "own histories" not in got["kvroute-rr"].detail  # no history figures: nothing said about them
+    results["scale-out"]["kvroute"]["history_reuse"] = 0.9
+    results["scale-out"]["kvroute-rr"]["history_reuse"] = 0.45
+    detail = scale_out_goals(results)["kvroute-rr"].detail
+    assert "ratio 3.600" in detail and "kvroute 90.0% vs kvroute-rr 45.0%: ratio 2.000" in detail
 
 
 def test_scale_out_goals_pair_repeats_and_fail_on_errors() -> None:

@@ -77,6 +77,10 @@ def test_round_trip_gives_back_the_state_and_announces_it(cache: DiskCache):
     second = put(cache, [5, 6], blob)
     got = cache.read(found(cache, [5, 6]))
     assert got is not None and bytes(got) == state(300, 5) and second != entry_id
+    # reads reuse one buffer (fresh memory per read is slow): a read's result lasts until the next read
+    assert ctypes.addressof(got) == ctypes.addressof(out) and len(got) == 300
+    again = cache.read(entry)
+    assert again is not None and bytes(again) == data and ctypes.addressof(again) == ctypes.addressof(out)
 
 
 def test_least_recently_used_files_go_first_within_the_byte_budget(tmp_path: Path):
