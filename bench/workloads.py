@@ -336,8 +336,8 @@ def scale_out(sizes: Sizes, tokenize: Callable[[str], list[int]]) -> Workload:
     for i in range(sizes.scale_sessions):
         own = TextGen(f"{sizes.seed}:scale-out:{i}")
         messages = _messages(own, sizes.scale_turns, sizes.scale_user_tokens, tokenize)
-        # Seeded pauses: every system sees the same arrivals, and they do not come back in a fixed cycle (with
-        # none, 12 sessions on 2 workers kept their turn order, so round-robin sent each to the same worker always)
+        # Seeded pauses: every system sees the same arrivals, and they do not come back in a fixed cycle (which
+        # round-robin's rotation can line up with: 12 sessions, 2 workers)
         pauses = random.Random(f"{sizes.seed}:scale-out:{i}:think")
         think = tuple(round(pauses.uniform(0, sizes.scale_think_s), 3) for _ in messages)
         sessions.append(Session(f"agent-{i + 1}", shared, messages, sizes.scale_max_tokens, think))
