@@ -3,9 +3,11 @@
 Every system gets the same model, the same thread count and the same context per conversation:
 - `kvroute`: `kvroute serve --policy prefix` (the default policy);
 - `kvroute-cold`: the same with `--no-prefix-cache` (every request computed from scratch);
-- `kvroute-rr`: `--policy round-robin`, only meaningful with more than one worker;
-- `kvroute-ll`: `--policy least-loaded` (the worker with the fewest busy slots and queued prefill, prefixes
-  ignored), likewise;
+- `kvroute-rr`: `--policy round-robin`, only meaningful with more than one worker: a load balancer in front of
+  independent servers (each request goes to the next worker as it arrives and waits there, first come first
+  served; the worker reuses, copies and restores what it holds itself);
+- `kvroute-ll`: `--policy least-loaded` (a freed slot takes the oldest waiting request; among workers with an
+  idle slot, the one with the fewest busy slots and queued prefill; prefixes ignored), likewise;
 - `kvroute-nospec`: `--spec none` (no speculative decoding, which is on by default);
 - `llama-server`: llama.cpp's own server, built from the llama.cpp vendored in the pinned llama-cpp-python sdist
   (bench/llama_server.py), the server kvroute competes with, at its best settings here: one slot per kvroute

@@ -18,8 +18,11 @@ streamed token. Each repeat runs every variant on the same texts, in an order th
 a ratio is the median over the repeats of (a repeat's median TTFT of one variant / the other's), with its min-max.
 Also reported: each session's TTFT and `cached_tokens` (usage) per variant, the tokens the worker computed and
 restored during the replay (the router's /metrics), how long the stop (drain + writes) and the restart took.
-Goal: warm / cold <= 0.1. The files were just written, so the restart reads them from the OS page cache, as a
-service restarted in place would (not after a reboot).
+After each repeat llama.cpp alone (bench/floor.py, no server) prefills a replayed turn's new tokens after the
+history it reused, with the worker's threads, slots and context: no restart makes the turn cheaper, so over the
+cold TTFT it is the lowest warm / cold can be on the machine (`--no-floor` skips it). Goal: warm / cold <= 0.1.
+The files were just written, so the restart reads them from the OS page cache, as a service restarted in place
+would (not after a reboot).
 
 Writes bench/reports/<date>/<time>-warm-restart.json and .md (--out to change the directory), each process's log
 in <time>-logs/ beside them.
@@ -265,6 +268,8 @@ def one_run(
     worker.start()
     try:
         out["worker"] = wait_worker_ready(zmq_endpoint, worker, seen, a.ready_timeout_s)
+        context = log_events(log_path, 0, ("slot_context",))
+        out["ctx_per_slot"] = context[-1].get("ctx_per_slot") if context else None
         t0 = time.perf_counter()
         histories, before = play(front.url, sessions, a.turns, a.max_tokens, a.concurrency)
         out["play_s"] = time.perf_counter() - t0
@@ -349,6 +354,44 @@ def summarize(repeats: list[dict[str, Any]], goal: float = GOAL) -> dict[str, An
     return out
 
 
+def measure_floor(model: str, a: argparse.Namespace, warm: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp alone (bench/floor.py, in its own process, with the worker's threads, slots and context), right after
+    a repeat's variants (this machine's speed drifts over minutes): the prefill of a replayed turn's new tokens after
+    the history it reused, at the medians of that repeat's warm replays. No restart makes a turn cheaper than that:
+    over the cold TTFT it is the floor of the goal's ratio on this machine."""
+    replayed = [t for t in warm["replay"] if not t["error"]]
+    ctx = warm.get("ctx_per_slot") or a.ctx_per_slot
+    if not replayed or not ctx:
+        return {"skipped": "no warm replay, or the worker's context unknown"}
+    history = int(statistics.median(t["cached_tokens"] for t in replayed))
+    new = int(statistics.median(t["prompt_tokens"] - t["cached_tokens"] for t in replayed))
+    argv = [
+        sys.executable, "-m", "bench.floor", "--model", model, "--threads", str(a.threads), "--slots", str(a.slots),
+        "--ctx-per-slot", str(ctx), "--repeat", "5", f"--point={history}:{new}",
+    ]  # fmt: skip
+    print(f"  llama.cpp alone: {new} new tokens after {history} ...", file=sys.stderr, flush=True)
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return {"skipped": f"bench.floor failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}"}
+    seconds = float(json.loads(proc.stdout.strip().splitlines()[-1])["points"][0][2])
+    return {"history": history, "new": new, "s": seconds}
+
+
+def floor_figures(repeats: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """llama.cpp alone over the repeats that measured it: its time, warm / it and it / cold (each repeat's own)."""
+    measured = [r for r in repeats if "s" in r.get("floor", {})]
+    if not measured:
+        skipped = next((r["floor"]["skipped"] for r in repeats if "floor" in r), None)
+        return {"skipped": skipped} if skipped else None
+    out: dict[str, Any] = {"s": spread([r["floor"]["s"] for r in measured])}
+    out["new"], out["history"] = measured[0]["floor"]["new"], measured[0]["floor"]["history"]
+    warm = [median_ttft(r["warm"]["replay"]) for r in measured]
+    cold = [median_ttft(r["cold"]["replay"]) if "cold" in r else None for r in measured]
+    out["warm/floor"] = spread([w / r["floor"]["s"] if w else None for w, r in zip(warm, measured, strict=True)])
+    out["floor/cold"] = spread([r["floor"]["s"] / c if c else None for c, r in zip(cold, measured, strict=True)])
+    return out
+
+
 def _ms(x: float | None) -> str:
     return "n/a" if x is None else f"{x * 1000:.0f} ms"
 
@@ -373,6 +416,18 @@ def markdown(result: dict[str, Any]) -> str:
         if key in s:
             r = s[key]
             lines.append(f"| {key} | **{_x(r['median'])}** | {_x(r['min'])} - {_x(r['max'])} |")
+    f = floor_figures(repeats)
+    if f is not None and "s" in f:
+        t, wf, fc = f["s"], f["warm/floor"], f["floor/cold"]
+        lines += [
+            f"| llama.cpp alone: {f['new']} new tokens after a {f['history']}-token history, after each repeat"
+            f" | {_ms(t['median'])} | {_ms(t['min'])} - {_ms(t['max'])} |",
+            f"| warm / llama.cpp alone | **{_x(wf['median'])}** | {_x(wf['min'])} - {_x(wf['max'])} |",
+            f"| llama.cpp alone / cold (the lowest warm / cold can be here) | **{_x(fc['median'])}** | {_x(fc['min'])}"
+            f" - {_x(fc['max'])} |",
+        ]
+    elif f is not None:
+        lines.append(f"| llama.cpp alone | {f['skipped']} | - |")
     lines += [
         "",
         "| repeat | variant | replay median TTFT | cached share | stop (drain + writes) | files saved | restart to ready"
@@ -463,6 +518,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--ready-timeout-s", type=float, default=300.0, help="longest wait for a started worker to be ready")
     p.add_argument("--stop-timeout-s", type=float, default=120.0, help="longest wait for a SIGTERMed worker to exit")
+    p.add_argument("--no-floor", action="store_true", help="skip llama.cpp alone on the replayed turn (bench/floor.py)")
     p.add_argument("--out", default=None, help="report directory (default: bench/reports/<today>)")
     a = p.parse_args(argv)
     a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
@@ -525,11 +581,14 @@ def main(argv: list[str] | None = None) -> int:
                         file=sys.stderr,
                         flush=True,
                     )
+                if not a.no_floor and "warm" in runs:
+                    runs["floor"] = measure_floor(model, a, runs["warm"])
                 repeats.append(runs)
     finally:
         if not a.cache_root:
             shutil.rmtree(root, ignore_errors=True)
     summary = summarize(repeats)
+    summary["floor"] = floor_figures(repeats)
     result: dict[str, Any] = {
         "bench": "warm-restart",
         "command": " ".join(["python -m bench.warm_restart", *(argv if argv is not None else sys.argv[1:])]),

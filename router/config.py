@@ -25,7 +25,14 @@ class RouterConfig:
         aliases=("--listen",),
     )
     worker_endpoint: str = opt("tcp://127.0.0.1:5556", "endpoint bound for workers (ZMQ ROUTER)", flag="--worker-endpoint")
-    policy: str = opt("prefix", "slot selection policy", choices=POLICIES)
+    policy: str = opt(
+        "prefix",
+        "slot selection: 'prefix' = the cost model (longest prefix held, load, what a choice overwrites); the "
+        "baselines ignore prefixes, as a load balancer in front of independent servers does: 'round-robin' = each "
+        "request goes to the next worker in turn when it arrives and waits for that worker, 'least-loaded' = a freed "
+        "slot takes the oldest waiting request (both: first come, first served; the worker still reuses what it holds)",
+        choices=POLICIES,
+    )
     chat_format: str = opt("gemma", "built-in chat format used when the GGUF has no chat template", choices=CHAT_FORMATS)
     chat_template: str | None = opt(
         None, "a Jinja chat template file, or a built-in name (gemma, chatml), used instead of the GGUF's", metavar="FILE|NAME"
@@ -48,7 +55,9 @@ class RouterConfig:
     queue_order: str = opt(
         "shortest",
         "which waiting request takes a freed slot: 'shortest' = the least prompt left to compute after the longest "
-        "prefix any slot holds (a 50-token turn does not wait behind a cold 800-token prompt), 'fifo' = the oldest",
+        "prefix a slot or saved state of a worker with an idle slot holds (a 50-token turn does not wait behind a cold "
+        "800-token prompt; one whose history is on the freed worker goes first), 'fifo' = the oldest (the only order of "
+        "the baseline policies)",
     )
     queue_bound_ms: int = opt(
         3000, "with --queue-order shortest, a request waiting this long goes before every shorter one (nothing starves)"

@@ -75,6 +75,7 @@ class Req:
     usage: Usage | None = None
     timings: Timings | None = None
     shift: Shift | None = None  # what --context-shift dropped from its messages (the result says so)
+    pinned: str | None = None  # --policy round-robin: the worker it was sent to when it arrived
     salt: str = ""  # its tenant: a digest of its cache_salt (prefixes are shared only within a tenant)
 
     def __post_init__(self) -> None:

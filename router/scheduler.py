@@ -132,6 +132,7 @@ class Scheduler:
         self._job_ids = itertools.count(1)
         self._rid = itertools.count(1)
         self._rotation = 0
+        self._arrivals = 0  # --policy round-robin's turn
 
     def take(self) -> list[Out]:
         """The messages the last events produced (the outbox is emptied)."""
@@ -345,6 +346,8 @@ class Scheduler:
             req.group.extend(req.sibling(i) for i in range(1, req.n))
         for r in req.choices:
             self._enqueue(r)
+            if self.cfg.policy == "round-robin":
+                self._ready_loads(r)  # (which picks its worker now, as it arrives)
         log.info("request_queued", request_id=req.rid, prompt_tokens=len(req.tokens), n=req.n, queued=len(self.queue))
         self._pump()
 
@@ -398,12 +401,20 @@ class Scheduler:
 
     def _ready_loads(self, req: Req) -> list[Any]:
         """The loads of the ready workers this request may go to: their slots hold it, and, for a request that was
-        on a worker that died, no other such request runs there."""
-        return [
+        on a worker that died, no other such request runs there; under --policy round-robin, the one it was sent to."""
+        loads = [
             w.load
             for w in self.workers.values()
             if w.state is WorkerState.READY and w.fits(req) and not (req.deaths and w.has_suspect)
         ]
+        if self.cfg.policy != "round-robin":
+            return loads
+        if loads and req.pinned not in {w.worker for w in loads}:
+            # the next worker in turn becomes the only one it may go to, as a load balancer in front of independent
+            # servers sends a request on when it arrives (and again when that worker has left)
+            req.pinned = loads[self._arrivals % len(loads)].worker
+            self._arrivals += 1
+        return [w for w in loads if w.worker == req.pinned]
 
     def _idle_slot(self) -> bool:
         return any(w.state is WorkerState.READY and w.load.busy < len(w.slots) for w in self.workers.values())
@@ -411,18 +422,22 @@ class Scheduler:
     def _in_order(self, now: float) -> list[Req]:
         """The queue in the order requests take freed slots. `fifo`: oldest first. `shortest`: first, oldest first,
         the requests that arrived `queue_bound_ms` ago or more (so nothing starves); then the least prompt left to
-        compute after the longest prefix any slot holds, among the SORT_WINDOW oldest (the rest follow in order: a
-        long queue costs no more per event). Measured: bench/README.md, "Queue order"."""
-        if self.cfg.queue_order == "fifo" or len(self.queue) < 2:
+        compute after the longest prefix a slot or saved state holds on a worker with an idle slot (a turn whose
+        history is on a busy worker lets one whose history is on the freed one go first, instead of taking the freed
+        slot and computing its history again), among the SORT_WINDOW oldest (the rest follow in order: a long queue
+        costs no more per event). Measured: bench/README.md, "Queue order". The baseline policies ignore prefixes
+        here too: fifo."""
+        if self.cfg.queue_order == "fifo" or self.cfg.policy != "prefix" or len(self.queue) < 2:
             return list(self.queue)
         bound = self.cfg.queue_bound_ms / 1000
+        open_ = {w.id for w in self.workers.values() if w.state is WorkerState.READY and w.load.busy < len(w.slots)}
         head = [(r, self.mirror.match(r.tokens, r.salt)) for r in self.queue[:SORT_WINDOW]]
 
         def key(item: tuple[int, tuple[Req, Any]]) -> tuple[int, int, int]:
             i, (req, match) = item
             if now - req.arrived >= bound:
                 return (0, 0, i)
-            return (1, match.length - match.best, i)
+            return (1, match.length - _held_on(match, open_), i)
 
         ordered = [req for _, (req, _) in sorted(enumerate(head), key=key)]
         return ordered + self.queue[SORT_WINDOW:]
@@ -837,3 +852,11 @@ class Scheduler:
             f"{head}workers {ready} ready/{len(self.workers)}, slots {busy}/{slots} busy, queued {len(self.queue)},"
             f" served {served}, other endings {other}"
         )
+
+
+def _held_on(match: Any, workers: set[str]) -> int:
+    """The longest prefix of a matched prompt that a slot or saved state of one of `workers` holds."""
+    for owners, depth in reversed(match.path):
+        if any(o.worker in workers for o in owners):
+            return int(depth)
+    return 0

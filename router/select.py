@@ -33,8 +33,10 @@ Guards:
   a worker keeps what a job overwrites in host RAM and restores it when the conversation returns,
   so a hold only leaves slots idle (measured: bench/README.md).
 Cold requests (no affinity anywhere) thus go to the least-loaded worker, to its empty or least
-recently used slot. `round-robin` and `least-loaded` ignore prefixes when choosing (for benchmarks);
-the worker still reuses whatever the chosen slot happens to share, and the reuse is still predicted.
+recently used slot. `round-robin` and `least-loaded` ignore prefixes when choosing (the baselines of
+bench/; the scheduler pins a round-robin request to one worker when it arrives, and orders their queue
+first come, first served): the worker still reuses whatever the chosen slot happens to share, copies or
+restores what it holds itself, and the reuse is still predicted.
 """
 
 from __future__ import annotations

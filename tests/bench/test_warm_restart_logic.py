@@ -91,6 +91,32 @@ def test_the_markdown_has_a_line_per_variant_and_repeat_and_per_session() -> Non
     assert "| 2 | 500 | 200 ms | 450 | 2000 ms | 0 | 100 ms | 450 | 0.100 |" in text
 
 
+def test_llama_cpp_alone_is_measured_on_each_repeat_s_median_warm_turn_and_gives_the_floor_of_the_ratio(
+    monkeypatch: Any,
+) -> None:
+    repeats = [repeat([0.1, 0.2, 0.3], [2.0, 2.0, 2.0]), repeat([0.3, 0.3, 0.3], [2.0, 2.0, 2.0])]
+    repeats[0]["warm"]["ctx_per_slot"] = 4096
+    seen: list[list[str]] = []
+
+    def fake_run(argv: list[str], **_: Any) -> SimpleNamespace:
+        seen.append(argv)
+        return SimpleNamespace(returncode=0, stdout=json.dumps({"points": [[450, 50, 0.16]]}) + "\n", stderr="")
+
+    monkeypatch.setattr(warm_restart.subprocess, "run", fake_run)
+    a = SimpleNamespace(threads=2, slots=4, ctx_per_slot=0)
+    repeats[0]["floor"] = warm_restart.measure_floor("m.gguf", a, repeats[0]["warm"])  # type: ignore[arg-type]
+    repeats[1]["floor"] = warm_restart.measure_floor("m.gguf", a, repeats[1]["warm"])  # type: ignore[arg-type]
+    assert "--point=450:50" in seen[0] and seen[0][seen[0].index("--ctx-per-slot") + 1] == "4096"
+    assert "skipped" in repeats[1]["floor"]  # its worker's context is unknown
+    f = warm_restart.floor_figures(repeats)
+    assert f is not None and f["warm/floor"]["per_repeat"] == pytest.approx([0.2 / 0.16])
+    assert f["floor/cold"]["median"] == pytest.approx(0.08)
+    text = warm_restart.markdown({"summary": warm_restart.summarize(repeats), "repeats": repeats})
+    assert "| warm / llama.cpp alone | **1.250** | 1.250 - 1.250 |" in text
+    assert "| llama.cpp alone / cold (the lowest warm / cold can be here) | **0.080** |" in text
+    assert warm_restart.floor_figures([repeat([0.1], [1.0])]) is None  # not measured (--no-floor)
+
+
 def test_sessions_have_their_own_texts_of_the_asked_sizes() -> None:
     def words(text: str) -> list[int]:
         return [len(w) for w in text.split()]

@@ -12,17 +12,21 @@ from scheduler_helpers import CLIENT, PROMPT, core, delta, done, hello, jobs, su
 from chat.output import OutputSpec
 from protocol import (
     Accept,
+    CacheEntry,
     Delta,
     Error,
     Heartbeat,
     Hello,
+    Job,
     JobCancel,
     JobError,
     Refuse,
     Result,
     Sampling,
+    SlotHeld,
     SlotState,
     Submit,
+    pack_tokens,
     token_hash,
 )
 from router.prepare import Prepared, PrepareError
@@ -274,3 +278,49 @@ def test_a_freed_slot_goes_to_the_waiting_turn_with_the_least_left_to_compute(or
     # the other one is next: a waiting request is never dropped by the ordering
     (last,) = jobs(done(s, nxt, [5]))
     assert last.id.startswith("c" if first == "d" else "d")
+
+
+def test_round_robin_sends_each_request_on_as_it_arrives_and_it_waits_for_that_worker() -> None:
+    # the baseline of bench/ scale-out: a load balancer in front of independent servers, first come first served
+    s = core(policy="round-robin")
+    hello(s, "w0", slots=1)
+    hello(s, "w1", slots=1)
+    started = {o.to: o.msg for o in submit(s, "a") + submit(s, "b") if isinstance(o.msg, Job)}
+    assert set(started) == {b"w0", b"w1"}
+    turn = np.concatenate([PROMPT, [7, 9, 9, 9]]).astype(np.int32)
+    assert not jobs(submit(s, "c", turn))  # arrives third: sent to w0
+    assert not jobs(submit(s, "d", turn))  # fourth: w1
+    (nxt,) = jobs(done(s, started[b"w1"], [5], worker="w1"))
+    assert nxt.id.startswith("d")  # w1's slot is free, and c waits for w0 though it holds the same prefix
+    (last,) = jobs(done(s, started[b"w0"], [5]))
+    assert last.id.startswith("c")
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "least-loaded"])
+def test_the_baseline_policies_serve_the_queue_first_come_first_served(policy: str) -> None:
+    s = core(policy=policy)  # --queue-order shortest is the default: it orders by prefixes, which these ignore
+    hello(s, slots=1)
+    (job_b,) = jobs(submit(s, "b"))
+    assert not jobs(submit(s, "c", np.arange(1000, 1300, dtype=np.int32)))
+    assert not jobs(submit(s, "d", np.concatenate([PROMPT, [7, 9, 9, 9]]).astype(np.int32)))
+    (nxt,) = jobs(done(s, job_b, [7, 8]))
+    assert nxt.id.startswith("c")
+
+
+def test_a_freed_slot_goes_first_to_a_waiting_turn_whose_history_is_on_its_worker() -> None:
+    # X has the least left to compute, but its history is saved on w0; w1 frees: Y, whose history w1 saved, goes
+    # there first, and X waits for w0 instead of computing its history again on w1
+    s = core()
+    history_x, history_y = np.arange(1000, 1200, dtype=np.int32), np.arange(2000, 2200, dtype=np.int32)
+    for worker, history in (("w0", history_x), ("w1", history_y)):
+        saved = CacheEntry(id=1, n_tokens=200, hash=token_hash(history), nbytes=1000, tokens=pack_tokens(history.tolist()))
+        hello(s, worker, slots=1, held=[SlotHeld(slot=0, tokens=pack_tokens([]))], cached=[saved])
+    fillers = {o.to: o.msg for o in submit(s, "f", np.arange(5000, 5100, dtype=np.int32)) if isinstance(o.msg, Job)}
+    fillers.update({o.to: o.msg for o in submit(s, "g", np.arange(6000, 6100, dtype=np.int32)) if isinstance(o.msg, Job)})
+    assert set(fillers) == {b"w0", b"w1"}
+    assert not jobs(submit(s, "x", np.concatenate([history_x, [7, 7, 7, 7]]).astype(np.int32)))  # 4 tokens left
+    assert not jobs(submit(s, "y", np.concatenate([history_y, np.full(30, 9)]).astype(np.int32)))  # 30 left
+    (nxt,) = jobs(done(s, fillers[b"w1"], [5], worker="w1"))
+    assert nxt.id.startswith("y") and nxt.predicted_reuse == 200
+    (last,) = jobs(done(s, fillers[b"w0"], [5]))
+    assert last.id.startswith("x") and last.predicted_reuse == 200
