@@ -46,7 +46,11 @@ class RouterConfig:
         4, "imbalance guard: busy-slot gap (max - min) above which affinity is limited to lightly loaded workers"
     )
     imbalance_rel: float = opt(1.5, "imbalance guard: and max busy > this x min busy")
-    busy_wait_ms: int = opt(500, "how long a request may wait for its best slot while that slot is busy, or for a held slot")
+    busy_wait_ms: int = opt(
+        500,
+        "how long a request may wait for its best slot while that slot is busy, for a held slot, or for a worker with no "
+        "idle slot that saved its conversation",
+    )
     hold_ms: int = opt(
         0,
         "after a job a slot is held this long for its own conversation's next turn; others wait (--busy-wait-ms at most). "

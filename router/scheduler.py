@@ -481,6 +481,7 @@ class Scheduler:
                         worker=decision.slot.worker,
                         slot=decision.slot.index,
                         reuse=decision.reuse,
+                        saved=decision.saved,
                     )
                 waiting += 1
                 continue

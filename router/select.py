@@ -24,8 +24,8 @@ Guards:
   candidates: affinity is kept among lightly loaded workers instead of being dropped (SGLang #32195).
 - Ties are broken by a rotating worker order (`rotation`), never "always worker 0".
 - Busy best slot: when a busy slot would reuse at least `min_match` more tokens than the best idle
-  choice, the request waits for it (`Wait`) until it has waited `busy_wait_ms`, then takes the best
-  idle choice.
+  choice, or a state saved on a worker with no idle slot would (restored there once a slot frees), the
+  request waits for it (`Wait`) until it has waited `busy_wait_ms`, then takes the best idle choice.
 - Hold: a slot whose job ended less than `hold_ms` ago is kept for its own conversation (a prompt
   that reuses at least `min_match` of it); another request skips it, and waits (`Wait`) when nothing
   else is idle, at most until the hold ends. With more conversations than slots this keeps
@@ -112,8 +112,9 @@ class Dispatch:
 
 @dataclass(frozen=True)
 class Wait:
-    slot: Slot  # the busy slot worth waiting for
+    slot: Slot  # the busy slot worth waiting for (with `saved`: a slot of the worker that saved it)
     reuse: int
+    saved: bool = False  # waiting for a worker with no idle slot, to restore a state it saved
 
 
 Decision = Dispatch | Wait | None  # None: no idle slot anywhere
@@ -180,14 +181,15 @@ def coldest(w: WorkerLoad, half_life: float) -> Slot | None:
 def select(match: Match, workers: list[WorkerLoad], params: Params, now: float, rotation: int, waited_ms: float) -> Decision:
     """Pick a slot for a prompt of `match.length` tokens. Pure (only caches per-worker facts)."""
     hl = params.evict_half_life_s
-    workers = _rotated([w for w in workers if coldest(w, hl) is not None], rotation)
+    full = {w.worker: w for w in workers if coldest(w, hl) is None}
+    workers = _rotated([w for w in workers if w.worker not in full], rotation)
     if not workers:
         return None
     if params.policy == "round-robin":
         return _plain(workers[0], match, params)
     if params.policy == "least-loaded":
         return _plain(min(workers, key=lambda w: w.busy + w.queued_prefill / 512.0), match, params)
-    return _prefix(match, workers, params, now, waited_ms)
+    return _prefix(match, workers, params, now, waited_ms, full)
 
 
 def _plain(w: WorkerLoad, match: Match, params: Params) -> Dispatch:
@@ -197,7 +199,9 @@ def _plain(w: WorkerLoad, match: Match, params: Params) -> Dispatch:
     return Dispatch(slot, reuse, float(match.length - reuse), reuse >= params.min_match, restore=restore)
 
 
-def _prefix(match: Match, workers: list[WorkerLoad], params: Params, now: float, waited_ms: float) -> Decision:
+def _prefix(
+    match: Match, workers: list[WorkerLoad], params: Params, now: float, waited_ms: float, full: dict[str, WorkerLoad]
+) -> Decision:
     """Cost over idle slots: each worker's cheapest slot to overwrite (the only cold candidate that can
     win there), then the slots holding a prefix, deepest match first, until no shallower match can win."""
     length = match.length
@@ -274,7 +278,7 @@ def _prefix(match: Match, workers: list[WorkerLoad], params: Params, now: float,
         assert held is not None
         return Wait(held, 0)
     if waited_ms < params.busy_wait_ms and params.prefix_cache:
-        wait = _busy_better(match, length, params, best_reuse)
+        wait = _busy_better(match, length, params, best_reuse, full)
         if wait is not None:
             return wait
     if not best_restore:  # the worker restores a saved state on that slot if one is worth it, chosen for it or not
@@ -294,8 +298,9 @@ def _vector_best(
     return int(np.lexsort((rk, cost))[0])
 
 
-def _busy_better(match: Match, length: int, params: Params, idle_reuse: int) -> Wait | None:
-    """The busy slot with the deepest match, if it beats the best idle choice by min_match tokens."""
+def _busy_better(match: Match, length: int, params: Params, idle_reuse: int, full: dict[str, WorkerLoad]) -> Wait | None:
+    """The busy slot with the deepest match, or a state saved on a worker with no idle slot (restored there when one
+    frees), if it beats the best idle choice by min_match tokens."""
     for level, depth in match.levels():
         owners = cast("set[Slot | Saved]", level)
         if min(depth, length - 1) - idle_reuse < params.min_match:
@@ -303,9 +308,14 @@ def _busy_better(match: Match, length: int, params: Params, idle_reuse: int) -> 
         top: Wait | None = None
         for s in owners:
             if isinstance(s, Slot) and s.busy:
-                reuse = predicted_reuse(depth, length, s, params)
-                if reuse >= params.min_match and reuse - idle_reuse >= params.min_match and (top is None or reuse > top.reuse):
-                    top = Wait(s, reuse)
+                wait = Wait(s, predicted_reuse(depth, length, s, params))
+            elif isinstance(s, Saved) and s.worker in full:
+                wait = Wait(full[s.worker].slots[0], restored_reuse(depth, length, s, 0), saved=True)
+            else:
+                continue
+            reuse = wait.reuse
+            if reuse >= params.min_match and reuse - idle_reuse >= params.min_match and (top is None or reuse > top.reuse):
+                top = wait
         if top is not None:
             return top
     return None

@@ -10,7 +10,7 @@ from test_select import hold, loads, seq
 
 from protocol import CacheEntry, pack_tokens, token_hash
 from router.mirror import Mirror, Saved
-from router.select import Dispatch, Params, expected_reuse, select
+from router.select import Dispatch, Params, Wait, expected_reuse, select
 
 
 def overwrite(m: Mirror, worker: str, slot: int, new: np.ndarray, entry_id: int, nbytes: int = 1000) -> None:
@@ -92,6 +92,24 @@ def test_a_returning_conversation_goes_to_the_worker_that_saved_it_and_the_resto
     m.cache_changed("w0", [], [1])
     d = pick(m, prompt)
     assert isinstance(d, Dispatch) and d.slot is b[0] and not d.restore and d.reuse == 0
+
+
+def test_a_conversation_saved_on_a_full_worker_waits_for_it_a_while_then_goes_elsewhere():
+    m = Mirror()
+    (a,) = m.add_worker("w0", 1)
+    (b,) = m.add_worker("w1", 1)
+    history = seq(300)
+    hold(m, a, history)
+    overwrite(m, "w0", 0, seq(100), entry_id=1)  # w0 saved the history; its only slot now holds another
+    m.assign(a, "busy", seq(100))  # and is busy: w0 has no idle slot
+    prompt = np.concatenate([history, seq(10)])
+    out = loads_with_saved(m)
+    out[0].busy = 1
+    params = Params(busy_wait_ms=500)
+    wait = select(m.index.match(prompt), out, params, time.monotonic(), 0, 0.0)
+    assert isinstance(wait, Wait) and wait.saved and wait.slot.worker == "w0" and wait.reuse == 300
+    late = select(m.index.match(prompt), out, params, time.monotonic(), 0, 600.0)  # waited long enough
+    assert isinstance(late, Dispatch) and late.slot is b and late.reuse == 0
 
 
 def test_restoring_costs_its_bytes_at_the_workers_speed():
