@@ -25,6 +25,7 @@ class SlotHeld(Struct, kw_only=True):
     tokens: TokenBytes  # exactly the tokens whose KV the slot holds, in position order
     n_exact: NonNeg = 0  # deterministic mode: leading tokens whose KV was computed as prompt
     salt: CacheSalt = ""  # the tenant whose prompt it holds (Job.cache_salt)
+    min_keep: NonNeg = 0  # shortest prefix the slot can be cut to (a restored state's sliding-window layers)
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens)
@@ -115,6 +116,7 @@ class JobDone(Message, tag="job_done", kw_only=True):
     generated_tokens: NonNeg
     slot_tokens: NonNeg  # the slot's token count after the job
     slot_hash: str  # token_hash() of the slot's tokens after the job
+    slot_min_keep: NonNeg = 0  # shortest prefix the slot can be cut to (0: any; see CacheEntry.min_keep)
     timings: Timings
     stop: str | None = None
     restored_tokens: NonNeg = 0  # of reused_tokens: copied into the slot from another slot or host RAM
@@ -136,6 +138,7 @@ class JobError(Message, tag="job_error", kw_only=True):
     slot: int = -1
     slot_tokens: NonNeg = 0
     slot_hash: str = ""
+    slot_min_keep: NonNeg = 0  # as in JobDone
     cache_added: list[CacheEntry] = []  # as in JobDone
     cache_dropped: list[NonNeg] = []
     disk_dropped: list[NonNeg] = []

@@ -55,6 +55,7 @@ class Slot:
     rev: list[int] = field(default_factory=lambda: [0])  # shared by a worker's slots; bumped on any change
     salt: str = ""  # the tenant whose prompt it holds (a digest of the client's cache_salt; "": none)
     before_salt: str = ""
+    min_keep: int = 0  # shortest prefix it can be cut to (it holds a restored state: kvroute/slots.py restore_keep)
 
     @property
     def busy(self) -> bool:
@@ -122,13 +123,12 @@ class Mirror:
         *,
         contents_known: bool = True,
         exact: bool = False,
-        held: dict[int, tuple[Tokens, int, str]] | None = None,
+        held: dict[int, tuple[Tokens, int, str, int]] | None = None,
         cached: Sequence[CacheEntry] = (),
     ) -> list[Slot]:
-        """Slots of a newly accepted worker: holding what the worker reports (`held`: slot -> tokens, n_exact; a
-        worker that outlived its router: slot -> tokens, n_exact, salt), else empty, or `dirty` when its KV may hold
-        anything; and the saved
-        states it reports (`cached`, with their tokens)."""
+        """Slots of a newly accepted worker: holding what the worker reports (`held`, from a worker that outlived its
+        router: slot -> tokens, n_exact, salt, min_keep), else empty, or `dirty` when its KV may hold anything; and the
+        saved states it reports (`cached`, with their tokens)."""
         self.remove_worker(worker)
         rev = [0]
         slots = [Slot(worker, i, dirty=not contents_known, exact=exact, rev=rev) for i in range(n_slots)]
@@ -138,9 +138,10 @@ class Mirror:
             if slot.index not in held:
                 slot.dirty = True  # not reported: unknown
                 continue
-            tokens, n_exact, salt = held[slot.index]
+            tokens, n_exact, salt, min_keep = held[slot.index]
             if len(tokens):
                 slot.tokens, slot.n_exact, slot.dirty, slot.salt = as_tokens(tokens), n_exact, False, salt
+                slot.min_keep = min_keep
                 self._index(salt).insert(slot, slot.tokens)
         self.workers[worker] = slots
         self.saved[worker] = {}
@@ -237,14 +238,22 @@ class Mirror:
         slot.rev[0] += 1
 
     def finish(
-        self, slot: Slot, job: str, prompt: Tokens, generated: Tokens, slot_tokens: int, slot_hash: str
+        self, slot: Slot, job: str, prompt: Tokens, generated: Tokens, slot_tokens: int, slot_hash: str, min_keep: int = 0
     ) -> Mismatch | None:
-        """A JobDone: the slot holds the first `slot_tokens` of prompt + generated."""
+        """A JobDone: the slot holds the first `slot_tokens` of prompt + generated, and can be cut to `min_keep` or more."""
         full = np.concatenate([prompt, generated]) if len(generated) else prompt
-        return self._settle(slot, job, full, slot_tokens, slot_hash, len(prompt))
+        return self._settle(slot, job, full, slot_tokens, slot_hash, len(prompt), min_keep)
 
     def fail(
-        self, slot: Slot, job: str, prompt: Tokens, streamed: Tokens, touched: bool, slot_tokens: int, slot_hash: str
+        self,
+        slot: Slot,
+        job: str,
+        prompt: Tokens,
+        streamed: Tokens,
+        touched: bool,
+        slot_tokens: int,
+        slot_hash: str,
+        min_keep: int = 0,
     ) -> Mismatch | None:
         """A JobError. Untouched (slot -1): the slot holds what it held before the job."""
         if not touched:
@@ -252,11 +261,13 @@ class Mirror:
             if slot.before_salt != slot.salt:  # the worker never took the job: the slot is the old tenant's still
                 self._unindex(slot, slot.salt)
                 slot.salt = slot.before_salt
+            min_keep = slot.min_keep  # (kept: what the slot held is unchanged)
             self._idle(slot, EMPTY if before is None else before, dirty=before is None)
             slot.n_exact = before_exact if before is not None else 0
+            slot.min_keep = min_keep if before is not None else 0
             return None
         full = np.concatenate([prompt, streamed]) if len(streamed) else prompt
-        return self._settle(slot, job, full, slot_tokens, slot_hash, len(prompt))
+        return self._settle(slot, job, full, slot_tokens, slot_hash, len(prompt), min_keep)
 
     def lost(self, slot: Slot) -> None:
         """The job's outcome is unknown (cancelled without report): the slot's contents are unknown."""
@@ -270,12 +281,15 @@ class Mirror:
         self._idle(slot, EMPTY, dirty=True)
         return False
 
-    def _settle(self, slot: Slot, job: str, full: Tokens, slot_tokens: int, slot_hash: str, n_prompt: int) -> Mismatch | None:
+    def _settle(
+        self, slot: Slot, job: str, full: Tokens, slot_tokens: int, slot_hash: str, n_prompt: int, min_keep: int
+    ) -> Mismatch | None:
         held = full[:slot_tokens]
         if slot_tokens <= len(full) and token_hash(held) == slot_hash:
             self._idle(slot, held, dirty=False)
             # a deterministic worker computes every token of a prompt of EXACT_ROWS or more exactly, generated ones too
             slot.n_exact = slot_tokens if n_prompt >= EXACT_ROWS else 0
+            slot.min_keep = min_keep if slot_tokens else 0
             return None
         self.mismatches += 1
         mm = Mismatch(slot.worker, slot.index, job, len(full), slot_tokens, token_hash(held), slot_hash)
@@ -284,7 +298,7 @@ class Mirror:
 
     def _idle(self, slot: Slot, tokens: Tokens, *, dirty: bool) -> None:
         slot.phase, slot.job, slot.before = SlotPhase.IDLE, None, None
-        slot.tokens, slot.dirty, slot.n_exact = tokens, dirty, 0
+        slot.tokens, slot.dirty, slot.n_exact, slot.min_keep = tokens, dirty, 0, 0
         if len(tokens) and not dirty:
             self._index(slot.salt).insert(slot, tokens)
         else:

@@ -531,7 +531,9 @@ class Scheduler:
             self.worker_dead(msg.worker_id, f"new incarnation {msg.incarnation}")
         held = None
         if msg.held is not None:  # what each slot holds: the mirror starts from it
-            held = {h.slot: (np.frombuffer(h.tokens, dtype="<i4").astype(np.int32), h.n_exact, h.salt) for h in msg.held}
+            held = {
+                h.slot: (np.frombuffer(h.tokens, dtype="<i4").astype(np.int32), h.n_exact, h.salt, h.min_keep) for h in msg.held
+            }
         # without a report, a fresh process starts empty; one seen before may hold anything
         known = held is not None or (msg.worker_id, msg.incarnation) not in self.seen
         self.seen.add((msg.worker_id, msg.incarnation))
@@ -626,7 +628,7 @@ class Scheduler:
         if msg.slot != slot.index:
             mm = self.mirror.fail(slot, msg.id, req.tokens, generated, True, 0, "not-this-slot")
         else:
-            mm = self.mirror.finish(slot, msg.id, req.tokens, generated, msg.slot_tokens, msg.slot_hash)
+            mm = self.mirror.finish(slot, msg.id, req.tokens, generated, msg.slot_tokens, msg.slot_hash, msg.slot_min_keep)
         if mm is not None:
             self.metrics.mirror_mismatches += 1
             log.error("mirror_mismatch", **mm.__dict__, reported_slot=msg.slot, via="job_done")
@@ -687,7 +689,9 @@ class Scheduler:
             return
         self._leave_worker(req)
         streamed = np.asarray(req.streamed, dtype=np.int32)
-        mm = self.mirror.fail(req.slot, msg.id, req.tokens, streamed, msg.slot >= 0, msg.slot_tokens, msg.slot_hash)
+        mm = self.mirror.fail(
+            req.slot, msg.id, req.tokens, streamed, msg.slot >= 0, msg.slot_tokens, msg.slot_hash, msg.slot_min_keep
+        )
         conn.refresh()
         if mm is not None:
             self.metrics.mirror_mismatches += 1

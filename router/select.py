@@ -4,7 +4,8 @@ Cost of sending a prompt of L tokens to idle slot s of worker w, in prompt-token
 
     reuse(s)   = LCP(prompt, tokens held by s), minus 1 when the whole prompt matches (the worker
                  backs off one token to get logits); 0 for a dirty slot or with prefix caching off;
-                 on a deterministic worker at most the tokens computed as prompt and L - 8.
+                 on a deterministic worker at most the tokens computed as prompt and L - 8; 0 when
+                 s holds a restored state that cannot be cut that far back (its reported min_keep).
     cost(w, s) = (L - affine(s))                              prompt tokens still to prefill here
                + queued_prefill(w)                             prefill already sent to w, not yet done
                + busy_slot_cost * busy(w)                      each running slot shares w's compute
@@ -121,10 +122,11 @@ Decision = Dispatch | Wait | None  # None: no idle slot anywhere
 
 
 def predicted_reuse(lcp: int, length: int, slot: Slot, params: Params) -> int:
-    """What the worker will reuse on `slot`: the rule both sides share (kvroute/slots.py `reused`)."""
+    """What the worker will reuse on `slot`: the rule both sides share (kvroute/slots.py `reused`; a slot holding a
+    restored state cannot be cut back before its `min_keep`: `restore_keep`)."""
     if not params.prefix_cache or slot.dirty:
         return 0
-    return reused(lcp, length, slot.n_exact, slot.exact)
+    return restore_keep(reused(lcp, length, slot.n_exact, slot.exact), len(slot.tokens), slot.min_keep)
 
 
 def restored_reuse(lcp: int, length: int, saved: Saved, have: int) -> int:
@@ -264,9 +266,9 @@ def _prefix(
                     if target is not None:
                         consider(target, match.lcp(target), saved, depth)
             if len(idle) > 32 and ew > 0:
-                plain = [s for s in idle if not (s.dirty or s.exact)]
+                plain = [s for s in idle if not (s.dirty or s.exact or s.min_keep)]
                 for s in idle:
-                    if s.dirty or s.exact:
+                    if s.dirty or s.exact or s.min_keep:
                         consider(s, depth)
                 if plain:
                     i = _vector_best(plain, top, length, load, rank, now, hl, ew)

@@ -328,7 +328,10 @@ class Engine:
         ignores this hello and needs them."""
 
         def read(e: Engine) -> tuple[list[SlotHeld], list[CacheEntry]]:
-            slots = [SlotHeld(slot=s.id, tokens=pack_tokens(s.tokens), n_exact=s.n_exact, salt=s.salt) for s in e.table.slots]
+            slots = [
+                SlotHeld(slot=s.id, tokens=pack_tokens(s.tokens), n_exact=s.n_exact, salt=s.salt, min_keep=e._min_keep(s))
+                for s in e.table.slots
+            ]
             cached = [e._described(x, with_tokens=True) for x in e.host.entries]
             if e.disk is not None:
                 cached += [e._described(x, with_tokens=True) for x in e.disk.entries]
@@ -544,6 +547,11 @@ class Engine:
         the cut (a state restored from host RAM can only be extended, not cut far back)."""
         lcp = reused(common_prefix(tokens, prompt), len(prompt), n_exact, self.exact)
         return lcp if self.llama.can_keep(pos_min, len(tokens), lcp) else 0
+
+    def _min_keep(self, slot: Slot) -> int:
+        """The shortest prefix `slot` can be cut to (`_reusable`'s rule, for the router's mirror): above 0 only while it
+        holds a state restored from host RAM or disk."""
+        return self.llama.min_keep(self.llama.seq_pos_min(slot.id)) if slot.n_tokens else 0
 
     def _restorable(self, entry: Entry | DiskEntry, prompt: list[int]) -> int:
         """Prompt tokens a saved state gives (the rule the router predicts with: kvroute/slots.py)."""
@@ -989,6 +997,7 @@ class Engine:
             generated_tokens=len(req.generated),
             slot_tokens=slot.n_tokens,
             slot_hash=token_hash(slot.tokens),
+            slot_min_keep=self._min_keep(slot),
             timings=timings,
             stop=req.stream.stop,
         )
@@ -1007,6 +1016,7 @@ class Engine:
             msg.cache_added, msg.cache_dropped, msg.disk_dropped = self._cache_changes()
         if slot is not None:
             msg.slot, msg.slot_tokens, msg.slot_hash = slot.id, slot.n_tokens, token_hash(slot.tokens)
+            msg.slot_min_keep = self._min_keep(slot)
             self._release(req, slot)
         else:
             self._forget(req)

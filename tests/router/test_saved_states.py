@@ -157,3 +157,25 @@ def test_a_saved_state_cut_before_its_sliding_window_gives_nothing():
     near = np.concatenate([history[:600], seq(50)])
     assert expected_reuse(m.index.match(far), a, Params(), m.saved["w0"]) == (800, True)
     assert expected_reuse(m.index.match(near), a, Params(), m.saved["w0"]) == (0, False)
+
+
+def test_a_slot_holding_a_restored_state_predicts_nothing_for_a_prompt_that_would_cut_it_before_its_window():
+    # The worker reports the slot's min_keep after every job (it restored a state whose sliding-window layers hold
+    # only their last window); the prediction follows the worker's rule, so such a job is not a misprediction.
+    m = Mirror()
+    (a,) = m.add_worker("w0", 1)
+    history = seq(900)
+    m.assign(a, "j", history)
+    assert m.finish(a, "j", history, history[:0], 900, token_hash(history), min_keep=700) is None
+    assert a.min_keep == 700
+    far = np.concatenate([history[:800], seq(50)])
+    near = np.concatenate([history[:600], seq(50)])
+    assert expected_reuse(m.index.match(far), a, Params(), {}) == (800, False)
+    assert expected_reuse(m.index.match(near), a, Params(), {}) == (0, False)
+    d = pick(m, near)
+    assert isinstance(d, Dispatch) and d.slot is a and d.reuse == 0 and not d.affinity
+    # a job that clears the slot leaves nothing to keep; a job that fails untouched leaves it as it was
+    m.assign(a, "k", near)
+    assert m.fail(a, "k", near, near[:0], False, 0, "") is None and a.min_keep == 700
+    m.assign(a, "k2", near)
+    assert m.finish(a, "k2", near, near[:0], len(near), token_hash(near)) is None and a.min_keep == 0

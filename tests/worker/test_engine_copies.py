@@ -199,6 +199,8 @@ def test_host_ram_entry_longer_than_a_window_is_only_extended(copier, vocab):
     cold = complete(copier, prompt, slot=1, prefix_cache=False)
     assert isinstance(back.final, JobDone) and back.final.restored_tokens == back.final.reused_tokens >= len(history) - 8
     assert back.tokens == cold.tokens
+    # what the router's mirror is told: the restored slot cannot be cut before its window, the computed one anywhere
+    assert 0 < back.final.slot_min_keep <= len(history) and cold.final.slot_min_keep == 0
     assert counters(copier)["host_restores"] == before["host_restores"] + 1
     assert copier.call(lambda e: e.counters.invariant_violations).result(10) == 0
     assert_slot_invariant(copier, back)
