@@ -60,7 +60,8 @@ class PromptTokenizer:
                 self._text[t] = (llama_cpp.llama_vocab_get_text(v, t) or b"").decode("utf-8", "replace")
                 if attr & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL and not attr & STRIPS and self._text[t]:
                     candidates.append(t)
-        self._candidates = np.asarray(candidates, dtype=np.int32)
+        self._candidate = np.zeros(vocab.n_vocab if usable else 0, dtype=bool)  # token id -> one of those (O(1) test)
+        self._candidate[candidates] = True
         self._judged: dict[str, bool] = {}  # special text -> whether prompts may be cut after it
         self._cut: re.Pattern[str] | None = None
 
@@ -75,7 +76,10 @@ class PromptTokenizer:
 
     def _learn(self, tokens: np.ndarray) -> bool:
         """Judge the control tokens in a prompt tokenized whole; new safe ones become cut points (then True)."""
-        found = np.unique(tokens[np.isin(tokens, self._candidates)]) if len(self._candidates) else ()
+        if not self._candidate.any():
+            return False
+        ids = tokens[(tokens >= 0) & (tokens < len(self._candidate))]
+        found = np.unique(ids[self._candidate[ids]])
         texts = [self._text[int(t)] for t in found]
         with self._lock:
             new = [s for s in texts if s not in self._judged]
