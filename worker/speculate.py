@@ -18,10 +18,17 @@ from __future__ import annotations
 import numpy as np
 
 START = 4  # tokens in a job's first guess
+RESYNC = 64  # tokens after the place the output left where a guess looks for it first
+RESYNC_BACK = 8  # ... and before it
 
 
 class Drafter:
-    """One job's guesser over everything its conversation holds (prompt, then each generated token)."""
+    """One job's guesser over everything its conversation holds (prompt, then each generated token).
+
+    It follows one place in the history while the output keeps copying it (`_src`: the position of the token it
+    expects next), so a line that occurs twice in a file does not send the guess to the wrong copy. When the output
+    leaves that place (an edit, or the same text cut into other tokens), it looks for the last `n` tokens again:
+    the first occurrence near where it was (RESYNC tokens on), else the latest one."""
 
     def __init__(self, history: list[int], capacity: int, n: int, k_max: int) -> None:
         self.n = n
@@ -30,33 +37,60 @@ class Drafter:
         self._buf = np.zeros(max(capacity, len(history)) + 1, dtype=np.int32)
         self._len = len(history)
         self._buf[: self._len] = history
+        self._src = -1  # where the token expected next is in the history (-1: following nothing)
+        self._lost = -1  # where the output last left the place it followed
 
     def push(self, token: int) -> None:
         """A token the job produced (every one, drafted or not)."""
         if self._len == len(self._buf):
             self._buf = np.concatenate([self._buf, np.zeros_like(self._buf)])
         self._buf[self._len] = token
+        src = self._src
+        if src >= 0:
+            if src < self._len and self._buf[src] == token:
+                self._src = src + 1
+            else:
+                self._src, self._lost = -1, src
         self._len += 1
 
     def propose(self, limit: int) -> list[int]:
-        """Up to min(k, limit) tokens that followed the latest earlier occurrence of the last n tokens."""
-        n, end = self.n, self._len
+        """Up to min(k, limit) tokens that follow the place the output copies (see the class)."""
         k = min(self.k, limit)
-        if k <= 0 or end <= n:
+        if k <= 0:
             return []
-        h = self._buf[:end]
-        tail = h[end - n :]
-        # e: where an earlier occurrence ends (it must be followed by at least one token, so e < end - 1)
-        ends = np.flatnonzero(h[n - 1 : end - 1] == tail[-1]) + (n - 1)
-        for back in range(1, n):
-            if not ends.size:
+        if self._src < 0 or self._src >= self._len:
+            self._src = self._find()
+            if self._src < 0:
                 return []
-            ends = ends[h[ends - back] == tail[-1 - back]]
-        if not ends.size:
-            return []
-        start = int(ends[-1]) + 1
-        return h[start : start + k].tolist()
+        return self._buf[self._src : min(self._src + k, self._len)].tolist()
+
+    def _find(self) -> int:
+        """Where the token after an earlier occurrence of the output's last `n` tokens is (-1: none): the first one
+        near where the output left the place it followed, else the latest."""
+        at = _occurrences(self._buf[: self._len], self.n)
+        if not at.size:
+            return -1
+        lost, self._lost = self._lost, -1
+        if lost >= 0:
+            near = at[(at + 1 >= lost - RESYNC_BACK) & (at + 1 <= lost + RESYNC)]
+            if near.size:
+                return int(near[0]) + 1
+        return int(at[-1]) + 1
 
     def verified(self, proposed: int, accepted: int) -> None:
         """How the last guess went: a guess taken whole grows the next one, a guess cut short shrinks it."""
         self.k = min(self.k * 2, self.k_max) if accepted == proposed else max(1, min(accepted, self.k_max))
+
+
+def _occurrences(h: np.ndarray, n: int) -> np.ndarray:
+    """Positions where an earlier occurrence of h's last n tokens ends (each followed by a token), in order."""
+    end = len(h)
+    if end <= n:
+        return np.empty(0, dtype=np.int64)
+    tail = h[end - n :]
+    ends = np.flatnonzero(h[n - 1 : end - 1] == tail[-1]) + (n - 1)
+    for back in range(1, n):
+        if not ends.size:
+            break
+        ends = ends[h[ends - back] == tail[-1 - back]]
+    return ends

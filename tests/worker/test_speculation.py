@@ -165,6 +165,29 @@ def test_drafter_guesses_what_followed_the_latest_occurrence():
     assert d.k == 2
 
 
+def test_drafter_follows_the_place_the_output_copies_and_finds_it_again_after_an_edit():
+    # A file whose line "1 2 3" occurs twice, then the request to repeat it (99). Copying the file, the output's
+    # last tokens "1 2 3" last occurred in the output itself, followed by 7: the drafter guesses what follows the
+    # place it has been copying (8) instead. After an edit it looks for the output's last tokens near where it left
+    # the file first: "11 12 13" also occurs later (followed by 20), and the latest occurrence would guess that.
+    file = [10, 1, 2, 3, 7, 1, 2, 3, 8, 11, 12, 13, 14, 15, 16, 11, 12, 13, 20]
+    d = Drafter([*file, 99], capacity=64, n=3, k_max=8)
+    d.k = 8
+
+    def produce(tokens: list[int]) -> None:  # as the engine does: a guess before every step
+        for tok in tokens:
+            d.propose(1)
+            d.push(tok)
+
+    produce(file[:8])
+    assert d.propose(3) == [8, 11, 12]
+    # an edit: 50 instead of 8, then the file again from 11 on; n tokens of it find the place just after
+    produce([50, 11, 12])
+    assert d.propose(3) == []  # "50 11 12" never occurred
+    produce([13])
+    assert d.propose(3) == [14, 15, 16]
+
+
 @pytest.mark.parametrize(
     ("fields", "flag"),
     [({"spec_max": 0}, "--spec-max"), ({"spec_ngram": 0}, "--spec-ngram"), ({"spec": "draft"}, "--spec"),
