@@ -49,6 +49,7 @@ from kvroute.model import resolve_model
 from kvroute.slots import COPY_MIN, EXACT_ROWS, SlotPhase, common_prefix, restore_keep, reused, worth_copy
 from kvroute.weights import GGUFError, weights_fingerprint
 from protocol import (
+    MAX_FRAME_BYTES,
     CacheEntry,
     ErrorCode,
     FinishReason,
@@ -84,6 +85,10 @@ PAD_TOKEN = 0  # token of deterministic mode's padding rows (any id: their KV is
 SAVE_MIN = COPY_MIN  # an eviction losing fewer tokens than a restore must gain is not worth a host-RAM copy
 # a prompt that got no prefill budget this many steps in a row takes it before prompts with less left to compute
 PREFILL_PATIENCE_STEPS = 4
+# A hello lists saved states with their tokens; the router refuses a frame over MAX_FRAME_BYTES, and a worker it
+# refuses would repeat that hello forever. A large disk tier lists its most recently used states up to this much.
+HELLO_LISTING_BYTES = MAX_FRAME_BYTES // 2
+ENTRY_OVERHEAD_BYTES = 160  # a listed entry's fields besides its tokens, about
 
 
 @dataclass
@@ -332,10 +337,17 @@ class Engine:
                 SlotHeld(slot=s.id, tokens=pack_tokens(s.tokens), n_exact=s.n_exact, salt=s.salt, min_keep=e._min_keep(s))
                 for s in e.table.slots
             ]
-            cached = [e._described(x, with_tokens=True) for x in e.host.entries]
-            if e.disk is not None:
-                cached += [e._described(x, with_tokens=True) for x in e.disk.entries]
-            return slots, cached
+            disk = e.disk.entries if e.disk is not None else []
+            listed, left_out = most_recent_within(e.host.entries, disk, HELLO_LISTING_BYTES)
+            if left_out:
+                log.warning(
+                    "saved_states_not_listed",
+                    listed=len(listed),
+                    left_out=left_out,
+                    reason="more than the hello can carry: the router routes to the listed ones; this worker still "
+                    "restores any of them for a request sent here",
+                )
+            return slots, [e._described(x, with_tokens=True) for x in listed]
 
         return self.call(read)
 
@@ -1159,3 +1171,19 @@ class Engine:
             self._clear(slot)
         self.host.clear()
         log.info("slots_reset", slots=len(self.table))
+
+
+def most_recent_within(host: list[Entry], disk: list[DiskEntry], budget: int) -> tuple[list[Entry | DiskEntry], int]:
+    """The saved states a hello lists: host RAM's then the disk tier's, each most recently used first, while their
+    tokens fit in `budget` bytes; and how many were left out."""
+    ordered: list[Entry | DiskEntry] = [
+        *sorted(host, key=lambda x: x.last_used, reverse=True),
+        *sorted(disk, key=lambda x: x.last_used, reverse=True),
+    ]
+    listed: list[Entry | DiskEntry] = []
+    for x in ordered:
+        budget -= 4 * len(x.tokens) + ENTRY_OVERHEAD_BYTES
+        if budget < 0:
+            break
+        listed.append(x)
+    return listed, len(ordered) - len(listed)

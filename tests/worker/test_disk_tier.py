@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from worker_helpers import assert_slot_invariant, complete
 
+import worker.engine
 from protocol import JobDone, unpack_tokens
 from worker.config import WorkerConfig
-from worker.engine import Engine
+from worker.engine import ENTRY_OVERHEAD_BYTES, Engine
 
 pytestmark = pytest.mark.model
 
@@ -60,7 +61,7 @@ def test_host_ram_spills_to_disk_and_a_prompt_is_restored_from_there(tmp_path, v
         eng.stop()
 
 
-def test_a_restart_restores_what_a_graceful_stop_wrote_and_a_bad_file_is_served_cold(tmp_path, vocab):
+def test_a_restart_restores_what_a_graceful_stop_wrote_and_a_bad_file_is_served_cold(tmp_path, vocab, monkeypatch):
     a, b = history(vocab, 4), history(vocab, 5)
     eng = engine_on(tmp_path, host_mb=64)
     try:
@@ -78,6 +79,11 @@ def test_a_restart_restores_what_a_graceful_stop_wrote_and_a_bad_file_is_served_
         assert not any(unpack_tokens(s.tokens) for s in slots)  # a new process: empty slots...
         on_disk = [unpack_tokens(c.tokens) for c in cached if c.tier == "disk"]
         assert any(t[: len(a)] == a for t in on_disk) and any(t[: len(b)] == b for t in on_disk)  # ...a warm disk
+        # a hello carries only what fits its budget (here one state): the most recently used
+        monkeypatch.setattr(worker.engine, "HELLO_LISTING_BYTES", 4 * max(map(len, on_disk)) + ENTRY_OVERHEAD_BYTES)
+        _, few = eng.held().result(30)
+        assert len(few) == 1 and few[0].id == max(eng.disk.entries, key=lambda e: e.last_used).id
+        monkeypatch.undo()
         back = complete(eng, question(vocab, a), slot=0)
         assert isinstance(back.final, JobDone) and back.final.restored_tokens >= len(a) - 8
         assert not [e for e in back.final.cache_added if e.tier == "disk"]  # the hello told them: not sent twice
