@@ -31,6 +31,7 @@ WORKER_COUNTERS = {
     "host_save_failures": ("kvroute_worker_host_save_failures", "Copies to host RAM that failed (nothing else did)"),
     "spec_proposed": ("kvroute_worker_spec_proposed", "Guessed tokens verified (--spec ngram)"),
     "spec_accepted": ("kvroute_worker_spec_accepted", "Guessed tokens the sampler took"),
+    "spec_withheld": ("kvroute_worker_spec_withheld", "Guesses not computed: taken too rarely to pay in their batch"),
     "disk_restores": ("kvroute_worker_disk_restores", "Prefixes restored from the disk tier (--cache-dir)"),
     "disk_restore_failures": ("kvroute_worker_disk_restore_failures", "Disk-tier files that did not check out (served cold)"),
 }

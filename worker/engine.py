@@ -74,7 +74,7 @@ from worker.host_cache import Entry, HostCache
 from worker.llama import Llama
 from worker.sampling import Sampler, SamplingError
 from worker.slots import Slot, SlotTable, Snapshot
-from worker.speculate import Drafter
+from worker.speculate import Drafter, StepCost
 from worker.stopping import TextStream
 
 log = logs.get(__name__)
@@ -124,6 +124,7 @@ class Counters:
     host_save_failures: int = 0  # a copy to host RAM failed (nothing else did: the slot went on)
     spec_proposed: int = 0  # guessed tokens verified (speculation)
     spec_accepted: int = 0  # of spec_proposed: taken by the sampler
+    spec_withheld: int = 0  # guesses not computed: the job's guesses were taken too rarely to pay in its batch
     decode_s: float = 0.0  # time inside llama_decode
     step_s: float = 0.0  # time of whole steps (batch building + decode + sampling + messages)
 
@@ -232,6 +233,7 @@ class Engine:
         # guesses are verified in the slot's own rows and the rejected ones' KV removed (needs seq_rm); in
         # deterministic mode they take a slot's padding rows
         self.spec = cfg.spec != "none" and not self.snapshots
+        self.step_cost = StepCost()  # what a guessed row costs in a step: whether a job's guesses pay
         if cfg.spec == "ngram" and not self.spec:
             log.warning("speculation_off", reason="this model's memory cannot be trimmed (recurrent or hybrid)")
         self.table = SlotTable(cfg.slots)
@@ -755,6 +757,7 @@ class Engine:
         group = [s for s in group if s.job is not None]
         padded = self.exact and bool(group) and bool(group[0].job.generated)  # deterministic mode's decode batch
         while True:
+            t0 = time.perf_counter()
             plan = self._build(group, budget)
             if not plan:
                 return budget
@@ -777,8 +780,11 @@ class Engine:
         used = sum(n - 1 if slot.job.generated else n for slot, n, _ in plan)  # prompt and guessed rows
         if ret != 0:
             self._decode_failed(plan, ret)
-        else:
-            self._commit(plan)
+            return budget - used
+        rows, decode_only = self.llama.batch.n, not self.exact and all(slot.job.generated for slot, _, _ in plan)
+        self._commit(plan)
+        if decode_only:  # every row has logits and is sampled: what a guessed row adds to a step
+            self.step_cost.observe(rows, time.perf_counter() - t0)
         return budget - used
 
     @staticmethod
@@ -801,6 +807,8 @@ class Engine:
             return self._build_padded(busy)
         plan: list[tuple[Slot, int, int]] = []
         prefilling: list[Slot] = []
+        decoding = sum(1 for slot in busy if slot.job.generated)
+        rows = decoding  # decode rows and the guesses taken so far: a guess's cost depends on the step it joins
         for slot in busy:
             req: Request = slot.job
             if not req.generated:
@@ -808,10 +816,11 @@ class Engine:
                 continue
             pos = slot.n_tokens
             row = batch.add(req.generated[-1], pos, slot.id, True)
-            req.draft = self._guess(req, slot, budget) if self.spec else []
+            req.draft = self._guess(req, slot, budget, decoding, rows) if self.spec else []
             for i, tok in enumerate(req.draft, 1):
                 batch.add(tok, pos + i, slot.id, True)
             budget -= len(req.draft)
+            rows += len(req.draft)
             plan.append((slot, 1 + len(req.draft), row))
         self.counters.decode_rows += len(plan)
         for slot in prefilling:  # (in _prefill_order)
@@ -862,13 +871,18 @@ class Engine:
         for slot in self.table.slots:
             self.llama.seq_rm(slot.id, slot.n_tokens + rows.get(slot.id, 0), -1)  # (checked by the invariant)
 
-    def _guess(self, req: Request, slot: Slot, budget: int) -> list[int]:
+    def _guess(self, req: Request, slot: Slot, budget: int, decoding: int = 0, rows: int = 0) -> list[int]:
         """Tokens to verify after the slot's decode row: within the step's budget, the slot's context, and what the
-        job may still produce."""
+        job may still produce; none while the job's guesses are taken too rarely to pay in a step of `decoding`
+        decode rows and `rows` rows so far (decoding 0: rows that cost nothing, deterministic mode's padding)."""
         if req.drafter is None:
             req.drafter = Drafter(slot.tokens + req.generated[-1:], self.n_ctx + 1, self.cfg.spec_ngram, self.cfg.spec_max)
+        drafter = req.drafter
         limit = min(budget, self.n_ctx - 1 - slot.n_tokens, req.max_gen - len(req.generated) - 1)
-        return req.drafter.propose(limit)
+        if decoding and not self.step_cost.pays(drafter.rate, decoding, rows, min(drafter.k, limit)) and drafter.shadow(limit):
+            self.counters.spec_withheld += 1
+            return []
+        return drafter.propose(limit)
 
     def _commit(self, plan: list[tuple[Slot, int, int]]) -> None:
         """The decode succeeded: record the tokens now in KV, check the invariant, sample the output rows."""

@@ -10,14 +10,24 @@ speculation; only the number of `llama_decode` calls changes.
 
 A guess costs a logits row per token (on CPU about as much as a decode row: the output layer dominates), so the
 length adapts: it starts at START tokens, doubles while guesses are taken whole and falls back to what was
-taken when one is cut short.
+taken when one is cut short. And a job guesses only while its guesses pay in the step at hand (`StepCost`): a
+step of D decode rows that takes T(R) for its R rows gains from a guess of g rows taken at rate r only if
+(D + r g) / T(R + g) > D / T(R). On a CPU a guessed row costs about a decode row, so with one slot generating a
+guess pays when a third of it is taken, with eight only when most of it is. Each job keeps the share of its guesses
+taken (`Drafter.rate`); while its guesses would not pay, they are checked against what it then produces instead of
+computed (`shadow`), so the share stays current at no cost.
 """
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 START = 4  # tokens in a job's first guess
+RATE_WEIGHT = 0.25  # of the latest guess in a job's share of guessed tokens taken
+PROBE_EVERY = 32  # while a job's guesses are withheld, one in this many is computed all the same (so the cost of a
+# step with guesses is measured again: a slow moment of the machine does not keep guessing off for good)
 RESYNC = 64  # tokens after the place the output left where a guess looks for it first
 RESYNC_BACK = 8  # ... and before it
 
@@ -39,12 +49,22 @@ class Drafter:
         self._buf[: self._len] = history
         self._src = -1  # where the token expected next is in the history (-1: following nothing)
         self._lost = -1  # where the output last left the place it followed
+        self.rate = 1.0  # share of guessed tokens taken, recent guesses weighing most (optimistic at first)
+        self._shadow: list[int] = []  # a guess not computed, checked against the tokens that come
+        self._shadow_taken = 0
+        self.withheld = 0  # guesses withheld in a row
 
     def push(self, token: int) -> None:
         """A token the job produced (every one, drafted or not)."""
         if self._len == len(self._buf):
             self._buf = np.concatenate([self._buf, np.zeros_like(self._buf)])
         self._buf[self._len] = token
+        if self._shadow:
+            agrees = token == self._shadow[self._shadow_taken]
+            self._shadow_taken += agrees
+            if not agrees or self._shadow_taken == len(self._shadow):
+                self.verified(len(self._shadow), self._shadow_taken)
+                self._shadow, self._shadow_taken = [], 0
         src = self._src
         if src >= 0:
             if src < self._len and self._buf[src] == token:
@@ -54,7 +74,24 @@ class Drafter:
         self._len += 1
 
     def propose(self, limit: int) -> list[int]:
-        """Up to min(k, limit) tokens that follow the place the output copies (see the class)."""
+        """Up to min(k, limit) tokens that follow the place the output copies (see the class), to compute."""
+        self._shadow, self._shadow_taken = [], 0  # (a guess not computed is not also checked)
+        self.withheld = 0
+        return self._guess(limit)
+
+    def shadow(self, limit: int) -> bool:
+        """Guess without computing: the tokens that come are checked against the guess as verification would, so
+        `rate` and the guess length follow what guessing would take. False when this guess should be computed after
+        all (one in PROBE_EVERY)."""
+        self.withheld += 1
+        if self.withheld % PROBE_EVERY == 0:
+            return False
+        if not self._shadow:
+            self._shadow, self._shadow_taken = self._guess(limit), 0
+        return True
+
+    def _guess(self, limit: int) -> list[int]:
+        """The guess itself: up to min(k, limit) tokens from the place followed, found again when lost."""
         k = min(self.k, limit)
         if k <= 0:
             return []
@@ -80,6 +117,44 @@ class Drafter:
     def verified(self, proposed: int, accepted: int) -> None:
         """How the last guess went: a guess taken whole grows the next one, a guess cut short shrinks it."""
         self.k = min(self.k * 2, self.k_max) if accepted == proposed else max(1, min(accepted, self.k_max))
+        if proposed:
+            self.rate += RATE_WEIGHT * (accepted / proposed - self.rate)
+
+
+class StepCost:
+    """What a step costs by its row count, from steps that only decode and verify guesses (every row with logits), and
+    whether a guess pays in the step at hand. Not a line: on a CPU the first rows of a step share one pass over the
+    weights, later ones each cost about as much as a decode row. Steps are timed on a shared machine, where other
+    work only ever adds time, so each row count keeps the lowest time seen lately (it sinks to a faster step at once
+    and rises slowly); between row counts the cost is interpolated, beyond them extended along the last slope."""
+
+    def __init__(self, rise: float = 0.05, kept: int = 64) -> None:
+        self.rise, self.kept = rise, kept
+        self._floor: dict[int, float] = {}  # rows -> lowest recent step time (insertion order: least recent first)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self._floor.pop(rows, None)
+        self._floor[rows] = seconds if old is None or seconds < old else old + self.rise * (seconds - old)
+        if len(self._floor) > self.kept:
+            del self._floor[next(iter(self._floor))]
+
+    def cost(self, rows: int) -> float | None:
+        """Seconds a step of `rows` rows takes; None until steps of two row counts were seen."""
+        if len(self._floor) < 2:
+            return None
+        xs = sorted(self._floor)
+        k = min(max(bisect.bisect_left(xs, rows), 1), len(xs) - 1)  # the segment xs[k-1]..xs[k] (or the nearest)
+        x0, x1 = xs[k - 1], xs[k]
+        y0, y1 = self._floor[x0], self._floor[x1]
+        return max(y0 + (y1 - y0) * (rows - x0) / (x1 - x0), 0.0)
+
+    def pays(self, rate: float, decode_rows: int, rows: int, guess: int) -> bool:
+        """Whether adding a guess of `guess` rows, taken at `rate`, to a step of `rows` rows that yields
+        `decode_rows` tokens yields more tokens per second."""
+        now, more = self.cost(rows), self.cost(rows + guess)
+        if now is None or more is None:
+            return True
+        return (decode_rows + rate * guess) * now > decode_rows * more
 
 
 def _occurrences(h: np.ndarray, n: int) -> np.ndarray:

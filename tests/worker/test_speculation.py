@@ -13,7 +13,7 @@ from worker_helpers import Run, assert_slot_invariant, complete
 from protocol import Constraint, JobDone
 from worker.config import WorkerConfig
 from worker.engine import Engine
-from worker.speculate import Drafter
+from worker.speculate import Drafter, StepCost
 
 pytestmark = pytest.mark.model
 
@@ -66,6 +66,30 @@ def test_output_is_identical_with_and_without_speculation(exact_spec, name):
     assert after[1] > before[1], "no guess was taken: the test did not exercise speculation"
     assert after[2] == before[2]  # no invariant violation
     assert_slot_invariant(exact_spec, guessed)
+
+
+def test_guesses_that_would_not_pay_in_their_step_are_withheld_and_change_nothing(fast_spec):
+    prompt = fast_spec.vocab.tokenize(PATTERN)
+    set_spec(fast_spec, False)
+    plain = complete(fast_spec, prompt, slot=0, prefix_cache=False, max_tokens=24)
+    set_spec(fast_spec, True)
+
+    class NeverPays(StepCost):  # a device where a guessed row always costs more than it gives
+        def pays(self, rate: float, decode_rows: int, rows: int, guess: int) -> bool:
+            return False
+
+    costly = NeverPays()
+    measured = fast_spec.call(lambda e: e.step_cost).result(10)
+    fast_spec.call(lambda e: setattr(e, "step_cost", costly)).result(10)
+    try:
+        before = fast_spec.call(lambda e: (e.counters.spec_proposed, e.counters.spec_withheld)).result(10)
+        withheld = complete(fast_spec, prompt, slot=0, prefix_cache=False, max_tokens=24)
+        after = fast_spec.call(lambda e: (e.counters.spec_proposed, e.counters.spec_withheld)).result(10)
+    finally:
+        fast_spec.call(lambda e: setattr(e, "step_cost", measured)).result(10)
+    assert isinstance(withheld.final, JobDone) and withheld.tokens == plain.tokens
+    assert after[0] == before[0] and after[1] > before[1]  # nothing guessed was computed; each withheld guess counted
+    assert_slot_invariant(fast_spec, withheld)
 
 
 def test_a_grammar_constrains_guessed_tokens_too(exact_spec):
@@ -186,6 +210,39 @@ def test_drafter_follows_the_place_the_output_copies_and_finds_it_again_after_an
     assert d.propose(3) == []  # "50 11 12" never occurred
     produce([13])
     assert d.propose(3) == [14, 15, 16]
+
+
+def test_a_guess_not_computed_is_checked_against_what_comes_and_moves_the_rate():
+    d = Drafter([1, 2, 3, 4, 5, 6, 7, 8, 9], capacity=32, n=2, k_max=8)
+    d.k = 4
+    assert d.rate == 1.0
+    for tok in (1, 2):  # the output starts copying: a guess of 3 4 5 6 is made but not computed
+        d.shadow(8)
+        d.push(tok)
+    d.shadow(8)
+    for tok in (3, 4, 9):  # two of its tokens come, then another: taken 2 of 4
+        d.push(tok)
+    assert d.rate == pytest.approx(1.0 + 0.25 * (2 / 4 - 1.0)) and d.k == 2
+
+
+def cpu_like() -> StepCost:
+    # a step's time as this project's CPU gives it: the first row ~18 ms, each further row ~8 ms (and a noisy copy of
+    # each, which only ever adds time)
+    cost = StepCost()
+    for rows in (1, 2, 8, 9, 16, 24):
+        cost.observe(rows, 0.018 + 0.008 * (rows - 1) + 0.05)
+        cost.observe(rows, 0.018 + 0.008 * (rows - 1))
+    return cost
+
+
+def test_a_guess_pays_when_enough_of_it_is_taken_for_the_step_it_joins():
+    cost = cpu_like()
+    assert StepCost().pays(0.0, 8, 8, 4)  # nothing measured yet: guess
+    assert cost.cost(8) == pytest.approx(0.018 + 0.056)  # the floor, not the noisy copy
+    # one slot generating: a guess of 4 taken at 60% pays, at 10% not
+    assert cost.pays(0.6, 1, 1, 4) and not cost.pays(0.1, 1, 1, 4)
+    # eight slots generating: 60% no longer pays (each guessed row costs about what a decode row does), 97% does
+    assert not cost.pays(0.6, 8, 8, 4) and cost.pays(0.97, 8, 8, 4)
 
 
 @pytest.mark.parametrize(
