@@ -26,6 +26,7 @@ import numpy as np
 
 START = 4  # tokens in a job's first guess
 RATE_WEIGHT = 0.25  # of the latest guess in a job's share of guessed tokens taken
+START_RATE = 0.5  # a job's share before its first guess: enough for one slot on a CPU, not for a busy batch
 PROBE_EVERY = 32  # while a job's guesses are withheld, one in this many is computed all the same (so the cost of a
 # step with guesses is measured again: a slow moment of the machine does not keep guessing off for good)
 RESYNC = 64  # tokens after the place the output left where a guess looks for it first
@@ -49,7 +50,7 @@ class Drafter:
         self._buf[: self._len] = history
         self._src = -1  # where the token expected next is in the history (-1: following nothing)
         self._lost = -1  # where the output last left the place it followed
-        self.rate = 1.0  # share of guessed tokens taken, recent guesses weighing most (optimistic at first)
+        self.rate = START_RATE  # share of guessed tokens taken, recent guesses weighing most
         self._shadow: list[int] = []  # a guess not computed, checked against the tokens that come
         self._shadow_taken = 0
         self.withheld = 0  # guesses withheld in a row
