@@ -13,7 +13,7 @@ from worker_helpers import Run, assert_slot_invariant, complete
 from protocol import Constraint, JobDone
 from worker.config import WorkerConfig
 from worker.engine import Engine
-from worker.speculate import Drafter, StepCost
+from worker.speculate import RATE_WEIGHT, START_RATE, Drafter, StepCost
 
 pytestmark = pytest.mark.model
 
@@ -215,14 +215,14 @@ def test_drafter_follows_the_place_the_output_copies_and_finds_it_again_after_an
 def test_a_guess_not_computed_is_checked_against_what_comes_and_moves_the_rate():
     d = Drafter([1, 2, 3, 4, 5, 6, 7, 8, 9], capacity=32, n=2, k_max=8)
     d.k = 4
-    assert d.rate == 1.0
+    assert d.rate == START_RATE
     for tok in (1, 2):  # the output starts copying: a guess of 3 4 5 6 is made but not computed
         d.shadow(8)
         d.push(tok)
     d.shadow(8)
     for tok in (3, 4, 9):  # two of its tokens come, then another: taken 2 of 4
         d.push(tok)
-    assert d.rate == pytest.approx(1.0 + 0.25 * (2 / 4 - 1.0)) and d.k == 2
+    assert d.rate == pytest.approx(START_RATE + RATE_WEIGHT * (2 / 4 - START_RATE)) and d.k == 2
 
 
 def cpu_like() -> StepCost:
