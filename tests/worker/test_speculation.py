@@ -220,9 +220,9 @@ def test_a_guess_not_computed_is_checked_against_what_comes_and_moves_the_rate()
         d.shadow(8)
         d.push(tok)
     d.shadow(8)
-    for tok in (3, 4, 9):  # two of its tokens come, then another: taken 2 of 4
+    for tok in (3, 4, 5, 9):  # three of its tokens come, then another: taken 3 of 4
         d.push(tok)
-    assert d.rate == pytest.approx(START_RATE + RATE_WEIGHT * (2 / 4 - START_RATE)) and d.k == 2
+    assert d.rate == pytest.approx(START_RATE + RATE_WEIGHT * (3 / 4 - START_RATE)) and d.k == 3
 
 
 def cpu_like() -> StepCost:
