@@ -347,7 +347,7 @@ class Scheduler:
         for r in req.choices:
             self._enqueue(r)
             if self.cfg.policy == "round-robin":
-                self._ready_loads(r)  # (which picks its worker now, as it arrives)
+                self._pin(r, self._ready_loads(r))  # its worker is picked now, as it arrives
         log.info("request_queued", request_id=req.rid, prompt_tokens=len(req.tokens), n=req.n, queued=len(self.queue))
         self._pump()
 
@@ -409,12 +409,16 @@ class Scheduler:
         ]
         if self.cfg.policy != "round-robin":
             return loads
+        self._pin(req, loads)
+        return [w for w in loads if w.worker == req.pinned]
+
+    def _pin(self, req: Req, loads: list[Any]) -> None:
+        """--policy round-robin: unless it is pinned to one of `loads` already, the next worker in turn becomes the
+        only one the request may go to, as a load balancer in front of independent servers sends a request on when it
+        arrives (and again when that worker has left)."""
         if loads and req.pinned not in {w.worker for w in loads}:
-            # the next worker in turn becomes the only one it may go to, as a load balancer in front of independent
-            # servers sends a request on when it arrives (and again when that worker has left)
             req.pinned = loads[self._arrivals % len(loads)].worker
             self._arrivals += 1
-        return [w for w in loads if w.worker == req.pinned]
 
     def _idle_slot(self) -> bool:
         return any(w.state is WorkerState.READY and w.load.busy < len(w.slots) for w in self.workers.values())

@@ -9,7 +9,7 @@ import numpy as np
 from test_select import hold, loads, seq
 
 from protocol import CacheEntry, pack_tokens, token_hash
-from router.mirror import Mirror, Saved
+from router.mirror import Mirror, Saved, Slot
 from router.select import Dispatch, Params, Wait, expected_reuse, select
 
 
@@ -94,13 +94,19 @@ def test_a_returning_conversation_goes_to_the_worker_that_saved_it_and_the_resto
     assert isinstance(d, Dispatch) and d.slot is b[0] and not d.restore and d.reuse == 0
 
 
-def test_a_conversation_saved_on_a_full_worker_waits_for_it_a_while_then_goes_elsewhere():
+def saved_on_w0(nbytes: int = 1000) -> tuple[Mirror, Slot, Slot, np.ndarray]:
+    """Two workers of one slot each; w0 saved a 300-token history (its slot now holds another prompt)."""
     m = Mirror()
     (a,) = m.add_worker("w0", 1)
     (b,) = m.add_worker("w1", 1)
     history = seq(300)
     hold(m, a, history)
-    overwrite(m, "w0", 0, seq(100), entry_id=1)  # w0 saved the history; its only slot now holds another
+    overwrite(m, "w0", 0, seq(100), entry_id=1, nbytes=nbytes)
+    return m, a, b, history
+
+
+def test_a_conversation_saved_on_a_full_worker_waits_for_it_a_while_then_goes_elsewhere():
+    m, a, b, history = saved_on_w0()
     m.assign(a, "busy", seq(100))  # and is busy: w0 has no idle slot
     prompt = np.concatenate([history, seq(10)])
     out = loads_with_saved(m)
@@ -113,12 +119,7 @@ def test_a_conversation_saved_on_a_full_worker_waits_for_it_a_while_then_goes_el
 
 
 def test_restoring_costs_its_bytes_at_the_workers_speed():
-    m = Mirror()
-    (a,) = m.add_worker("w0", 1)
-    (b,) = m.add_worker("w1", 1)
-    history = seq(300)
-    hold(m, a, history)
-    overwrite(m, "w0", 0, seq(100), entry_id=1, nbytes=10**7)
+    m, _, b, history = saved_on_w0(nbytes=10**7)
     hold(m, b, seq(100), age_s=3600)
     prompt = np.concatenate([history, seq(10)])
     out = loads_with_saved(m)
