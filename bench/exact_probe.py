@@ -7,7 +7,8 @@
    and so on: time to first token of the turn, whose history (previous reply included) is cached.
 
 Prints the medians, the min-max across rounds and the ratio deterministic / default (goals: throughput >= 0.9,
-cached TTFT <= 1.1).
+cached TTFT <= 1.1), and each engine's steps and batch rows over the whole run (counts, free of the machine's noise:
+deterministic mode pads its decode batches, see worker/engine.py).
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ def main() -> None:
     d, x = "default", "deterministic"
     print(f"deterministic / default: throughput {statistics.median(tput[x]) / statistics.median(tput[d]):.2f}x (goal >= 0.9), "
           f"cached ttft {statistics.median(ttft[x]) / statistics.median(ttft[d]):.2f}x (goal <= 1.1)")  # fmt: skip
-    for e in engines.values():
+    for m, e in engines.items():
+        c = e.counters
+        print(f"{m:14s} steps {c.steps}  batch rows {c.batch_rows}  generated {c.generated_tokens}  "
+              f"guessed {c.spec_proposed}, taken {c.spec_accepted}")  # fmt: skip
         e.stop()
 
 

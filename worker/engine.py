@@ -15,8 +15,9 @@ of the KV came from earlier ubatches): llama.cpp computes a ubatch of fewer than
 row of some sequence, with other kernels; from EXACT_ROWS rows with at least 2 of each sequence on, a row's result
 does not depend on its ubatch. With one KV stream per slot, llama.cpp splits a batch into ubatches of consecutive
 seq ids with equal rows per sequence. So in this mode the generating slots decode together in one batch in which
-every slot, idle ones too, has exactly `pad_rows` rows (at least 2, and pad_rows x slots >= EXACT_ROWS): a slot's
-decode row, its guesses, then padding at the positions after them, removed again right after the decode. Prefill
+every slot from the first generating one to the last, idle ones between them too, has the same number of rows (at
+least 2, and at least EXACT_ROWS in all): a slot's decode row, its guesses, then padding at the positions after them,
+removed again right after the decode. The fewer slots that span, the more rows each gets for guesses. Prefill
 chunks of at least EXACT_ROWS tokens get a `llama_decode` of their own. Every token's KV is then what a prompt pass computes, so a
 slot reuses its generated tokens too (`Slot.n_exact`, which covers everything but a prompt's too-short tail).
 
@@ -227,9 +228,8 @@ class Engine:
             log.warning("disk_tier_off", reason="this model's memory cannot be trimmed (--snapshots): no saved states")
         self.host = HostCache(cfg.host_cache_mb * 2**20 if self.copies else 0, spill=self._spill)
         self.exact = cfg.deterministic
-        self.pad_rows = max(2, -(-EXACT_ROWS // cfg.slots)) if self.exact else 0  # rows of each slot in a decode batch
         if self.exact:
-            self.n_ctx -= self.pad_rows  # room for a full slot's padding
+            self.n_ctx -= EXACT_ROWS  # room for the most rows a slot takes in a decode batch (see _build_padded)
         # guesses are verified in the slot's own rows and the rejected ones' KV removed (needs seq_rm); in
         # deterministic mode they take a slot's padding rows
         self.spec = cfg.spec != "none" and not self.snapshots
@@ -845,22 +845,25 @@ class Engine:
         return plan
 
     def _build_padded(self, generating: list[Slot]) -> list[tuple[Slot, int, int]]:
-        """Deterministic mode's decode batch: every slot, in seq id order, has exactly `pad_rows` rows: a generating
-        slot its decode row, then guesses, then padding; any other slot padding after the tokens it holds."""
+        """Deterministic mode's decode batch: the slots from the first generating one to the last, in seq id order
+        (llama.cpp puts only consecutive seq ids in one ubatch), have `pad` rows each: a generating slot its decode row,
+        then guesses, then padding; any other slot padding after the tokens it holds."""
         batch = self.llama.batch
         plan: list[tuple[Slot, int, int]] = []
         mine = {s.id for s in generating}
-        for slot in self.table.slots:
+        span = self.table.slots[min(mine) : max(mine) + 1]
+        pad = max(2, -(-EXACT_ROWS // len(span)))
+        for slot in span:
             pos, rows = slot.n_tokens, 0
             if slot.id in mine:
                 req: Request = slot.job
                 row = batch.add(req.generated[-1], pos, slot.id, True)
-                req.draft = self._guess(req, slot, self.pad_rows - 1) if self.spec else []
+                req.draft = self._guess(req, slot, pad - 1) if self.spec else []
                 for i, tok in enumerate(req.draft, 1):
                     batch.add(tok, pos + i, slot.id, True)
                 rows = 1 + len(req.draft)
                 plan.append((slot, rows, row))
-            for i in range(rows, self.pad_rows):
+            for i in range(rows, pad):
                 batch.add(PAD_TOKEN, pos + i, slot.id, False)
         self.counters.decode_rows += len(plan)
         return plan

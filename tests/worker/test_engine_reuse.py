@@ -56,6 +56,16 @@ def test_concurrent_matches_alone(engine, vocab):
     assert together == alone
 
 
+def test_slots_apart_match_alone(engine, vocab):
+    """Slots 1 and 3 decoding together (their padded batch spans idle slot 2 too) produce what each does alone."""
+    prompts = {1: vocab.tokenize("The river flows"), 3: vocab.tokenize("In the morning the baker")}
+    alone = {i: complete(engine, p, slot=i, prefix_cache=False, max_tokens=12).tokens for i, p in prompts.items()}
+    runs = {i: start(engine, p, slot=i, prefix_cache=False, max_tokens=12) for i, p in prompts.items()}
+    for r in runs.values():
+        r.wait()
+    assert {i: r.tokens for i, r in runs.items()} == alone
+
+
 def test_follow_up_turn_reuses_prompt_and_generated_tokens(fast_engine):
     """Default mode: the next turn reuses previous prompt + generated - 1 tokens and prefills only the rest."""
     vocab = fast_engine.vocab
