@@ -75,7 +75,7 @@ from worker.host_cache import Entry, HostCache
 from worker.llama import Llama
 from worker.sampling import Sampler, SamplingError
 from worker.slots import Slot, SlotTable, Snapshot
-from worker.speculate import Drafter, StepCost
+from worker.speculate import Drafter, OutputPool, StepCost
 from worker.stopping import TextStream
 
 log = logs.get(__name__)
@@ -234,6 +234,7 @@ class Engine:
         # deterministic mode they take a slot's padding rows
         self.spec = cfg.spec != "none" and not self.snapshots
         self.step_cost = StepCost()  # what a guessed row costs in a step: whether a job's guesses pay
+        self.pool = OutputPool(cfg.spec_ngram) if self.spec else None  # recent outputs, guesses across requests
         if cfg.spec == "ngram" and not self.spec:
             log.warning("speculation_off", reason="this model's memory cannot be trimmed (recurrent or hybrid)")
         self.table = SlotTable(cfg.slots)
@@ -879,7 +880,8 @@ class Engine:
         job may still produce; none while the job's guesses are taken too rarely to pay in a step of `decoding`
         decode rows and `rows` rows so far (decoding 0: rows that cost nothing, deterministic mode's padding)."""
         if req.drafter is None:
-            req.drafter = Drafter(slot.tokens + req.generated[-1:], self.n_ctx + 1, self.cfg.spec_ngram, self.cfg.spec_max)
+            pool = self.pool.lookup(req.job.cache_salt) if self.pool else None
+            req.drafter = Drafter(slot.tokens + req.generated[-1:], self.n_ctx + 1, self.cfg.spec_ngram, self.cfg.spec_max, pool)
         drafter = req.drafter
         limit = min(budget, self.n_ctx - 1 - slot.n_tokens, req.max_gen - len(req.generated) - 1)
         if decoding and not self.step_cost.pays(drafter.rate, decoding, rows, min(drafter.k, limit)) and drafter.shadow(limit):
@@ -1032,6 +1034,8 @@ class Engine:
         )
         if not req.silent:
             done.cache_added, done.cache_dropped, done.disk_dropped = self._cache_changes()
+        if self.pool is not None:
+            self.pool.add(req.job.cache_salt, req.generated)
         self._release(req, slot)
         self.counters.jobs_done += 1
         log.debug("job_done", request_id=req.id, slot=slot.id, finish=reason.value, generated=len(req.generated))

@@ -16,11 +16,18 @@ step of D decode rows that takes T(R) for its R rows gains from a guess of g row
 guess pays when a third of it is taken, with eight only when most of it is. Each job keeps the share of its guesses
 taken (`Drafter.rate`); while its guesses would not pay, they are checked against what it then produces instead of
 computed (`shadow`), so the share stays current at no cost.
+
+What other jobs of the same tenant generated lately is a second source (`OutputPool`): where the conversation itself
+has no earlier occurrence of the last `n` tokens, a guess follows the latest recent output that has them. An agent
+asked for a file again, a retried request, or sub-agents writing the same boilerplate then guess well from the first
+token on (llama-server's `--spec-type ngram-mod` keeps such a table across requests too).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,6 +38,10 @@ PROBE_EVERY = 32  # while a job's guesses are withheld, one in this many is comp
 # step with guesses is measured again: a slow moment of the machine does not keep guessing off for good)
 RESYNC = 64  # tokens after the place the output left where a guess looks for it first
 RESYNC_BACK = 8  # ... and before it
+POOL_TOKENS = 1 << 16  # generated tokens a worker keeps from finished jobs, for guesses in later ones
+
+# what a job's drafter asks the pool: the latest recent output with these n tokens, and where the token after them is
+PoolLookup = Callable[[np.ndarray], tuple[np.ndarray, int] | None]
 
 
 class Drafter:
@@ -39,16 +50,19 @@ class Drafter:
     It follows one place in the history while the output keeps copying it (`_src`: the position of the token it
     expects next), so a line that occurs twice in a file does not send the guess to the wrong copy. When the output
     leaves that place (an edit, or the same text cut into other tokens), it looks for the last `n` tokens again:
-    the first occurrence near where it was (RESYNC tokens on), else the latest one."""
+    the first occurrence near where it was (RESYNC tokens on), else the latest one, else (`pool`) the latest recent
+    output of another job that has them, which it then follows the same way."""
 
-    def __init__(self, history: list[int], capacity: int, n: int, k_max: int) -> None:
+    def __init__(self, history: list[int], capacity: int, n: int, k_max: int, pool: PoolLookup | None = None) -> None:
         self.n = n
+        self._pool = pool
         self.k_max = k_max
         self.k = min(START, k_max)
         self._buf = np.zeros(max(capacity, len(history)) + 1, dtype=np.int32)
         self._len = len(history)
         self._buf[: self._len] = history
         self._src = -1  # where the token expected next is in the history (-1: following nothing)
+        self._other: np.ndarray | None = None  # the recent output `_src` is in, when not the history (see OutputPool)
         self._lost = -1  # where the output last left the place it followed
         self.rate = START_RATE  # share of guessed tokens taken, recent guesses weighing most
         self._shadow: list[int] = []  # a guess not computed, checked against the tokens that come
@@ -68,10 +82,13 @@ class Drafter:
                 self._shadow, self._shadow_taken = [], 0
         src = self._src
         if src >= 0:
-            if src < self._len and self._buf[src] == token:
+            copied, end = self._copied()
+            if src < end and copied[src] == token:
                 self._src = src + 1
             else:
-                self._src, self._lost = -1, src
+                if self._other is None:  # (where it left a recent output says nothing about the history)
+                    self._lost = src
+                self._src, self._other = -1, None
         self._len += 1
 
     def propose(self, limit: int) -> list[int]:
@@ -96,11 +113,19 @@ class Drafter:
         k = min(self.k, limit)
         if k <= 0:
             return []
-        if self._src < 0 or self._src >= self._len:
-            self._src = self._find()
+        if self._src < 0 or self._src >= self._copied()[1]:
+            self._src, self._other = self._find(), None
             if self._src < 0:
-                return []
-        return self._buf[self._src : min(self._src + k, self._len)].tolist()
+                found = self._pool(self._buf[self._len - self.n : self._len]) if self._pool and self._len >= self.n else None
+                if found is None:
+                    return []
+                self._other, self._src = found
+        copied, end = self._copied()
+        return copied[self._src : min(self._src + k, end)].tolist()
+
+    def _copied(self) -> tuple[np.ndarray, int]:
+        """What `_src` points into, and its end: the history, or a recent output of the pool."""
+        return (self._buf, self._len) if self._other is None else (self._other, len(self._other))
 
     def _find(self) -> int:
         """Where the token after an earlier occurrence of the output's last `n` tokens is (-1: none): the first one
@@ -120,6 +145,50 @@ class Drafter:
         self.k = min(self.k * 2, self.k_max) if accepted == proposed else max(1, min(accepted, self.k_max))
         if proposed:
             self.rate += RATE_WEIGHT * (accepted / proposed - self.rate)
+
+
+class OutputPool:
+    """What finished jobs generated lately, for guesses in later jobs (see the module docstring). Kept per tenant
+    (the jobs' cache salt): a guess never changes what a job produces, but it changes how fast, and speed can be
+    measured, so one tenant's outputs never guess for another's. Each n-gram maps to its latest occurrence; the
+    oldest outputs are dropped beyond `capacity` tokens. Used on the engine's compute thread only."""
+
+    def __init__(self, n: int, capacity: int = POOL_TOKENS) -> None:
+        self.n, self.capacity = n, capacity
+        self._outputs: OrderedDict[int, tuple[str, np.ndarray]] = OrderedDict()  # id -> (salt, tokens), oldest first
+        self._latest: dict[tuple[str, bytes], tuple[int, int]] = {}  # (salt, n-gram) -> (output id, position after)
+        self._next = 0
+        self.tokens = 0
+
+    def add(self, salt: str, tokens: list[int]) -> None:
+        if not self.n < len(tokens) <= self.capacity:
+            return
+        out = np.asarray(tokens, dtype=np.int32)
+        oid, self._next = self._next, self._next + 1
+        self._outputs[oid] = (salt, out)
+        self.tokens += len(out)
+        for key, after in self._ngrams(salt, out):
+            self._latest[key] = (oid, after)
+        while self.tokens > self.capacity:
+            old, (old_salt, old_out) = self._outputs.popitem(last=False)
+            self.tokens -= len(old_out)
+            for key, _ in self._ngrams(old_salt, old_out):
+                if self._latest.get(key, (-1, 0))[0] == old:
+                    del self._latest[key]
+
+    def lookup(self, salt: str) -> PoolLookup:
+        """The pool as one tenant's drafter sees it."""
+
+        def find(tail: np.ndarray) -> tuple[np.ndarray, int] | None:
+            hit = self._latest.get((salt, tail.astype(np.int32).tobytes()))
+            return None if hit is None else (self._outputs[hit[0]][1], hit[1])
+
+        return find
+
+    def _ngrams(self, salt: str, out: np.ndarray) -> list[tuple[tuple[str, bytes], int]]:
+        """Each n-gram followed by a token, with that token's position."""
+        raw = out.tobytes()
+        return [((salt, raw[4 * (end - self.n) : 4 * end]), end) for end in range(self.n, len(out))]
 
 
 class StepCost:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from worker_helpers import Run, assert_slot_invariant, complete
 
 from protocol import Constraint, JobDone
 from worker.config import WorkerConfig
 from worker.engine import Engine
-from worker.speculate import RATE_WEIGHT, START_RATE, Drafter, StepCost
+from worker.speculate import RATE_WEIGHT, START_RATE, Drafter, OutputPool, StepCost
 
 pytestmark = pytest.mark.model
 
@@ -22,7 +23,8 @@ PATTERN = "red, green, blue, yellow, " * 8
 
 @pytest.fixture(scope="module")
 def exact_spec() -> Iterator[Engine]:
-    """Deterministic mode with speculation: 2 slots, so each slot's 4 rows per decode batch carry 3 guesses."""
+    """Deterministic mode with speculation, 2 slots: a slot generating alone has 8 rows per decode batch (7 for
+    guesses), two together 4 each."""
     eng = Engine(WorkerConfig(slots=2, ctx_per_slot=1024, threads=2, deterministic=True, spec="ngram")).start()
     yield eng
     eng.stop()
@@ -210,6 +212,58 @@ def test_drafter_follows_the_place_the_output_copies_and_finds_it_again_after_an
     assert d.propose(3) == []  # "50 11 12" never occurred
     produce([13])
     assert d.propose(3) == [14, 15, 16]
+
+
+def test_drafter_guesses_from_a_recent_output_of_the_same_tenant_where_the_history_has_nothing():
+    pool = OutputPool(n=3)
+    pool.add("a", [1, 2, 3, 4, 5, 6, 7, 8])
+    d = Drafter([9, 9, 1, 2, 3], capacity=64, n=3, k_max=8, pool=pool.lookup("a"))
+    d.k = 4
+    assert d.propose(8) == [4, 5, 6, 7]  # "1 2 3" is not earlier in the history: the recent output has it
+    d.push(4)
+    d.push(5)
+    assert d.propose(8) == [6, 7, 8]  # it follows that output while the job copies it
+    d.push(30)
+    assert d.propose(8) == []  # left it, and "4 5 30" occurs nowhere
+    other = Drafter([9, 9, 1, 2, 3], capacity=64, n=3, k_max=8, pool=pool.lookup("b"))
+    assert other.propose(8) == []  # another tenant's outputs never guess
+    own = Drafter([1, 2, 3, 50, 51, 1, 2, 3], capacity=64, n=3, k_max=8, pool=pool.lookup("a"))
+    own.k = 2
+    assert own.propose(8) == [50, 51]  # the conversation's own text goes first
+
+
+def test_the_output_pool_keeps_the_latest_occurrence_and_drops_the_oldest_outputs():
+    pool = OutputPool(n=2, capacity=10)
+    pool.add("", [1, 2, 3, 4])
+    pool.add("", [1, 2, 7, 8])
+    found = pool.lookup("")(np.array([1, 2]))
+    assert found is not None and found[0][found[1]] == 7  # the latest output with "1 2"
+    pool.add("", [5, 6, 9, 9, 9])  # over 10 tokens: the oldest output goes
+    assert pool.tokens == 9
+    assert pool.lookup("")(np.array([3, 4])) is None
+    assert pool.lookup("")(np.array([7, 8])) is None  # (followed by nothing)
+    assert pool.lookup("")(np.array([2, 7])) is not None
+    pool.add("", list(range(50)))  # longer than the whole pool: not kept
+    assert pool.tokens == 9
+
+
+def test_a_job_guesses_from_what_an_earlier_job_of_its_tenant_generated(exact_spec):
+    """The same request again, in another slot and without its cached prefix: the second job takes more of its
+    guesses (it copies the first one's output) and produces the same tokens; another tenant's gets no such help."""
+    prompt = exact_spec.vocab.tokenize("The history of the printing press")  # (its reply repeats itself little)
+
+    def taken(salt: str) -> tuple[list[int], int]:
+        before = spec_counts(exact_spec)[1]
+        run = complete(exact_spec, prompt, slot=1, prefix_cache=False, max_tokens=40, cache_salt=salt)
+        assert isinstance(run.final, JobDone) and run.final.generated_tokens == 40
+        return run.tokens, spec_counts(exact_spec)[1] - before
+
+    first, alone = taken("press-1")
+    again, helped = taken("press-1")
+    other, not_helped = taken("press-2")
+    assert again == first == other
+    assert helped >= alone + 15
+    assert not_helped == alone
 
 
 def test_a_guess_not_computed_is_checked_against_what_comes_and_moves_the_rate():
