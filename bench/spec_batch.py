@@ -5,7 +5,9 @@ verified, taken and withheld in each round.
     .venv/bin/python -m bench.spec_batch [--rounds 6] [--tokens 64]
 
 A fresh engine has not yet timed steps with guesses: its first rounds guess on every n-gram match; the later ones
-show the pay-or-withhold rule (worker/speculate.py) at work.
+show the pay-or-withhold rule (worker/speculate.py) at work. The rounds with speculation on run as one tenant and the
+others as another, so guesses from recent outputs (worker/speculate.py OutputPool) come from earlier rounds' stories,
+never from the same stories just written with speculation off.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def main() -> None:
                 turn = "<start_of_turn>user\nRound {r}: write a short story about {t}.<end_of_turn>\n<start_of_turn>model\n"
                 prompts = [engine.vocab.tokenize(turn.format(r=r, t=t)) for t in TOPICS]
                 before = counts()
-                rates[on].append(decode_rate(engine, prompts, a.tokens, None))
+                rates[on].append(decode_rate(engine, prompts, a.tokens, None, salt="on" if on else "off"))
                 guessed, taken, withheld = (y - x for x, y in zip(before, counts(), strict=True))
                 print(f"round {r} spec {'on ' if on else 'off'} {rates[on][-1]:6.1f} tok/s  guessed {guessed} taken {taken} "
                       f"withheld {withheld}", flush=True)  # fmt: skip

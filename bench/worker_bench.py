@@ -35,16 +35,23 @@ def run(engine: Engine, prompt: list[int], jid: str, *, slot: int, max_tokens: i
     return done
 
 
-def decode_rate(engine: Engine, prompts: list[list[int]], gen: int, guided: Constraint | None) -> float:
-    """Aggregate decode tokens/s of one job per prompt, all at once (the first one under `guided`); slots cleared
-    first so that each round computes the same."""
+def decode_rate(engine: Engine, prompts: list[list[int]], gen: int, guided: Constraint | None, salt: str = "") -> float:
+    """Aggregate decode tokens/s of one job per prompt, all at once (the first one under `guided`), for tenant
+    `salt`; slots cleared first so that each round computes the same."""
     for s in range(len(prompts)):
         engine.call(lambda e, s=s: e._clear(e.table[s])).result()
     sampling = Sampling(temperature=0.0, max_tokens=gen, ignore_eos=True)
     t = time.perf_counter()
     streams = [
         engine.submit(
-            Job(id=f"g{i}-{t}", slot=i, tokens=pack_tokens(p), sampling=sampling, constraint=guided if i == 0 else None)
+            Job(
+                id=f"g{i}-{t}",
+                slot=i,
+                tokens=pack_tokens(p),
+                sampling=sampling,
+                constraint=guided if i == 0 else None,
+                cache_salt=salt,
+            )
         )
         for i, p in enumerate(prompts)
     ]
