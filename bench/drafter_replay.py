@@ -5,7 +5,8 @@ speculation. Each drafter is then replayed over that output as the engine drives
 longest agreeing prefix taken plus one token, the guess length adapting): the steps it needs and the logits rows it
 computes are what decode time is made of on this CPU (a step ~18 ms, a row ~8 ms more). Drafters: kvroute's
 (worker/speculate.py, which follows the place the output copies) and the one before it (guesses from the latest
-earlier occurrence of the last n tokens, kept here as the baseline).
+earlier occurrence of the last n tokens, kept here as the baseline); and kvroute's when the same request was
+answered before (the earlier answer in its OutputPool, as when an agent asks for the file again).
 
     .venv/bin/python -m bench.drafter_replay [--tokens 260] [--ngram 4] [--spec-max 16]
 """
@@ -21,7 +22,7 @@ from bench.spec_probe import EDIT
 from protocol import Job, JobDone, Sampling, pack_tokens
 from worker.config import WorkerConfig
 from worker.engine import Engine
-from worker.speculate import START, Drafter
+from worker.speculate import START, Drafter, OutputPool
 
 
 class Guesser(Protocol):
@@ -90,7 +91,14 @@ def main() -> None:
     print(f"edit: {len(prompt)} prompt tokens, {len(output)} generated (greedy, no speculation)")
     base = replay(LatestOccurrence(prompt, a.ngram, a.spec_max), output)
     ours = replay(Drafter(prompt, len(prompt) + len(output), a.ngram, a.spec_max), output)
-    for name, (steps, rows) in (("latest occurrence (before)", base), ("kvroute (follows the place)", ours)):
+    pool = OutputPool(a.ngram)
+    pool.add("", output)
+    again = replay(Drafter(prompt, len(prompt) + len(output), a.ngram, a.spec_max, pool.lookup("")), output)
+    for name, (steps, rows) in (
+        ("latest occurrence (before)", base),
+        ("kvroute (follows the place)", ours),
+        ("kvroute, asked again", again),
+    ):
         print(f"{name:28s} {steps:4d} steps  {rows:4d} logits rows  {(len(output) - 1) / steps:.2f} tokens per step")
     print(f"steps {ours[0] / base[0]:.2f}x, rows {ours[1] / base[1]:.2f}x the baseline's")
 
