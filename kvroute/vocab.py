@@ -73,6 +73,11 @@ class Vocab:
         self.bos = bos if bos >= 0 else None
         self.eos = eos if eos >= 0 else None
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(v))
+        # SentencePiece vocabularies put a space before a text's first word unless the GGUF says not to (llama.cpp)
+        prefix = _meta_str(model, "tokenizer.ggml.add_space_prefix")
+        self.add_space_prefix = (
+            prefix == "true" if prefix is not None else llama_cpp.llama_vocab_type(v) == llama_cpp.LLAMA_VOCAB_TYPE_SPM
+        )
         self.name = _meta_str(model, "general.name") or Path(path).stem
         tmpl = llama_cpp.llama_model_chat_template(model, None)
         self.chat_template = tmpl.decode("utf-8", "replace") if tmpl else None

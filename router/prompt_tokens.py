@@ -16,6 +16,13 @@ after a special token is tokenized the same with or without what came before it)
 with no such cut, is tokenized whole. The cuts are learnt from the prompts themselves: the control tokens found in
 a prompt tokenized whole (a template's turn markers, out of Gemma's 6,250 control tokens) become cut points once
 checked.
+
+A prompt sent as plain text (`/v1/completions`) has no turn markers. In a SentencePiece vocabulary that adds no space
+before a text (`tokenizer.ggml.add_space_prefix` false, as Gemma's), a text can also be cut just before a space
+between two words: SentencePiece merges only neighbouring pieces into pieces of the vocabulary, so no piece reaches
+across the cut if no piece of the vocabulary holds that space after the letter before it (Gemma's 262k pieces hold
+"X▁" for one character X only, in `>▁</`). So a space is a cut when letters or digits stand on both sides of it and
+neither is a character some piece (or special token) has just before a space, or a special token starts or ends with.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import numpy as np
 from kvroute.vocab import Vocab
 
 CUTS_TRIED = 32  # cut points looked up per prompt, from its end: a next turn finds its previous prompt in a few
+SPACE = "\u2581"  # how SentencePiece writes a space inside a piece
+WORD_TAIL = 4096  # characters from a text's end searched for its last cut between words
 SPECIAL = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
 STRIPS = llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP | llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP
 
@@ -54,16 +63,26 @@ class PromptTokenizer:
         ) and not llama_cpp.llama_vocab_get_add_eos(v)
         self._text: dict[int, str] = {}  # special token id -> its text
         candidates = []  # control tokens that strip no whitespace
+        near_space: set[str] = set()  # characters a piece has just before a space, or a special token at an end
         for t in range(vocab.n_vocab) if usable else ():
             attr = llama_cpp.llama_vocab_get_attr(v, t)
+            text = (llama_cpp.llama_vocab_get_text(v, t) or b"").decode("utf-8", "replace")
+            near_space.update(text[i - 1] for i in range(1, len(text)) if text[i] in (SPACE, " ") and text[i - 1] != text[i])
             if attr & SPECIAL:
-                self._text[t] = (llama_cpp.llama_vocab_get_text(v, t) or b"").decode("utf-8", "replace")
-                if attr & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL and not attr & STRIPS and self._text[t]:
+                self._text[t] = text
+                near_space.update(text[:1] + text[-1:])
+                if attr & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL and not attr & STRIPS and text:
                     candidates.append(t)
         self._candidate = np.zeros(vocab.n_vocab if usable else 0, dtype=bool)  # token id -> one of those (O(1) test)
         self._candidate[candidates] = True
         self._judged: dict[str, bool] = {}  # special text -> whether prompts may be cut after it
         self._cut: re.Pattern[str] | None = None
+        self._safe: tuple[str, ...] = ()  # the special texts a prompt may be cut after
+        # where a space between two words is a cut (its position is the match's start); None: this vocabulary has none
+        self._word_cut: re.Pattern[str] | None = None
+        if usable and kind == llama_cpp.LLAMA_VOCAB_TYPE_SPM and not vocab.add_space_prefix:
+            bad = "".join(sorted(re.escape(c) for c in near_space if c.isalnum()))
+            self._word_cut = re.compile(f"(?<=[^\\W_{bad}]) (?=[^\\W_{bad}])" if bad else r"(?<=[^\W_]) (?=[^\W_])")
 
     def _alone(self, s: str) -> bool:
         """No other special token's text overlaps `s`: none contains it, starts inside it or ends inside it."""
@@ -89,21 +108,21 @@ class PromptTokenizer:
                 return False
             safe = sorted((s for s, ok in self._judged.items() if ok), key=len, reverse=True)
             self._cut = re.compile("|".join(re.escape(s) for s in safe))
+            self._safe = tuple(safe)
             return True
 
     def tokenize(self, text: str, add_special: bool) -> np.ndarray:
-        cut = self._cut
-        cuts = [m.end() for m in cut.finditer(text)] if cut is not None else []
-        if not cuts:
+        last = self._last_cut(text)
+        if not last:
             tokens = self._whole(text, add_special)
             if self._learn(tokens):  # the first prompt with these turn markers: keep its head for the next
                 return self.tokenize(text, add_special)
             return tokens
-        last = cuts[-1]
         kept, at = None, 0
         with self._lock:
-            for c in reversed(cuts[-CUTS_TRIED:]):
-                if c not in self._lengths:
+            tried = 0
+            for c in sorted((n for n in self._lengths if n <= last), reverse=True):
+                if not self._is_cut(text, c):
                     continue
                 kept = self._entries.get((add_special, text[:c]))
                 if kept is not None:
@@ -111,13 +130,36 @@ class PromptTokenizer:
                     self.reused_tokens += len(kept)
                     at = c
                     break
+                tried += 1
+                if tried == CUTS_TRIED:
+                    break
         if kept is None:
             head = self._whole(text[:last], add_special)
-            self._learn(head)
+            if self._learn(head):  # turn markers seen for the first time: the head may end at the last one now
+                return self.tokenize(text, add_special)
         else:
             head = kept if at == last else np.concatenate([kept, self._whole(text[at:last], False)])
         self._keep(add_special, text[:last], head)
         return np.concatenate([head, self._whole(text[last:], False)])
+
+    def _last_cut(self, text: str) -> int:
+        """The last place `text` may be cut (0: none): after a checked special token, or before a space between words."""
+        last = 0
+        if self._cut is not None:
+            for m in self._cut.finditer(text):
+                last = m.end()
+        if self._word_cut is not None:
+            for start in (max(0, len(text) - WORD_TAIL), 0):
+                found = [m.start() for m in self._word_cut.finditer(text, start)]
+                if found or start == 0:
+                    return max([last, *found[-1:]])
+        return last
+
+    def _is_cut(self, text: str, c: int) -> bool:
+        """Whether `text` may be cut at `c` (see `_last_cut`)."""
+        if self._safe and text.endswith(self._safe, 0, c):
+            return True
+        return self._word_cut is not None and self._word_cut.match(text, c, c + 2) is not None and c > 0
 
     def _whole(self, text: str, add_special: bool) -> np.ndarray:
         return np.asarray(self.vocab.tokenize(text, add_special=add_special), dtype=np.int32)

@@ -1,7 +1,10 @@
 """Tokenizing only a prompt's new part: the same tokens as tokenizing it whole, on the real model's vocabulary,
-for a growing conversation and for texts that try to break the cut (whitespace, special-looking text, edits)."""
+for a growing conversation (with turn markers, or plain text cut between words) and for texts that try to break the
+cut (whitespace, special-looking text, edits, random characters around spaces)."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
@@ -77,9 +80,46 @@ def test_a_special_another_special_overlaps_is_no_cut(vocab: Vocab) -> None:
     assert pt._alone("<ok>")
 
 
+PLAIN = "The keeper wrote in the log that the wind had turned north before dawn, and 42 boats stayed in."
+
+
+def test_a_growing_plain_text_prompt_is_cut_between_words_and_tokenizes_as_a_whole(vocab: Vocab) -> None:
+    """A prompt without turn markers (`/v1/completions`) is cut before a space between two words."""
+    pt = PromptTokenizer(vocab)
+    text, previous = "", 0
+    for i in range(20):
+        text += f" Turn {i}: {PLAIN} {TRICKY[i % len(TRICKY)]}"
+        before = pt.reused_tokens
+        whole = vocab.tokenize(text)
+        assert pt.tokenize(text, True).tolist() == whole
+        if i > 0:  # the previous text was found up to its last cut between words
+            assert pt.reused_tokens - before >= previous - 24
+        previous = len(whole)
+
+
+def test_random_texts_around_spaces_tokenize_as_a_whole(vocab: Vocab) -> None:
+    rng = random.Random(7)
+    parts = ["a", "Z", "1", "é", "ß", "東", "Ω", " ", " ", "  ", "\n", ">", "<", "</", "\u2581", "\u0301", "_", "🚀", "the"]
+    pt = PromptTokenizer(vocab)
+    for _ in range(150):
+        text = ""
+        for _ in range(4):
+            text += "".join(rng.choice(parts) for _ in range(rng.randint(1, 60)))
+            assert pt.tokenize(text, False).tolist() == vocab.tokenize(text, add_special=False), repr(text)
+    assert pt.reused_tokens > 0
+
+
+def test_a_space_is_a_cut_only_between_two_words(vocab: Vocab, monkeypatch: pytest.MonkeyPatch) -> None:
+    pt = PromptTokenizer(vocab)
+    assert pt._is_cut("ab cd", 2) and pt._is_cut("é 東", 1)
+    assert not any(pt._is_cut(t, 2) for t in ("a  b", "a> </b", "a_ b", "ab\u00a0c", "a. b"))
+    monkeypatch.setattr(vocab, "add_space_prefix", True)  # such a vocabulary puts a space before every piece it starts
+    assert PromptTokenizer(vocab)._word_cut is None
+
+
 def test_only_the_most_recent_heads_are_kept(vocab: Vocab) -> None:
     pt = PromptTokenizer(vocab, max_entries=2)
-    prompts = [turn("user", f"conversation {i}") + "<start_of_turn>model\n" for i in range(4)]
+    prompts = [turn("user", f"conversation{i}") + "<start_of_turn>model\n" for i in range(4)]  # (no cut between words)
     for p in prompts:
         pt.tokenize(p, True)
     assert len(pt._entries) == 2 and sum(pt._lengths.values()) == 2
