@@ -58,6 +58,7 @@ class Vocab:
     bos: int | None
     eos: int | None
     add_bos: bool
+    add_space_prefix: bool
     name: str
     chat_template: str | None
     fingerprint: str
