@@ -870,9 +870,9 @@ class Engine:
         return plan
 
     def _unpad(self, plan: list[tuple[Slot, int, int]]) -> None:
-        """Remove the padding rows' KV (every slot's positions after its real rows)."""
+        """Remove the padding rows' KV (the positions after its real rows, of every slot `_build_padded` spanned)."""
         rows = {slot.id: n for slot, n, _ in plan}
-        for slot in self.table.slots:
+        for slot in self.table.slots[min(rows) : max(rows) + 1]:
             self.llama.seq_rm(slot.id, slot.n_tokens + rows.get(slot.id, 0), -1)  # (checked by the invariant)
 
     def _guess(self, req: Request, slot: Slot, budget: int, decoding: int = 0, rows: int = 0) -> list[int]:
