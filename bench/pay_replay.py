@@ -7,12 +7,17 @@ step's time is taken from a fixed model of this CPU (~18 ms a step, ~8 ms a row)
 against the same round without speculation: guessing from the stories' own text, and from the pool of earlier rounds'
 stories (`OutputPool`, as a worker that served them holds it).
 
-    .venv/bin/python -m bench.pay_replay [--rounds 4] [--tokens 64]
+With `--noise X` the rule learns the step costs as the engine does, from the steps it takes, each timed with noise that
+only adds time (exponential, mean X of the step's cost, seeded), in one `StepCost` kept for the whole run. Without it,
+the rule knows the model exactly.
+
+    .venv/bin/python -m bench.pay_replay [--rounds 4] [--tokens 64] [--noise 0.3] [--seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import numpy as np
 
@@ -24,6 +29,7 @@ from worker.speculate import Drafter, OutputPool, StepCost
 
 TURN = "<start_of_turn>user\nRound {r}: write a short story about {t}.<end_of_turn>\n<start_of_turn>model\n"
 NGRAM, SPEC_MAX = 4, 16  # the worker's defaults
+Noise = Callable[[float], float] | None  # a step's cost -> the time a noisy machine reports for it
 
 
 def step_s(rows: int) -> float:
@@ -51,11 +57,17 @@ def write(rounds: int, tokens: int) -> list[list[tuple[list[int], list[int]]]]:
         engine.stop()
 
 
-def replay(stories: list[tuple[list[int], list[int]]], pool: OutputPool | None, spec: bool) -> tuple[float, int, int]:
-    """(modelled seconds, guessed tokens, taken tokens) of one batch."""
+def exact_cost() -> StepCost:
     cost = StepCost(kept=128)
     for rows in range(1, 100):
         cost.observe(rows, step_s(rows))
+    return cost
+
+
+def replay(
+    stories: list[tuple[list[int], list[int]]], pool: OutputPool | None, spec: bool, cost: StepCost, noise: Noise
+) -> tuple[float, int, int]:
+    """(modelled seconds, guessed tokens, taken tokens) of one batch."""
     jobs = [(Drafter(p + o[:1], len(p) + len(o), NGRAM, SPEC_MAX, pool.lookup("") if pool else None), o) for p, o in stories]
     at = [1] * len(jobs)
     seconds, guessed, taken = 0.0, 0, 0
@@ -71,6 +83,8 @@ def replay(stories: list[tuple[list[int], list[int]]], pool: OutputPool | None, 
             rows += len(guess)
             plan.append((j, guess))
         seconds += step_s(rows)
+        if noise is not None:
+            cost.observe(rows, noise(step_s(rows)))
         for j, guess in plan:  # as Engine._verify takes them
             drafter, out = jobs[j]
             n = 0
@@ -89,16 +103,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--noise", type=float, default=0.0, help="learn step costs timed with this mean added share")
+    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
+    rng = np.random.default_rng(a.seed)
+    noise: Noise = (lambda s: s * (1 + rng.exponential(a.noise))) if a.noise > 0 else None
+    cost = StepCost() if noise else exact_cost()  # (the engine's own, learning as it goes)
     rounds = write(a.rounds, a.tokens)
     for r in range(1, a.rounds):
-        base, _, _ = replay(rounds[r], None, spec=False)
+        base, _, _ = replay(rounds[r], None, False, cost, None)
         pool = OutputPool(NGRAM)
         for earlier in rounds[:r]:
             for _, story in earlier:
                 pool.add("", story)
         for name, source in (("own text", None), ("with the pool", pool)):
-            seconds, guessed, taken = replay(rounds[r], source, spec=True)
+            seconds, guessed, taken = replay(rounds[r], source, True, cost, noise)
             print(f"round {r} {name:14s} {seconds / base:.3f}x the time without speculation  guessed {guessed}, taken {taken}")
 
 

@@ -163,6 +163,7 @@ class Request:
     passed_over: int = 0  # steps in a row in which its prompt got no prefill budget
     drafter: Drafter | None = None  # speculation: guesses from this job's history
     draft: list[int] = field(default_factory=list)  # the guessed tokens in the batch being decoded
+    withheld: bool = False  # no guess in that batch: its guesses were taken too rarely to pay there
     t_first: float = 0.0
 
 
@@ -775,9 +776,12 @@ class Engine:
                 budget //= 2  # no KV room for this batch: retry with a smaller prefill chunk (memory is unchanged)
                 continue
             break
-        c = self.counters
+        c = self.counters  # (counted for the batch decoded, not for one built again after a KV-full retry)
         c.steps += 1
         c.batch_rows += self.llama.batch.n
+        c.decode_rows += sum(1 for slot, _, _ in plan if slot.job.generated)
+        c.prefill_rows += sum(n for slot, n, _ in plan if not slot.job.generated)
+        c.spec_withheld += sum(1 for slot, _, _ in plan if slot.job.withheld)
         used = sum(n - 1 if slot.job.generated else n for slot, n, _ in plan)  # prompt and guessed rows
         if ret != 0:
             self._decode_failed(plan, ret)
@@ -823,7 +827,6 @@ class Engine:
             budget -= len(req.draft)
             rows += len(req.draft)
             plan.append((slot, 1 + len(req.draft), row))
-        self.counters.decode_rows += len(plan)
         for slot in prefilling:  # (in _prefill_order)
             req = slot.job
             req.passed_over += 1  # (back to 0 below when it gets a chunk)
@@ -842,7 +845,6 @@ class Engine:
             plan.append((slot, take, row if last else -1))
             req.passed_over = 0
             budget -= take
-            self.counters.prefill_rows += take
         return plan
 
     def _build_padded(self, generating: list[Slot]) -> list[tuple[Slot, int, int]]:
@@ -866,7 +868,6 @@ class Engine:
                 plan.append((slot, rows, row))
             for i in range(rows, pad):
                 batch.add(PAD_TOKEN, pos + i, slot.id, False)
-        self.counters.decode_rows += len(plan)
         return plan
 
     def _unpad(self, plan: list[tuple[Slot, int, int]]) -> None:
@@ -884,10 +885,9 @@ class Engine:
             req.drafter = Drafter(slot.tokens + req.generated[-1:], self.n_ctx + 1, self.cfg.spec_ngram, self.cfg.spec_max, pool)
         drafter = req.drafter
         limit = min(budget, self.n_ctx - 1 - slot.n_tokens, req.max_gen - len(req.generated) - 1)
-        if decoding and not self.step_cost.pays(drafter.rate, decoding, rows, min(drafter.k, limit)) and drafter.shadow(limit):
-            self.counters.spec_withheld += 1
-            return []
-        return drafter.propose(limit)
+        pays = not decoding or self.step_cost.pays(drafter.rate, decoding, rows, min(drafter.k, limit))
+        req.withheld = not pays and drafter.shadow(limit)
+        return [] if req.withheld else drafter.propose(limit)
 
     def _commit(self, plan: list[tuple[Slot, int, int]]) -> None:
         """The decode succeeded: record the tokens now in KV, check the invariant, sample the output rows."""

@@ -26,6 +26,7 @@ token on (llama-server's `--spec-type ngram-mod` keeps such a table across reque
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -196,7 +197,9 @@ class StepCost:
     whether a guess pays in the step at hand. Not a line: on a CPU the first rows of a step share one pass over the
     weights, later ones each cost about as much as a decode row. Steps are timed on a shared machine, where other
     work only ever adds time, so each row count keeps the lowest time seen lately (it sinks to a faster step at once
-    and rises slowly); between row counts the cost is interpolated, beyond them extended along the last slope."""
+    and rises slowly). More rows never cost less, so a noisy floor below a smaller row count's is lifted to it; between
+    row counts the cost is interpolated, beyond the largest extended at the steeper of the last slope and the mean
+    one (a flat last segment would make guesses look free)."""
 
     def __init__(self, rise: float = 0.05, kept: int = 64) -> None:
         self.rise, self.kept = rise, kept
@@ -213,9 +216,12 @@ class StepCost:
         if len(self._floor) < 2:
             return None
         xs = sorted(self._floor)
+        ys = list(itertools.accumulate((self._floor[x] for x in xs), max))
+        if rows > xs[-1]:
+            slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), (ys[-1] - ys[0]) / (xs[-1] - xs[0]))
+            return ys[-1] + slope * (rows - xs[-1])
         k = min(max(bisect.bisect_left(xs, rows), 1), len(xs) - 1)  # the segment xs[k-1]..xs[k] (or the nearest)
-        x0, x1 = xs[k - 1], xs[k]
-        y0, y1 = self._floor[x0], self._floor[x1]
+        x0, x1, y0, y1 = xs[k - 1], xs[k], ys[k - 1], ys[k]
         return max(y0 + (y1 - y0) * (rows - x0) / (x1 - x0), 0.0)
 
     def pays(self, rate: float, decode_rows: int, rows: int, guess: int) -> bool:

@@ -299,6 +299,18 @@ def test_a_guess_pays_when_enough_of_it_is_taken_for_the_step_it_joins():
     assert not cost.pays(0.6, 8, 8, 4) and cost.pays(0.97, 8, 8, 4)
 
 
+def test_more_rows_never_look_cheaper_than_fewer_however_noisy_the_floors():
+    cost = StepCost()
+    cost.observe(8, 0.080)
+    cost.observe(16, 0.070)  # a quiet moment for 16 rows, a busy one for 8: the floors fall as rows grow
+    assert cost.cost(16) == pytest.approx(0.080) and cost.cost(12) == pytest.approx(0.080)
+    assert cost.cost(24) >= 0.080  # and never below, past the largest row count seen
+    cost = cpu_like()
+    cost.observe(32, 0.018 + 0.008 * 23)  # the last segment flat: 24 and 32 rows timed alike
+    assert cost.cost(40) - cost.cost(32) == pytest.approx(8 * (cost.cost(32) - cost.cost(1)) / 31)  # the mean slope
+    assert not cost.pays(0.6, 24, 32, 8)  # so a guess that does not pay in a busy step is still withheld
+
+
 @pytest.mark.parametrize(
     ("fields", "flag"),
     [({"spec_max": 0}, "--spec-max"), ({"spec_ngram": 0}, "--spec-ngram"), ({"spec": "draft"}, "--spec"),
