@@ -98,13 +98,15 @@ def test_no_kv_room_is_retried_with_a_smaller_batch(engine, vocab):
             return 1  # llama.cpp: no KV slot for this batch, memory unchanged
         return real()
 
-    before = engine.counters.decode_retries
+    before, prefilled = engine.counters.decode_retries, engine.counters.prefill_rows
+    prompt = vocab.tokenize("A fairly long prompt " * 10)
     engine.call(lambda e: setattr(e, "_decode", once_full)).result(10)
     try:
-        run = complete(engine, vocab.tokenize("A fairly long prompt " * 10), slot=1, prefix_cache=False, max_tokens=2)
+        run = complete(engine, prompt, slot=1, prefix_cache=False, max_tokens=2)
     finally:
         engine.call(lambda e: setattr(e, "_decode", real)).result(10)
     assert state["failed"] and engine.counters.decode_retries == before + 1
+    assert engine.counters.prefill_rows - prefilled == len(prompt)  # the batch that failed is not counted
     assert isinstance(run.final, JobDone)
     assert_slot_invariant(engine, run)
 
