@@ -13,6 +13,7 @@ import asyncio
 import json
 import re
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -44,9 +45,10 @@ class Sample:
 class CompletionClient:
     """POSTs streamed completions to one server. One instance per system; `aclose()` when done."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0, model: str | None = None) -> None:
+    def __init__(self, base_url: str, *, timeout_s: float = 600.0, model: str | None = None, temperature: float = 0.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self.temperature = temperature
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits)
 
@@ -62,15 +64,18 @@ class CompletionClient:
         return parse_metrics(resp.text) if resp.status_code == 200 else None
 
     async def complete(self, prompt: str, max_tokens: int, *, session: str, turn: int, t0: float, chat: bool = False) -> Sample:
-        """Stream one greedy completion of `prompt` (with `chat`: the reply to it as one user message, in the
-        server's chat template); never raises for a server error (it goes in `error`)."""
+        """Stream one completion of `prompt` (with `chat`: the reply to it as one user message, in the server's
+        chat template), greedy unless the client has a temperature; never raises for a server error (it goes in
+        `error`)."""
         body: dict[str, Any] = {
             **({"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}),
             "max_tokens": max_tokens,
-            "temperature": 0.0,
+            "temperature": self.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if self.temperature > 0:  # the whole distribution on every server, and the same seed
+            body |= {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": zlib.crc32(f"{session}/{turn}".encode()) % (2**32 - 1)}
         if self.model:
             body["model"] = self.model
         sent = time.perf_counter()

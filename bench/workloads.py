@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvroute.config import opt
 
@@ -52,6 +52,11 @@ class Sizes:
     scale_workers: int = opt(2, "scale-out: kvroute workers (instead of --workers)")
     scale_slots: int = opt(2, "scale-out: slots per worker (instead of --slots)")
     scale_think_s: float = opt(0.5, "scale-out: before each turn a session pauses 0 to this many seconds (seeded): its tools")
+    temperature: float = opt(
+        0.0,
+        "every request's temperature (0: greedy); above 0 with top_k 0, top_p 1, min_p 0 and a seed per request, "
+        "the same for every system (llama-server's own defaults would cut the distribution)",
+    )
 
 
 # Tiny sizes for checking the harness end to end in a minute or two (`--quick`).
@@ -114,6 +119,7 @@ class Workload:
     concurrency: int
     workers: int = 0
     slots: int = 0
+    temperature: float = 0.0  # (Sizes.temperature)
 
     @property
     def n_requests(self) -> int:
@@ -366,7 +372,7 @@ def build(name: str, sizes: Sizes, tokenize: Callable[[str], list[int]]) -> Work
     """The workload called `name` (one of WORKLOADS); `tokenize` maps text to model tokens, without BOS."""
     if name not in BUILDERS:
         raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
-    return BUILDERS[name](sizes, tokenize)
+    return replace(BUILDERS[name](sizes, tokenize), temperature=sizes.temperature)
 
 
 def model_tokenizer(model_path: str) -> Callable[[str], list[int]]:

@@ -3,7 +3,9 @@
 Order, as in llama.cpp: the grammar's mask (worker/guide.py), then penalties, logit_bias, top_k, top_p, min_p,
 temperature, and the draw (greedy at temperature 0). Greedy without penalties is an argmax over the row in numpy
 (first maximum, as llama's greedy sampler picks): ten times cheaper than the C chain, which copies all 262k
-logits into a candidate array per token. Everything else is a llama sampler chain.
+logits into a candidate array per token. A draw at a temperature with no penalties, top_k, top_p or min_p (what
+OpenAI and Anthropic clients send unless told otherwise) is llama.cpp's temperature and dist samplers done in numpy
+(`Draw`): the same token for the same seed, about ten times cheaper. Everything else is a llama sampler chain.
 
 Penalties (presence, frequency, repeat over the last `repeat_last_n` generated tokens) are llama.cpp's own
 sampler. Log-probabilities are those of the model (a log-softmax of the raw row, before penalties, biases and
@@ -13,6 +15,7 @@ grammar), with the top k alternatives.
 from __future__ import annotations
 
 import ctypes
+import secrets
 from typing import Any
 
 import llama_cpp
@@ -23,6 +26,7 @@ from worker.guide import Guide
 
 BAN = -100.0
 MIN_LOGPROB = -9999.0  # OpenAI's floor: JSON has no -infinity
+DRAW_BLOCK = 1024  # Draw's running sum goes block by block, then within the block it ends in
 
 
 class SamplingError(ValueError):
@@ -44,8 +48,10 @@ class Sampler:
         bad = [t for t in bias if t >= n_vocab]
         if bad:
             raise SamplingError(f"logit_bias token ids {bad[:5]} are outside the vocabulary (0..{n_vocab - 1})")
+        plain = not params.penalized and params.top_k == 0 and params.top_p >= 1.0 and params.min_p <= 0.0
         self.fast = params.temperature == 0.0 and not params.penalized
-        if self.fast:
+        self.draw = Draw(params.temperature, params.seed, n_vocab) if plain and not self.fast else None
+        if self.fast or self.draw:
             self.bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
             self.bias = np.array([-np.inf if b <= BAN else b for b in bias.values()], dtype=np.float32)
             return
@@ -96,11 +102,11 @@ class Sampler:
         top = None if self.logprobs is None else _log_softmax_top(logits, self.logprobs, self.piece)
         if self.guide is not None:
             self.guide.mask(logits)
-        if self.fast:
+        if self.fast or self.draw:
             if len(self.bias_ids):
                 logits = logits.copy()
                 logits[self.bias_ids] += self.bias
-            tok = int(logits.argmax())
+            tok = self.draw(logits) if self.draw else int(logits.argmax())
         else:
             tok = llama_cpp.llama_sampler_sample(self.chain, ctx, row)
         if self.guide is not None:
@@ -115,6 +121,44 @@ class Sampler:
         if self.chain:
             llama_cpp.llama_sampler_free(self.chain)
             self.chain = None
+
+
+class Draw:
+    """llama.cpp's temperature sampler then its dist sampler (llama-sampler.cpp), token for token, in numpy: each
+    logit divided by the temperature, p = expf(logit - max) in float32, and the first token at which the running
+    double sum of p reaches the sum times a draw of std::uniform_real_distribution<double> over std::mt19937 seeded
+    as llama.cpp seeds it (numpy's MT19937 is the same generator; the double takes two 32-bit outputs, as libstdc++
+    does). No 262k-entry candidate array is built; the running sum goes block by block."""
+
+    def __init__(self, temperature: float, seed: int | None, n_vocab: int) -> None:
+        self.temperature = np.float32(temperature)
+        self.bits = np.random.MT19937()
+        legacy = np.random.RandomState(secrets.randbits(32) if seed is None else seed)  # init_genrand(seed), as C++
+        self.bits.state = {"bit_generator": "MT19937", "state": legacy.get_state(legacy=False)["state"]}
+        self.p = np.empty(n_vocab, dtype=np.float32)
+        self.starts = np.arange(0, n_vocab, DRAW_BLOCK)
+
+    def uniform(self) -> float:
+        """std::uniform_real_distribution<double>(0, 1) over std::mt19937: generate_canonical<double, 53>."""
+        low, high = (float(x) for x in self.bits.random_raw(2))
+        return min((low + high * 2.0**32) / 2.0**64, BELOW_ONE)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        p = np.divide(logits, self.temperature, out=self.p)
+        p -= p.max()
+        np.exp(p, out=p)
+        target = self.uniform()
+        blocks = np.cumsum(np.add.reduceat(p, self.starts, dtype=np.float64))
+        target *= blocks[-1]
+        b = min(int(np.searchsorted(blocks, target, side="left")), len(blocks) - 1)
+        start = int(self.starts[b])
+        run = np.cumsum(p[start : start + DRAW_BLOCK], dtype=np.float64)
+        if b:
+            run += blocks[b - 1]
+        return start + min(int(np.searchsorted(run, target, side="left")), len(run) - 1)  # (the last if none)
+
+
+BELOW_ONE = float(np.nextafter(1.0, 0.0))
 
 
 def _log_softmax_top(logits: np.ndarray, k: int, piece: Any) -> tuple[float, list[TopLogprob]]:
