@@ -36,6 +36,12 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
     "chat": ("commands.talk", "chat with a running server, streaming to the terminal", "add_chat_arguments", "run_chat"),
     "keys": ("kvroute.keys", "generate CurveZMQ key pairs for secured TCP between hosts", "add_arguments", "run"),
     "status": ("commands.talk", "show workers, slots and what each slot holds", "add_status_arguments", "run_status"),
+    "doctor": (
+        "commands.doctor",
+        "report this machine and install for a bug report, and check that llama.cpp runs here",
+        "add_arguments",
+        "run",
+    ),
 }
 
 

@@ -176,6 +176,7 @@ def format_status(st: StatusReply) -> str:
     sizes = [f"{w.worker} {w.ctx_per_slot} tokens, {w.kv_bytes_per_slot / 2**20:.1f} MiB of KV" for w in st.workers]
     if sizes:
         lines += ["", "per slot: " + "; ".join(sizes)]
+    lines += [f"FAILED worker {f.worker}: {f.reason}" for f in st.failed]
     return "\n".join(lines)
 
 

@@ -170,9 +170,13 @@ class Gateway:
         except (TimeoutError, KvrouteError) as exc:
             return JSONResponse({"status": "unavailable", "reason": str(exc) or "router not answering"}, status_code=503)
         ready = [w for w in status.workers if w.state == "ready"]
+        failed = {f.worker: f.reason for f in status.failed}  # workers that crashed at start and stay down
+        if not ready and failed:
+            reason = "; ".join(f"worker {w}: {r}" for w, r in failed.items())
+            return JSONResponse({"status": "failed", "workers": 0, "reason": reason, "failed": failed}, status_code=503)
         if not ready:
             return JSONResponse({"status": "loading", "workers": 0}, status_code=503)
-        return JSONResponse({"status": "ok", "workers": len(ready)})
+        return JSONResponse({"status": "ok", "workers": len(ready), **({"failed": failed} if failed else {})})
 
     async def models(self, request: Request) -> Response:
         return JSONResponse(

@@ -209,12 +209,20 @@ class WorkerStatus(Struct, kw_only=True):
     kv_bytes_per_slot: int = 0  # bytes of KV cache one slot takes (its --cache-type-k/-v)
 
 
+class FailedWorker(Struct, kw_only=True):
+    """A local worker that will not be started again, and why (it crashed at start too often)."""
+
+    worker: str
+    reason: str
+
+
 class StatusReply(Message, tag="status_reply", kw_only=True):
     id: str | None = None
     model: str
     policy: str
     queued: int
     workers: list[WorkerStatus]
+    failed: list[FailedWorker] = []
 
 
 class Tokens(Message, tag="tokens", kw_only=True):

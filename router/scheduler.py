@@ -55,6 +55,7 @@ from protocol import (
     Choice,
     Error,
     ErrorCode,
+    FailedWorker,
     Heartbeat,
     Hello,
     Job,
@@ -121,6 +122,8 @@ class Scheduler:
         self.workers: dict[str, WorkerConn] = {}
         self.seen: set[tuple[str, int]] = set()  # (worker id, incarnation) ever accepted
         self.restarts: dict[str, int] = {}  # filled by the supervisor
+        self.expected: set[str] = set()  # the local workers a supervisor runs
+        self.failed: dict[str, str] = {}  # worker id -> why it will not come (it crashed at start too often)
         self.requests: dict[tuple[bytes, str, int], Req] = {}  # by (client, request id, choice)
         self.jobs: dict[str, Req] = {}
         self.queue: list[Req] = []
@@ -526,6 +529,7 @@ class Scheduler:
             self.outbox.append(Out(identity, Refuse(code=ErrorCode.MODEL_MISMATCH, reason=reason), worker=True))
             return
         self.silent.pop((msg.worker_id, msg.incarnation), None)  # it came back
+        self.failed.pop(msg.worker_id, None)
         old = self.workers.get(msg.worker_id)
         if old is not None and old.hello.incarnation == msg.incarnation:
             old.last_seen = time.monotonic()  # a repeated hello: our accept crossed it
@@ -751,6 +755,25 @@ class Scheduler:
             self.no_workers_since = time.monotonic()
         self._pump()
 
+    def worker_failed(self, worker: str, reason: str) -> None:
+        self.failed[worker] = reason
+        self._fail_hopeless()
+
+    def _fail_hopeless(self) -> bool:
+        """Queued requests fail at once, with the reason, when no worker will come to serve them."""
+        failed = self.none_can_come() if self.queue else None
+        if failed is None:
+            return False
+        for req in list(self.queue):
+            self._fail(req, ErrorCode.NO_WORKERS, f"no worker can serve this request: {failed}")
+        return True
+
+    def none_can_come(self) -> str | None:
+        """Why no worker will serve: none is connected and every local worker failed at start. None otherwise."""
+        if self.workers or not self.expected or not self.expected <= self.failed.keys():
+            return None
+        return "; ".join(f"worker {w}: {r}" for w, r in sorted(self.failed.items()))
+
     def worker_exited(self, worker: str, incarnation: int, returncode: int | None) -> None:
         """From the supervisor: the process of this worker incarnation exited."""
         conn = self.workers.get(worker)
@@ -780,7 +803,9 @@ class Scheduler:
             elif req.state is ReqState.RUNNING and now >= req.deadline + DEADLINE_GRACE_S:
                 self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was running")
         self._unfit(now)
-        if self.queue and not self.workers and self._no_workers_expired():
+        if self._fail_hopeless():
+            pass
+        elif self.queue and not self.workers and self._no_workers_expired():
             for req in list(self.queue):
                 self._fail(req, ErrorCode.NO_WORKERS, f"no worker connected for {self.cfg.no_workers_grace_s:g} s")
         if any(r.wait_since is not None for r in self.queue):
@@ -847,7 +872,10 @@ class Scheduler:
             )
             for c in self.workers.values()
         ]
-        return StatusReply(id=rid, model=self.model, policy=self.cfg.policy, queued=len(self.queue), workers=workers)
+        failed = [FailedWorker(worker=w, reason=r) for w, r in sorted(self.failed.items())]
+        return StatusReply(
+            id=rid, model=self.model, policy=self.cfg.policy, queued=len(self.queue), workers=workers, failed=failed
+        )
 
     def status_line(self) -> str:
         """One line for systemd's STATUS=: workers, busy slots, queue, requests served."""

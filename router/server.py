@@ -439,6 +439,15 @@ class Router:
         self.core.worker_exited(worker, incarnation, returncode)
         self._flush()
 
+    def expect_workers(self, workers: set[str]) -> None:
+        """From the supervisor: the local workers it runs."""
+        self.core.expected |= workers
+
+    def worker_failed(self, worker: str, reason: str) -> None:
+        """From the supervisor: this worker will not be started again (it crashed at start too often)."""
+        self.core.worker_failed(worker, reason)
+        self._flush()
+
     # ---- time -----------------------------------------------------------------------------------
 
     async def _ticker(self) -> None:

@@ -7,19 +7,28 @@ hung (jobs and no engine progress), or silent long after it was declared dead (s
 (`kill`, the router's `on_kill`) and so restarted like one that crashed. More than
 `max_restarts` restarts within `restart_window_s` stop the restarts for that worker, with a log line
 saying so; exit status 3 (the router refused the worker) is not restarted either.
+
+A crash at start is told from a crash under load by the worker's start record (kvroute/start_record.py, one file per
+worker in a directory of this supervisor's): a worker that died inside a start stage is logged with the stage and
+signal; one that crashed there too often refuses to start (exit status 78), is not restarted, and the router is told
+why (`Router.worker_failed`: /health, `kvroute status` and the requests that no worker is left for say it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import sys
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from kvroute import logs
 from kvroute.config import opt
+from kvroute.start_record import START_FAILED_EXIT, read_crash, read_refusal
 from router.scheduler import Kill
 from router.server import Router
 
@@ -73,9 +82,11 @@ class Supervisor:
         self.cfg = cfg
         self.connect = connect
         self.children = {s.worker_id: _Child(s) for s in specs}
+        self.records = Path(tempfile.mkdtemp(prefix="kvroute-starts-"))  # each worker's start record (fresh per run)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         router.on_kill = self.kill
+        router.expect_workers(set(self.children))
 
     def start(self) -> None:
         self._tasks = [asyncio.ensure_future(self._keep(c)) for c in self.children.values()]
@@ -93,10 +104,14 @@ class Supervisor:
         with contextlib.suppress(ProcessLookupError):
             child.proc.kill()
 
+    def record(self, worker_id: str) -> Path:
+        return self.records / f"worker-{worker_id}.start.json"
+
     def command(self, child: _Child) -> list[str]:
+        wid = child.spec.worker_id
         return [
-            *self.program, *child.spec.flags,
-            "--connect", self.connect, "--worker-id", child.spec.worker_id, "--incarnation", str(child.incarnation),
+            *self.program, *child.spec.flags, "--connect", self.connect, "--worker-id", wid,
+            "--incarnation", str(child.incarnation), "--start-record", str(self.record(wid)),
         ]  # fmt: skip
 
     async def _keep(self, child: _Child) -> None:
@@ -113,6 +128,15 @@ class Supervisor:
             if self._stopping:
                 return
             log.warning("worker_exited", worker=wid, incarnation=child.incarnation, returncode=rc)
+            if rc == START_FAILED_EXIT:
+                child.given_up = True
+                reason = read_refusal(self.record(wid)) or "it refused to start (exit status 78: it crashed at start)"
+                log.error("worker_failed_at_start", worker=wid, reason=reason)
+                self.router.worker_failed(wid, reason)
+                return
+            crash = read_crash(self.record(wid), child.proc.pid)
+            if crash is not None:
+                log.error("worker_crashed_at_start", worker=wid, incarnation=child.incarnation, returncode=rc, reason=crash)
             if rc == REFUSED_EXIT:
                 child.given_up = True
                 log.error("worker_not_restarted", worker=wid, reason="the router refused it (exit status 3)")
@@ -157,3 +181,4 @@ class Supervisor:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        shutil.rmtree(self.records, ignore_errors=True)

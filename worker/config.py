@@ -116,6 +116,12 @@ class WorkerConfig:
     )
     curve_key: str | None = opt(None, "this worker's CurveZMQ key file (secret; `kvroute keys generate`)", metavar="FILE")
     router_key: str | None = opt(None, "the router's public key file (.pub); with --curve-key: CURVE", metavar="FILE")
+    start_record: str | None = opt(
+        None,
+        "file recording this worker's starts, so that a llama.cpp crashing at start is seen and not started again "
+        "after 3 crashes (default: worker-ID.start.json in $RUNTIME_DIRECTORY, $XDG_RUNTIME_DIR or the temp directory)",
+        metavar="FILE",
+    )
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.slots > 256:

@@ -5,6 +5,9 @@ point where they happen in production. Off unless `KVROUTE_FAULTS` is set (the w
 `poison-`, the worker process dies at once (SIGKILL, as a crash inside llama.cpp would end it); with a job whose
 id starts with `stuck-`, the compute thread blocks forever, as a `llama_decode` that never returns would, while
 the I/O thread goes on answering and sending heartbeats. The router's job ids start with the client's request id.
+
+`KVROUTE_FAULTS="segv:first-decode@w1"`: worker w1 (any worker without `@ID`) dies of a real SIGSEGV in its start
+check's first decode, as a llama.cpp built for another CPU does (worker/startcheck.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from kvroute import logs
 
 log = logs.get(__name__)
 
-ACTIONS = ("crash", "hang")
+ACTIONS = ("crash", "hang", "segv")
+START_POINTS = ("first-decode",)  # where a `segv` fault strikes
 
 
 @dataclass(frozen=True)
@@ -35,14 +39,25 @@ class Faults:
             action, _, prefix = item.strip().partition(":")
             if action not in ACTIONS or not prefix:
                 raise ValueError(f"KVROUTE_FAULTS: {item!r} is not ACTION:JOB_ID_PREFIX with ACTION one of {ACTIONS}")
+            if action == "segv" and prefix.partition("@")[0] not in START_POINTS:
+                raise ValueError(f"KVROUTE_FAULTS: {item!r}: segv takes a start point, one of {START_POINTS}[@WORKER_ID]")
             rules.append((action, prefix))
         return cls(tuple(rules))
 
     def __bool__(self) -> bool:
         return bool(self.rules)
 
+    def at_start(self, point: str, worker_id: str) -> None:
+        for action, target in self.rules:
+            where, _, who = target.partition("@")
+            if action == "segv" and where == point and who in ("", worker_id):
+                log.warning("fault_injected", action=action, point=point)
+                os.kill(os.getpid(), signal.SIGSEGV)
+
     def before_decode(self, job_ids: list[str]) -> None:
         for action, prefix in self.rules:
+            if action == "segv":
+                continue
             if any(j.startswith(prefix) for j in job_ids):
                 log.warning("fault_injected", action=action, prefix=prefix)
                 if action == "crash":

@@ -19,16 +19,20 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import zmq
 
 from kvroute import logs
 from kvroute.client import secure_client_socket
 from kvroute.config import UsageError, add_args, from_args
+from kvroute.model import resolve_model
 from kvroute.notify import notify, watchdog_interval_s
+from kvroute.start_record import START_FAILED_EXIT, StartRecord, default_path
 from kvroute.weights import GGUFError, weights_fingerprint
 from protocol import (
     Accept,
@@ -49,6 +53,7 @@ from protocol import (
 from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.faults import Faults
+from worker.startcheck import first_decode, identity
 
 log = logs.get(__name__)
 
@@ -77,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: log.info("sighup", action="none", reason="settings are read at start"))
-    engine = Engine(cfg).start()
+    engine = checked_engine(cfg)
+    if engine is None:
+        return START_FAILED_EXIT
     server = WorkerServer(cfg, engine)
     try:
         t0 = time.monotonic()
@@ -89,6 +96,27 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.stop()
         server.zctx.destroy(linger=2000)  # the last results and heartbeat leave before the process does
+
+
+def checked_engine(cfg: WorkerConfig) -> Engine | None:
+    """Load the model and decode a few tokens before saying hello (worker/startcheck.py); None: this worker crashed
+    at start too often with this build and model, and says so instead of trying again."""
+    model = resolve_model(cfg.model)
+    record = StartRecord(Path(cfg.start_record) if cfg.start_record else default_path(cfg.worker_id), identity(str(model)))
+    refusal = record.refusal()
+    if refusal is not None:
+        log.error("worker_start_refused", reason=refusal, start_record=str(record.path))
+        print(f"kvroute worker {cfg.worker_id}: {refusal} (start record: {record.path})", file=sys.stderr)
+        return None
+    with record.stage("load"):
+        engine = Engine(cfg)
+    t0 = time.monotonic()
+    with record.stage("first_decode"):
+        Faults.from_env().at_start("first-decode", cfg.worker_id)
+        first_decode(engine.llama)
+    record.passed()
+    log.info("first_decode_ok", ms=round((time.monotonic() - t0) * 1000, 1))
+    return engine.start()
 
 
 class WorkerServer:

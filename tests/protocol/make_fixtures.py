@@ -306,6 +306,13 @@ EXAMPLES: list[Example] = [
                     kv_bytes_per_slot=37748736,
                 )
             ],
+            failed=[
+                p.FailedWorker(
+                    worker="w1",
+                    reason="the worker's llama.cpp crashed (signal 11) in its first decode on this CPU; it crashed at"
+                    " start 3 times, so it is not started again. What to try: rebuild it for this CPU",
+                )
+            ],
         ),
         {},
     ),
@@ -497,6 +504,7 @@ ALL_STRUCTS: list[type[msgspec.Struct]] = [
     p.Choice,
     p.SlotStatus,
     p.WorkerStatus,
+    p.FailedWorker,
     p.SlotState,
     p.SlotHeld,
     p.CacheEntry,

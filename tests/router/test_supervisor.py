@@ -19,6 +19,12 @@ class StubRouter:
     def worker_exited(self, worker: str, incarnation: int, rc: int | None) -> None:
         self.exits.append((worker, incarnation, rc))
 
+    def expect_workers(self, workers: set[str]) -> None:
+        self.expected = workers
+
+    def worker_failed(self, worker: str, reason: str) -> None:
+        self.failed = (worker, reason)
+
 
 def run_supervisor(code: int, cfg: SupervisorConfig) -> tuple[StubRouter, Supervisor]:
     router = StubRouter()

@@ -1,0 +1,173 @@
+"""A worker's record of its own starts, read by its next start and by the supervisor that runs it.
+
+A llama.cpp built for the wrong CPU (llama.cpp's AMX kernels on some Xeons: README, "The llama.cpp build") does not
+fail a call: it kills the process with a signal at its first matrix product. A worker therefore loads its model and
+decodes a few tokens (worker/startcheck.py) before it says hello, each stage inside `StartRecord.stage`.
+
+A process cannot report its own SIGSEGV, so the start is recorded in a small file first (the stage, this start's
+pid, and Python's fault handler writing the signal's name beside it). The next start of the same worker reads it:
+the previous one died there. After CRASH_LIMIT such crashes with the same build and model, the worker refuses to
+start (exit status START_FAILED_EXIT, which neither the router's supervisor nor the systemd unit restarts) and says
+what happened and what to try. A new build or model file starts the count again; so does removing the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import signal
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from kvroute import logs
+
+log = logs.get(__name__)
+
+START_FAILED_EXIT = 78  # EX_CONFIG: this machine cannot run this build; restarting will not change that
+CRASH_LIMIT = 3
+ADVICE = (
+    "rebuild llama-cpp-python for this machine with ./scripts/setup (README, 'The llama.cpp build'); if that does not "
+    "help, run `kvroute doctor` and paste its report into a bug report"
+)
+STAGES = {"load": "while loading the model", "first_decode": "in its first decode"}
+FAULT_SIGNALS = {  # the first line Python's fault handler writes, per signal it catches
+    "Segmentation fault": signal.SIGSEGV,
+    "Bus error": signal.SIGBUS,
+    "Illegal instruction": signal.SIGILL,
+    "Floating-point exception": signal.SIGFPE,
+    "Floating point exception": signal.SIGFPE,
+    "Aborted": signal.SIGABRT,
+}
+
+
+def default_path(worker_id: str) -> Path:
+    """Where a worker keeps its start record: systemd's RuntimeDirectory, else the user's runtime or temp directory."""
+    base = os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("XDG_RUNTIME_DIR")
+    directory = Path(base.split(":")[0]) / "kvroute" if base else Path(tempfile.gettempdir()) / f"kvroute-{os.getuid()}"
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in worker_id)
+    return directory / f"worker-{safe}.start.json"
+
+
+def crash_reason(stage: str, signum: int | None) -> str:
+    what = f"signal {signum}" if signum else "it died without a word"
+    return f"the worker's llama.cpp crashed ({what}) {STAGES.get(stage, 'at start')} on this CPU"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class StartRecord:
+    path: Path
+    identity: str  # the build and the model: crashes of another build or model do not count
+
+    @property
+    def fault_path(self) -> Path:
+        return self.path.with_suffix(".fault")
+
+    def read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) and data.get("identity") == self.identity else {}
+
+    def fault_signal(self) -> int | None:
+        """The signal the previous start died of, as its fault handler wrote it (None when it wrote nothing)."""
+        try:
+            first = self.fault_path.read_text(errors="replace").strip().splitlines()[0]
+        except (OSError, IndexError):
+            return None
+        for name, signum in FAULT_SIGNALS.items():
+            if name in first:
+                return int(signum)
+        return None
+
+    def crashes(self) -> tuple[int, str | None]:
+        """Crashes at start so far (the previous start counted when it never finished), and the last one's reason."""
+        data = self.read()
+        count, reason = int(data.get("crashes", 0)), data.get("reason")
+        stage, pid = data.get("stage"), int(data.get("pid", 0))
+        if stage in STAGES and pid != os.getpid() and not _alive(pid):  # the previous start died in this stage
+            count += 1
+            reason = crash_reason(stage, self.fault_signal())
+        return count, reason
+
+    def refusal(self) -> str | None:
+        """Why this start should not even try (CRASH_LIMIT crashes at start with this build and model), else None."""
+        count, reason = self.crashes()
+        self._write(count, reason, stage=None)
+        return refusal(count, reason)
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Run a start stage with the record saying so; a crash inside leaves the record for the next start to read."""
+        count, reason = self.crashes()
+        self._write(count, reason, stage=name)
+        fault: IO[str] | None = None
+        with contextlib.suppress(OSError):
+            fault = open(self.fault_path, "w")  # noqa: SIM115 (open for as long as the stage runs)
+            faulthandler.enable(file=fault)
+        try:
+            yield
+        finally:  # reached on a Python exception too: only a process killed inside the stage leaves it recorded
+            if fault is not None:
+                faulthandler.disable()
+                fault.close()
+                with contextlib.suppress(OSError):
+                    self.fault_path.unlink()
+            self._write(count, reason, stage=None)
+
+    def passed(self) -> None:
+        """The engine ran: crashes before this one no longer count."""
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+    def _write(self, crashes: int, reason: str | None, stage: str | None) -> None:
+        data = {"identity": self.identity, "pid": os.getpid(), "stage": stage, "crashes": crashes, "reason": reason}
+        data["refused"] = refusal(crashes, reason)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, self.path)
+        except OSError as exc:  # a read-only place only loses the count, never the start
+            log.warning("start_record_unwritable", path=str(self.path), reason=str(exc))
+
+
+def refusal(crashes: int, reason: str | None) -> str | None:
+    if crashes < CRASH_LIMIT:
+        return None
+    return f"{reason or 'it crashed at start'} ({crashes} times), so it is not started again. What to try: {ADVICE}"
+
+
+def read_refusal(path: Path) -> str | None:
+    """For a supervisor: what the worker wrote when it refused to start (any identity)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("refused") if isinstance(data, dict) else None
+
+
+def read_crash(path: Path, pid: int) -> str | None:
+    """For a supervisor: the reason a start with this pid died at start (its record still names a stage), else None."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("pid") != pid or data.get("stage") not in STAGES:
+        return None
+    return crash_reason(str(data["stage"]), StartRecord(path, "").fault_signal())
