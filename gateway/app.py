@@ -111,12 +111,17 @@ class Gateway:
         api_key: str | None = None,
         *,
         tenant_per_key: bool = False,
+        aliases: tuple[str, ...] = (),
+        strict_model_name: bool = False,
         max_body_bytes: int = MAX_FRAME_BYTES,
         stall_s: float = STALL_S,
     ) -> None:
-        """`api_key`: one key, or several comma-separated; `tenant_per_key`: each key is a tenant (its `cache_salt`)."""
+        """`api_key`: one key, or several comma-separated; `tenant_per_key`: each key is a tenant (its `cache_salt`);
+        `aliases`: more names /v1/models lists; `strict_model_name`: a request naming another model gets 404."""
         self.client = client
         self.model_name = model_name
+        self.names = (model_name, *(a for a in aliases if a != model_name))
+        self.strict_model_name = strict_model_name
         self.api_keys = [k.strip() for k in (api_key or "").split(",") if k.strip()]
         self.tenant_per_key = tenant_per_key
         self.max_body_bytes = max_body_bytes
@@ -153,9 +158,9 @@ class Gateway:
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
         model = body.get("model")
-        if model not in (None, "", "default", self.model_name):
+        if self.strict_model_name and model not in (None, "", "default", *self.names):
             raise RequestError(
-                f"model {model!r} not found; this server serves {self.model_name!r}",
+                f"model {model!r} not found; this server serves {', '.join(map(repr, self.names))}",
                 param="model",
                 status=404,
                 code="model_not_found",
@@ -180,7 +185,10 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         return JSONResponse(
-            {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvroute"}]}
+            {
+                "object": "list",
+                "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvroute"} for name in self.names],
+            }
         )
 
     async def metrics(self, request: Request) -> Response:

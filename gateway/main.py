@@ -20,6 +20,12 @@ class HttpConfig:
     )
     router: str = opt("tcp://127.0.0.1:5555", "the router's client endpoint", metavar="ENDPOINT")
     model_name: str = opt("default", "model name listed by /v1/models (kvroute serve sets it from the GGUF)")
+    alias: str = opt("", "more names /v1/models lists for the model (comma-separated)", metavar="NAMES")
+    strict_model_name: bool = opt(
+        False,
+        "refuse (404) a request naming a model other than the served name or an alias; by default any name is served, "
+        "as llama-server does (coding agents ask for a second, smaller model by another name for background work)",
+    )
     api_key: str | None = opt(
         None,
         "require this key (Authorization: Bearer KEY) on every endpoint but /health; several: comma-separated; "
@@ -94,6 +100,8 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None) -> 
         cfg.model_name,
         api_key,
         tenant_per_key=cfg.tenant_per_key,
+        aliases=tuple(a.strip() for a in cfg.alias.split(",") if a.strip()),
+        strict_model_name=cfg.strict_model_name,
         max_body_bytes=cfg.max_body_bytes,
         stall_s=cfg.stream_stall_s,
     )

@@ -74,6 +74,11 @@ class RouterConfig:
         "{dropped_messages, dropped_tokens} in the OpenAI API, dropped_messages/dropped_tokens in the result. "
         "Without it such a request gets context_overflow",
     )
+    max_tokens: int = opt(
+        0,
+        "server-side cap on the tokens one request generates (llama-server's -n): a request asking for more, or for no "
+        "limit, gets this many and ends with finish reason 'length'; 0 = no cap",
+    )
     queue_size: int = opt(
         0,
         "most requests waiting for a slot; 0 = 256, or 4 x total slots when that is more (agents arrive in dozens)",
@@ -106,6 +111,8 @@ class RouterConfig:
     insecure_bind: bool = opt(False, "allow binding a non-loopback address without CURVE keys (logs a warning)")
 
     def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError(f"--max-tokens must be 0 (no cap) or more, got {self.max_tokens}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.chat_format not in CHAT_FORMATS:

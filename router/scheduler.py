@@ -47,6 +47,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvroute import logs
@@ -64,6 +65,7 @@ from protocol import (
     JobDone,
     JobError,
     Refuse,
+    Sampling,
     SlotStatus,
     StatusReply,
     Submit,
@@ -313,7 +315,7 @@ class Scheduler:
             return None
         deadline = None if msg.deadline_ms is None else time.monotonic() + msg.deadline_ms / 1000.0
         # REQ sockets take exactly one reply per request: no deltas for them
-        req = Req(identity, list(envelope), rid, msg.sampling, msg.stream and not envelope, deadline, msg.n)
+        req = Req(identity, list(envelope), rid, self._capped(msg.sampling), msg.stream and not envelope, deadline, msg.n)
         req.salt = tenant(msg.cache_salt)
         self.requests[req.key] = req
         return req
@@ -353,6 +355,13 @@ class Scheduler:
                 self._pin(r, self._ready_loads(r))  # its worker is picked now, as it arrives
         log.info("request_queued", request_id=req.rid, prompt_tokens=len(req.tokens), n=req.n, queued=len(self.queue))
         self._pump()
+
+    def _capped(self, sampling: Sampling) -> Sampling:
+        """--max-tokens: a request asking for more (or for no limit) gets the cap."""
+        cap = self.cfg.max_tokens
+        if cap > 0 and (sampling.max_tokens is None or sampling.max_tokens > cap):
+            return msgspec.structs.replace(sampling, max_tokens=cap)
+        return sampling
 
     def _refusal(self, req: Req) -> tuple[str, str, dict[str, Any]] | None:
         """Why a request with its prompt ready cannot be queued, or None."""

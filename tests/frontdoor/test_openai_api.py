@@ -76,8 +76,9 @@ def test_error_statuses(served: Served) -> None:
         assert "1024" in r.json()["error"]["message"]  # the numbers are named
         r = c.post("/v1/completions", json={"prompt": "hi", "top_p": 7}, headers=h)
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
-        r = c.post("/v1/chat/completions", json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, headers=h)
-        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        chat = {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        r = c.post("/v1/chat/completions", json=chat, headers=h)  # any model name is served (--strict-model-name: 404)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
         r = c.post(
             "/v1/completions",
             json={"prompt": "Count: one two three", "max_tokens": 900, "ignore_eos": True, "deadline_ms": 300},

@@ -161,8 +161,8 @@ def fake() -> FakeRouter:
     return FakeRouter()
 
 
-def client_for(fake: FakeRouter, api_key: str | None = None, tenant_per_key: bool = False) -> httpx.AsyncClient:
-    app = build_app(Gateway(fake, "gemma", api_key, tenant_per_key=tenant_per_key))  # type: ignore[arg-type]
+def client_for(fake: FakeRouter, api_key: str | None = None, tenant_per_key: bool = False, **kw: Any) -> httpx.AsyncClient:
+    app = build_app(Gateway(fake, "gemma", api_key, tenant_per_key=tenant_per_key, **kw))  # type: ignore[arg-type]
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
@@ -250,8 +250,14 @@ async def test_router_errors_become_http_statuses(fake: FakeRouter, code: str, s
 async def test_model_names_and_json_errors(fake: FakeRouter) -> None:
     assert (await _post(fake, "/v1/completions", {"prompt": "hi", "model": "gemma"})).status_code == 200
     assert (await _post(fake, "/v1/completions", {"prompt": "hi", "model": "default"})).status_code == 200
-    r = await _post(fake, "/v1/completions", {"prompt": "hi", "model": "gpt-4"})
-    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    # any name is served, as llama-server does: Claude Code asks for a second, smaller model by another name
+    assert (await _post(fake, "/v1/completions", {"prompt": "hi", "model": "claude-haiku-4-5"})).status_code == 200
+    async with client_for(fake, aliases=("small", "gemma"), strict_model_name=True) as c:
+        assert (await c.post("/v1/completions", json={"prompt": "hi", "model": "small"})).status_code == 200
+        r = await c.post("/v1/completions", json={"prompt": "hi", "model": "gpt-4"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert "'gemma', 'small'" in r.json()["error"]["message"]
+        assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["gemma", "small"]
     async with client_for(fake) as c:
         r = await c.post("/v1/completions", content=b"{not json")
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]

@@ -15,6 +15,7 @@ from protocol import (
     CacheEntry,
     Delta,
     Error,
+    ErrorCode,
     Heartbeat,
     Hello,
     Job,
@@ -324,3 +325,30 @@ def test_a_freed_slot_goes_first_to_a_waiting_turn_whose_history_is_on_its_worke
     assert nxt.id.startswith("y") and nxt.predicted_reuse == 200
     (last,) = jobs(done(s, fillers[b"w0"], [5]))
     assert last.id.startswith("x") and last.predicted_reuse == 200
+
+
+def test_max_tokens_caps_what_a_request_asks_for_and_keeps_less() -> None:
+    s = core(max_tokens=16)
+    hello(s, slots=4)
+    asked = {"over": 500, "none": None, "under": 5}
+    got = {}
+    for rid, n in asked.items():
+        (job,) = jobs(submit(s, rid, sampling=Sampling(max_tokens=n, temperature=0.0)))
+        got[rid] = job.sampling.max_tokens
+    assert got == {"over": 16, "none": 16, "under": 5}
+    assert core().cfg.max_tokens == 0  # no cap by default
+
+
+def test_a_worker_that_failed_at_start_is_reported_and_queued_requests_fail_once_no_worker_can_come() -> None:
+    s = core()
+    s.expected |= {"w0", "w1"}
+    submit(s, "a")
+    s.worker_failed("w1", "crashed (signal 11) in its first decode")
+    assert [r.rid for r in s.queue] == ["a"]  # w0 may still come
+    assert [(f.worker, f.reason) for f in s.status(None).failed] == [("w1", "crashed (signal 11) in its first decode")]
+    s.worker_failed("w0", "crashed (signal 4) while loading the model")
+    (err,) = to_client(s.take(), Error)
+    assert err.code == ErrorCode.NO_WORKERS and "signal 4" in err.message and "signal 11" in err.message
+    assert not s.queue and s.none_can_come() is not None
+    hello(s, "w0")  # one came back after all (started by hand)
+    assert s.none_can_come() is None and [f.worker for f in s.status(None).failed] == ["w1"]
