@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvroute import build
 
 REQ = "llama-cpp-python==0.3.36"
@@ -97,3 +99,36 @@ def test_show_runs_with_the_standard_library_alone():
     out = subprocess.run([sys.executable, "-S", "-I", str(build.ROOT / "kvroute" / "build.py"), "show"],
                          capture_output=True, text=True, check=True)  # fmt: skip
     assert json.loads(out.stdout)["key"] == build.this_machine().key
+
+
+def test_ensure_builds_into_the_keyed_directory_whole_then_installs_and_records_the_key(tmp_path, monkeypatch):
+    """The steps of `ensure`, with pip stood in for: a build lands in wheels/KEY only once complete, the environment
+    records the key, the next run keeps it, and a build that still has AMX stops the setup."""
+    prefix, wheels, calls = tmp_path / "venv", tmp_path / "wheels", []
+    prefix.mkdir()
+
+    def pip(python, *args, env=None):
+        calls.append(args[0])
+        if args[0] == "wheel":
+            out = Path(args[args.index("-w") + 1])
+            assert out.parent == wheels and not (wheels / b.key).exists()  # built aside, moved in whole
+            assert env is not None and env["CFLAGS"] == b.cflags
+            (out / "llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl").write_bytes(b"")
+
+    def run(cmd, **kw):
+        return subprocess.CompletedProcess(cmd, 0, stdout=f"{prefix}\n")
+
+    b = build.wanted({}, "x86_64", SPR, REQ)
+    monkeypatch.setattr(build, "_pip", pip)
+    monkeypatch.setattr(build.subprocess, "run", run)
+    monkeypatch.setattr(build, "system_info", lambda python: "CPU : AVX512 = 1 |")
+    assert build.ensure("python", b, wheels) == "build"
+    assert calls == ["wheel", "install", "install"]
+    assert json.loads((wheels / b.key / "build.json").read_text())["cflags"] == b.cflags
+    assert build.installed_key(prefix) == b.key and [p.name for p in wheels.iterdir()] == [b.key]
+    assert build.ensure("python", b, wheels) == "keep"
+    (prefix / build.MARKER).unlink()
+    monkeypatch.setattr(build, "system_info", lambda python: "CPU : AVX512 = 1 | AMX_INT8 = 1 |")
+    with pytest.raises(build.BuildError, match="AMX"):
+        build.ensure("python", b, wheels)
+    assert build.installed_key(prefix) is None
