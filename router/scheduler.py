@@ -125,7 +125,7 @@ class Scheduler:
         self.seen: set[tuple[str, int]] = set()  # (worker id, incarnation) ever accepted
         self.restarts: dict[str, int] = {}  # filled by the supervisor
         self.expected: set[str] = set()  # the local workers a supervisor runs
-        self.failed: dict[str, str] = {}  # worker id -> why it will not come (it crashed at start too often)
+        self.failed: dict[str, str] = {}  # worker id -> why its supervisor gave up on it (crashes at start, restarts)
         self.requests: dict[tuple[bytes, str, int], Req] = {}  # by (client, request id, choice)
         self.jobs: dict[str, Req] = {}
         self.queue: list[Req] = []
@@ -812,9 +812,7 @@ class Scheduler:
             elif req.state is ReqState.RUNNING and now >= req.deadline + DEADLINE_GRACE_S:
                 self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was running")
         self._unfit(now)
-        if self._fail_hopeless():
-            pass
-        elif self.queue and not self.workers and self._no_workers_expired():
+        if not self._fail_hopeless() and self.queue and not self.workers and self._no_workers_expired():
             for req in list(self.queue):
                 self._fail(req, ErrorCode.NO_WORKERS, f"no worker connected for {self.cfg.no_workers_grace_s:g} s")
         if any(r.wait_since is not None for r in self.queue):

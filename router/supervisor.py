@@ -10,8 +10,9 @@ saying so; exit status 3 (the router refused the worker) is not restarted either
 
 A crash at start is told from a crash under load by the worker's start record (kvroute/start_record.py, one file per
 worker in a directory of this supervisor's): a worker that died inside a start stage is logged with the stage and
-signal; one that crashed there too often refuses to start (exit status 78), is not restarted, and the router is told
-why (`Router.worker_failed`: /health, `kvroute status` and the requests that no worker is left for say it).
+signal; one that crashed there too often refuses to start (exit status 78) and is not restarted. Whenever a worker
+is given up on, the router is told why (`Router.worker_failed`: /health, `kvroute status` and the requests that no
+worker is left for say it).
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ class Supervisor:
             if rc == REFUSED_EXIT:
                 child.given_up = True
                 log.error("worker_not_restarted", worker=wid, reason="the router refused it (exit status 3)")
+                self.router.worker_failed(wid, "the router refused it (another model or weights): it is not restarted")
                 return
             now = time.monotonic()
             child.restarts.append(now)
@@ -154,6 +156,10 @@ class Supervisor:
                     window_s=self.cfg.restart_window_s,
                     reason="too many restarts; this worker stays down",
                 )
+                self.router.worker_failed(
+                    wid, f"it exited {len(child.restarts)} times within {self.cfg.restart_window_s:g} s (the last: status {rc})"
+                    "; it is not restarted again (--max-restarts)",
+                )  # fmt: skip
                 return
             # a worker that ran a while before dying restarts quickly; one that crash-loops backs off
             delay = self.cfg.restart_backoff_s if now - started > self.cfg.restart_window_s else delay

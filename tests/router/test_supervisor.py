@@ -46,8 +46,13 @@ def test_crash_looping_worker_is_restarted_with_backoff_then_given_up():
     # started once + 3 restarts; each exit reported with its own, growing incarnation
     assert [(w, inc, rc) for w, inc, rc in router.exits] == [("w0", i, 1) for i in range(1, 5)]
     assert router.restarts == {"w0": 3} and router.metrics.restarts == 3
+    assert router.failed == (
+        "w0",
+        "it exited 4 times within 60 s (the last: status 1); it is not restarted again (--max-restarts)",
+    )
 
 
 def test_refused_worker_is_not_restarted():
     router, sup = run_supervisor(3, SupervisorConfig(restart_backoff_s=0.01))
     assert sup.children["w0"].given_up and Counter(rc for *_, rc in router.exits) == {3: 1}
+    assert router.failed[0] == "w0" and "refused" in router.failed[1]
