@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
-import hashlib
 import json
 import os
 import platform
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute import __version__, build
-from kvroute.model import ModelError, resolve_model
+from kvroute.model import ModelError, resolve_model, sha256_of
 from kvroute.start_record import ADVICE, STAGES
 
 SMOKE_TIMEOUT_S = 300.0
@@ -56,7 +55,7 @@ def collect(model: str | None, threads: int, smoke: bool = True) -> dict[str, An
     }
     try:
         path = resolve_model(model)
-        report["model"] = {"path": str(path), "bytes": path.stat().st_size, "sha256": sha256(path)}
+        report["model"] = {"path": str(path), "bytes": path.stat().st_size, "sha256": sha256_of(path)}
     except (ModelError, OSError) as exc:
         report["model"] = {"error": str(exc)}
     if smoke and "path" in report["model"]:
@@ -141,14 +140,6 @@ def memory() -> dict[str, int]:
     except (OSError, ValueError):
         pass
     return out
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def smoke_test(model: str, threads: int) -> dict[str, Any]:

@@ -88,14 +88,15 @@ def requirement(pyproject: Path = ROOT / "pyproject.toml") -> str:
     return next(d for d in deps if d.replace("_", "-").startswith("llama-cpp-python=="))
 
 
-def wanted(env: dict[str, str], machine: str, flags: tuple[str, ...], req: str) -> Build:
-    """The build for a machine: the user's CMAKE_ARGS/CFLAGS/CXXFLAGS, AMX compiled out on x86-64 unless asked for."""
+def wanted(env: dict[str, str], machine: str, flags: tuple[str, ...], req: str, knows_amx: bool = True) -> Build:
+    """The build for a machine: the user's CMAKE_ARGS/CFLAGS/CXXFLAGS, AMX compiled out on x86-64 unless asked for.
+    `knows_amx`: the compiler accepts the AMX flags (GCC 11 and later); one that does not cannot emit AMX either."""
     cmake_args = env.get("CMAKE_ARGS", "").strip()
     cflags, cxxflags = env.get("CFLAGS", "").strip(), env.get("CXXFLAGS", "").strip()
     notes = []
     x86 = machine.lower() in ("x86_64", "amd64")
     amx_asked = env.get(AMX_SWITCH, "").strip().lower() in ("1", "on", "yes", "true")
-    if x86 and not amx_asked:
+    if x86 and not amx_asked and knows_amx:
         cflags = " ".join(filter(None, [cflags, *AMX_OFF]))
         cxxflags = " ".join(filter(None, [cxxflags, *AMX_OFF]))
         if any(f.startswith("amx") for f in flags):
@@ -105,7 +106,23 @@ def wanted(env: dict[str, str], machine: str, flags: tuple[str, ...], req: str) 
 
 
 def this_machine(env: dict[str, str] | None = None) -> Build:
-    return wanted(dict(os.environ if env is None else env), platform.machine(), cpu_flags(), requirement())
+    env = dict(os.environ if env is None else env)
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return wanted(env, platform.machine(), cpu_flags(), requirement(), knows_amx=not x86 or compilers_know_amx(env))
+
+
+def compilers_know_amx(env: dict[str, str]) -> bool:
+    """Whether the C and C++ compilers the build will use accept the AMX flags (a missing compiler: assume so, and
+    let the build itself say it is missing)."""
+    for compiler, lang in ((env.get("CC", "cc"), "c"), (env.get("CXX", "c++"), "c++")):
+        try:
+            done = subprocess.run([*compiler.split(), *AMX_OFF, "-x", lang, "-fsyntax-only", "-"], input="",
+                                  capture_output=True, text=True, timeout=60)  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if done.returncode != 0 and "amx" in done.stderr:
+            return False
+    return True
 
 
 def cache_dir(env: dict[str, str] | None = None) -> Path:

