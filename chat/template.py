@@ -111,6 +111,7 @@ class ChatTemplate:
         except Exception as exc:  # a syntax error: the template (a flag, or the GGUF) cannot be used at all
             raise ValueError(f"chat template {name} does not compile: {type(exc).__name__}: {exc}") from None
         self.system_role = self._takes_system()
+        self.late_system = self.system_role and self._takes_late_system()
 
     @classmethod
     def choose(
@@ -147,6 +148,17 @@ class ChatTemplate:
             return False
         return probe in text
 
+    def _takes_late_system(self) -> bool:
+        """Whether the template renders a system message after the conversation began (Gemma's and others raise on
+        it, or drop it): probed once."""
+        probe = "\x01late-system-probe\x01"
+        msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}, {"role": "system", "content": probe},
+                {"role": "user", "content": "v"}]  # fmt: skip
+        try:
+            return probe in self._render(msgs, None, True, {})
+        except Exception:
+            return False
+
     def _render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen: bool, kwargs: dict[str, Any]
     ) -> str:
@@ -171,9 +183,12 @@ class ChatTemplate:
         """(prompt text, whether the tokenizer should add BOS: not when the template wrote it).
 
         System messages are folded into the first user message when the template does not take them (as
-        llama-server does). Raises TemplateError quoting the template's own message."""
+        llama-server does), and those after the first non-system message when it takes them only first (Claude Code
+        and Codex put some there). Raises TemplateError quoting the template's own message."""
         if not self.system_role:
             messages = fold_system(messages)
+        elif not self.late_system:
+            messages = fold_late_system(messages)
         try:
             text = self._render(messages, tools, add_generation_prompt, kwargs or {})
         except TemplateError:
@@ -194,6 +209,35 @@ def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         if pending and m["role"] == "user":
             m = {**m, "content": pending + str(m.get("content") or "")}
+            pending = ""
+        out.append(m)
+    if pending:
+        out.append({"role": "user", "content": pending.rstrip()})
+    return out
+
+
+def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """System messages after the conversation began, folded in order into a neighbouring user message: the one just
+    before when it is a user message (appended), else the next one (prepended); a user message of their own where
+    neither is."""
+    head = 0
+    while head < len(messages) and messages[head]["role"] == "system":
+        head += 1
+    out: list[dict[str, Any]] = list(messages[:head])
+    pending = ""
+    for m in messages[head:]:
+        if m["role"] == "system":
+            text = str(m.get("content") or "")
+            if not pending and out and out[-1]["role"] == "user" and len(out) > head:
+                out[-1] = {**out[-1], "content": f"{out[-1].get('content') or ''}\n\n{text}"}
+            else:
+                pending += text + "\n\n"
+            continue
+        if pending and m["role"] == "user":
+            m = {**m, "content": pending + str(m.get("content") or "")}
+            pending = ""
+        elif pending:
+            out.append({"role": "user", "content": pending.rstrip()})
             pending = ""
         out.append(m)
     if pending:

@@ -1,13 +1,17 @@
 """Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`) on the one protocol `submit`.
 
-Served: `model`, `max_tokens` (required), `messages` (roles user and assistant; content a string or blocks: `text`,
-`tool_use`, `tool_result`, `thinking`), `system` (a string or text blocks), `stop_sequences`, `stream`,
-`temperature`, `top_k`, `top_p`, `tools` (`name`, `description`, `input_schema`), `tool_choice` (`auto`, `any`,
-`tool`, `none`, `disable_parallel_tool_use`), `thinking` (`enabled` / `disabled`: the template's
-`enable_thinking`), `output_config.format` (a JSON Schema), llama.cpp's `chat_template_kwargs` and kvroute's
-`deadline_ms`. Accepted and ignored: `cache_control` anywhere (kvroute caches every prefix anyway), `metadata`,
-`service_tier`, `redacted_thinking` blocks (opaque provider data). Anything else is a 400 in Anthropic's error
-shape naming the field (image and document blocks too: the served model reads text).
+Honoured: `model`, `max_tokens` (required), `messages` (roles user and assistant, and system where a client puts
+one in the conversation: rendered where it stands; content a string or blocks: `text`, `tool_use`, `tool_result`,
+`thinking`), `system` (a string or text blocks), `stop_sequences`, `stream`, `temperature`, `top_k`, `top_p`,
+`tools` (custom tools: `name`, `description`, `input_schema`), `tool_choice` (`auto`, `any`, `tool`, `none`,
+`disable_parallel_tool_use`), `thinking` (`enabled` / `disabled`: the template's `enable_thinking`; `adaptive`:
+the template's default), `output_config.format` (a JSON Schema), llama.cpp's `chat_template_kwargs` and kvroute's
+`deadline_ms`. Hints (gateway/fields.py): `cache_control` anywhere (kvroute caches every prefix anyway),
+`metadata`, `context_management`, `output_config.effort`, `tools[].defer_loading`, server tools the hosted API
+runs (`web_search_*`, `web_fetch_*`, `code_execution_*`, ...), `anthropic-beta` headers, `redacted_thinking`
+blocks (opaque provider data). Refused with a 400 in Anthropic's error shape naming the field: image and document
+blocks (the served model reads text), and Anthropic-schema client tools (`bash_*`, `text_editor_*`, `computer_*`,
+`memory_*`) whose schema the model has never seen.
 
 Claude Code's system prompt opens with an `x-anthropic-billing-header` whose `cch=` stamp changes on every
 request; the stamp is written as `fffff` (as llama-server does), or no prefix would ever be reused.
@@ -24,7 +28,8 @@ import msgspec
 from msgspec import Meta
 
 from gateway.blocks import Blocks, Kind
-from gateway.openai_schema import RequestError, Strict, context_shift, validation_problem
+from gateway.fields import Policy
+from gateway.openai_schema import RequestError, Strict, context_shift, decode
 from protocol import (
     MAX_DEADLINE_MS,
     ChatMessage,
@@ -44,23 +49,18 @@ from protocol import (
 
 class Text(Strict, tag_field="type", tag="text"):
     text: str
-    cache_control: Any = None
-    citations: Any = None
 
 
 class ToolUse(Strict, tag_field="type", tag="tool_use"):
     id: str
     name: str
     input: dict[str, Any]
-    cache_control: Any = None
-    caller: Any = None
 
 
 class ToolResult(Strict, tag_field="type", tag="tool_result"):
     tool_use_id: str
     content: str | list[Text] | None = None
     is_error: bool = False
-    cache_control: Any = None
 
 
 class Thinking(Strict, tag_field="type", tag="thinking"):
@@ -89,7 +89,7 @@ Block = Text | ToolUse | ToolResult | Thinking | RedactedThinking | Image | Docu
 
 
 class Message(Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -98,7 +98,6 @@ class ToolDef(Strict):
     input_schema: dict[str, Any]
     description: str = ""
     type: Literal["custom"] | None = None
-    cache_control: Any = None
 
 
 class ToolChoice(Strict):
@@ -109,8 +108,6 @@ class ToolChoice(Strict):
 
 class ThinkingConfig(Strict):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
-    display: Any = None
 
 
 class JsonFormat(Strict):
@@ -132,27 +129,22 @@ class MessagesRequest(Strict):
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    tools: list[ToolDef] | None = None
+    tools: list[dict[str, Any]] | None = None  # each decoded on its own (`tool_defs`): server tools are hints
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     output_config: OutputConfig | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     deadline_ms: Annotated[int, Meta(ge=1, le=MAX_DEADLINE_MS)] | None = None
-    # ignored: they cannot change the reply
-    metadata: Any = None
-    service_tier: Any = None
-    cache_control: Any = None
 
 
 class CountTokensRequest(Strict):
     messages: Annotated[list[Message], Meta(min_length=1)]
     model: str | None = None
     system: str | list[Text] | None = None
-    tools: list[ToolDef] | None = None
+    tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    cache_control: Any = None
 
 
 def error_body(message: str, type_: str = "invalid_request_error") -> dict[str, Any]:
@@ -181,14 +173,29 @@ def error_event(message: str, code: str) -> bytes:
     return sse("error", error_body(message, ERROR_TYPES.get(code, (500, "api_error"))[1]))
 
 
-def decode(body: dict[str, Any], kind: type[Any]) -> Any:
-    try:
-        return msgspec.convert(body, kind)
-    except msgspec.ValidationError as exc:
-        param, where, message = validation_problem(exc)
-        if param:
-            raise RequestError(f"{param}: not supported by kvroute", param=param) from None
-        raise RequestError(f"{where}: {message}" if where else message, param=where or None) from None
+SERVER_TOOLS = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_", "mcp_toolset")
+CLIENT_SCHEMA_TOOLS = ("bash_", "text_editor_", "computer_", "memory_")
+
+
+def tool_defs(tools: list[dict[str, Any]] | None, policy: Policy) -> list[ToolDef] | None:
+    """The custom tools; server tools (the hosted API runs them) are hints; Anthropic-schema tools are refused."""
+    if tools is None:
+        return None
+    out = []
+    for i, raw in enumerate(tools):
+        kind = raw.get("type") if isinstance(raw, dict) else None
+        if isinstance(kind, str) and kind != "custom":
+            if kind.startswith(SERVER_TOOLS):
+                policy.hint(f"tools[].type={kind.rstrip('0123456789_')}")
+                continue
+            if kind.startswith(CLIENT_SCHEMA_TOOLS):
+                raise RequestError(
+                    f"tools[{i}].type: {kind!r} tools are not supported: the served model does not know their schema;"
+                    " describe the tool as a custom tool with an input_schema",
+                    param=f"tools[{i}].type",
+                )
+        out.append(decode(raw, ToolDef, policy, at=f"tools[{i}]"))
+    return out
 
 
 _CCH = re.compile(r"^(x-anthropic-billing-header:.*?cch=)[0-9a-f]{5};")
@@ -206,9 +213,10 @@ def _refuse(block: Any, where: str) -> None:
     raise RequestError(f"{where}: {kind} blocks are not supported: the served model reads text", param=where)
 
 
-def to_messages(system: str | list[Text] | None, messages: list[Message]) -> list[ChatMessage]:
+def to_messages(system: str | list[Text] | None, messages: list[Message], policy: Policy | None = None) -> list[ChatMessage]:
     """Anthropic's turns as chat messages: a user turn's tool results become tool messages (first, right after
-    the calls they answer), its text a user message; an assistant turn's tool_use blocks become its tool calls."""
+    the calls they answer), its text a user message; an assistant turn's tool_use blocks become its tool calls; a
+    system turn (Claude Code puts some in the conversation) stays a system message where it stands."""
     out: list[ChatMessage] = []
     sys_text = _system_text(system)
     if sys_text is not None:
@@ -231,13 +239,14 @@ def to_messages(system: str | list[Text] | None, messages: list[Message]) -> lis
             elif isinstance(b, Thinking) and m.role == "assistant":
                 thinking.append(b.thinking)
             elif isinstance(b, RedactedThinking):
-                continue
+                if policy is not None:
+                    policy.hint("messages[].content[].type=redacted_thinking")
             elif isinstance(b, Image | Document):
                 _refuse(b, where)
             else:
                 raise RequestError(f"{where}: a {b.__struct_config__.tag} block cannot be in a {m.role} turn", param=where)
-        if m.role == "user" and texts:
-            out.append(ChatMessage(role="user", content=texts))
+        if m.role in ("user", "system") and texts:
+            out.append(ChatMessage(role=m.role, content=texts))
         elif m.role == "assistant" and (texts or calls or thinking):
             out.append(
                 ChatMessage(
@@ -250,7 +259,8 @@ def to_messages(system: str | list[Text] | None, messages: list[Message]) -> lis
     return out
 
 
-def _tools(tools: list[ToolDef] | None) -> list[Tool] | None:
+def _tools(raw: list[dict[str, Any]] | None, policy: Policy) -> list[Tool] | None:
+    tools = tool_defs(raw, policy)
     if tools is None:
         return None
     out = []
@@ -281,11 +291,12 @@ def _kwargs(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
     return kwargs
 
 
-def messages_submit(raw: dict[str, Any], request_id: str) -> tuple[Submit, bool]:
+def messages_submit(raw: dict[str, Any], request_id: str, policy: Policy | None = None) -> tuple[Submit, bool]:
     """/v1/messages body -> (submit, stream?)."""
-    body: MessagesRequest = decode(raw, MessagesRequest)
+    policy = policy or Policy("messages")
+    body: MessagesRequest = decode(raw, MessagesRequest, policy)
     choice, parallel = _tool_choice(body.tool_choice)
-    tools = _tools(body.tools)
+    tools = _tools(body.tools, policy)
     if body.tool_choice is not None and body.tool_choice.type != "none" and not tools:
         raise RequestError("tool_choice needs tools", param="tool_choice")
     fmt = None
@@ -304,7 +315,7 @@ def messages_submit(raw: dict[str, Any], request_id: str) -> tuple[Submit, bool]
         )
         sub = Submit(
             id=request_id,
-            messages=to_messages(body.system, body.messages),
+            messages=to_messages(body.system, body.messages, policy),
             sampling=sampling,
             deadline_ms=body.deadline_ms,
             tools=tools,
@@ -318,12 +329,15 @@ def messages_submit(raw: dict[str, Any], request_id: str) -> tuple[Submit, bool]
     return sub, body.stream
 
 
-def count_tokens_request(raw: dict[str, Any]) -> Tokenize:
+def count_tokens_request(raw: dict[str, Any], policy: Policy | None = None) -> Tokenize:
     """/v1/messages/count_tokens body -> the `tokenize` of the same rendering a message would get."""
-    body: CountTokensRequest = decode(raw, CountTokensRequest)
+    policy = policy or Policy("messages")
+    body: CountTokensRequest = decode(raw, CountTokensRequest, policy)
     try:
         return Tokenize(
-            messages=to_messages(body.system, body.messages), tools=_tools(body.tools), chat_template_kwargs=_kwargs(body)
+            messages=to_messages(body.system, body.messages, policy),
+            tools=_tools(body.tools, policy),
+            chat_template_kwargs=_kwargs(body),
         )
     except ValueError as exc:
         raise RequestError(str(exc)) from None

@@ -23,21 +23,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import anthropic, helpers, responses
+from gateway import anthropic, helpers
+from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect, Errors, errors_for
+from gateway.fields import Policy
 from gateway.limits import BoundedStream, StalledReader, declared_length, limited, too_large_message
-from gateway.openai_schema import (
-    RequestError,
-    chat_body,
-    chat_delta,
-    chat_submit,
-    choices_of,
-    completion_body,
-    completion_delta,
-    completion_submit,
-    finish_reason,
-    now,
-    usage_body,
-)
+from gateway.openai_schema import RequestError, chat_submit
 from gateway.openapi import OPENAPI
 from kvroute import logs
 from kvroute.client import AsyncClient, KvrouteError
@@ -52,53 +42,18 @@ HTTP_TTFT = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 
-# protocol error code -> (HTTP status, OpenAI error type)
-ERROR_STATUS: dict[str, tuple[int, str]] = {
-    ErrorCode.BAD_REQUEST: (400, "invalid_request_error"),
-    ErrorCode.CONTEXT_OVERFLOW: (400, "invalid_request_error"),
-    ErrorCode.TOO_LARGE: (413, "invalid_request_error"),
-    ErrorCode.UNAUTHORIZED: (401, "authentication_error"),
-    ErrorCode.NOT_FOUND: (404, "invalid_request_error"),
-    ErrorCode.QUEUE_FULL: (429, "rate_limit_error"),
-    ErrorCode.NO_WORKERS: (503, "service_unavailable"),
-    ErrorCode.WORKER_LOST: (503, "service_unavailable"),
-    ErrorCode.DRAINING: (503, "service_unavailable"),
-    ErrorCode.DEADLINE_EXCEEDED: (504, "timeout"),
-    ErrorCode.CANCELLED: (499, "cancelled"),
-    ErrorCode.TOO_SLOW: (408, "timeout"),
-}
 PARSE_INLINE_BYTES = 1 << 20  # a larger JSON body is parsed on a thread, so the event loop keeps serving
 STALL_S = 30.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def error_response(
-    message: str,
-    status: int,
-    *,
-    type_: str,
-    code: str | None = None,
-    param: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def sse_error(message: str, code: str) -> bytes:
-    """An error in the middle of an OpenAI Chat Completions / Completions stream, and the end of it."""
-    type_ = ERROR_STATUS.get(code, (500, "internal_error"))[1]
-    err = {"error": {"message": message, "type": type_, "code": code, "param": None}}
-    return b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
-
-
-def kvroute_error_response(exc: KvrouteError) -> JSONResponse:
-    status, type_ = ERROR_STATUS.get(exc.code, (500, "internal_error"))
+def kvroute_error_response(exc: KvrouteError, errors: Errors) -> JSONResponse:
+    status, type_ = errors.status_of(exc.code)
     message = exc.message if not exc.error_id else f"{exc.message} (error id {exc.error_id})"
     headers = None
     if exc.code == ErrorCode.QUEUE_FULL:
         headers = {"Retry-After": str(max(1, round((exc.retry_after_ms or 1000) / 1000)))}
-    return error_response(message, status, type_=type_, code=exc.code, param=exc.param, headers=headers)
+    return errors.response(message, status, type_=type_, code=exc.code, param=exc.param, headers=headers)
 
 
 class Gateway:
@@ -113,15 +68,18 @@ class Gateway:
         tenant_per_key: bool = False,
         aliases: tuple[str, ...] = (),
         strict_model_name: bool = False,
+        strict_api: bool = False,
         max_body_bytes: int = MAX_FRAME_BYTES,
         stall_s: float = STALL_S,
     ) -> None:
         """`api_key`: one key, or several comma-separated; `tenant_per_key`: each key is a tenant (its `cache_salt`);
-        `aliases`: more names /v1/models lists; `strict_model_name`: a request naming another model gets 404."""
+        `aliases`: more names /v1/models lists; `strict_model_name`: a request naming another model gets 404;
+        `strict_api`: a field no API knows is a 400 rather than a hint (gateway/fields.py)."""
         self.client = client
         self.model_name = model_name
         self.names = (model_name, *(a for a in aliases if a != model_name))
         self.strict_model_name = strict_model_name
+        self.strict_api = strict_api
         self.api_keys = [k.strip() for k in (api_key or "").split(",") if k.strip()]
         self.tenant_per_key = tenant_per_key
         self.max_body_bytes = max_body_bytes
@@ -206,38 +164,20 @@ class Gateway:
         return JSONResponse(OPENAPI)
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completions")
+        return await self.serve(request, COMPLETIONS)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, "chat")
+        return await self.serve(request, CHAT)
 
     async def responses(self, request: Request) -> Response:
-        rid = uuid.uuid4().hex[:24]
-        sub, stream, body = responses.responses_submit(await self.body(request), rid)
-        created, logprobs = responses.now(), sub.sampling.logprobs is not None
-        return await self._serve(
-            request,
-            sub,
-            stream,
-            lambda r: responses.response_body(r, rid, self.model_name, body, created, logprobs),
-            lambda msgs: responses.response_events(msgs, rid, self.model_name, body, created),
-            responses.error_event,
-        )
+        return await self.serve(request, RESPONSES)
 
     async def messages(self, request: Request) -> Response:
-        rid = uuid.uuid4().hex[:24]
-        sub, stream = anthropic.messages_submit(await self.body(request), rid)
-        return await self._serve(
-            request,
-            sub,
-            stream,
-            lambda r: anthropic.message_body(r, self.model_name),
-            lambda msgs: anthropic.message_events(msgs, rid, self.model_name),
-            anthropic.error_event,
-        )
+        return await self.serve(request, MESSAGES)
 
     async def count_tokens(self, request: Request) -> Response:
-        tokens = await self.client.tokens(anthropic.count_tokens_request(await self.body(request)))
+        policy = Policy("messages", strict=self.strict_api)
+        tokens = await self.client.tokens(anthropic.count_tokens_request(await self.body(request), policy))
         return JSONResponse({"input_tokens": len(tokens.tokens) // 4})
 
     async def tokenize(self, request: Request) -> Response:
@@ -249,54 +189,63 @@ class Gateway:
         return JSONResponse({"content": (await self.client.tokens(msg)).text})
 
     async def apply_template(self, request: Request) -> Response:
-        sub, _, _ = chat_submit(await self.body(request), "template")
+        sub, _, _ = chat_submit(await self.body(request), "template", Policy("chat", strict=self.strict_api))
         return JSONResponse({"prompt": (await self.client.tokens(helpers.render_message(sub))).text})
 
     async def slots(self, request: Request) -> Response:
         status = self.client.status(cache_salt=self.salt_of(request, None))
         return JSONResponse(helpers.slots_body(await asyncio.wait_for(status, 10.0)))
 
-    async def _serve(
-        self,
-        request: Request,
-        sub: Submit,
-        stream: bool,
-        reply: Any,
-        events: Any,
-        on_error: Any,
-    ) -> Response:
-        """Run a submit for an API shape: `reply(result)` is its body, `events(messages)` its stream, and
-        `on_error(message, code)` an error in the middle of the stream."""
+    async def serve(self, request: Request, dialect: Dialect) -> Response:
+        """Run one generating request in its API's dialect: decode it (its hints counted), submit it, and answer with
+        the reply body, or its stream (errors before the first token become an HTTP status)."""
+        rid = uuid.uuid4().hex[:24]
+        policy = Policy(dialect.api, strict=self.strict_api)
+        for header in dialect.hint_headers:
+            if header in request.headers:
+                policy.hint(f"header:{header}")
+        call = dialect.decode(await self.body(request), rid, policy, self.model_name)
+        policy.report(rid)
+        sub = call.sub
         sub.cache_salt = self.salt_of(request, sub.cache_salt)
+        t0 = asyncio.get_running_loop().time()
         messages = self.client.stream_submit(sub)
-        first = await anext(messages)  # errors before the first token become an HTTP status
-        if not stream:
+        first = await anext(messages)
+        if not call.stream:
             result = first if isinstance(first, Result) else await self._drain(messages, request, sub)
             if result is None:
                 return Response(status_code=499)
             self._check_deadline(result, sub)
-            return JSONResponse(reply(result))
+            return JSONResponse(call.reply(result))
 
         async def checked() -> AsyncIterator[Delta | Result]:
-            for msg in (first,):
-                yield msg
-            async for msg in messages:
+            timed = False
+
+            async def all_messages() -> AsyncIterator[Delta | Result]:
+                yield first
+                async for m in messages:
+                    yield m
+
+            async for msg in all_messages():
                 if isinstance(msg, Result):
                     self._check_deadline(msg, sub)
+                elif not timed and msg.tokens:
+                    HTTP_TTFT.observe(asyncio.get_running_loop().time() - t0)
+                    timed = True
                 yield msg
 
         async def body() -> AsyncIterator[bytes]:
             try:
                 if isinstance(first, Result):
                     self._check_deadline(first, sub)
-                async for chunk in events(checked()):
+                async for chunk in call.events(checked()):
                     yield chunk
             except KvrouteError as exc:
-                yield on_error(str(exc), exc.code)
+                yield dialect.stream_error(str(exc), exc.code)
             finally:
                 await messages.aclose()  # on client disconnect this sends the cancel
 
-        return self._stream(body(), on_error)
+        return self._stream(body(), dialect.stream_error)
 
     def _stream(self, events: AsyncIterator[bytes], on_error: Any) -> BoundedStream:
         """An event stream cut, with `on_error`'s event last, when its reader stalls (gateway/limits.py)."""
@@ -311,31 +260,6 @@ class Gateway:
                 f"deadline of {sub.deadline_ms} ms exceeded after {result.usage.completion_tokens} tokens",
                 code=ErrorCode.DEADLINE_EXCEEDED,
             )
-
-    async def _generate(self, request: Request, kind: str) -> Response:
-        rid = uuid.uuid4().hex[:24]
-        body = await self.body(request)
-        sub, stream, include_usage = (completion_submit if kind == "completions" else chat_submit)(body, rid)
-        sub.cache_salt = self.salt_of(request, sub.cache_salt)
-        created = now()
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        messages = self.client.stream_submit(sub)
-        first = await anext(messages)  # errors before the first token become an HTTP status
-        if not stream:
-            result = first if isinstance(first, Result) else await self._drain(messages, request, sub)
-            if result is None:
-                return Response(status_code=499)
-            if result.finish_reason == FinishReason.DEADLINE_EXCEEDED:
-                raise KvrouteError(
-                    f"deadline of {sub.deadline_ms} ms exceeded after {result.usage.completion_tokens} tokens",
-                    code=ErrorCode.DEADLINE_EXCEEDED,
-                )
-            make = completion_body if kind == "completions" else chat_body
-            return JSONResponse(make(result, self.model_name, created, sub.sampling.logprobs is not None))
-        return self._stream(
-            self._sse(kind, first, messages, rid, created, include_usage, t0, sub.sampling.logprobs is not None), sse_error
-        )
 
     async def _drain(self, messages: AsyncGenerator[Delta | Result, None], request: Request, sub: Submit) -> Result | None:
         """Consume to the Result, but give up (cancelling the job) if the HTTP client goes away."""
@@ -355,74 +279,6 @@ class Gateway:
                 log.info("http_client_gone", request_id=sub.id)
                 return None
         return task.result()
-
-    async def _sse(
-        self,
-        kind: str,
-        first: Delta | Result,
-        messages: AsyncGenerator[Delta | Result, None],
-        rid: str,
-        created: int,
-        include_usage: bool,
-        t0: float,
-        logprobs: bool,
-    ) -> AsyncIterator[bytes]:
-        chat = kind == "chat"
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        cid = f"chatcmpl-{rid}" if chat else f"cmpl-{rid}"
-
-        def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-            body: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
-
-        def opening(index: int) -> dict[str, Any]:
-            return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-
-        def ending(index: int, reason: str) -> dict[str, Any]:
-            if chat:
-                return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)}
-            return {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(reason)}
-
-        first_token = True
-        opened: set[int] = set()  # chat choices whose first chunk (with the role) went out
-        try:
-
-            async def all_messages() -> AsyncIterator[Delta | Result]:
-                yield first
-                async for m in messages:
-                    yield m
-
-            async for msg in all_messages():
-                if isinstance(msg, Delta):
-                    if first_token and msg.tokens:
-                        HTTP_TTFT.observe(asyncio.get_running_loop().time() - t0)
-                        first_token = False
-                    if chat and msg.index not in opened:
-                        opened.add(msg.index)
-                        yield chunk([opening(msg.index)])
-                    part = chat_delta(msg, logprobs) if chat else completion_delta(msg, logprobs)
-                    if part is not None:
-                        yield chunk([part])
-                elif msg.finish_reason == FinishReason.DEADLINE_EXCEEDED:
-                    raise KvrouteError("deadline exceeded", code=ErrorCode.DEADLINE_EXCEEDED)
-                else:
-                    for c in choices_of(msg):
-                        if chat and c.index not in opened:
-                            yield chunk([opening(c.index)])
-                        yield chunk([ending(c.index, c.finish_reason)])
-                    if include_usage:
-                        yield chunk([], usage_body(msg))
-            yield b"data: [DONE]\n\n"
-        except KvrouteError as exc:
-            yield sse_error(str(exc), exc.code)
-        finally:
-            await messages.aclose()  # on client disconnect this sends the cancel
-
-
-def is_anthropic(path: str) -> bool:
-    return path.startswith("/v1/messages")
 
 
 class Guard:
@@ -447,21 +303,10 @@ class Guard:
         limit, length = self.gateway.max_body_bytes, declared_length(scope)
         try:
             if path != "/health" and not self.gateway.authorized(Request(scope)):
-                if is_anthropic(path):
-                    response: Response = JSONResponse(
-                        anthropic.error_body("missing or wrong API key", "authentication_error"), 401
-                    )
-                else:
-                    response = error_response(
-                        "missing or wrong API key", 401, type_="authentication_error", code="invalid_api_key"
-                    )
+                response = errors_for(path).of("auth", "missing or wrong API key", 401, code="invalid_api_key")
                 await response(scope, receive, counting_send)
             elif length is not None and length > limit:  # refused before a byte of it is read
-                message = too_large_message(length, limit)
-                if is_anthropic(path):
-                    response = JSONResponse(anthropic.error_body(message, "request_too_large"), 413)
-                else:
-                    response = error_response(message, 413, type_="invalid_request_error", code="too_large")
+                response = errors_for(path).of("too_large", too_large_message(length, limit), 413, code="too_large")
                 await response(scope, receive, counting_send)
             else:
                 await self.app(scope, limited(receive, limit), counting_send)
@@ -490,29 +335,22 @@ def build_app(gateway: Gateway) -> Starlette:
 
     async def on_request_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestError)
-        if is_anthropic(request.url.path):  # Anthropic's shape has no `param`: the message names the field
-            return JSONResponse(anthropic.error_body(exc.message), exc.status)
-        return error_response(exc.message, exc.status, type_=exc.type, code=exc.code, param=exc.param)
+        errors = errors_for(request.url.path)
+        type_ = "not_found_error" if errors.anthropic and exc.status == 404 else exc.type
+        return errors.response(exc.message, exc.status, type_=type_, code=exc.code, param=exc.param)
 
     async def on_kvroute_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, KvrouteError)
-        if is_anthropic(request.url.path):
-            status, type_ = anthropic.ERROR_TYPES.get(exc.code, (500, "api_error"))
-            return JSONResponse(anthropic.error_body(exc.message, type_), status)
-        return kvroute_error_response(exc)
+        return kvroute_error_response(exc, errors_for(request.url.path))
 
     async def on_timeout(request: Request, exc: Exception) -> Response:
-        if is_anthropic(request.url.path):
-            return JSONResponse(anthropic.error_body(str(exc) or "timeout", "timeout_error"), 504)
-        return error_response(str(exc), 504, type_="timeout", code="timeout")
+        return errors_for(request.url.path).of("timeout", str(exc) or "timeout", 504, code="timeout")
 
     async def on_internal(request: Request, exc: Exception) -> Response:
         error_id = uuid.uuid4().hex[:12]
         log.error("http_internal_error", error_id=error_id, path=request.url.path, error=repr(exc))
         message = f"internal error {type(exc).__name__} (error id {error_id})"
-        if is_anthropic(request.url.path):
-            return JSONResponse(anthropic.error_body(message, "api_error"), 500)
-        return error_response(message, 500, type_="internal_error", code=ErrorCode.INTERNAL)
+        return errors_for(request.url.path).of("internal", message, 500, code=ErrorCode.INTERNAL)
 
     return Starlette(
         routes=routes,

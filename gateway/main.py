@@ -26,6 +26,11 @@ class HttpConfig:
         "refuse (404) a request naming a model other than the served name or an alias; by default any name is served, "
         "as llama-server does (coding agents ask for a second, smaller model by another name for background work)",
     )
+    strict_api: bool = opt(
+        False,
+        "refuse (400) a request field no API of kvroute knows; by default such a field is a hint: served, logged and "
+        "counted in kvroute_request_fields_ignored_total (new clients add fields every month)",
+    )
     api_key: str | None = opt(
         None,
         "require this key (Authorization: Bearer KEY) on every endpoint but /health; several: comma-separated; "
@@ -102,6 +107,7 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None) -> 
         tenant_per_key=cfg.tenant_per_key,
         aliases=tuple(a.strip() for a in cfg.alias.split(",") if a.strip()),
         strict_model_name=cfg.strict_model_name,
+        strict_api=cfg.strict_api,
         max_body_bytes=cfg.max_body_bytes,
         stall_s=cfg.stream_stall_s,
     )

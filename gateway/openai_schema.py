@@ -1,18 +1,21 @@
 """OpenAI request bodies -> protocol `Submit`, and protocol replies -> OpenAI response bodies and stream chunks.
 
-Bodies are checked against gateway/openai_types.py: a field kvroute does not serve, or a value it cannot serve,
-is a 400 naming the field (`param`); harmless fields are ignored (the list is there and in README).
+Bodies are checked against gateway/openai_types.py under gateway/fields.py's policy: a refused field, or a value
+kvroute cannot serve, is a 400 naming the field (`param`); hints are served, logged and counted.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 
 from gateway import openai_types as t
+from gateway.fields import FieldError, Policy
 from protocol import (
     ChatMessage,
     Choice,
@@ -63,16 +66,17 @@ def validation_problem(exc: msgspec.ValidationError) -> tuple[str | None, str, s
     return None, where, text.split(" - at ")[0]
 
 
-def decode(body: dict[str, Any], kind: type[t.ChatRequest] | type[t.CompletionRequest]) -> Any:
-    """A JSON body checked against its type. Raises RequestError naming the field."""
+def decode(body: dict[str, Any], kind: Any, policy: Policy, *, at: str = "") -> Any:
+    """A JSON body (or a part of one, at `at`) checked against its type under the policy. Raises RequestError naming
+    the field."""
     try:
-        return msgspec.convert(body, kind)
+        return policy.decode(body, kind, at=at)
+    except FieldError as exc:
+        raise RequestError(exc.message, param=exc.param) from None
     except msgspec.ValidationError as exc:
-        param, where, message = validation_problem(exc)
-        if param:
-            raise RequestError(
-                f"`{param}` is not supported by kvroute (ignoring it would change the reply without telling you)", param=param
-            ) from None
+        _, where, message = validation_problem(exc)
+        if at:
+            where = f"{at}.{where}" if where and not where.startswith("[") else f"{at}{where}"
         raise RequestError(
             f"invalid `{where}`: {message}" if where else f"invalid request: {message}", param=where or None
         ) from None
@@ -129,9 +133,9 @@ def _stream_flags(body: t.Common) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def completion_submit(raw: dict[str, Any], request_id: str) -> tuple[Submit, bool, bool]:
+def completion_submit(raw: dict[str, Any], request_id: str, policy: Policy | None = None) -> tuple[Submit, bool, bool]:
     """/v1/completions body -> (submit, stream?, include_usage?)."""
-    body: t.CompletionRequest = decode(raw, t.CompletionRequest)
+    body: t.CompletionRequest = decode(raw, t.CompletionRequest, policy or Policy("completions"))
     prompt: Any = body.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -212,9 +216,12 @@ def _tools(body: t.ChatRequest) -> list[Tool] | None:
     return out
 
 
-def chat_submit(raw: dict[str, Any], request_id: str) -> tuple[Submit, bool, bool]:
+def chat_submit(raw: dict[str, Any], request_id: str, policy: Policy | None = None) -> tuple[Submit, bool, bool]:
     """/v1/chat/completions body -> (submit, stream?, include_usage?)."""
-    body: t.ChatRequest = decode(raw, t.ChatRequest)
+    modalities = raw.get("modalities")
+    if isinstance(modalities, list) and any(m != "text" for m in modalities):
+        raise RequestError("`modalities` other than text are not supported: the served model writes text", param="modalities")
+    body: t.ChatRequest = decode(raw, t.ChatRequest, policy or Policy("chat"))
     messages = [_message(m, i) for i, m in enumerate(body.messages)]
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
@@ -403,3 +410,58 @@ def completion_delta(d: Delta, logprobs: bool) -> dict[str, Any] | None:
 
 def now() -> int:
     return int(time.time())
+
+
+# ---- streams ----------------------------------------------------------------------------------------------------
+
+
+def sse_chunk(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def openai_events(
+    messages: AsyncIterator[Delta | Result],
+    *,
+    chat: bool,
+    rid: str,
+    model: str,
+    created: int,
+    include_usage: bool,
+    logprobs: bool,
+) -> AsyncIterator[bytes]:
+    """A Chat Completions (`chat`) or Completions stream: chunks per delta, a last chunk per choice with its finish
+    reason, the usage chunk when asked, then `[DONE]`."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    cid = f"chatcmpl-{rid}" if chat else f"cmpl-{rid}"
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        body: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": model, "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return sse_chunk(body)
+
+    def opening(index: int) -> dict[str, Any]:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def ending(index: int, reason: str) -> dict[str, Any]:
+        if chat:
+            return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)}
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(reason)}
+
+    opened: set[int] = set()  # chat choices whose first chunk (with the role) went out
+    async for msg in messages:
+        if isinstance(msg, Delta):
+            if chat and msg.index not in opened:
+                opened.add(msg.index)
+                yield chunk([opening(msg.index)])
+            part = chat_delta(msg, logprobs) if chat else completion_delta(msg, logprobs)
+            if part is not None:
+                yield chunk([part])
+            continue
+        for c in choices_of(msg):
+            if chat and c.index not in opened:
+                yield chunk([opening(c.index)])
+            yield chunk([ending(c.index, c.finish_reason)])
+        if include_usage:
+            yield chunk([], usage_body(msg))
+    yield b"data: [DONE]\n\n"

@@ -1,13 +1,10 @@
 """The OpenAI request bodies kvroute serves, as typed structs: decoding checks them, and /openapi.json is made
 from them, so the two cannot disagree.
 
-Every field is one of three kinds, listed in README ("HTTP API"):
-- served: it changes the reply as OpenAI documents (plus llama.cpp's extensions `top_k`, `min_p`,
-  `repeat_penalty`, `repeat_last_n`, `grammar`, `chat_template_kwargs`, and kvroute's `ignore_eos`, `deadline_ms`);
-- ignored: it cannot change the reply (`user`, `metadata`, `store`, `service_tier`, `prompt_cache_key`,
-  `safety_identifier`, llama.cpp's `cache_prompt`): accepted and dropped;
-- anything else (`audio`, `modalities`, `prediction`, `web_search_options`, `functions`, `reasoning_effort`, ...):
-  refused with a 400 naming it, because ignoring it would change what the client gets without telling it.
+The fields here are the honoured ones: they change the reply as OpenAI documents (plus llama.cpp's extensions
+`top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`, `grammar`, `chat_template_kwargs`, and kvroute's `ignore_eos`,
+`deadline_ms`, `cache_salt`). Hints and refusals are gateway/fields.py's policy, applied before these types see
+a body.
 """
 
 from __future__ import annotations
@@ -119,7 +116,6 @@ ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
 
 class StreamOptions(Strict):
     include_usage: bool = False
-    include_obfuscation: bool | None = None  # ignored: there is nothing to obfuscate on a local server
 
 
 # ---- the bodies -------------------------------------------------------------------------------------------------
@@ -156,14 +152,6 @@ class Common(Strict):
     deadline_ms: Annotated[int, Meta(ge=1, le=MAX_DEADLINE_MS)] | None = None
     # vLLM's: cached prefixes are shared only between requests with the same salt (a tenant)
     cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
-    # ignored: they cannot change the reply
-    user: Any = None
-    metadata: Any = None
-    store: Any = None
-    service_tier: Any = None
-    prompt_cache_key: Any = None
-    safety_identifier: Any = None
-    cache_prompt: Any = None
 
 
 class ChatRequest(Common, kw_only=True):
@@ -186,6 +174,3 @@ class CompletionRequest(Common, kw_only=True):
     echo: bool | None = None  # served only as false
     best_of: Annotated[int, Meta(ge=1, le=1)] | None = None  # served only as 1
     suffix: Annotated[str, Meta(max_length=0)] | None = None  # served only empty
-
-
-IGNORED = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "cache_prompt")

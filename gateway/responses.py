@@ -1,31 +1,32 @@
 """OpenAI Responses (`/v1/responses`) on the one protocol `submit`.
 
-Served: `model`, `input` (a string, or items: messages with `input_text` / `output_text` parts, `function_call`,
-`function_call_output`, `reasoning`), `instructions`, function `tools`, `tool_choice`, `parallel_tool_calls`,
-`text.format` (`text`, `json_object`, `json_schema`), `max_output_tokens`, `temperature`, `top_p`,
-`top_logprobs`, `stream`, llama.cpp's `top_k`, `min_p`, `chat_template_kwargs` and kvroute's `deadline_ms`.
+Honoured: `model`, `input` (a string, or items: messages with `input_text` / `output_text` parts, any role where it
+stands, `function_call`, `function_call_output`, `reasoning`), `instructions`, function `tools`, `namespace` tools
+(their functions offered as `NAMESPACE__NAME`, as Codex flattens them; a call comes back with `name` and
+`namespace` apart), `tool_choice`, `parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`),
+`max_output_tokens`, `temperature`, `top_p`, `top_logprobs`, `stream`, `reasoning.effort` (`none`: the template's
+`enable_thinking` off), llama.cpp's `top_k`, `min_p`, `chat_template_kwargs` and kvroute's `deadline_ms`.
 
-Stateless, as llama-server is: a response is not kept, so `previous_response_id` is refused (a 400 naming it;
-send the whole conversation in `input`, which kvroute serves from cache anyway) and `store: true`, the API's
-default, is accepted and changes nothing (nothing is stored, and nothing can be fetched later). `include`
-(extra output fields), `metadata`, `user`, `safety_identifier`, `service_tier`, `prompt_cache_key`,
-`truncation: "disabled"` and `reasoning` without an effort are accepted and ignored; anything else is a 400
-naming the field.
+Stateless, as llama-server is: a response is not kept, so `previous_response_id` and `conversation` are refused
+(send the whole conversation in `input`, which kvroute serves from cache anyway) and `store`, the API's default,
+is a hint (nothing is stored). Hosted tools (`web_search`, `file_search`, `code_interpreter`, `mcp`, ...) are
+hints: the model is not offered them. Every hint is in gateway/fields.py.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from gateway.blocks import Blocks, Event, Kind
-from gateway.openai_schema import RequestError, Strict, chat_logprobs, context_shift, validation_problem
+from gateway.fields import Policy
+from gateway.openai_schema import RequestError, Strict, chat_logprobs, context_shift, decode
 from protocol import (
     MAX_DEADLINE_MS,
     MAX_LOGPROBS,
@@ -85,6 +86,7 @@ class FunctionCallItem(Strict, tag_field="type", tag="function_call"):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None
     id: str | None = None
     status: str | None = None
 
@@ -123,7 +125,15 @@ class FunctionTool(Strict):
     name: str
     parameters: dict[str, Any] | None = None
     description: str | None = None
-    strict: bool | None = None
+
+
+class NamespaceTool(Strict):
+    """Codex's group of functions (an MCP server's tools, say) under one name."""
+
+    type: Literal["namespace"]
+    name: str
+    tools: list[dict[str, Any]]
+    description: str | None = None
 
 
 class NamedFunction(Strict):
@@ -141,20 +151,17 @@ class Format(Strict):
 
 class TextConfig(Strict):
     format: Format | None = None
-    verbosity: Literal["medium"] | None = None  # the only one a model without the knob serves as asked
 
 
 class Reasoning(Strict):
-    effort: None = None
-    summary: Any = None
-    generate_summary: Any = None
+    effort: str | None = None
 
 
 class ResponsesRequest(Strict):
     input: str | list[Any]
     model: str | None = None
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[dict[str, Any]] | None = None  # each decoded on its own (`function_tools`): hosted tools are hints
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
@@ -163,56 +170,56 @@ class ResponsesRequest(Strict):
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     stream: bool = False
-    previous_response_id: None = None  # refused (stateless): a value is a 400 naming it
-    truncation: Literal["disabled"] | None = None
     reasoning: Reasoning | None = None
     top_k: Annotated[int, Meta(ge=0)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     deadline_ms: Annotated[int, Meta(ge=1, le=MAX_DEADLINE_MS)] | None = None
-    # accepted and ignored (see the module docstring)
-    store: bool | None = None
-    include: list[str] | None = None
-    metadata: Any = None
-    user: Any = None
-    safety_identifier: Any = None
-    service_tier: Any = None
-    prompt_cache_key: Any = None
-    stream_options: Any = None
 
 
-def decode(body: dict[str, Any]) -> ResponsesRequest:
+def flat_name(namespace: str, name: str) -> str:
+    """A namespaced function's name as offered to the model: Codex's own flattening (`ns__name`)."""
+    return f"{namespace.rstrip('_')}__{name.lstrip('_')}"
+
+
+def function_tools(raw: list[dict[str, Any]] | None, policy: Policy) -> tuple[list[Tool] | None, dict[str, tuple[str, str]]]:
+    """(the functions offered to the model, flat name -> (namespace, name) of the namespaced ones). Hosted tools
+    (`web_search`, ...) are hints: the model is not offered them."""
+    if raw is None:
+        return None, {}
+    tools: list[Tool] = []
+    names: dict[str, tuple[str, str]] = {}
+    for i, item in enumerate(raw):
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "namespace":
+            ns: NamespaceTool = decode(item, NamespaceTool, policy, at=f"tools[{i}]")
+            for j, inner in enumerate(ns.tools):
+                f: FunctionTool = decode(inner, FunctionTool, policy, at=f"tools[{i}].tools[{j}]")
+                tools.append(_tool(flat_name(ns.name, f.name), f, f"tools[{i}].tools[{j}]"))
+                names[tools[-1].name] = (ns.name, f.name)
+        elif kind == "function":
+            f = decode(item, FunctionTool, policy, at=f"tools[{i}]")
+            tools.append(_tool(f.name, f, f"tools[{i}]"))
+        elif isinstance(kind, str):
+            policy.hint(f"tools[].type={kind}")
+        else:
+            raise RequestError(f"`tools[{i}].type` is missing", param=f"tools[{i}].type")
+    return tools, names
+
+
+def _tool(name: str, f: FunctionTool, where: str) -> Tool:
     try:
-        req = msgspec.convert(body, ResponsesRequest)
+        return msgspec.convert({"name": name, "description": f.description or "", "parameters": f.parameters or {}}, Tool)
     except msgspec.ValidationError as exc:
-        param, where, message = validation_problem(exc)
-        if param:
-            raise RequestError(f"`{param}` is not supported by kvroute", param=param) from None
-        if where == "previous_response_id":
-            raise RequestError(
-                "`previous_response_id` is not supported: kvroute keeps no responses; send the whole conversation in `input`"
-                " (it is served from cache)",
-                param=where,
-            ) from None
-        raise RequestError(f"invalid `{where}`: {message}" if where else message, param=where or None) from None
-    return req
+        raise RequestError(f"{where}.name: {exc}", param=f"{where}.name") from None
 
 
-def _items(raw: list[Any]) -> list[Any]:
+def _items(raw: list[Any], policy: Policy) -> list[Any]:
     """Each input item typed; an item without `type` is a message."""
     out = []
     for i, item in enumerate(raw):
-        try:
-            if isinstance(item, dict) and "type" not in item:
-                out.append(msgspec.convert(item, EasyMessage))
-            else:
-                out.append(msgspec.convert(item, Item))
-        except msgspec.ValidationError as exc:
-            text = str(exc)
-            at = re.search(r" - at `\$\.?([^`]*)`$", text)
-            inner = at.group(1) if at else ""
-            where = f"input[{i}]" + ("" if not inner else inner if inner.startswith("[") else "." + inner)
-            raise RequestError(f"`{where}`: {text.split(' - at ')[0]}", param=where) from None
+        kind = EasyMessage if isinstance(item, dict) and "type" not in item else Item
+        out.append(decode(item, kind, policy, at=f"input[{i}]"))
     return out
 
 
@@ -231,7 +238,7 @@ def _text_parts(content: str | list[Part], where: str) -> list[TextPart]:
     return parts
 
 
-def to_messages(instructions: str | None, input_: str | list[Any]) -> list[ChatMessage]:
+def to_messages(instructions: str | None, input_: str | list[Any], policy: Policy | None = None) -> list[ChatMessage]:
     """Items as chat messages: consecutive assistant output (text, calls, reasoning) is one assistant message."""
     out: list[ChatMessage] = []
     if instructions is not None:
@@ -239,7 +246,7 @@ def to_messages(instructions: str | None, input_: str | list[Any]) -> list[ChatM
     if isinstance(input_, str):
         out.append(ChatMessage(role="user", content=input_))
         return out
-    for i, item in enumerate(_items(input_)):
+    for i, item in enumerate(_items(input_, policy or Policy("responses"))):
         where = f"input[{i}]"
         last = out[-1] if out and out[-1].role == "assistant" else None
         if isinstance(item, MessageItem | EasyMessage) and item.role != "assistant":
@@ -251,7 +258,8 @@ def to_messages(instructions: str | None, input_: str | list[Any]) -> list[ChatM
             else:
                 out.append(ChatMessage(role="assistant", content=parts))
         elif isinstance(item, FunctionCallItem):
-            call = ToolCall(id=item.call_id, name=item.name, arguments=item.arguments)
+            name = item.name if item.namespace is None else flat_name(item.namespace, item.name)
+            call = ToolCall(id=item.call_id, name=name, arguments=item.arguments)
             if last is not None:
                 last.tool_calls = [*(last.tool_calls or []), call]
             else:
@@ -268,19 +276,27 @@ def to_messages(instructions: str | None, input_: str | list[Any]) -> list[ChatM
     return out
 
 
-def responses_submit(raw: dict[str, Any], request_id: str) -> tuple[Submit, bool, ResponsesRequest]:
-    """/v1/responses body -> (submit, stream?, the typed body)."""
-    body = decode(raw)
-    tools = None
-    if body.tools is not None:
-        tools = []
-        for i, t in enumerate(body.tools):
-            try:
-                tools.append(
-                    msgspec.convert({"name": t.name, "description": t.description or "", "parameters": t.parameters or {}}, Tool)
-                )
-            except msgspec.ValidationError as exc:
-                raise RequestError(f"tools[{i}].name: {exc}", param=f"tools[{i}].name") from None
+@dataclass(frozen=True)
+class Asked:
+    """What the reply echoes of a request: its typed body, and its namespaced functions (flat name -> parts)."""
+
+    body: ResponsesRequest
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def call_names(self, flat: str) -> dict[str, str]:
+        """A call's `name` (and `namespace`) fields as the client offered the function."""
+        parts = self.namespaced.get(flat)
+        return {"name": flat} if parts is None else {"name": parts[1], "namespace": parts[0]}
+
+
+def responses_submit(raw: dict[str, Any], request_id: str, policy: Policy | None = None) -> tuple[Submit, bool, Asked]:
+    """/v1/responses body -> (submit, stream?, what the reply echoes)."""
+    policy = policy or Policy("responses")
+    body: ResponsesRequest = decode(raw, ResponsesRequest, policy)
+    tools, namespaced = function_tools(body.tools, policy)
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        kwargs.setdefault("enable_thinking", body.reasoning.effort != "none")
     choice: Any = body.tool_choice or "auto"
     if isinstance(choice, NamedFunction):
         choice = NamedTool(name=choice.name)
@@ -308,18 +324,18 @@ def responses_submit(raw: dict[str, Any], request_id: str) -> tuple[Submit, bool
         )
         sub = Submit(
             id=request_id,
-            messages=to_messages(body.instructions, body.input),
+            messages=to_messages(body.instructions, body.input, policy),
             sampling=sampling,
             deadline_ms=body.deadline_ms,
             tools=tools,
             tool_choice=choice,
             parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
             response_format=fmt,
-            chat_template_kwargs=body.chat_template_kwargs or {},
+            chat_template_kwargs=kwargs,
         )
     except (msgspec.ValidationError, ValueError) as exc:
         raise RequestError(str(exc)) from None
-    return sub, body.stream, body
+    return sub, body.stream, Asked(body, namespaced)
 
 
 # ---- replies ----------------------------------------------------------------------------------------------------
@@ -340,8 +356,9 @@ def _tool_choice(body: ResponsesRequest) -> Any:
     return msgspec.to_builtins(tc) if tc is not None else "auto"
 
 
-def envelope(rid: str, model: str, body: ResponsesRequest, created: float) -> dict[str, Any]:
+def envelope(rid: str, model: str, asked: Asked, created: float) -> dict[str, Any]:
     """A response object without its output (status `in_progress`)."""
+    body = asked.body
     fmt = body.text.format if body.text and body.text.format else None
     return {
         "id": f"resp_{rid}",
@@ -361,19 +378,19 @@ def envelope(rid: str, model: str, body: ResponsesRequest, created: float) -> di
         "top_p": 1.0 if body.top_p is None else body.top_p,
         "text": {"format": msgspec.to_builtins(fmt) if fmt else {"type": "text"}},
         "tool_choice": _tool_choice(body),
-        "tools": [msgspec.to_builtins(t) for t in body.tools or []],
+        "tools": body.tools or [],
         "truncation": "disabled",
         "usage": None,
         "metadata": {},
     }
 
 
-def _item(block: Any, rid: str, done: bool, logprobs: list[Any] | None = None) -> dict[str, Any]:
+def _item(block: Any, rid: str, asked: Asked, done: bool, logprobs: list[Any] | None = None) -> dict[str, Any]:
     """The output item of a block (`done`: completed, with its text; else in progress and empty)."""
     status = "completed" if done else "in_progress"
     if block.kind is Kind.TOOL:
         c = block.call
-        return {"type": "function_call", "id": f"fc_{rid}_{block.index}", "call_id": c.id, "name": c.name,
+        return {"type": "function_call", "id": f"fc_{rid}_{block.index}", "call_id": c.id, **asked.call_names(c.name),
                 "arguments": c.arguments if done else "", "status": status}  # fmt: skip
     if block.kind is Kind.THINKING:
         content = [{"type": "reasoning_text", "text": block.text}] if done else []
@@ -394,19 +411,19 @@ def finish(result: Result) -> tuple[str, dict[str, Any] | None]:
     return "completed", None
 
 
-def response_body(result: Result, rid: str, model: str, body: ResponsesRequest, created: float, logprobs: bool) -> dict[str, Any]:
+def response_body(result: Result, rid: str, model: str, asked: Asked, created: float, logprobs: bool) -> dict[str, Any]:
     blocks = Blocks()
     delta = Delta(id=rid, text=result.text, tokens=b"", reasoning=result.reasoning or "")
     delta.tool_calls = [_call_delta(i, c) for i, c in enumerate(result.tool_calls)]
     events = list(blocks.feed(delta)) + list(blocks.finish())
     lps = chat_logprobs(result.logprobs)["content"] if logprobs else None
-    out = envelope(rid, model, body, created)
+    out = envelope(rid, model, asked, created)
     status, incomplete = finish(result)
     u = result.usage
     out.update(
         status=status,
         incomplete_details=incomplete,
-        output=[_item(ev.block, rid, True, lps) for ev in events if ev.what == "close"],
+        output=[_item(ev.block, rid, asked, True, lps) for ev in events if ev.what == "close"],
         usage=_usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens) | context_shift(result),
     )
     return out
@@ -423,7 +440,7 @@ def error_event(message: str, code: str) -> bytes:
 
 
 async def response_events(
-    messages: AsyncIterator[Delta | Result], rid: str, model: str, body: ResponsesRequest, created: float
+    messages: AsyncIterator[Delta | Result], rid: str, model: str, asked: Asked, created: float
 ) -> AsyncIterator[bytes]:
     """The documented event sequence: response.created, response.in_progress, then per output item
     output_item.added, (content_part.added, output_text.delta..., output_text.done, content_part.done |
@@ -438,16 +455,16 @@ async def response_events(
         seq += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
-    base = envelope(rid, model, body, created)
+    base = envelope(rid, model, asked, created)
     yield event("response.created", response=base)
     yield event("response.in_progress", response=base)
 
     def emit(ev: Event) -> list[bytes]:
         b, out = ev.block, []
-        item_id = _item(b, rid, False)["id"]
+        item_id = _item(b, rid, asked, False)["id"]
         where = {"item_id": item_id, "output_index": b.index}
         if ev.what == "open":
-            out.append(event("response.output_item.added", output_index=b.index, item=_item(b, rid, False)))
+            out.append(event("response.output_item.added", output_index=b.index, item=_item(b, rid, asked, False)))
             if b.kind is Kind.TEXT:
                 out.append(event("response.content_part.added", **where, content_index=0, part=_part("", [])))
         elif ev.what == "delta":
@@ -465,8 +482,9 @@ async def response_events(
                 out.append(event("response.reasoning_text.done", **where, content_index=0, text=b.text))
             else:
                 assert b.call is not None
-                out.append(event("response.function_call_arguments.done", **where, name=b.call.name, arguments=b.text))
-            item = _item(b, rid, True)
+                name = asked.call_names(b.call.name)["name"]
+                out.append(event("response.function_call_arguments.done", **where, name=name, arguments=b.text))
+            item = _item(b, rid, asked, True)
             done_items.append(item)
             out.append(event("response.output_item.done", output_index=b.index, item=item))
         return out

@@ -102,3 +102,30 @@ def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_user
     assert not gemma2.system_role
     text = render(gemma2, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>" in text
+
+
+CLAUDE_CODE_TURNS = [
+    {"role": "system", "content": "You are Claude Code."},
+    {"role": "user", "content": "Hi"},
+    {"role": "system", "content": "A reminder."},  # Claude Code and Codex put system messages mid-conversation
+    {"role": "assistant", "content": "Hello"},
+    {"role": "system", "content": "Another."},
+    {"role": "user", "content": "Bye"},
+]
+
+
+def test_a_late_system_message_is_folded_in_order_where_the_template_takes_one_only_first() -> None:
+    mistral = chat_format("Mistral-Small-3.2-24B-Instruct-2506").template  # raises when roles do not alternate
+    assert mistral.system_role and not mistral.late_system
+    text = render(mistral, CLAUDE_CODE_TURNS)
+    assert "[INST]Hi\n\nA reminder.[/INST]Hello" in text
+    assert "[INST]Another.\n\nBye[/INST]" in text
+    turn_one = render(mistral, CLAUDE_CODE_TURNS[:3])  # the first turn renders as a prefix of the second
+    assert text.startswith(turn_one)
+
+
+def test_a_template_that_takes_late_system_messages_renders_them_where_they_stand() -> None:
+    qwen = chat_format("Qwen-Qwen2.5-7B-Instruct").template
+    assert qwen.late_system
+    text = render(qwen, CLAUDE_CODE_TURNS)
+    assert "<|im_start|>system\nA reminder.<|im_end|>\n<|im_start|>assistant\nHello" in text

@@ -119,7 +119,7 @@ def test_anthropic_count_tokens_and_errors_in_anthropic_shape(served: Served) ->
                 {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
                 "messages[0].content[0]",
             ),
-            ({"max_tokens": 5, "messages": ask, "mcp_servers": []}, "mcp_servers"),
+            ({"max_tokens": 5, "messages": ask, "tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type"),
         ]
         for body, field in cases:
             r = http.post("/v1/messages", json=body, headers=headers)

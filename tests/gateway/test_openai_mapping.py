@@ -96,7 +96,6 @@ def test_chat_bad_messages_name_the_field() -> None:
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
-        ({"messages": [{"role": "user", "content": "x", "audio": {}}]}, "messages[0].audio"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
         ({"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "custom", "custom": {}}]}, "tools[0].type"),

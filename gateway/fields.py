@@ -1,0 +1,233 @@
+"""The field policy of every HTTP API, in one place: each request field is honoured, accepted as a hint, or refused.
+
+- *honoured*: the field is in the API's request type (gateway/openai_types.py, responses.py, anthropic.py) and
+  changes what is computed or returned;
+- *hint* (`HINTS`): metadata, cache and session hints, knobs without meaning for this model, hosted tools the model
+  cannot call. The request is served; the field is named in the log and counted in
+  `kvroute_request_fields_ignored_total{api,field}`. A field the type does not know is a hint too (new clients add
+  fields every month), unless the operator runs with `--strict-api`: then it is a 400 naming it;
+- *refused* (`REFUSED`, and values the types reject): the client would rely on something kvroute cannot do; a 400
+  naming the field.
+
+Fields are named by pattern: `tools[].defer_loading` is that field in any element of `tools`.
+README's "Request fields" table is this module written out.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+from prometheus_client import Counter
+
+from kvroute import logs
+
+log = logs.get(__name__)
+
+FIELDS_IGNORED = Counter(
+    "kvroute_request_fields_ignored_total", "Request fields accepted as hints and not acted on, by API", ["api", "field"]
+)
+
+_OPENAI_COMMON = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "safety_identifier",
+    "cache_prompt",  # llama-server's: kvroute caches every prefix anyway
+    "stream_options.include_obfuscation",
+)
+
+HINTS: dict[str, tuple[str, ...]] = {
+    "chat": (
+        *_OPENAI_COMMON,
+        "reasoning_effort",
+        "verbosity",
+        "prediction",  # a speed-up hint: the reply does not depend on it
+        "web_search_options",  # a hosted tool
+        "modalities",  # ["text"]; audio output is refused (`audio`)
+        "messages[].audio",  # an earlier audio reply's id: its transcript is the content
+        "tools[].function.strict",
+    ),
+    "completions": _OPENAI_COMMON,
+    "responses": (
+        *_OPENAI_COMMON,
+        "client_metadata",
+        "include",  # extra output fields kvroute never produces (encrypted reasoning, search sources, ...)
+        "stream_options",
+        "reasoning.summary",
+        "reasoning.generate_summary",
+        "text.verbosity",
+        "truncation",
+        "max_tool_calls",  # bounds hosted tool calls, of which there are none
+        "tools[].strict",
+        "tools[].tools[].strict",
+    ),
+    "messages": (
+        "metadata",
+        "service_tier",
+        "cache_control",
+        "context_management",
+        "container",
+        "mcp_servers",  # servers the hosted API would call: nothing here calls them
+        "output_config.effort",
+        "output_config.task_budget",
+        "thinking.budget_tokens",
+        "thinking.display",
+        "system[].cache_control",
+        "system[].citations",
+        "messages[].content[].cache_control",
+        "messages[].content[].citations",
+        "messages[].content[].caller",
+        "messages[].content[].content[].cache_control",
+        "tools[].cache_control",
+        "tools[].defer_loading",
+        "tools[].strict",
+        "tools[].input_examples",
+        "tools[].eager_input_streaming",
+        "tools[].allowed_callers",
+    ),
+}
+
+# llama-server's samplers kvroute does not have: refused when set to anything but their neutral value
+_LLAMA_SAMPLERS = {
+    "mirostat": "mirostat sampling is not supported",
+    "typical_p": "typical sampling is not supported",
+    "tfs_z": "tail-free sampling is not supported",
+    "xtc_probability": "XTC sampling is not supported",
+    "dry_multiplier": "DRY sampling is not supported",
+    "dynatemp_range": "dynamic temperature is not supported",
+    "top_n_sigma": "top-n-sigma sampling is not supported",
+    "samplers": "a custom sampler order is not supported",
+}
+NEUTRAL: dict[str, Any] = {"typical_p": 1.0, "tfs_z": 1.0, "top_n_sigma": -1.0}
+
+REFUSED: dict[str, dict[str, str]] = {
+    "chat": {
+        "audio": "audio output is not supported: the served model writes text",
+        "functions": "the legacy `functions` are not supported: send them as `tools`",
+        "function_call": "the legacy `function_call` is not supported: send `tool_choice`",
+        **_LLAMA_SAMPLERS,
+    },
+    "completions": dict(_LLAMA_SAMPLERS),
+    "responses": {
+        "previous_response_id": "kvroute keeps no responses; send the whole conversation in `input` (it is served from cache)",
+        "conversation": "kvroute keeps no conversations; send the whole conversation in `input` (it is served from cache)",
+        "background": "background responses are not supported: kvroute keeps no responses to fetch later",
+        "prompt": "stored prompt templates are not supported: send the prompt in `input`",
+    },
+    "messages": {},
+}
+
+_MAX_UNKNOWN = 256  # distinct unknown field names counted by name; more are counted as "(other)"
+_unknown_seen: set[str] = set()
+
+
+class FieldError(ValueError):
+    """A field refused by the policy: `param` names it (a path such as `tools[2].type`)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+def pattern(path: str) -> str:
+    """A field path with its indices dropped: `tools[3].defer_loading` -> `tools[].defer_loading`."""
+    return re.sub(r"\[\d+\]", "[]", path)
+
+
+def _segments(pat: str) -> list[str]:
+    return [s for s in re.split(r"\.|(\[\])", pat) if s]
+
+
+def _pop(obj: Any, segments: list[str]) -> bool:
+    """Remove the field a pattern names from everywhere it is in `obj`; whether anything was there."""
+    if not segments:
+        return False
+    head, rest = segments[0], segments[1:]
+    if head == "[]":
+        return any([_pop(x, rest) for x in obj]) if isinstance(obj, list) else False
+    if not isinstance(obj, dict) or head not in obj:
+        return False
+    if not rest:
+        del obj[head]
+        return True
+    return _pop(obj[head], rest)
+
+
+def _unknown_field(exc: msgspec.ValidationError) -> str | None:
+    """The path of the unknown field msgspec stopped on, or None when it failed on something else."""
+    text = str(exc)
+    unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
+    if not unknown:
+        return None
+    at = re.search(r" - at `\$\.?([^`]*)`$", text)
+    where = at.group(1) if at else ""
+    return f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+
+
+class Policy:
+    """One API's policy for one request: decodes bodies (and parts of them), strips hints, collects what it strips."""
+
+    def __init__(self, api: str, *, strict: bool = False) -> None:
+        self.api, self.strict = api, strict
+        self.ignored: list[str] = []
+
+    def hint(self, field: str) -> None:
+        """Record a field (a pattern) accepted and not acted on."""
+        if field not in self.ignored:
+            self.ignored.append(field)
+
+    def decode(self, raw: Any, kind: Any, *, at: str = "") -> Any:
+        """`raw` (a parsed JSON value, modified in place) as `kind`: refused fields raise FieldError; known hints are
+        stripped and recorded; unknown fields too, or, with `strict`, raise FieldError. `at` is where `raw` is in
+        the body (`input[2]`), for names. Other validation errors are raised as msgspec's."""
+        prefix = pattern(at)
+        if isinstance(raw, dict):
+            for field, why in REFUSED[self.api].items() if not prefix else ():
+                value = raw.get(field)
+                if value not in (None, False, 0, NEUTRAL.get(field)):
+                    raise FieldError(f"`{field}` is not supported: {why}", field)
+        for pat in HINTS[self.api]:
+            if prefix:
+                if not pat.startswith(prefix + "."):
+                    continue
+                pat = pat[len(prefix) + 1 :]
+            if _pop(raw, _segments(pat)):
+                self.hint(f"{prefix}.{pat}" if prefix else pat)
+        for _ in range(_MAX_UNKNOWN):
+            try:
+                return msgspec.convert(raw, kind)
+            except msgspec.ValidationError as exc:
+                inner = _unknown_field(exc)
+                if inner is None:
+                    raise
+                path = f"{at}.{inner}" if at and not inner.startswith("[") else f"{at}{inner}"
+                if self.strict:
+                    raise FieldError(f"`{path}` is not a field kvroute knows (the server runs with --strict-api)", path) from None
+                _pop(raw, _segments(pattern(inner)))
+                self.hint(pattern(path))
+        raise FieldError("the request has too many unknown fields", at or "body")
+
+    def report(self, request_id: str) -> None:
+        """Count and log the hints this request carried (once per request)."""
+        if not self.ignored:
+            return
+        known = set(HINTS[self.api])
+        for field in self.ignored:
+            label = field
+            if field not in known and not field.startswith("header:") and not field.startswith("tools[].type="):
+                if field not in _unknown_seen and len(_unknown_seen) >= _MAX_UNKNOWN:
+                    label = "(other)"
+                else:
+                    _unknown_seen.add(field)
+            FIELDS_IGNORED.labels(self.api, label[:80]).inc()
+        log.info("request_fields_ignored", api=self.api, request_id=request_id, fields=self.ignored)
+
+
+def table() -> dict[str, dict[str, list[str]]]:
+    """The hints and refusals of every API (for the README and tests)."""
+    return {api: {"hints": list(HINTS[api]), "refused": list(REFUSED[api])} for api in HINTS}

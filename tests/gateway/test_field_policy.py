@@ -1,0 +1,258 @@
+"""Unit tests (no model) of the field policy (gateway/fields.py) in each dialect: hints are served and counted,
+refusals name the field, unknown fields are hints unless --strict-api."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from gateway import anthropic, responses
+from gateway.fields import HINTS, REFUSED, Policy, pattern
+from gateway.openai_schema import RequestError, chat_submit, completion_submit
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def counted(api: str, field: str) -> float:
+    return REGISTRY.get_sample_value("kvroute_request_fields_ignored_total", {"api": api, "field": field}) or 0.0
+
+
+def test_pattern_drops_indices() -> None:
+    assert pattern("tools[3].tools[12].strict") == "tools[].tools[].strict"
+    assert pattern("metadata") == "metadata"
+
+
+def test_every_api_has_a_policy() -> None:
+    assert set(HINTS) == set(REFUSED) == {"chat", "completions", "responses", "messages"}
+
+
+@pytest.mark.parametrize(
+    ("api", "submit", "body"),
+    [
+        ("chat", chat_submit, {"messages": USER}),
+        ("completions", completion_submit, {"prompt": "hi"}),
+        ("responses", responses.responses_submit, {"input": "hi"}),
+        ("messages", anthropic.messages_submit, {"messages": USER, "max_tokens": 5}),
+    ],
+)
+def test_an_unknown_field_is_a_hint_and_counted_unless_strict(api: str, submit: Any, body: dict[str, Any]) -> None:
+    before = counted(api, "x_new_client_field")
+    policy = Policy(api)
+    submit({**body, "x_new_client_field": {"a": 1}}, "r", policy)
+    assert policy.ignored == ["x_new_client_field"]
+    policy.report("r")
+    assert counted(api, "x_new_client_field") == before + 1
+    with pytest.raises(RequestError, match="strict-api") as info:
+        submit({**body, "x_new_client_field": 1}, "r", Policy(api, strict=True))
+    assert info.value.param == "x_new_client_field"
+
+
+def test_known_hints_pass_even_strict() -> None:
+    policy = Policy("chat", strict=True)
+    body = {"messages": USER, "user": "u", "metadata": {"k": "v"}, "prompt_cache_key": "p", "reasoning_effort": "low"}
+    chat_submit(body, "r", policy)
+    assert sorted(policy.ignored) == ["metadata", "prompt_cache_key", "reasoning_effort", "user"]
+
+
+def test_nested_unknown_fields_are_named_by_pattern() -> None:
+    policy = Policy("chat")
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {}, "x_extra": i}} for i in range(3)]
+    sub, _, _ = chat_submit({"messages": USER, "tools": tools}, "r", policy)
+    assert [t.name for t in sub.tools or []] == ["f0", "f1", "f2"]
+    assert policy.ignored == ["tools[].function.x_extra"]
+    tools = [{"type": "function", "function": {"name": "f", "x_extra": 1}}]  # (a decode strips hints in place)
+    with pytest.raises(RequestError) as info:
+        chat_submit({"messages": USER, "tools": tools}, "r", Policy("chat", strict=True))
+    assert info.value.param == "tools[0].function.x_extra"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": USER, "audio": {"voice": "alloy"}}, "audio"),
+        ({"messages": USER, "modalities": ["text", "audio"]}, "modalities"),
+        ({"messages": USER, "mirostat": 2}, "mirostat"),
+        ({"messages": USER, "typical_p": 0.5}, "typical_p"),
+    ],
+)
+def test_chat_refusals_name_the_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(RequestError) as info:
+        chat_submit(body, "r")
+    assert info.value.param == param
+
+
+def test_a_llama_sampler_at_its_neutral_value_is_served() -> None:
+    chat_submit({"messages": USER, "mirostat": 0, "typical_p": 1.0, "modalities": ["text"]}, "r")
+
+
+# ---- Responses (Codex CLI's request shape) ----------------------------------------------------------------------
+
+CODEX_TOOLS = [
+    {"type": "function", "name": "shell", "description": "run", "parameters": {"type": "object"}, "strict": False},
+    {
+        "type": "namespace",
+        "name": "mcp__docs",
+        "description": "an MCP server",
+        "tools": [{"type": "function", "name": "search", "parameters": {"type": "object"}, "strict": False}],
+    },
+    {"type": "web_search", "external_web_access": False},
+]
+
+
+def codex_body(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": "gpt-5.1-codex",
+        "instructions": "You are Codex.",
+        "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox: none"}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        ],
+        "tools": CODEX_TOOLS,
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "019a-thread",
+        "client_metadata": {"x": "y"},
+        "text": {"verbosity": "low"},
+        **extra,
+    }
+
+
+def test_codex_request_is_served_with_its_hints_named() -> None:
+    policy = Policy("responses", strict=True)
+    sub, stream, asked = responses.responses_submit(codex_body(), "r", policy)
+    assert stream and [t.name for t in sub.tools or []] == ["shell", "mcp__docs__search"]
+    assert [m.role for m in sub.messages or []] == ["system", "developer", "user"]
+    assert sub.chat_template_kwargs == {"enable_thinking": True}
+    assert set(policy.ignored) >= {
+        "store",
+        "include",
+        "prompt_cache_key",
+        "client_metadata",
+        "reasoning.summary",
+        "text.verbosity",
+        "tools[].strict",
+        "tools[].tools[].strict",
+        "tools[].type=web_search",
+        "tools[].external_web_access",
+    } - {"tools[].external_web_access"}
+    assert asked.call_names("mcp__docs__search") == {"name": "search", "namespace": "mcp__docs"}
+    assert asked.call_names("shell") == {"name": "shell"}
+
+
+def test_a_namespaced_call_in_the_history_renders_as_offered() -> None:
+    body = codex_body()
+    body["input"] += [
+        {"type": "function_call", "call_id": "c1", "name": "search", "namespace": "mcp__docs", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "found"},
+    ]
+    sub, _, _ = responses.responses_submit(body, "r")
+    (call,) = (sub.messages or [])[-2].tool_calls or []
+    assert call.name == "mcp__docs__search"
+
+
+def test_reasoning_effort_none_turns_thinking_off() -> None:
+    sub, _, _ = responses.responses_submit(codex_body(reasoning={"effort": "none"}), "r")
+    assert sub.chat_template_kwargs == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize("field", ["previous_response_id", "conversation", "background"])
+def test_responses_refuses_what_needs_stored_state(field: str) -> None:
+    with pytest.raises(RequestError, match=field) as info:
+        responses.responses_submit(codex_body(**{field: "resp_1" if field != "background" else True}), "r")
+    assert info.value.param == field
+
+
+def test_a_function_call_reply_gives_the_namespace_back() -> None:
+    from protocol import Result, Timings, ToolCall, Usage
+
+    _, _, asked = responses.responses_submit(codex_body(), "r")
+    call = ToolCall(id="c9", name="mcp__docs__search", arguments='{"q": "x"}')
+    result = Result(
+        id="r",
+        text="",
+        tokens=b"",
+        finish_reason="tool_calls",
+        tool_calls=[call],
+        usage=Usage(prompt_tokens=3, cached_tokens=0, completion_tokens=2),
+        timings=Timings(),
+        worker="w0",
+        slot=0,
+    )
+    body = responses.response_body(result, "r", "m", asked, 0.0, False)
+    (item,) = body["output"]
+    assert (item["type"], item["name"], item["namespace"], item["call_id"]) == ("function_call", "search", "mcp__docs", "c9")
+
+
+# ---- Anthropic Messages (Claude Code's request shape) -----------------------------------------------------------
+
+
+def claude_code_body(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 32000,
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=1a2b3;"},
+            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "system", "content": "A reminder from the harness."},
+        ],
+        "tools": [
+            {"name": "Bash", "description": "run", "input_schema": {"type": "object"}},
+            {"name": "Later", "description": "deferred", "input_schema": {"type": "object"}, "defer_loading": True},
+            {"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+        ],
+        "metadata": {"user_id": "user_abc_session_123"},
+        "thinking": {"type": "adaptive"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"},
+        "stream": True,
+        **extra,
+    }
+
+
+def test_claude_code_request_is_served_with_its_hints_named() -> None:
+    policy = Policy("messages", strict=True)
+    sub, stream = anthropic.messages_submit(claude_code_body(), "r", policy)
+    assert stream and [t.name for t in sub.tools or []] == ["Bash", "Later"]
+    roles = [m.role for m in sub.messages or []]
+    assert roles == ["system", "user", "system"]
+    assert (sub.messages or [])[0].text().startswith("x-anthropic-billing-header: cc_version=2.1; cch=fffff;")
+    assert set(policy.ignored) == {
+        "metadata",
+        "context_management",
+        "output_config.effort",
+        "system[].cache_control",
+        "messages[].content[].cache_control",
+        "tools[].defer_loading",
+        "tools[].type=web_search",
+    }
+    assert "enable_thinking" not in sub.chat_template_kwargs  # adaptive: the template's default
+
+
+def test_anthropic_schema_client_tools_are_refused() -> None:
+    body = claude_code_body(tools=[{"type": "bash_20250124", "name": "bash"}])
+    with pytest.raises(RequestError, match="bash_20250124") as info:
+        anthropic.messages_submit(body, "r")
+    assert info.value.param == "tools[0].type"
+
+
+def test_anthropic_unknown_field_strict() -> None:
+    with pytest.raises(RequestError) as info:
+        anthropic.messages_submit(claude_code_body(brand_new=1), "r", Policy("messages", strict=True))
+    assert info.value.param == "brand_new"
+
+
+def test_count_tokens_takes_the_same_body() -> None:
+    body = claude_code_body()
+    for key in ("max_tokens", "stream", "metadata"):
+        body.pop(key)
+    tok = anthropic.count_tokens_request(body)
+    assert [m.role for m in tok.messages or []] == ["system", "user", "system"]
