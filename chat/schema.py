@@ -10,9 +10,11 @@ JSON_OPTIONS: dict[str, Any] = {
     "item_separator": ", ",
     "key_separator": ": ",
     "json_allowed_escapes": '"\\bfnrt',
+    "coerce_one_of": True,
 }
 """How JSON is written under a grammar: what Python's json.dumps writes (what templates' `tojson` shows the model),
-without `\\u` escapes, and no free whitespace (a small model would pad it forever)."""
+without `\\u` escapes, and no free whitespace (a small model would pad it forever). `oneOf` is read as `anyOf`, as
+llama.cpp's json-schema-to-grammar reads it (Qwen Code's `agent` tool has one)."""
 
 DIGITS = 16  # llama.cpp's grammars allow at most 16 digits before the point; a small model would write forever
 BOUND = 10**DIGITS - 1

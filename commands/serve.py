@@ -159,6 +159,11 @@ def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfi
         max_body_bytes=args.max_body_bytes,
         max_frame_bytes=router_cfg.max_frame_bytes,
         stream_stall_s=args.stream_stall_s,
+        temp=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
     )
 
 

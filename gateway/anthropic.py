@@ -168,9 +168,22 @@ ERROR_TYPES: dict[str, tuple[int, str]] = {
 }
 
 
+_OVERFLOW = re.compile(r"prompt of (\d+) tokens.*?(?: \+ max_tokens (\d+))? does not fit a slot of (\d+) tokens")
+
+
+def error_message(message: str, code: str) -> str:
+    """The router's words in Anthropic's where a client reads them: a context overflow as `prompt is too long: N
+    tokens > M maximum`, which Claude Code recognizes and answers by compacting the conversation."""
+    found = _OVERFLOW.search(message) if code == "context_overflow" else None
+    if found is None:
+        return message
+    prompt, max_tokens, ctx = (int(x or 0) for x in found.groups())
+    return f"prompt is too long: {prompt + max_tokens} tokens > {ctx} maximum"
+
+
 def error_event(message: str, code: str) -> bytes:
     """An error in the middle of a stream."""
-    return sse("error", error_body(message, ERROR_TYPES.get(code, (500, "api_error"))[1]))
+    return sse("error", error_body(error_message(message, code), ERROR_TYPES.get(code, (500, "api_error"))[1]))
 
 
 SERVER_TOOLS = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_", "mcp_toolset")

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -50,6 +51,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def kvroute_error_response(exc: KvrouteError, errors: Errors) -> JSONResponse:
     status, type_ = errors.status_of(exc.code)
     message = exc.message if not exc.error_id else f"{exc.message} (error id {exc.error_id})"
+    if errors.anthropic:
+        message = anthropic.error_message(message, exc.code)
     headers = None
     if exc.code == ErrorCode.QUEUE_FULL:
         headers = {"Retry-After": str(max(1, round((exc.retry_after_ms or 1000) / 1000)))}
@@ -69,17 +72,20 @@ class Gateway:
         aliases: tuple[str, ...] = (),
         strict_model_name: bool = False,
         strict_api: bool = False,
+        sampling_defaults: dict[str, float | int] | None = None,
         max_body_bytes: int = MAX_FRAME_BYTES,
         stall_s: float = STALL_S,
     ) -> None:
         """`api_key`: one key, or several comma-separated; `tenant_per_key`: each key is a tenant (its `cache_salt`);
         `aliases`: more names /v1/models lists; `strict_model_name`: a request naming another model gets 404;
-        `strict_api`: a field no API knows is a 400 rather than a hint (gateway/fields.py)."""
+        `strict_api`: a field no API knows is a 400 rather than a hint (gateway/fields.py); `sampling_defaults`: the
+        sampling fields (`temperature`, `top_k`, `top_p`, `min_p`, `seed`) of a request that leaves them out."""
         self.client = client
         self.model_name = model_name
         self.names = (model_name, *(a for a in aliases if a != model_name))
         self.strict_model_name = strict_model_name
         self.strict_api = strict_api
+        self.sampling_defaults = sampling_defaults or {}
         self.api_keys = [k.strip() for k in (api_key or "").split(",") if k.strip()]
         self.tenant_per_key = tenant_per_key
         self.max_body_bytes = max_body_bytes
@@ -204,9 +210,13 @@ class Gateway:
         for header in dialect.hint_headers:
             if header in request.headers:
                 policy.hint(f"header:{header}")
-        call = dialect.decode(await self.body(request), rid, policy, self.model_name)
+        raw = await self.body(request)
+        unset = {k: v for k, v in self.sampling_defaults.items() if k not in raw}  # (decoding strips hints from raw)
+        call = dialect.decode(raw, rid, policy, self.model_name)
         policy.report(rid)
         sub = call.sub
+        if unset:
+            sub.sampling = msgspec.structs.replace(sub.sampling, **unset)
         sub.cache_salt = self.salt_of(request, sub.cache_salt)
         t0 = asyncio.get_running_loop().time()
         messages = self.client.stream_submit(sub)

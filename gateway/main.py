@@ -31,6 +31,13 @@ class HttpConfig:
         "refuse (400) a request field no API of kvroute knows; by default such a field is a hint: served, logged and "
         "counted in kvroute_request_fields_ignored_total (new clients add fields every month)",
     )
+    temp: float | None = opt(
+        None, "the temperature of a request that sets none (llama-server's --temp; default: each API's own, 1.0)"
+    )
+    top_k: int | None = opt(None, "the top_k of a request that sets none (default: off)")
+    top_p: float | None = opt(None, "the top_p of a request that sets none (default: 1.0)")
+    min_p: float | None = opt(None, "the min_p of a request that sets none (default: off)")
+    seed: int | None = opt(None, "the seed of a request that sets none, so that it repeats (default: a random one)")
     api_key: str | None = opt(
         None,
         "require this key (Authorization: Bearer KEY) on every endpoint but /health; several: comma-separated; "
@@ -52,9 +59,23 @@ class HttpConfig:
         30.0, "a streamed reply whose reader takes nothing for this long is cut: its generation is cancelled"
     )
 
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The sampling fields a request that leaves them out gets, by their name in the request (and in `Sampling`)."""
+        given = {"temperature": self.temp, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p, "seed": self.seed}
+        return {k: v for k, v in given.items() if v is not None}
+
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024 or self.max_frame_bytes < 1024:
             raise ValueError("max_body_bytes and max_frame_bytes must be at least 1024")
+        for name, value, low, high in (
+            ("temp", self.temp, 0.0, 2.0),
+            ("top_k", self.top_k, 0, 1 << 20),
+            ("top_p", self.top_p, 1e-9, 1.0),
+            ("min_p", self.min_p, 0.0, 1.0),
+            ("seed", self.seed, 0, 2**32 - 2),
+        ):
+            if value is not None and not low <= value <= high:
+                raise ValueError(f"--{name.replace('_', '-')} must be between {low} and {high}, got {value}")
         if self.stream_stall_s <= 0:
             raise ValueError(f"stream_stall_s must be positive, got {self.stream_stall_s}")
         if self.tenant_per_key and not (self.api_key or os.environ.get("KVROUTE_API_KEY")):
@@ -108,6 +129,7 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None) -> 
         aliases=tuple(a.strip() for a in cfg.alias.split(",") if a.strip()),
         strict_model_name=cfg.strict_model_name,
         strict_api=cfg.strict_api,
+        sampling_defaults=cfg.sampling_defaults(),
         max_body_bytes=cfg.max_body_bytes,
         stall_s=cfg.stream_stall_s,
     )

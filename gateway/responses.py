@@ -404,9 +404,11 @@ def _part(text: str, logprobs: list[Any] | None) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def finish(result: Result) -> tuple[str, dict[str, Any] | None]:
-    """(status, incomplete_details)."""
-    if result.finish_reason == FinishReason.LENGTH:
+def finish(result: Result, asked: Asked) -> tuple[str, dict[str, Any] | None]:
+    """(status, incomplete_details). `incomplete` answers the request's own `max_output_tokens`; a reply the server
+    ended (its `--max-tokens` cap, when the request set no limit) is `completed`, as llama-server reports every
+    reply: a client that never limits output (Codex) takes `incomplete` for a failed turn."""
+    if result.finish_reason == FinishReason.LENGTH and asked.body.max_output_tokens is not None:
         return "incomplete", {"reason": "max_output_tokens"}
     return "completed", None
 
@@ -418,7 +420,7 @@ def response_body(result: Result, rid: str, model: str, asked: Asked, created: f
     events = list(blocks.feed(delta)) + list(blocks.finish())
     lps = chat_logprobs(result.logprobs)["content"] if logprobs else None
     out = envelope(rid, model, asked, created)
-    status, incomplete = finish(result)
+    status, incomplete = finish(result, asked)
     u = result.usage
     out.update(
         status=status,
@@ -498,7 +500,7 @@ async def response_events(
         for ev in blocks.finish():
             for chunk in emit(ev):
                 yield chunk
-        status, incomplete = finish(msg)
+        status, incomplete = finish(msg, asked)
         u = msg.usage
         final = {**base, "status": status, "incomplete_details": incomplete, "output": done_items,
                  "usage": _usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens) | context_shift(msg)}  # fmt: skip

@@ -53,3 +53,15 @@ def test_gemma_argument_grammar_compiles_and_its_syntax_reads_back() -> None:
     value, end = parse_gemma_args(text, 0, '<|"|>')
     assert end == len(text) and value == {"city": "Rome", "days": 3, "opts": {"fast": True}, "tags": ["a", "b"]}
     assert json.dumps(value)
+
+
+def test_one_of_is_read_as_any_of_as_llama_cpp_reads_it() -> None:
+    # Qwen Code's `agent` tool: alternatives llguidance cannot prove disjoint, refused unless coerced to anyOf
+    schema = {
+        "type": "object",
+        "properties": {
+            "subagent_type": {"oneOf": [{"type": "string"}, {"type": "string", "enum": ["fork"]}]},
+            "n": {"oneOf": [{"type": "integer"}, {"type": "number"}]},
+        },
+    }
+    check(f"start: a\na: %json {json.dumps(for_grammar(schema))}\n", "tools[0].function.parameters")

@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from fake_router import FakeRouter, client_for
 from prometheus_client import REGISTRY
 
 from gateway import anthropic, responses
 from gateway.fields import HINTS, REFUSED, Policy, pattern
 from gateway.openai_schema import RequestError, chat_submit, completion_submit
+from kvroute.client import KvrouteError
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -256,3 +258,18 @@ def test_count_tokens_takes_the_same_body() -> None:
         body.pop(key)
     tok = anthropic.count_tokens_request(body)
     assert [m.role for m in tok.messages or []] == ["system", "user", "system"]
+
+
+@pytest.mark.anyio
+async def test_anthropic_context_overflow_reads_as_prompt_too_long() -> None:
+    # Claude Code compacts its conversation on Anthropic's wording, and stops on any other
+    fake = FakeRouter()
+    fake.error = KvrouteError(
+        "prompt of 32729 tokens + max_tokens 64 does not fit a slot of 32768 tokens", code="context_overflow"
+    )
+    async with client_for(fake) as c:
+        r = await c.post("/v1/messages", json={"max_tokens": 64, "messages": USER})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "prompt is too long: 32793 tokens > 32768 maximum"
+        r = await c.post("/v1/chat/completions", json={"messages": USER})
+        assert r.json()["error"]["message"].startswith("prompt of 32729 tokens")

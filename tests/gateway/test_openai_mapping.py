@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+from fake_router import FakeRouter, client_for
 
-from gateway.app import Gateway, build_app
 from gateway.openai_schema import RequestError, chat_submit, completion_submit
 from kvroute.client import KvrouteError
-from protocol import Delta, ErrorCode, Result, SlotStatus, StatusReply, Submit, Timings, Usage, WorkerStatus, pack_tokens
+from protocol import ErrorCode, pack_tokens
 
 
 def test_completion_defaults_follow_openai() -> None:
@@ -114,55 +113,9 @@ def test_chat_bad_messages_name_the_field() -> None:
         assert info.value.param == param
 
 
-class FakeRouter:
-    """Stands in for AsyncClient: answers every submit with two deltas and a result, or with a chosen error."""
-
-    def __init__(self) -> None:
-        self.error: KvrouteError | None = None
-        self.cancelled: list[str] = []
-        self.workers_ready = True
-        self.submits: list[Submit] = []
-        self.status_salts: list[str | None] = []
-
-    async def stream_submit(self, sub: Submit) -> AsyncIterator[Delta | Result]:
-        if self.error:
-            raise self.error
-        assert sub.id
-        self.submits.append(sub)
-        yield Delta(id=sub.id, text="Hel", tokens=pack_tokens([1]))
-        yield Delta(id=sub.id, text="lo", tokens=pack_tokens([2]))
-        yield Result(
-            id=sub.id,
-            finish_reason="length",
-            text="Hello",
-            tokens=pack_tokens([1, 2]),
-            usage=Usage(prompt_tokens=7, cached_tokens=5, completion_tokens=2),
-            timings=Timings(),
-            worker="w0",
-            slot=1,
-        )
-
-    async def status(self, cache_salt: str | None = None) -> StatusReply:
-        self.status_salts.append(cache_salt)
-        slots = [SlotStatus(slot=0, busy=False, n_tokens=0)]
-        workers = [WorkerStatus(worker="w0", incarnation=0, device="cpu", state="ready", queue=0, slots=slots)]
-        return StatusReply(model="m", policy="prefix", queued=0, workers=workers if self.workers_ready else [])
-
-    async def metrics(self) -> str:
-        return "# TYPE kvroute_requests_waiting gauge\nkvroute_requests_waiting 0.0\n"
-
-    async def close(self) -> None:
-        pass
-
-
 @pytest.fixture
 def fake() -> FakeRouter:
     return FakeRouter()
-
-
-def client_for(fake: FakeRouter, api_key: str | None = None, tenant_per_key: bool = False, **kw: Any) -> httpx.AsyncClient:
-    app = build_app(Gateway(fake, "gemma", api_key, tenant_per_key=tenant_per_key, **kw))  # type: ignore[arg-type]
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
 @pytest.mark.anyio
@@ -285,3 +238,28 @@ async def test_health_is_503_until_a_worker_is_ready(fake: FakeRouter) -> None:
         metrics = await c.get("/metrics")
         assert "kvroute_http_requests_total" in metrics.text and "kvroute_requests_waiting 0.0" in metrics.text
         assert "kvroute_router_up 1" in metrics.text
+
+
+@pytest.mark.anyio
+async def test_server_sampling_defaults_fill_only_what_a_request_leaves_out(fake: FakeRouter) -> None:
+    defaults = {"temperature": 0.0, "top_k": 40, "seed": 7}
+    async with client_for(fake, sampling_defaults=defaults) as c:
+        await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "temperature": 0.5})
+        await c.post("/v1/messages", json={"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+        await c.post("/v1/responses", json={"input": "hi", "top_k": 3})
+    chat, messages, responses = (s.sampling for s in fake.submits)
+    assert (chat.temperature, chat.top_k, chat.seed) == (0.5, 40, 7)
+    assert (messages.temperature, messages.top_k, messages.seed) == (0.0, 40, 7)
+    assert (responses.temperature, responses.top_k, responses.seed, responses.top_p) == (0.0, 3, 7, 1.0)
+
+
+@pytest.mark.anyio
+async def test_a_response_is_incomplete_only_at_its_own_max_output_tokens(fake: FakeRouter) -> None:
+    # the stand-in ends every job with `length`: the request's limit, or the server's --max-tokens cap
+    async with client_for(fake) as c:
+        own = (await c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})).json()
+        capped = (await c.post("/v1/responses", json={"input": "hi"})).json()
+        streamed = (await c.post("/v1/responses", json={"input": "hi", "stream": True})).text
+    assert (own["status"], own["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+    assert (capped["status"], capped["incomplete_details"]) == ("completed", None)
+    assert "response.completed" in streamed and "response.incomplete" not in streamed

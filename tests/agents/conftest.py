@@ -1,0 +1,22 @@
+"""One `kvroute serve` shared by the real coding agents: a context long enough for their system prompts, a cap on
+generation so the small default model's rambling ends quickly (the agents ask for 32,000 tokens)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontdoor"))
+from real_agents import API_KEY, SERVE_FLAGS
+from served import Served
+
+
+@pytest.fixture(scope="session")
+def agent_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    log = Path(tmp_path_factory.mktemp("agents-serve")) / "serve.log"
+    s = Served(*SERVE_FLAGS, api_key=API_KEY, log=log)
+    yield s
+    s.stop()

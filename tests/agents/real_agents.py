@@ -1,0 +1,466 @@
+"""Real coding agents (pinned in package.json) run headless against a kvroute server, through the capture proxy.
+
+Each client gets a home of its own (HOME, XDG dirs and its config dir under one temporary folder), a working
+directory inside it, an environment built from nothing but PATH and that home (no host API keys leak in), its
+telemetry, update checks and error reporting switched off by its own settings, and an HTTP(S) proxy that refuses
+every connection except to loopback, so anything it tries to reach beyond the server fails at once.
+
+`run_conversation(client, server_url, api_key, model, root)` runs two turns (the second resumes the first's
+session) and returns what happened: exit codes, the client's own error text, and per model request the proxy's
+timings and the usage the server reported.
+
+Record the fixture corpus (tests/fixtures/agents/<client>-<version>/NNN.json) with
+    .venv/bin/python tests/agents/real_agents.py [--client NAME ...] [--upstream URL --api-key KEY --model NAME]
+which starts its own `kvroute serve` unless --upstream is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from capture import CaptureProxy
+
+HERE = Path(__file__).resolve().parent
+BIN = HERE / "node_modules" / ".bin"
+REPO = HERE.parents[1]
+FIXTURES = REPO / "tests" / "fixtures" / "agents"
+
+PROMPT_1 = "Say hello in one word."
+PROMPT_2 = "Now say goodbye in one word."
+TURN_TIMEOUT_S = 900
+# Where every connection that is not to loopback goes: a closed port, so it fails at once.
+DEAD_PROXY = "http://127.0.0.1:9"
+API_KEY = "sk-kvroute-agents"
+# the server the agents run against: a context for their long system prompts, generation capped (they ask for 32k),
+# greedy (they send no temperature): sampled at 1.0, the small model sometimes calls tools until the context is full
+SERVE_FLAGS = ("--workers", "1", "--slots", "2", "--ctx-per-slot", "32768", "--max-tokens", "64", "--temp", "0", "--threads", "2")
+
+
+@dataclass
+class Client:
+    name: str
+    package: str
+    version: str
+    binary: str
+    api: str  # the path the model requests go to
+    # the client's words for giving up on replies cut at the output cap: the default model (270M, a base model) seldom
+    # ends a reply by itself, and Claude Code fails a turn whose replies all end at max_tokens, with llama-server too
+    cut_at_cap: str | None = None
+
+    @property
+    def exe(self) -> Path:
+        return BIN / self.binary
+
+    def installed(self) -> str | None:
+        """None when it can run, else why not."""
+        if not self.exe.exists():
+            return f"{self.exe} is missing (scripts/test installs it: cd tests/agents && npm ci)"
+        pkg = HERE / "node_modules" / self.package / "package.json"
+        got = json.loads(pkg.read_text()).get("version") if pkg.exists() else None
+        if got != self.version:
+            return f"{self.package} is {got}, the test pins {self.version} (cd tests/agents && npm ci)"
+        return None
+
+
+CLIENTS = {
+    c.name: c
+    for c in (
+        Client(
+            "claude-code",
+            "@anthropic-ai/claude-code",
+            "2.1.328",
+            "claude",
+            "/v1/messages",
+            cut_at_cap=r"response exceeded the \d+ output token maximum",
+        ),
+        Client("codex", "@openai/codex", "0.169.0", "codex", "/v1/responses"),
+        Client("opencode", "opencode-ai", "1.18.33", "opencode", "/v1/chat/completions"),
+        Client("qwen-code", "@qwen-code/qwen-code", "0.24.4", "qwen", "/v1/chat/completions"),
+    )
+}
+
+
+@dataclass
+class Turn:
+    argv: list[str]
+    rc: int | None = None
+    wall_s: float = 0.0
+    stdout: str = ""
+    stderr: str = ""
+    errors: list[str] = field(default_factory=list)  # what the client itself reported as an error
+    cut: list[str] = field(default_factory=list)  # errors that only say the model's replies ran into the output cap
+    session: str | None = None
+    requests: list[dict[str, Any]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        model = [r for r in self.requests if r.get("method") == "POST"]
+        main = max(model, key=lambda r: prompt_tokens(r)[0], default=None)
+        return {
+            "rc": self.rc,
+            "wall_s": round(self.wall_s, 2),
+            "errors": self.errors,
+            "cut_at_cap": self.cut,
+            "session": self.session,
+            "requests": len(self.requests),
+            "statuses": [r["response"].get("status") for r in self.requests],
+            "first_ttft_s": next((r["response"].get("ttft_s") for r in model if r["response"].get("ttft_s") is not None), None),
+            "main": None
+            if main is None
+            else {
+                "path": main["path"],
+                "ttft_s": main["response"].get("ttft_s"),
+                "total_s": main["response"].get("total_s"),
+                "prompt_tokens": prompt_tokens(main)[0],
+                "cached_tokens": prompt_tokens(main)[1],
+            },
+            "max_prompt_tokens": max((prompt_tokens(r)[0] for r in model), default=0),
+            "max_cached_tokens": max((prompt_tokens(r)[1] for r in model), default=0),
+            "refusals": [refusal(r) for r in self.requests if (r["response"].get("status") or 0) >= 400],
+        }
+
+
+def prompt_tokens(record: dict[str, Any]) -> tuple[int, int]:
+    """(prompt tokens, of them cached) from the usage the server reported, whatever the API."""
+    u = (record.get("response") or {}).get("usage") or {}
+    if "cache_read_input_tokens" in u or record["path"].startswith("/v1/messages"):
+        cached = u.get("cache_read_input_tokens") or 0
+        return (u.get("input_tokens") or 0) + cached + (u.get("cache_creation_input_tokens") or 0), cached
+    if "prompt_tokens" in u:
+        return u.get("prompt_tokens") or 0, (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return u.get("input_tokens") or 0, (u.get("input_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def refusal(record: dict[str, Any]) -> str:
+    err = record["response"].get("error")
+    if isinstance(err, dict):
+        err = (err.get("error") or {}).get("message") if isinstance(err.get("error"), dict) else err
+    return f"{record['response'].get('status')} {record['method']} {record['path']}: {str(err)[:400]}"
+
+
+class Conversation:
+    """One client's home, environment and commands; `turn(1)` then `turn(2)`."""
+
+    def __init__(self, client: Client, base_url: str, api_key: str, model: str, root: Path) -> None:
+        self.client = client
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.model = model
+        self.home = root / f"home-{client.name}"
+        self.work = self.home / "work"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.env = self._base_env()
+        self.config: dict[str, str] = {}  # files written into the home, by path relative to it
+        getattr(self, "_setup_" + client.name.replace("-", "_"))()
+        for rel, text in self.config.items():
+            (self.home / rel).parent.mkdir(parents=True, exist_ok=True)
+            (self.home / rel).write_text(text)
+
+    def _base_env(self) -> dict[str, str]:
+        h = str(self.home)
+        return {
+            "PATH": f"{BIN}:{Path(shutil.which('node') or '/usr/bin/node').parent}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": h,
+            "USER": "agent",
+            "LOGNAME": "agent",
+            "LANG": "C.UTF-8",
+            "TERM": "dumb",
+            "NO_COLOR": "1",
+            "CI": "1",
+            "TMPDIR": str(self.home / "tmp"),
+            "XDG_CONFIG_HOME": f"{h}/.config",
+            "XDG_CACHE_HOME": f"{h}/.cache",
+            "XDG_DATA_HOME": f"{h}/.local/share",
+            "XDG_STATE_HOME": f"{h}/.local/state",
+            # nothing but loopback can be reached
+            "HTTP_PROXY": DEAD_PROXY,
+            "HTTPS_PROXY": DEAD_PROXY,
+            "ALL_PROXY": DEAD_PROXY,
+            "http_proxy": DEAD_PROXY,
+            "https_proxy": DEAD_PROXY,
+            "all_proxy": DEAD_PROXY,
+            "NO_PROXY": "127.0.0.1,localhost,::1",
+            "no_proxy": "127.0.0.1,localhost,::1",
+        }
+
+    # --- Claude Code: Anthropic Messages at ANTHROPIC_BASE_URL --------------------------------------------------
+    def _setup_claude_code(self) -> None:
+        self.env |= {
+            "ANTHROPIC_BASE_URL": self.base_url,
+            "ANTHROPIC_API_KEY": self.api_key,
+            "ANTHROPIC_MODEL": self.model,
+            "ANTHROPIC_DEFAULT_HAIKU_MODEL": self.model,
+            "ANTHROPIC_DEFAULT_SONNET_MODEL": self.model,
+            "ANTHROPIC_DEFAULT_OPUS_MODEL": self.model,
+            "CLAUDE_CONFIG_DIR": str(self.home / ".claude"),
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_ERROR_REPORTING": "1",
+            "DISABLE_BUG_COMMAND": "1",
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
+        }
+
+    def _argv_claude_code(self, n: int, prompt: str) -> list[str]:
+        # -p: print mode, tools that need permission are refused (nothing asks); turn 2 continues the newest session
+        return [
+            str(self.client.exe),
+            "-p",
+            *(["--continue"] if n == 2 else []),
+            "--model",
+            self.model,
+            "--output-format",
+            "json",
+            prompt,
+        ]
+
+    # --- Codex CLI: OpenAI Responses through a model provider in CODEX_HOME/config.toml ---------------------------
+    def _setup_codex(self) -> None:
+        self.env |= {"CODEX_HOME": str(self.home / ".codex"), "KVROUTE_API_KEY": self.api_key}
+        self.config[".codex/config.toml"] = (
+            f'model = "{self.model}"\n'
+            'model_provider = "kvroute"\n'
+            "check_for_update_on_startup = false\n"
+            "\n[model_providers.kvroute]\n"
+            'name = "kvroute"\n'
+            f'base_url = "{self.base_url}/v1"\n'
+            'env_key = "KVROUTE_API_KEY"\n'
+            'wire_api = "responses"\n'
+            "request_max_retries = 0\n"
+            "stream_max_retries = 0\n"
+            "\n[analytics]\nenabled = false\n"
+            "\n[feedback]\nenabled = false\n"
+        )
+
+    def _argv_codex(self, n: int, prompt: str) -> list[str]:
+        # exec: headless, read-only sandbox by default; turn 2 resumes the newest session
+        resume = ["resume", "--last"] if n == 2 else []
+        return [str(self.client.exe), "exec", *resume, "--strict-config", "--skip-git-repo-check", "--json", prompt]
+
+    # --- opencode: OpenAI Chat Completions through an @ai-sdk/openai-compatible provider -------------------------
+    def _setup_opencode(self) -> None:
+        config = {
+            "$schema": "https://opencode.ai/config.json",
+            "autoupdate": False,
+            "share": "disabled",
+            "model": f"kvroute/{self.model}",
+            "small_model": f"kvroute/{self.model}",
+            # the small model may call any tool: nothing that writes, runs or fetches
+            "permission": {"edit": "deny", "bash": "deny", "webfetch": "deny"},
+            "provider": {
+                "kvroute": {
+                    "npm": "@ai-sdk/openai-compatible",
+                    "name": "kvroute",
+                    "options": {"baseURL": f"{self.base_url}/v1", "apiKey": "{env:KVROUTE_API_KEY}"},
+                    "models": {self.model: {"name": self.model}},
+                }
+            },
+        }
+        self.config[".config/opencode/opencode.json"] = json.dumps(config, indent=2) + "\n"
+        self.env |= {
+            "KVROUTE_API_KEY": self.api_key,
+            "OPENCODE_DISABLE_AUTOUPDATE": "1",
+            "OPENCODE_DISABLE_MODELS_FETCH": "1",
+            "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+            "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
+            "OPENCODE_DISABLE_SHARE": "1",
+            "OPENCODE_DISABLE_CLAUDE_CODE": "1",
+            "OPENCODE_DISABLE_EXTERNAL_SKILLS": "1",
+        }
+
+    def _argv_opencode(self, n: int, prompt: str) -> list[str]:
+        return [str(self.client.exe), "run", *(["--continue"] if n == 2 else []), "--format", "json", prompt]
+
+    # --- Qwen Code: OpenAI Chat Completions at OPENAI_BASE_URL -----------------------------------------------------
+    def _setup_qwen_code(self) -> None:
+        settings = {
+            "general": {"enableAutoUpdate": False},
+            "privacy": {"usageStatisticsEnabled": False},
+            "telemetry": {"enabled": False},
+            "ui": {"enableUserFeedback": False},
+            "security": {"auth": {"selectedType": "openai"}},
+        }
+        self.config[".qwen/settings.json"] = json.dumps(settings, indent=2) + "\n"
+        self.env |= {
+            "OPENAI_BASE_URL": f"{self.base_url}/v1",
+            "OPENAI_API_KEY": self.api_key,
+            "OPENAI_MODEL": self.model,
+            "QWEN_TELEMETRY_ENABLED": "false",
+            "QWEN_USAGE_STATISTICS_ENABLED": "false",
+        }
+
+    def _argv_qwen_code(self, n: int, prompt: str) -> list[str]:
+        # a positional prompt is one-shot; default approval mode refuses edits and shell commands headless
+        return [str(self.client.exe), *(["--continue"] if n == 2 else []), "--output-format", "json", prompt]
+
+    # --- running -------------------------------------------------------------------------------------------------
+    def argv(self, n: int, prompt: str) -> list[str]:
+        return getattr(self, "_argv_" + self.client.name.replace("-", "_"))(n, prompt)
+
+    def turn(self, n: int, prompt: str, proxy: CaptureProxy) -> Turn:
+        (self.home / "tmp").mkdir(exist_ok=True)
+        t = Turn(self.argv(n, prompt))
+        proxy.take()
+        start = time.monotonic()
+        try:
+            p = subprocess.run(
+                t.argv, cwd=self.work, env=self.env, stdin=subprocess.DEVNULL, capture_output=True, timeout=TURN_TIMEOUT_S
+            )
+            t.rc, out, err = p.returncode, p.stdout, p.stderr
+        except subprocess.TimeoutExpired as e:
+            t.rc, out, err = None, e.stdout or b"", e.stderr or b""
+            t.errors.append(f"timed out after {TURN_TIMEOUT_S} s")
+        t.wall_s = time.monotonic() - start
+        t.stdout, t.stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
+        time.sleep(0.2)  # the proxy saves a record when the reply's last byte has gone
+        t.requests = sorted(proxy.take(), key=lambda r: r["n"])
+        self._read_output(t)
+        return t
+
+    def _read_output(self, t: Turn) -> None:
+        """The client's own account of the turn: its session id and any error it reported."""
+        events = []
+        for line in t.stdout.splitlines():
+            line = line.strip()
+            if line.startswith(("{", "[")):
+                with contextlib.suppress(ValueError):
+                    events.append(json.loads(line))
+        if not events and t.stdout.strip().startswith(("{", "[")):
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(t.stdout))
+        flat: list[Any] = []
+        for e in events:
+            flat.extend(e if isinstance(e, list) else [e])
+        for e in flat:
+            if not isinstance(e, dict):
+                continue
+            kind = e.get("type")
+            t.session = t.session or e.get("session_id") or e.get("thread_id") or e.get("sessionID")
+            if kind == "result" and (e.get("is_error") or e.get("subtype", "success") != "success"):
+                t.errors.append(str(e.get("result") or e.get("error") or e.get("subtype"))[:600])
+            elif kind in ("error", "turn.failed"):
+                t.errors.append(json.dumps(e.get("error") or e.get("message") or e)[:600])
+        cap = self.client.cut_at_cap
+        t.cut = [e for e in t.errors if cap and re.search(cap, e)]
+        t.errors = [e for e in t.errors if e not in t.cut]
+        if t.rc != 0 and not t.errors and not t.cut:
+            t.errors.append(f"exit {t.rc}: {(t.stderr.strip() or t.stdout.strip())[-600:]}")
+        for r in t.requests:
+            if (r["response"].get("status") or 0) >= 400 and r["method"] == "POST":
+                t.errors.append(refusal(r))
+
+    def sanitize(self, text: str) -> str:
+        """The home's absolute path (and the forms clients derive from it) as a stable placeholder."""
+        home = str(self.home)
+        for old, new in (
+            (home, "/home/agent"),
+            (home.lstrip("/"), "home/agent"),
+            (re.sub(r"[^A-Za-z0-9]", "-", home), "-home-agent"),
+        ):
+            text = text.replace(old, new)
+        return text
+
+
+def run_conversation(
+    client: Client, server_url: str, api_key: str, model: str, root: Path
+) -> tuple[Conversation, list[Turn], CaptureProxy]:
+    proxy = CaptureProxy(server_url, root / f"capture-{client.name}").start()
+    try:
+        conv = Conversation(client, proxy.url, api_key, model, root)
+        first = conv.turn(1, PROMPT_1, proxy)
+        second = conv.turn(2, PROMPT_2, proxy)
+    finally:
+        proxy.stop()
+    return conv, [first, second], proxy
+
+
+def write_fixtures(conv: Conversation, turns: list[Turn], proxy: CaptureProxy, dest_root: Path = FIXTURES) -> Path:
+    """The captured requests, in order, as dest_root/<client>-<version>/NNN.json, plus manifest.json."""
+    dest = dest_root / f"{conv.client.name}-{conv.client.version}"
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    n = 0
+    for i, t in enumerate(turns, 1):
+        for r in t.requests:
+            n += 1
+            r = {**r, "n": n, "turn": i}
+            r["headers"] = {k: v for k, v in r["headers"].items() if k.lower() not in ("host", "content-length")}
+            (dest / f"{n:03d}.json").write_text(conv.sanitize(json.dumps(r, indent=1, ensure_ascii=False)) + "\n")
+    secret_env = {"ANTHROPIC_API_KEY", "OPENAI_API_KEY", "KVROUTE_API_KEY"}
+    manifest = {
+        "client": conv.client.name,
+        "package": f"{conv.client.package}@{conv.client.version}",
+        "captured": time.strftime("%Y-%m-%d"),
+        "kvroute_commit": _git_head(),
+        "prompts": [PROMPT_1, PROMPT_2],
+        "turns": [
+            {
+                "argv": [Path(a).name if i == 0 else a for i, a in enumerate(t.argv)],
+                "rc": t.rc,
+                "errors": t.errors,
+                "requests": [r["n"] for r in t.requests],
+            }
+            for t in turns
+        ],
+        "env": {k: ("REDACTED" if k in secret_env else v) for k, v in conv.env.items() if k not in ("PATH",)},
+        "config_files": conv.config,
+    }
+    text = conv.sanitize(json.dumps(manifest, indent=1, ensure_ascii=False)).replace(proxy.url, "http://127.0.0.1:PROXY")
+    (dest / "manifest.json").write_text(text + "\n")
+    return dest
+
+
+def _git_head() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main() -> None:
+    import argparse
+    import tempfile
+
+    ap = argparse.ArgumentParser(description="capture the agents' requests as fixtures")
+    ap.add_argument("--client", action="append", choices=sorted(CLIENTS), help="default: all")
+    ap.add_argument("--upstream", help="a running kvroute's base URL (default: start one)")
+    ap.add_argument("--api-key", default=API_KEY)
+    ap.add_argument("--model", default="gemma-3-270m-q4_k_m")
+    ap.add_argument("--out", type=Path, default=FIXTURES)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="kvagents-"))
+    served = None
+    if not args.upstream:
+        sys.path.insert(0, str(REPO / "tests" / "frontdoor"))
+        from served import Served
+
+        served = Served(*SERVE_FLAGS, api_key=args.api_key, log=root / "serve.log")
+        args.upstream = served.url
+    try:
+        for name in args.client or sorted(CLIENTS):
+            client = CLIENTS[name]
+            why = client.installed()
+            if why:
+                print(f"{name}: skipped: {why}", flush=True)
+                continue
+            conv, turns, proxy = run_conversation(client, args.upstream, args.api_key, args.model, root)
+            dest = write_fixtures(conv, turns, proxy, args.out)
+            print(
+                json.dumps({"client": name, "fixtures": str(dest), "turns": [t.summary() for t in turns]}, indent=1), flush=True
+            )
+    finally:
+        if served is not None:
+            served.stop()
+
+
+if __name__ == "__main__":
+    main()

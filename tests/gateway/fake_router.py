@@ -1,0 +1,58 @@
+"""A stand-in for the router client behind the gateway (unit tests, no model)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from gateway.app import Gateway, build_app
+from kvroute.client import KvrouteError
+from protocol import Delta, Result, SlotStatus, StatusReply, Submit, Timings, Usage, WorkerStatus, pack_tokens
+
+
+class FakeRouter:
+    """Stands in for AsyncClient: answers every submit with two deltas and a result, or with a chosen error."""
+
+    def __init__(self) -> None:
+        self.error: KvrouteError | None = None
+        self.cancelled: list[str] = []
+        self.workers_ready = True
+        self.submits: list[Submit] = []
+        self.status_salts: list[str | None] = []
+
+    async def stream_submit(self, sub: Submit) -> AsyncIterator[Delta | Result]:
+        if self.error:
+            raise self.error
+        assert sub.id
+        self.submits.append(sub)
+        yield Delta(id=sub.id, text="Hel", tokens=pack_tokens([1]))
+        yield Delta(id=sub.id, text="lo", tokens=pack_tokens([2]))
+        yield Result(
+            id=sub.id,
+            finish_reason="length",
+            text="Hello",
+            tokens=pack_tokens([1, 2]),
+            usage=Usage(prompt_tokens=7, cached_tokens=5, completion_tokens=2),
+            timings=Timings(),
+            worker="w0",
+            slot=1,
+        )
+
+    async def status(self, cache_salt: str | None = None) -> StatusReply:
+        self.status_salts.append(cache_salt)
+        slots = [SlotStatus(slot=0, busy=False, n_tokens=0)]
+        workers = [WorkerStatus(worker="w0", incarnation=0, device="cpu", state="ready", queue=0, slots=slots)]
+        return StatusReply(model="m", policy="prefix", queued=0, workers=workers if self.workers_ready else [])
+
+    async def metrics(self) -> str:
+        return "# TYPE kvroute_requests_waiting gauge\nkvroute_requests_waiting 0.0\n"
+
+    async def close(self) -> None:
+        pass
+
+
+def client_for(fake: FakeRouter, api_key: str | None = None, tenant_per_key: bool = False, **kw: Any) -> httpx.AsyncClient:
+    app = build_app(Gateway(fake, "gemma", api_key, tenant_per_key=tenant_per_key, **kw))  # type: ignore[arg-type]
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
