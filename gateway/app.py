@@ -48,9 +48,14 @@ STALL_S = 30.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def error_text(exc: KvrouteError) -> str:
+    """What a client reads of a router error (its code goes in the body's own field)."""
+    return exc.message if not exc.error_id else f"{exc.message} (error id {exc.error_id})"
+
+
 def kvroute_error_response(exc: KvrouteError, errors: Errors) -> JSONResponse:
     status, type_ = errors.status_of(exc.code)
-    message = exc.message if not exc.error_id else f"{exc.message} (error id {exc.error_id})"
+    message = error_text(exc)
     if errors.anthropic:
         message = anthropic.error_message(message, exc.code)
     headers = None
@@ -251,7 +256,7 @@ class Gateway:
                 async for chunk in call.events(checked()):
                     yield chunk
             except KvrouteError as exc:
-                yield dialect.stream_error(str(exc), exc.code)
+                yield dialect.stream_error(error_text(exc), exc.code)
             finally:
                 await messages.aclose()  # on client disconnect this sends the cancel
 

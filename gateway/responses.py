@@ -269,6 +269,8 @@ def to_messages(instructions: str | None, input_: str | list[Any], policy: Polic
             out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=body))
         elif isinstance(item, ReasoningItem):
             text = "".join(c.text for c in item.content or [])
+            if not text:  # only a summary or encrypted content (OpenAI's own items): nothing this model wrote
+                continue
             if last is not None and not last.tool_calls and not last.content:
                 last.reasoning_content = (last.reasoning_content or "") + text
             else:
