@@ -9,6 +9,14 @@ import pytest
 from served import Served
 
 API_KEY = "test-key"
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test here runs against a real `kvroute serve`: all are in the model tier (`-m "not model"` skips them)."""
+    for item in items:
+        if HERE in Path(item.path).parents:
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.fixture(scope="session")
