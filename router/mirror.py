@@ -31,6 +31,7 @@ import numpy as np
 from kvroute.slots import EXACT_ROWS, SlotPhase
 from protocol import CacheEntry, token_hash
 from router.index import Index, Match, Tokens, as_tokens
+from router.tokens import tokens_from_wire
 
 EMPTY: Tokens = np.empty(0, dtype=np.int32)
 
@@ -195,7 +196,7 @@ class Mirror:
             if (e.tier, e.id) in saved:
                 continue  # known from the hello that listed it
             if e.tokens:
-                tokens = np.frombuffer(e.tokens, dtype="<i4").astype(np.int32)
+                tokens = tokens_from_wire(e.tokens)
             elif 0 <= e.slot < len(slots) and slots[e.slot].busy and slots[e.slot].before is not None:
                 tokens = slots[e.slot].before  # type: ignore[assignment]
             else:

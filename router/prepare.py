@@ -16,6 +16,7 @@ from chat.template import TemplateError
 from kvroute.vocab import Vocab
 from protocol import Constraint, Detokenize, Submit, Tokenize, Tokens, pack_tokens
 from router.prompt_tokens import PromptTokenizer
+from router.tokens import tokens_from_wire, tokens_to_list
 
 PLAIN = OutputSpec()
 
@@ -82,7 +83,7 @@ def prepare(
     if msg.prompt is not None:
         return Prepared(tokenize(msg.prompt, True), limit, PLAIN)
     assert msg.tokens is not None
-    toks = np.frombuffer(msg.tokens, dtype="<i4").astype(np.int32)
+    toks = tokens_from_wire(msg.tokens)
     if len(toks) and (toks.min() < 0 or toks.max() >= vocab.n_vocab):
         bad = int(toks[(toks < 0) | (toks >= vocab.n_vocab)][0])
         raise PrepareError(f"token id {bad} is outside the vocabulary (0..{vocab.n_vocab - 1})", "tokens")
@@ -134,7 +135,7 @@ def _shift(msg: Submit, chat: ChatFormat, tokenize: TokenizeFn, ctx: int, whole:
 def tokens_reply(msg: Tokenize | Detokenize, vocab: Vocab, chat: ChatFormat) -> Tokens:
     """The answer to `tokenize` (a prompt, or messages rendered as a submit would be) or `detokenize`."""
     if isinstance(msg, Detokenize):
-        ids = np.frombuffer(msg.tokens, dtype="<i4").tolist()
+        ids = tokens_to_list(msg.tokens)
         bad = next((t for t in ids if not 0 <= t < vocab.n_vocab), None)
         if bad is not None:
             raise PrepareError(f"token id {bad} is outside the vocabulary (0..{vocab.n_vocab - 1})", "tokens")

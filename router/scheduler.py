@@ -80,6 +80,7 @@ from router.prepare import Prepared, PrepareError
 from router.replies import choice_of, delta_of, result_of
 from router.requests import Req, ReqState, WorkerConn, WorkerState, tenant
 from router.select import Dispatch, Params, Wait, coldest, expected_reuse, select
+from router.tokens import tokens_from_wire, tokens_to_list, tokens_to_wire
 
 log = logs.get(__name__)
 
@@ -206,7 +207,7 @@ class Scheduler:
             Job(
                 id=job,
                 slot=slot.index,
-                tokens=req.tokens.astype("<i4").tobytes(),
+                tokens=tokens_to_wire(req.tokens),
                 sampling=req.sampling,
                 deadline_ms=deadline_ms,
                 predicted_reuse=d.reuse,
@@ -548,9 +549,7 @@ class Scheduler:
             self.worker_dead(msg.worker_id, f"new incarnation {msg.incarnation}")
         held = None
         if msg.held is not None:  # what each slot holds: the mirror starts from it
-            held = {
-                h.slot: (np.frombuffer(h.tokens, dtype="<i4").astype(np.int32), h.n_exact, h.salt, h.min_keep) for h in msg.held
-            }
+            held = {h.slot: (tokens_from_wire(h.tokens), h.n_exact, h.salt, h.min_keep) for h in msg.held}
         # without a report, a fresh process starts empty; one seen before may hold anything
         known = held is not None or (msg.worker_id, msg.incarnation) not in self.seen
         self.seen.add((msg.worker_id, msg.incarnation))
@@ -622,7 +621,7 @@ class Scheduler:
         if req.prefill_pending:
             req.prefill_pending = 0  # the prompt is computed: no longer this worker's queued prefill
             conn.refresh()
-        req.streamed.extend(np.frombuffer(msg.tokens, dtype="<i4").tolist())
+        req.streamed.extend(tokens_to_list(msg.tokens))
         req.logprobs.extend(msg.logprobs)
         assert req.parser is not None
         piece = req.parser.feed(msg.text)
@@ -640,7 +639,7 @@ class Scheduler:
             log.warning("unknown_job_done", worker=conn.id, job=msg.id)
             return
         self._leave_worker(req)
-        generated = np.frombuffer(msg.tokens, dtype="<i4").astype(np.int32)
+        generated = tokens_from_wire(msg.tokens)
         slot = req.slot
         if msg.slot != slot.index:
             mm = self.mirror.fail(slot, msg.id, req.tokens, generated, True, 0, "not-this-slot")
