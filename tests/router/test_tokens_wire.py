@@ -14,7 +14,4 @@ def test_router_tokens_and_protocol_tokens_are_one_format() -> None:
     assert arr.dtype == np.int32 and arr.tolist() == ids
     assert unpack_tokens(tokens_to_wire(np.array(ids, dtype=np.int64))) == ids
     assert tokens_to_list(pack_tokens(ids)) == ids
-    data = bytearray(pack_tokens(ids))
-    arr = tokens_from_wire(bytes(data))
-    data[:4] = b"\xff\xff\xff\xff"
-    assert arr[0] == 0  # its own copy
+    assert tokens_from_wire(pack_tokens(ids)).flags.writeable  # a copy of its own, not a view of the frame
