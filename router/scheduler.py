@@ -218,11 +218,12 @@ class Scheduler:
         )
 
     def _requeue(self, req: Req) -> None:
+        """Back to the front of the queue, to be placed again (its worker died, or refused it)."""
         self._leave_worker(req)
         self.jobs.pop(req.job or "", None)
         self._enqueue(req, front=True)
         self.metrics.redispatched += 1
-        log.info("request_requeued", request_id=req.rid, attempts=req.attempts)
+        log.info("request_requeued", request_id=req.rid, attempts=req.attempts, deaths=req.deaths)
 
     def _cancel(self, req: Req) -> None:
         """Stop a choice: one not running yet ends now (an empty `cancelled` choice), a running one is told to stop."""
@@ -755,10 +756,7 @@ class Scheduler:
                     f" sent to another (--max-worker-deaths {self.cfg.max_worker_deaths})",
                 )
             else:
-                self.jobs.pop(req.job or "", None)
-                self._enqueue(req, front=True)
-                self.metrics.redispatched += 1
-                log.info("request_requeued", request_id=req.rid, attempts=req.attempts, deaths=req.deaths)
+                self._requeue(req)
         if not any(w.state is WorkerState.READY for w in self.workers.values()) and self.no_workers_since is None:
             self.no_workers_since = time.monotonic()
         self._pump()
