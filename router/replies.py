@@ -22,8 +22,8 @@ def delta_of(req: Req, piece: Piece, tokens: bytes, logprobs: list[TokenLogprob]
 
 def choice_of(req: Req, done: JobDone) -> Choice:
     """The reply of one choice, read by its parser (which has seen every delta and `finish`)."""
-    parser = req.parser
-    assert parser is not None
+    assert req.attempt is not None
+    parser = req.attempt.parser
     calls = [ToolCall(id=call_id, name=c.name, arguments=c.arguments) for _, call_id, c in parser.calls]
     reason = done.finish_reason
     if calls and reason == FinishReason.STOP:
@@ -35,7 +35,7 @@ def choice_of(req: Req, done: JobDone) -> Choice:
         tokens=done.tokens,
         reasoning=parser.reasoning_text,
         tool_calls=calls,
-        logprobs=req.logprobs,
+        logprobs=req.attempt.logprobs,
         stop=done.stop,
         completion_tokens=done.generated_tokens,
         cached_tokens=done.reused_tokens,

@@ -1,4 +1,5 @@
-"""The router's bookkeeping records: one per choice of a client request, one per connected worker."""
+"""The router's bookkeeping records: one per choice of a client request, one per dispatch of it to a worker, one per
+connected worker."""
 
 from __future__ import annotations
 
@@ -39,6 +40,21 @@ class ReqState(enum.Enum):
 
 
 @dataclass(eq=False)
+class Attempt:
+    """One dispatch of a choice to a worker's slot: what a requeue drops whole (the next dispatch makes a new one)."""
+
+    job: str
+    worker: str
+    slot: Slot
+    predicted: int  # prompt tokens the router expects the slot to reuse
+    prefill_pending: int  # prompt tokens its worker has still to compute (until the first token)
+    parser: OutputParser  # reads this attempt's reply
+    streamed: list[int] = field(default_factory=list)  # token ids received from the worker
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    delivered: int = 0  # deltas sent to the client: once any is, the choice cannot be dispatched again
+
+
+@dataclass(eq=False)
 class Req:
     client: bytes  # ZMQ identity of the client connection
     envelope: list[bytes]  # [b""] for REQ clients, echoed back; [] for DEALER
@@ -53,13 +69,7 @@ class Req:
     reply_to: bytes | None = None  # where replies go; None: nothing more is sent (the client left, or it was answered)
     queued_at: float = field(default_factory=time.monotonic)
     wait_since: float | None = None  # when it started waiting for a busy slot
-    job: str | None = None
-    worker: str | None = None
-    slot: Slot | None = None
-    predicted: int = 0
-    prefill_pending: int = 0  # prompt tokens its worker has still to compute (until the first token)
-    streamed: list[int] = field(default_factory=list)  # token ids received from the worker
-    delivered: int = 0  # deltas sent to the client in this attempt: once any is, it cannot be re-dispatched
+    attempt: Attempt | None = None  # its current (or last) dispatch; None while queued
     attempts: int = 0
     deaths: int = 0  # workers that died while running it: a poison request kills every worker it reaches
     ended: bool = False  # its outcome is counted and answered (an error) though a choice may still be cancelling
@@ -67,8 +77,6 @@ class Req:
     queue_ms: float = 0.0
     constraint: Constraint | None = None
     output: OutputSpec = field(default_factory=OutputSpec)
-    parser: OutputParser | None = None  # reads this attempt's reply (made at dispatch)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
     index: int = 0  # which choice, when the client asked for n > 1
     group: list[Req] | None = None  # every choice of the request when n > 1 (one list, shared by all of them)
     choice: Choice | None = None  # this choice's reply, kept until every choice of the request has one
@@ -86,9 +94,21 @@ class Req:
         return (self.client, self.rid, self.index)
 
     @property
+    def job(self) -> str | None:
+        return self.attempt.job if self.attempt else None
+
+    @property
+    def worker(self) -> str | None:
+        return self.attempt.worker if self.attempt else None
+
+    @property
+    def slot(self) -> Slot | None:
+        return self.attempt.slot if self.attempt else None
+
+    @property
     def started(self) -> bool:
         """Output reached the client: the request can no longer be sent to another worker."""
-        return self.delivered > 0
+        return self.attempt is not None and self.attempt.delivered > 0
 
     @property
     def choices(self) -> list[Req]:
@@ -168,7 +188,7 @@ class WorkerConn:
     def refresh(self) -> None:
         """Recompute the load selection sees from what it derives from: the mirror's slots and the running jobs."""
         self.load.busy = sum(s.busy for s in self.slots)
-        self.load.queued_prefill = sum(r.prefill_pending for r in self.jobs.values())
+        self.load.queued_prefill = sum(r.attempt.prefill_pending for r in self.jobs.values() if r.attempt)
 
     @property
     def id(self) -> str:

@@ -78,7 +78,7 @@ from router.metrics import Metrics, RequestRecord, mispredicted
 from router.mirror import Mirror
 from router.prepare import Prepared, PrepareError
 from router.replies import choice_of, delta_of, result_of
-from router.requests import Req, ReqState, WorkerConn, WorkerState, tenant
+from router.requests import Attempt, Req, ReqState, WorkerConn, WorkerState, tenant
 from router.select import Dispatch, Params, Wait, coldest, expected_reuse, select
 from router.tokens import tokens_from_wire, tokens_to_list, tokens_to_wire
 
@@ -160,7 +160,7 @@ class Scheduler:
     # ---- transitions ------------------------------------------------------------------------------
 
     def _enqueue(self, req: Req, front: bool = False) -> None:
-        req.state, req.job, req.worker, req.slot = ReqState.QUEUED, None, None, None
+        req.state, req.attempt = ReqState.QUEUED, None
         req.queued_at, req.wait_since = time.monotonic(), None
         self.requests[req.key] = req
         if front:
@@ -179,9 +179,8 @@ class Scheduler:
         now = time.monotonic()
         req.queue_ms += (now - req.queued_at) * 1000
         self.metrics.queue_wait_ms.observe((now - req.queued_at) * 1000)
-        req.state, req.job, req.worker, req.slot = ReqState.RUNNING, job, conn.id, slot
-        req.predicted, req.prefill_pending, req.attempts = d.reuse, len(req.tokens) - d.reuse, req.attempts + 1
-        req.streamed, req.logprobs, req.parser, req.delivered = [], [], req.output.parser(), 0
+        req.state, req.attempts = ReqState.RUNNING, req.attempts + 1
+        req.attempt = Attempt(job, conn.id, slot, d.reuse, len(req.tokens) - d.reuse, req.output.parser())
         if not conn.jobs:
             conn.progress_at = now  # progress is expected from now on
         self.jobs[job] = req
@@ -617,31 +616,32 @@ class Scheduler:
 
     def _job_delta(self, conn: WorkerConn, msg: JobDelta) -> None:
         req = conn.jobs.get(msg.id)
-        if req is None:
+        if req is None or req.attempt is None:
             return
-        if req.prefill_pending:
-            req.prefill_pending = 0  # the prompt is computed: no longer this worker's queued prefill
+        attempt = req.attempt
+        if attempt.prefill_pending:
+            attempt.prefill_pending = 0  # the prompt is computed: no longer this worker's queued prefill
             conn.refresh()
-        req.streamed.extend(tokens_to_list(msg.tokens))
-        req.logprobs.extend(msg.logprobs)
-        assert req.parser is not None
-        piece = req.parser.feed(msg.text)
+        attempt.streamed.extend(tokens_to_list(msg.tokens))
+        attempt.logprobs.extend(msg.logprobs)
+        piece = attempt.parser.feed(msg.text)
         if req.stream and req.reply_to is not None:
             delta = delta_of(req, piece, msg.tokens, msg.logprobs)
             if msg.reused_tokens is not None:  # the job's first token: what the prompt cost is known now
                 delta.usage = Usage(prompt_tokens=len(req.tokens), cached_tokens=msg.reused_tokens, completion_tokens=0)
-            req.delivered += 1
+            attempt.delivered += 1
             self._to_client(req, delta)
 
     def _job_done(self, conn: WorkerConn, msg: JobDone) -> None:
         self._cache_changed(conn, msg)
         req = conn.jobs.get(msg.id)
-        if req is None or req.slot is None:
+        if req is None or req.attempt is None:
             log.warning("unknown_job_done", worker=conn.id, job=msg.id)
             return
         self._leave_worker(req)
         generated = tokens_from_wire(msg.tokens)
-        slot = req.slot
+        attempt = req.attempt
+        slot = attempt.slot
         if msg.slot != slot.index:
             mm = self.mirror.fail(slot, msg.id, req.tokens, generated, True, 0, "not-this-slot")
         else:
@@ -654,8 +654,10 @@ class Scheduler:
         if msg.reused_tokens >= self.params.min_match:
             slot.hits += 1
         slot.reused_total += msg.reused_tokens
-        if mispredicted(req.predicted, msg.reused_tokens, msg.restored_tokens):
-            log.warning("reuse_mispredicted", request_id=req.rid, job=msg.id, predicted=req.predicted, actual=msg.reused_tokens)
+        if mispredicted(attempt.predicted, msg.reused_tokens, msg.restored_tokens):
+            log.warning(
+                "reuse_mispredicted", request_id=req.rid, job=msg.id, predicted=attempt.predicted, actual=msg.reused_tokens
+            )
         t = msg.timings
         timings = Timings(
             queue_ms=req.queue_ms + t.queue_ms,
@@ -666,7 +668,7 @@ class Scheduler:
         )
         self.metrics.finished(
             RequestRecord(
-                req.rid, conn.id, slot.index, msg.prompt_tokens, req.predicted, msg.reused_tokens,
+                req.rid, conn.id, slot.index, msg.prompt_tokens, attempt.predicted, msg.reused_tokens,
                 msg.generated_tokens, msg.finish_reason, timings.ttft_ms, timings.queue_ms, req.attempts,
                 msg.restored_tokens,
             ),
@@ -679,7 +681,7 @@ class Scheduler:
             worker=conn.id,
             slot=slot.index,
             finish_reason=msg.finish_reason,
-            predicted_reuse=req.predicted,
+            predicted_reuse=attempt.predicted,
             reused=msg.reused_tokens,
             restored=msg.restored_tokens,
             prefilled=msg.prefilled_tokens,
@@ -687,8 +689,7 @@ class Scheduler:
             ttft_ms=round(timings.ttft_ms, 1),
         )
         self._finish(req)
-        assert req.parser is not None
-        tail = req.parser.finish()
+        tail = attempt.parser.finish()
         if req.stream and (tail.content or tail.reasoning or tail.calls):
             self._to_client(req, delta_of(req, tail, b"", []))
         req.choice = choice_of(req, msg)
@@ -702,12 +703,12 @@ class Scheduler:
     def _job_error(self, conn: WorkerConn, msg: JobError) -> None:
         self._cache_changed(conn, msg)
         req = conn.jobs.get(msg.id)
-        if req is None or req.slot is None:
+        if req is None or req.attempt is None:
             return
         self._leave_worker(req)
-        streamed = np.asarray(req.streamed, dtype=np.int32)
+        streamed = np.asarray(req.attempt.streamed, dtype=np.int32)
         mm = self.mirror.fail(
-            req.slot, msg.id, req.tokens, streamed, msg.slot >= 0, msg.slot_tokens, msg.slot_hash, msg.slot_min_keep
+            req.attempt.slot, msg.id, req.tokens, streamed, msg.slot >= 0, msg.slot_tokens, msg.slot_hash, msg.slot_min_keep
         )
         conn.refresh()
         if mm is not None:
