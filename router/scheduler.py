@@ -66,13 +66,12 @@ from protocol import (
     JobError,
     Refuse,
     Sampling,
-    SlotStatus,
     StatusReply,
     Submit,
     Timings,
     Usage,
-    WorkerStatus,
 )
+from router import handshake, views
 from router.config import RouterConfig
 from router.metrics import Metrics, RequestRecord, mispredicted
 from router.mirror import Mirror
@@ -520,23 +519,11 @@ class Scheduler:
     # ---- worker events ----------------------------------------------------------------------------
 
     def hello(self, identity: bytes, msg: Hello) -> None:
-        if identity != msg.worker_id.encode():
-            refusal = Refuse(code=ErrorCode.BAD_REQUEST, reason="ZMQ identity must equal worker_id")
+        refusal = handshake.refusal(identity, msg, self.fingerprint, self.weights, self.model)
+        if refusal is not None:
+            if refusal.code == ErrorCode.MODEL_MISMATCH:
+                log.warning("worker_refused", worker=msg.worker_id, code="model_mismatch", reason=refusal.reason)
             self.outbox.append(Out(identity, refusal, worker=True))
-            return
-        reason: str | None = None
-        if msg.model_fingerprint != self.fingerprint:
-            reason = (
-                f"model fingerprint {msg.model_fingerprint[:16]} differs from the router's {self.fingerprint[:16]} ({self.model})"
-            )
-        elif self.weights and msg.weights_fingerprint and msg.weights_fingerprint != self.weights:
-            reason = (
-                f"model weights {msg.weights_fingerprint[:16]} differ from the router's {self.weights[:16]} ({self.model}):"
-                " the same vocabulary with other weights (another quantization or fine-tune) would answer differently"
-            )
-        if reason is not None:
-            log.warning("worker_refused", worker=msg.worker_id, code="model_mismatch", reason=reason)
-            self.outbox.append(Out(identity, Refuse(code=ErrorCode.MODEL_MISMATCH, reason=reason), worker=True))
             return
         self.silent.pop((msg.worker_id, msg.incarnation), None)  # it came back
         self.failed.pop(msg.worker_id, None)
@@ -547,9 +534,7 @@ class Scheduler:
             return
         if old is not None:
             self.worker_dead(msg.worker_id, f"new incarnation {msg.incarnation}")
-        held = None
-        if msg.held is not None:  # what each slot holds: the mirror starts from it
-            held = {h.slot: (tokens_from_wire(h.tokens), h.n_exact, h.salt, h.min_keep) for h in msg.held}
+        held = handshake.held(msg)
         # without a report, a fresh process starts empty; one seen before may hold anything
         known = held is not None or (msg.worker_id, msg.incarnation) not in self.seen
         self.seen.add((msg.worker_id, msg.incarnation))
@@ -849,34 +834,7 @@ class Scheduler:
     def status(self, rid: str | None, cache_salt: str | None = None) -> StatusReply:
         """Every worker and slot; a slot holding another tenant's prompt than the asker's (`cache_salt`) shows only
         whether it is busy."""
-        now = time.monotonic()
-        salt = tenant(cache_salt)
-        workers = [
-            WorkerStatus(
-                worker=c.id,
-                incarnation=c.hello.incarnation,
-                device=c.hello.device,
-                state=c.state.value,
-                queue=c.queue,
-                restarts=self.restarts.get(c.id, 0),
-                ctx_per_slot=c.hello.ctx_per_slot,
-                kv_bytes_per_slot=c.hello.kv_bytes // max(1, c.hello.slots),
-                slots=[
-                    SlotStatus(slot=s.index, busy=s.busy, n_tokens=0, other_tenant=True)
-                    if s.salt and s.salt != salt
-                    else SlotStatus(
-                        slot=s.index,
-                        busy=s.busy,
-                        n_tokens=len(s.tokens),
-                        request_id=(self.jobs[s.job].rid if s.job in self.jobs else None),
-                        reused_total=s.reused_total,
-                        last_used_s=round(now - s.last_used, 3),
-                    )
-                    for s in c.slots
-                ],
-            )
-            for c in self.workers.values()
-        ]
+        workers = views.worker_statuses(self.workers.values(), self.jobs, self.restarts, tenant(cache_salt))
         failed = [FailedWorker(worker=w, reason=r) for w, r in sorted(self.failed.items())]
         return StatusReply(
             id=rid, model=self.model, policy=self.cfg.policy, queued=len(self.queue), workers=workers, failed=failed
@@ -884,16 +842,8 @@ class Scheduler:
 
     def status_line(self) -> str:
         """One line for systemd's STATUS=: workers, busy slots, queue, requests served."""
-        ready = sum(w.state is WorkerState.READY for w in self.workers.values())
-        slots = sum(len(w.slots) for w in self.workers.values())
-        busy = sum(w.load.busy for w in self.workers.values())
-        served = self.metrics.requests["stop"] + self.metrics.requests["length"] + self.metrics.requests["tool_calls"]
-        other = sum(self.metrics.requests.values()) - served
-        head = f"draining, {len(self.requests)} in flight; " if self.draining else ""
-        return (
-            f"{head}workers {ready} ready/{len(self.workers)}, slots {busy}/{slots} busy, queued {len(self.queue)},"
-            f" served {served}, other endings {other}"
-        )
+        in_flight = len(self.requests) if self.draining else None
+        return views.status_line(self.workers.values(), self.metrics.requests, len(self.queue), in_flight)
 
 
 def _held_on(match: Any, workers: set[str]) -> int:
