@@ -71,7 +71,7 @@ from protocol import (
     Timings,
     Usage,
 )
-from router import handshake, views
+from router import handshake, queue_order, views
 from router.config import RouterConfig
 from router.metrics import Metrics, RequestRecord, mispredicted
 from router.mirror import Mirror
@@ -84,7 +84,6 @@ from router.tokens import tokens_from_wire, tokens_to_list, tokens_to_wire
 log = logs.get(__name__)
 
 MAX_WAITING_SCAN = 64  # queued requests examined per event beyond those dispatched
-SORT_WINDOW = 64  # --queue-order shortest orders the oldest this many waiting requests
 # the default bound on waiting requests (--queue-size 0): agents arrive in bursts of dozens and should wait their
 # turn, as llama-server lets them, while a flood still gets queue_full instead of memory growing without bound
 DEFAULT_QUEUE = 256
@@ -435,36 +434,13 @@ class Scheduler:
     def _idle_slot(self) -> bool:
         return any(w.state is WorkerState.READY and w.load.busy < len(w.slots) for w in self.workers.values())
 
-    def _in_order(self, now: float) -> list[Req]:
-        """The queue in the order requests take freed slots. `fifo`: oldest first. `shortest`: first, oldest first,
-        the requests that arrived `queue_bound_ms` ago or more (so nothing starves); then the least prompt left to
-        compute after the longest prefix a slot or saved state holds on a worker with an idle slot (a turn whose
-        history is on a busy worker lets one whose history is on the freed one go first, instead of taking the freed
-        slot and computing its history again), among the SORT_WINDOW oldest (the rest follow in order: a long queue
-        costs no more per event). Measured: bench/README.md, "Queue order". The baseline policies ignore prefixes
-        here too: fifo."""
-        if self.cfg.queue_order == "fifo" or self.cfg.policy != "prefix" or len(self.queue) < 2:
-            return list(self.queue)
-        bound = self.cfg.queue_bound_ms / 1000
-        open_ = {w.id for w in self.workers.values() if w.state is WorkerState.READY and w.load.busy < len(w.slots)}
-        head = [(r, self.mirror.match(r.tokens, r.salt)) for r in self.queue[:SORT_WINDOW]]
-
-        def key(item: tuple[int, tuple[Req, Any]]) -> tuple[int, int, int]:
-            i, (req, match) = item
-            if now - req.arrived >= bound:
-                return (0, 0, i)
-            return (1, match.length - _held_on(match, open_), i)
-
-        ordered = [req for _, (req, _) in sorted(enumerate(head), key=key)]
-        return ordered + self.queue[SORT_WINDOW:]
-
     def _pump(self) -> None:
-        """Dispatch queued requests, in `_in_order`'s order, while idle slots remain."""
+        """Dispatch queued requests, in `queue_order.in_order`, while idle slots remain."""
         if not self.queue or not self._idle_slot():
             return  # (before ordering the queue: a new request or a tick while every slot is busy costs nothing)
         now = time.monotonic()
         waiting = 0
-        for req in self._in_order(now):
+        for req in queue_order.in_order(self.queue, self.mirror, self.workers.values(), self.cfg, now):
             if not self._idle_slot():
                 break
             if waiting >= MAX_WAITING_SCAN:
@@ -844,11 +820,3 @@ class Scheduler:
         """One line for systemd's STATUS=: workers, busy slots, queue, requests served."""
         in_flight = len(self.requests) if self.draining else None
         return views.status_line(self.workers.values(), self.metrics.requests, len(self.queue), in_flight)
-
-
-def _held_on(match: Any, workers: set[str]) -> int:
-    """The longest prefix of a matched prompt that a slot or saved state of one of `workers` holds."""
-    for owners, depth in reversed(match.path):
-        if any(o.worker in workers for o in owners):
-            return int(depth)
-    return 0
