@@ -12,11 +12,12 @@ llama_decode, and whether both picked the same tokens (they should: the draw is 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import msgspec
 
 import worker.sampling
 from protocol import Job, JobDone, Sampling, pack_tokens
@@ -41,7 +42,7 @@ def batch(engine: Engine, slots: int, tokens: int, tag: str) -> tuple[float, flo
     """(aggregate decode tokens/s, share of step time outside llama_decode, each job's tokens)."""
     for s in range(slots):
         engine.call(lambda e, s=s: e._clear(e.table[s])).result()
-    c0 = dataclasses.replace(engine.counters)
+    c0 = msgspec.structs.replace(engine.counters)
     t = time.perf_counter()
     streams = []
     for i in range(slots):

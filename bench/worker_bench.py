@@ -12,9 +12,10 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
+
+import msgspec
 
 from chat.grammar import constraint
 from protocol import Constraint, Job, JobDone, ResponseFormat, Sampling, pack_tokens
@@ -89,7 +90,7 @@ def main() -> None:
     tps1 = one.generated_tokens / (one.timings.decode_ms / 1000)
     for s in range(8):  # prefill all eight, then measure decoding only
         engine.call(lambda e, s=s: e._clear(e.table[s])).result()
-    c0 = dataclasses.replace(engine.counters)
+    c0 = msgspec.structs.replace(engine.counters)
     t = time.perf_counter()
     streams = [
         engine.submit(

@@ -79,6 +79,49 @@ class SlotState(Struct, kw_only=True):
     job_id: str | None = None
 
 
+class EngineCounters(Struct, kw_only=True):
+    """A worker engine's monotonic counters (written by its compute thread) and, last, three gauges: the router's
+    per-worker metrics. On the wire a map of numbers by field name (ints, or floats); a name this router does not
+    know is ignored."""
+
+    steps: int | float = 0
+    batch_rows: int | float = 0
+    decode_rows: int | float = 0
+    prefill_rows: int | float = 0
+    reused_tokens: int | float = 0
+    prefilled_tokens: int | float = 0
+    generated_tokens: int | float = 0
+    jobs_done: int | float = 0
+    jobs_failed: int | float = 0
+    invariant_violations: int | float = 0
+    decode_errors: int | float = 0
+    decode_retries: int | float = 0
+    snapshot_restores: int | float = 0
+    slot_copies: int | float = 0  # prefixes copied from another slot of this worker
+    host_saves: int | float = 0  # evicted slot contents kept in host RAM
+    host_restores: int | float = 0  # prefixes restored from host RAM
+    host_restore_bytes: int | float = 0  # bytes of the states restored (with host_restore_s: the restore speed)
+    host_restore_s: float = 0.0
+    disk_restores: int | float = 0  # prefixes restored from the disk tier (counted in restored_from_host)
+    disk_restore_bytes: int | float = 0
+    disk_restore_s: float = 0.0
+    disk_restore_failures: int | float = 0  # a disk entry that did not check out or that llama.cpp refused (served cold)
+    restored_tokens: int | float = 0  # reused tokens that came from another slot or host RAM
+    restored_from_slots: int | float = 0  # of restored_tokens: copied from another slot
+    restored_from_host: int | float = 0  # of restored_tokens: restored from host RAM
+    copy_failures: int | float = 0  # llama.cpp refused a state copy (the slot was cleared and prefilled instead)
+    host_save_failures: int | float = 0  # a copy to host RAM failed (nothing else did: the slot went on)
+    spec_proposed: int | float = 0  # guessed tokens verified (speculation)
+    spec_accepted: int | float = 0  # of spec_proposed: taken by the sampler
+    spec_withheld: int | float = 0  # guesses not computed: the job's guesses were taken too rarely to pay in its batch
+    decode_s: float = 0.0  # time inside llama_decode
+    step_s: float = 0.0  # time of whole steps (batch building + decode + sampling + messages)
+    # gauges, set when a heartbeat is made
+    host_cache_bytes: int | float = 0
+    host_cache_entries: int | float = 0
+    snapshot_bytes: int | float = 0  # host RAM held by per-slot state snapshots (recurrent and hybrid models)
+
+
 class Heartbeat(Message, tag="heartbeat", kw_only=True):
     """Every second: what the worker is doing."""
 
@@ -87,7 +130,7 @@ class Heartbeat(Message, tag="heartbeat", kw_only=True):
     slots: list[SlotState]
     queue: NonNeg  # jobs waiting for a slot inside the worker
     draining: bool = False
-    counters: dict[str, float] = {}  # the engine's monotonic counters and gauges, by name (for the router's metrics)
+    counters: EngineCounters = msgspec.field(default_factory=EngineCounters)  # (the router's per-worker metrics)
     progress: NonNeg = 0  # engine steps completed: a worker with jobs whose progress stops is hung
 
 

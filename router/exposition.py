@@ -12,10 +12,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from router.metrics import Histogram
-from router.requests import ReqState
+from router.requests import ReqState, WorkerConn
 from router.scheduler import Scheduler
 
-# worker counter (engine.Counters) -> (metric, help); each a counter with a `worker` label
+# worker counter (protocol.EngineCounters) -> (metric, help); each a counter with a `worker` label
 WORKER_COUNTERS = {
     "prefilled_tokens": ("kvroute_worker_prefill_tokens", "Prompt tokens computed"),
     "generated_tokens": ("kvroute_worker_decode_tokens", "Tokens generated"),
@@ -35,6 +35,11 @@ WORKER_COUNTERS = {
     "disk_restores": ("kvroute_worker_disk_restores", "Prefixes restored from the disk tier (--cache-dir)"),
     "disk_restore_failures": ("kvroute_worker_disk_restore_failures", "Disk-tier files that did not check out (served cold)"),
 }
+
+
+def figure(w: WorkerConn, name: str) -> float:
+    """One of a worker's engine counters (an EngineCounters field), 0 before its first heartbeat."""
+    return float(getattr(w.counters, name)) if w.counters is not None else 0.0
 
 
 def text(core: Scheduler) -> str:
@@ -84,17 +89,17 @@ class _Collector:
             "kvroute_worker_restored_tokens", "Reused tokens copied in, by source", labels=["worker", "source"]
         )
         for w in workers:
-            restored.add_metric([w.id, "slot"], w.counters.get("restored_from_slots", 0.0))
-            restored.add_metric([w.id, "host"], w.counters.get("restored_from_host", 0.0))
+            restored.add_metric([w.id, "slot"], figure(w, "restored_from_slots"))
+            restored.add_metric([w.id, "host"], figure(w, "restored_from_host"))
         yield restored
         for key, (name, doc) in WORKER_COUNTERS.items():
-            yield _per_worker(name, doc, {w.id: w.counters.get(key, 0.0) for w in workers})
+            yield _per_worker(name, doc, {w.id: figure(w, key) for w in workers})
         yield _per_worker("kvroute_worker_host_cache_bytes", "Host RAM held by evicted slot contents",
-                          {w.id: w.counters.get("host_cache_bytes", 0.0) for w in workers}, gauge=True)  # fmt: skip
+                          {w.id: figure(w, "host_cache_bytes") for w in workers}, gauge=True)  # fmt: skip
         yield _per_worker("kvroute_worker_host_cache_entries", "Evicted slot contents kept in host RAM",
-                          {w.id: w.counters.get("host_cache_entries", 0.0) for w in workers}, gauge=True)  # fmt: skip
+                          {w.id: figure(w, "host_cache_entries") for w in workers}, gauge=True)  # fmt: skip
         yield _per_worker("kvroute_worker_snapshot_bytes", "Host RAM held by per-slot state snapshots (recurrent models)",
-                          {w.id: w.counters.get("snapshot_bytes", 0.0) for w in workers}, gauge=True)  # fmt: skip
+                          {w.id: figure(w, "snapshot_bytes") for w in workers}, gauge=True)  # fmt: skip
         yield _per_worker("kvroute_worker_prefill_tokens_per_second", "Prompt tokens computed per second (last heartbeat)",
                           {w.id: w.rates.get("prefilled_tokens", 0.0) for w in workers}, gauge=True)  # fmt: skip
         yield _per_worker("kvroute_worker_decode_tokens_per_second", "Tokens generated per second (last heartbeat)",

@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 
 from chat.output import OutputParser, OutputSpec
-from protocol import Choice, Constraint, Hello, Sampling, Timings, TokenLogprob, Usage
+from protocol import Choice, Constraint, EngineCounters, Hello, Sampling, Timings, TokenLogprob, Usage
 from router.mirror import Slot
 from router.prepare import Shift, fits
 from router.select import WorkerLoad
@@ -138,7 +138,7 @@ class WorkerConn:
     state: WorkerState = WorkerState.READY
     queue: int = 0  # jobs waiting inside the worker (from its heartbeat)
     jobs: dict[str, Req] = field(default_factory=dict)
-    counters: dict[str, float] = field(default_factory=dict)  # the engine's, from its last heartbeat
+    counters: EngineCounters | None = None  # the engine's, from its last heartbeat
     rates: dict[str, float] = field(default_factory=dict)  # per second, between its last two heartbeats
     counted_at: float = 0.0
     progress: int = 0  # the engine's step count, from its last heartbeat
@@ -149,11 +149,12 @@ class WorkerConn:
     def __post_init__(self) -> None:
         self.load = WorkerLoad(self.hello.worker_id, self.slots)
 
-    def counted(self, counters: dict[str, float], now: float) -> None:
+    def counted(self, counters: EngineCounters, now: float) -> None:
         """A heartbeat's counters: kept, and their rates since the previous heartbeat."""
-        if self.counters and counters and now > self.counted_at:
+        if self.counters is not None and now > self.counted_at:
             dt = now - self.counted_at
-            self.rates = {k: max(0.0, (v - self.counters.get(k, 0.0)) / dt) for k, v in counters.items()}
+            before = msgspec.structs.asdict(self.counters)
+            self.rates = {k: max(0.0, (v - before[k]) / dt) for k, v in msgspec.structs.asdict(counters).items()}
         self.counters, self.counted_at = counters, now
         self._restore_cost()
 
@@ -166,12 +167,13 @@ class WorkerConn:
 
     def _restore_cost(self) -> None:
         """Selection's cost of restoring a byte, in prompt tokens: prefill speed / restore speed, once both are known."""
-        if not self.prefill_tps:
+        c = self.counters
+        if not self.prefill_tps or c is None:
             return
-        nbytes, seconds = self.counters.get("host_restore_bytes", 0.0), self.counters.get("host_restore_s", 0.0)
+        nbytes, seconds = c.host_restore_bytes, c.host_restore_s
         if nbytes and seconds > 0:
             self.load.restore_cost = self.prefill_tps / (nbytes / seconds)
-        nbytes, seconds = self.counters.get("disk_restore_bytes", 0.0), self.counters.get("disk_restore_s", 0.0)
+        nbytes, seconds = c.disk_restore_bytes, c.disk_restore_s
         if nbytes and seconds > 0:
             self.load.disk_restore_cost = self.prefill_tps / (nbytes / seconds)
 

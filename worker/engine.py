@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import queue
 import threading
 import time
@@ -45,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from kvroute import logs
 from kvroute.model import resolve_model
 from kvroute.slots import COPY_MIN, EXACT_ROWS, SlotPhase, common_prefix, restore_keep, reused, worth_copy
@@ -52,6 +53,7 @@ from kvroute.weights import GGUFError, weights_fingerprint
 from protocol import (
     MAX_FRAME_BYTES,
     CacheEntry,
+    EngineCounters,
     ErrorCode,
     FinishReason,
     Job,
@@ -92,42 +94,7 @@ HELLO_LISTING_BYTES = MAX_FRAME_BYTES // 2
 ENTRY_OVERHEAD_BYTES = 160  # a listed entry's fields besides its tokens, about
 
 
-@dataclass
-class Counters:
-    """Monotonic counters for metrics and benchmarks (written by the compute thread only)."""
-
-    steps: int = 0
-    batch_rows: int = 0
-    decode_rows: int = 0
-    prefill_rows: int = 0
-    reused_tokens: int = 0
-    prefilled_tokens: int = 0
-    generated_tokens: int = 0
-    jobs_done: int = 0
-    jobs_failed: int = 0
-    invariant_violations: int = 0
-    decode_errors: int = 0
-    decode_retries: int = 0
-    snapshot_restores: int = 0
-    slot_copies: int = 0  # prefixes copied from another slot of this worker
-    host_saves: int = 0  # evicted slot contents kept in host RAM
-    host_restores: int = 0  # prefixes restored from host RAM
-    host_restore_bytes: int = 0  # bytes of the states restored (with host_restore_s: the restore speed)
-    host_restore_s: float = 0.0
-    disk_restores: int = 0  # prefixes restored from the disk tier (counted in restored_from_host)
-    disk_restore_bytes: int = 0
-    disk_restore_s: float = 0.0
-    disk_restore_failures: int = 0  # a disk entry that did not check out or that llama.cpp refused (served cold)
-    restored_tokens: int = 0  # reused tokens that came from another slot or host RAM
-    restored_from_slots: int = 0  # of restored_tokens: copied from another slot
-    restored_from_host: int = 0  # of restored_tokens: restored from host RAM
-    copy_failures: int = 0  # llama.cpp refused a state copy (the slot was cleared and prefilled instead)
-    host_save_failures: int = 0  # a copy to host RAM failed (nothing else did: the slot went on)
-    spec_proposed: int = 0  # guessed tokens verified (speculation)
-    spec_accepted: int = 0  # of spec_proposed: taken by the sampler
-    spec_withheld: int = 0  # guesses not computed: the job's guesses were taken too rarely to pay in its batch
-    decode_s: float = 0.0  # time inside llama_decode
-    step_s: float = 0.0  # time of whole steps (batch building + decode + sampling + messages)
+Counters = EngineCounters  # (protocol/worker_messages.py: they cross to the router with every heartbeat)
 
 
 @dataclass(frozen=True)
@@ -375,14 +342,13 @@ class Engine:
         busy = SlotPhase.BUSY
         return [SlotState(slot=s.id, busy=s.phase is busy, n_tokens=s.n_tokens, job_id=s.job_id) for s in self.table.slots]
 
-    def figures(self) -> dict[str, float]:
+    def figures(self) -> Counters:
         """The counters, the host-RAM cache's size and the snapshots' bytes, for the heartbeat (plain reads of
         compute-thread state)."""
-        out: dict[str, float] = dataclasses.asdict(self.counters)
-        out["host_cache_bytes"] = self.host.nbytes
-        out["host_cache_entries"] = len(self.host)
-        out["snapshot_bytes"] = sum(len(s.snapshot.data) for s in list(self.table.slots) if s.snapshot is not None)
-        return out
+        snapshots = sum(len(s.snapshot.data) for s in list(self.table.slots) if s.snapshot is not None)
+        return msgspec.structs.replace(
+            self.counters, host_cache_bytes=self.host.nbytes, host_cache_entries=len(self.host), snapshot_bytes=snapshots
+        )
 
     def working(self) -> bool:
         """Whether any job waits or runs (a plain read, for the watchdog: progress is expected only then)."""
