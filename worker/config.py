@@ -20,8 +20,9 @@ def spec_opt() -> Any:
     return opt(
         "auto",
         "speculative decoding: ngram = verify guesses taken from the conversation itself (prompt lookup) in the "
-        "same batch, output unchanged; auto = ngram unless --snapshots or the model's memory cannot be trimmed "
-        "(recurrent, hybrid); none = off",
+        "same batch (the same tokens, bit for bit with --deterministic; without it a request with a seed takes no "
+        "guesses); auto = ngram unless --snapshots or the model's memory cannot be trimmed (recurrent, hybrid); "
+        "none = off",
         choices=list(SPEC),
     )
 

@@ -20,6 +20,22 @@ least 2, and at least EXACT_ROWS in all): a slot's decode row, its guesses, then
 removed again right after the decode. The fewer slots that span, the more rows each gets for guesses. Prefill
 chunks of at least EXACT_ROWS tokens get a `llama_decode` of their own. Every token's KV is then what a prompt pass computes, so a
 slot reuses its generated tokens too (`Slot.n_exact`, which covers everything but a prompt's too-short tail).
+Logits have a threshold of their own: llama.cpp computes the last layer and the output only for the rows that ask
+for logits, and from EXACT_ROWS such rows in a ubatch on it computes a token's logits otherwise (measured: a row
+4 of 8 verified guesses differed from the same token decoded alone, by 1e-2 in every logit, while with 7 rows
+asking, whichever, nothing differed). A prompt chunk asks for one; so a decode batch asks for at most
+EXACT_OUTPUTS: guesses stop there, and more generating slots than that decode in several batches.
+
+Seeded jobs without deterministic mode: a seed asks for the same tokens every time the same job comes, as
+llama-server gives them (issue 30). Two things in the default mode would break that and are off for a seeded job:
+guesses (rows verified together are computed with other kernels than one row alone, measured up to 1 in a logit
+and 1-5 % of the next token's probability mass at temperature 1, and what is guessed depends on earlier jobs'
+outputs and on step timings), and a cold prompt's last token computed inside its prompt's chunk (a cached
+request computes it alone: a seeded job always does). The same seeded job then gives the same tokens whether its
+prompt is computed from scratch or found whole in the cache (its slot, another slot's copy, host RAM, disk), with
+`--spec` on or off, on a worker with no other job at the time. A prefix that another request left (a shared system
+prompt, the chat template's first tokens) was computed in another chunk, and other jobs change the batch: only
+deterministic mode gives the same tokens then (its kernels cost every job, its padding every generating step).
 
 Speculation (`--spec auto|ngram`, worker/speculate.py): a generating slot's row may be followed by rows of guessed
 tokens; its sampler takes the rows in order while they agree with the guess, and the KV of the guessed tokens it
@@ -85,6 +101,9 @@ log = logs.get(__name__)
 Sink = Callable[[Message], None]
 MS = 1000.0
 PAD_TOKEN = 0  # token of deterministic mode's padding rows (any id: their KV is removed after the decode)
+# deterministic mode: most rows with logits in one llama_decode (llama.cpp computes a token's logits otherwise from
+# EXACT_ROWS output rows on; a prompt chunk has one, see the module docstring)
+EXACT_OUTPUTS = EXACT_ROWS - 1
 SAVE_MIN = COPY_MIN  # an eviction losing fewer tokens than a restore must gain is not worth a host-RAM copy
 # a prompt that got no prefill budget this many steps in a row takes it before prompts with less left to compute
 PREFILL_PATIENCE_STEPS = 4
@@ -132,6 +151,11 @@ class Request:
     draft: list[int] = field(default_factory=list)  # the guessed tokens in the batch being decoded
     withheld: bool = False  # no guess in that batch: its guesses were taken too rarely to pay there
     t_first: float = 0.0
+
+    @property
+    def seeded(self) -> bool:
+        """A seed asks for the same tokens every time the same job comes (see the module docstring)."""
+        return self.job.sampling.seed is not None
 
 
 class JobStream:
@@ -714,7 +738,9 @@ class Engine:
         if not self.exact:
             self._run(busy, budget)
         else:  # the generating slots together, padded; then each prompt chunk alone (see the module docstring)
-            self._run([s for s in busy if s.job.generated], budget)
+            generating = sorted((s for s in busy if s.job.generated), key=lambda s: s.id)
+            for i in range(0, len(generating), EXACT_OUTPUTS):  # (at most EXACT_OUTPUTS decode rows in a batch)
+                self._run(generating[i : i + EXACT_OUTPUTS], budget)
             for slot in busy:
                 if slot.job is not None and not slot.job.generated:
                     budget = self._run([slot], budget)
@@ -787,7 +813,8 @@ class Engine:
                 continue
             pos = slot.n_tokens
             row = batch.add(req.generated[-1], pos, slot.id, True)
-            req.draft = self._guess(req, slot, budget, decoding, rows) if self.spec else []
+            # (a seeded job takes no guesses here: rows verified together compute other numbers than one row alone)
+            req.draft = self._guess(req, slot, budget, decoding, rows) if self.spec and not req.seeded else []
             for i, tok in enumerate(req.draft, 1):
                 batch.add(tok, pos + i, slot.id, True)
             budget -= len(req.draft)
@@ -804,8 +831,10 @@ class Engine:
                 take = end - start - EXACT_ROWS  # never leave a remainder too small to compute exactly
                 if take < EXACT_ROWS:
                     continue  # not enough budget left this step for an exact chunk
-            if self.snapshots and start < end - 1:
-                take = min(take, end - 1 - start)  # stop one short of the end so a snapshot can be taken there
+            if (self.snapshots or (req.seeded and not self.exact)) and start < end - 1:
+                # stop one short of the end: so that a snapshot can be taken there; a seeded job's last prompt token is
+                # then computed on its own, as it is when the rest of its prompt was cached (see the module docstring)
+                take = min(take, end - 1 - start)
             last = start + take == end
             row = batch.add_run(req.prompt[start : start + take], start, slot.id, last)
             plan.append((slot, take, row if last else -1))
@@ -822,12 +851,14 @@ class Engine:
         mine = {s.id for s in generating}
         span = self.table.slots[min(mine) : max(mine) + 1]
         pad = max(2, -(-EXACT_ROWS // len(span)))
+        guesses = EXACT_OUTPUTS - len(mine)  # rows with logits the batch has left for guesses
         for slot in span:
             pos, rows = slot.n_tokens, 0
             if slot.id in mine:
                 req: Request = slot.job
                 row = batch.add(req.generated[-1], pos, slot.id, True)
-                req.draft = self._guess(req, slot, pad - 1) if self.spec else []
+                req.draft = self._guess(req, slot, min(pad - 1, guesses)) if self.spec and guesses > 0 else []
+                guesses -= len(req.draft)
                 for i, tok in enumerate(req.draft, 1):
                     batch.add(tok, pos + i, slot.id, True)
                 rows = 1 + len(req.draft)

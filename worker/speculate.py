@@ -4,9 +4,11 @@ Agents re-emit text they were just shown (an edited file, quoted tool output). W
 conversation occurred earlier in it, the tokens that followed that occurrence are a cheap guess of what comes
 next. The engine verifies a guess in the same `llama_decode` as the other slots' rows: every guessed token gets
 a logits row, the job's own sampler picks a token from each row in turn, and the guess is kept up to the first
-token the sampler did not pick (the KV of the rest is removed with `llama_memory_seq_rm`). The sampler sees
-exactly the rows it would have seen one token at a time, so the output is what it would have been without
-speculation; only the number of `llama_decode` calls changes.
+token the sampler did not pick (the KV of the rest is removed with `llama_memory_seq_rm`). The sampler sees the
+rows it would have seen one token at a time, in the same order and with the same draws, so the output is what it
+would have been without speculation, up to the numbers: llama.cpp computes rows verified together with other kernels
+than one row alone. Bit for bit the same only in deterministic mode (where guesses take its padding rows); without it,
+a job with a seed takes no guesses, so that its tokens do not depend on what was guessed (worker/engine.py).
 
 A guess costs a logits row per token (on CPU about as much as a decode row: the output layer dominates), so the
 length adapts: it starts at START tokens, doubles while guesses are taken whole and falls back to what was
