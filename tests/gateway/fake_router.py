@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import msgspec
 
 from gateway.app import Gateway, build_app
 from kvroute.client import KvrouteError
-from protocol import Delta, Result, SlotStatus, StatusReply, Submit, Timings, Usage, WorkerStatus, pack_tokens
+from protocol import (
+    Delta,
+    Result,
+    SlotStatus,
+    StatusReply,
+    Submit,
+    Timings,
+    Tokenize,
+    Tokens,
+    Usage,
+    WorkerStatus,
+    pack_tokens,
+)
 
 
 class FakeRouter:
@@ -56,3 +70,39 @@ class FakeRouter:
 def client_for(fake: FakeRouter, api_key: str | None = None, tenant_per_key: bool = False, **kw: Any) -> httpx.AsyncClient:
     app = build_app(Gateway(fake, "gemma", api_key, tenant_per_key=tenant_per_key, **kw))  # type: ignore[arg-type]
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+def result(**kw: Any) -> Result:
+    """A Result with 10 prompt tokens (4 cached) and 3 generated, and the fields given."""
+    fields: dict[str, Any] = {"id": "r", "finish_reason": "stop", "text": "", "tokens": b"", "timings": Timings()}
+    return Result(**{**fields, "usage": Usage(prompt_tokens=10, cached_tokens=4, completion_tokens=3), **kw})
+
+
+class ScriptedRouter(FakeRouter):
+    """Answers every submit with the given deltas and result (their ids set to the submit's), then `fail`s if set;
+    answers a tokenize with five tokens."""
+
+    def __init__(self, *replies: Delta | Result, fail: KvrouteError | None = None) -> None:
+        super().__init__()
+        self.replies, self.fail = replies, fail
+        self.tokenized: list[Tokenize] = []
+
+    async def stream_submit(self, sub: Submit) -> AsyncIterator[Delta | Result]:
+        self.submits.append(sub)
+        for reply in self.replies:
+            yield msgspec.structs.replace(reply, id=sub.id or "")
+        if self.fail:
+            raise self.fail
+
+    async def tokens(self, msg: Tokenize) -> Tokens:
+        self.tokenized.append(msg)
+        return Tokens(tokens=pack_tokens([1, 2, 3, 4, 5]), text="rendered")
+
+
+def events(text: str) -> list[tuple[str, dict[str, Any]]]:
+    """A server-sent event stream as (event, data) pairs."""
+    out = []
+    for chunk in text.strip().split("\n\n"):
+        kind, data = chunk.split("\n", 1)
+        out.append((kind.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out

@@ -3,13 +3,10 @@ reply body, event stream and errors a client reads, via a stand-in router."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 import pytest
-from fake_router import FakeRouter, client_for
+from fake_router import FakeRouter, ScriptedRouter, client_for, events, result
 
 from gateway import anthropic
 from gateway.openai_schema import RequestError
@@ -22,14 +19,10 @@ from protocol import (
     Result,
     Submit,
     TextPart,
-    Timings,
-    Tokenize,
-    Tokens,
     Tool,
     ToolCall,
     ToolCallDelta,
     Usage,
-    pack_tokens,
 )
 
 USER = [{"role": "user", "content": "hi"}]
@@ -42,40 +35,6 @@ TOOLS = [
 
 def submit(**body: Any) -> Submit:
     return anthropic.messages_submit({"max_tokens": 16, "messages": USER, **body}, "r")[0]
-
-
-def result(**kw: Any) -> Result:
-    fields: dict[str, Any] = {"id": "r", "finish_reason": "stop", "text": "", "tokens": b"", "timings": Timings()}
-    return Result(**{**fields, "usage": Usage(prompt_tokens=10, cached_tokens=4, completion_tokens=3), **kw})
-
-
-class ScriptedRouter(FakeRouter):
-    """Answers every submit with the given deltas and result (their ids set to the submit's), then `fail`s if set;
-    answers a tokenize with five tokens."""
-
-    def __init__(self, *replies: Delta | Result, fail: KvrouteError | None = None) -> None:
-        super().__init__()
-        self.replies, self.fail = replies, fail
-        self.tokenized: list[Tokenize] = []
-
-    async def stream_submit(self, sub: Submit) -> AsyncIterator[Delta | Result]:
-        self.submits.append(sub)
-        for reply in self.replies:
-            yield msgspec.structs.replace(reply, id=sub.id or "")
-        if self.fail:
-            raise self.fail
-
-    async def tokens(self, msg: Tokenize) -> Tokens:
-        self.tokenized.append(msg)
-        return Tokens(tokens=pack_tokens([1, 2, 3, 4, 5]), text="rendered")
-
-
-def events(text: str) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for chunk in text.strip().split("\n\n"):
-        kind, data = chunk.split("\n", 1)
-        out.append((kind.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return out
 
 
 # ---- requests ---------------------------------------------------------------------------------------------------

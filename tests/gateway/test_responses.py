@@ -3,13 +3,10 @@ reply body and event stream a client reads, via a stand-in router."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 import pytest
-from fake_router import FakeRouter, client_for
+from fake_router import FakeRouter, ScriptedRouter, client_for, events, result
 
 from gateway import responses
 from gateway.openai_schema import RequestError
@@ -19,14 +16,11 @@ from protocol import (
     Delta,
     NamedTool,
     ResponseFormat,
-    Result,
     Submit,
     TextPart,
-    Timings,
     Tool,
     ToolCall,
     ToolCallDelta,
-    Usage,
 )
 
 TOOLS = [
@@ -39,34 +33,6 @@ CALLS = [ToolCall(id="c1", name="mcp__docs__search", arguments='{"q": "x"}'), To
 
 def submit(**body: Any) -> Submit:
     return responses.responses_submit(body, "r")[0]
-
-
-def result(**kw: Any) -> Result:
-    fields: dict[str, Any] = {"id": "r", "finish_reason": "stop", "text": "", "tokens": b"", "timings": Timings()}
-    return Result(**{**fields, "usage": Usage(prompt_tokens=10, cached_tokens=4, completion_tokens=3), **kw})
-
-
-class ScriptedRouter(FakeRouter):
-    """Answers every submit with the given deltas and result (their ids set to the submit's), then `fail`s if set."""
-
-    def __init__(self, *replies: Delta | Result, fail: KvrouteError | None = None) -> None:
-        super().__init__()
-        self.replies, self.fail = replies, fail
-
-    async def stream_submit(self, sub: Submit) -> AsyncIterator[Delta | Result]:
-        self.submits.append(sub)
-        for reply in self.replies:
-            yield msgspec.structs.replace(reply, id=sub.id or "")
-        if self.fail:
-            raise self.fail
-
-
-def events(text: str) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for chunk in text.strip().split("\n\n"):
-        kind, data = chunk.split("\n", 1)
-        out.append((kind.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return out
 
 
 # ---- requests ---------------------------------------------------------------------------------------------------
