@@ -266,8 +266,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     try:
         http = http_config(args, router_cfg)
-    except ValueError as exc:
-        raise UsageError(f"--http: {exc}") from None
+    except ValueError as exc:  # (each message names its flag)
+        raise UsageError(str(exc)) from None
     router_cfg, http = guard_zmq_clients(router_cfg, http)
     run_loop(serve(router_cfg, local, sup_cfg, http=http))
     zmq.asyncio.Context.instance().destroy(linger=1000)  # the last replies leave before the process does

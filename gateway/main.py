@@ -66,7 +66,7 @@ class HttpConfig:
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024 or self.max_frame_bytes < 1024:
-            raise ValueError("max_body_bytes and max_frame_bytes must be at least 1024")
+            raise ValueError("--max-body-bytes and --max-frame-bytes must be at least 1024")
         for name, value, low, high in (
             ("temp", self.temp, 0.0, 2.0),
             ("top_k", self.top_k, 0, 1 << 20),
@@ -77,7 +77,7 @@ class HttpConfig:
             if value is not None and not low <= value <= high:
                 raise ValueError(f"--{name.replace('_', '-')} must be between {low} and {high}, got {value}")
         if self.stream_stall_s <= 0:
-            raise ValueError(f"stream_stall_s must be positive, got {self.stream_stall_s}")
+            raise ValueError(f"--stream-stall-s must be positive, got {self.stream_stall_s}")
         if self.tenant_per_key and not (self.api_key or os.environ.get("KVROUTE_API_KEY")):
             raise ValueError("--tenant-per-key needs --api-key (or $KVROUTE_API_KEY): tenants are told apart by key")
 
@@ -107,7 +107,7 @@ def parse_host_port(value: str) -> tuple[str, int]:
     """'HOST:PORT' -> (host, port); raises ValueError naming the problem."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT with a port in 1..65535, got {value!r}")
+        raise ValueError(f"--http: expected HOST:PORT with a port in 1..65535, got {value!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
@@ -162,8 +162,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = from_args(HttpConfig, args)
         parse_host_port(cfg.http)
-    except ValueError as exc:
-        raise UsageError(f"--http: {exc}") from None
+    except ValueError as exc:  # (each message names its flag)
+        raise UsageError(str(exc)) from None
     if (cfg.curve_key is None) != (cfg.router_key is None):
         raise UsageError("--curve-key and --router-key go together")
     logs.setup(process="http")

@@ -263,3 +263,12 @@ async def test_a_response_is_incomplete_only_at_its_own_max_output_tokens(fake: 
     assert (own["status"], own["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
     assert (capped["status"], capped["incomplete_details"]) == ("completed", None)
     assert "response.completed" in streamed and "response.incomplete" not in streamed
+
+
+def test_a_bad_sampling_default_stops_start_up_naming_its_flag() -> None:
+    from gateway.main import HttpConfig
+
+    for kw, flag in (({"temp": 5.0}, "--temp"), ({"top_p": 0.0}, "--top-p"), ({"seed": -1}, "--seed")):
+        with pytest.raises(ValueError, match=flag):
+            HttpConfig(**kw)  # type: ignore[arg-type]
+    assert HttpConfig(temp=0.0, top_k=40).sampling_defaults() == {"temperature": 0.0, "top_k": 40}
