@@ -10,6 +10,12 @@ Then the cost: a decode step of 4 slots x 1 row against the padded 4 x 2 rows de
 kernels, interleaved.
 
     .venv/bin/python -m bench.exact_shapes [--contexts 48,700] [--rounds 10]
+    .venv/bin/python -m bench.exact_shapes --alone
+
+`--alone` checks what a seeded job on a default worker rests on (worker/llama.py `alone_rows`): a prompt computed in
+chunks of one sequence each alone in its llama_decode, padded to a multiple of ALONE_ROWS_STEP rows and at least
+ALONE_ROWS_MIN, gives the same KV however it is cut into chunks, with the default kernels; and what other paddings
+and a decode row beside other slots' give.
 """
 
 from __future__ import annotations
@@ -17,14 +23,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import llama_cpp
 import numpy as np
 
 from kvroute.model import resolve_model
-from worker.llama import Llama
+from worker.llama import ALONE_ROWS_MIN, ALONE_ROWS_STEP, Llama
 
 SLOTS = 4
 TEXT = "the keeper of the lighthouse wrote in his log that the wind turned north and the sea rose over the rocks. "
@@ -173,11 +179,94 @@ def step_cost(rounds: int) -> None:
     llama.close()
 
 
+class AloneProbe:
+    """One prompt's last-token logits after its other tokens were computed in chunks cut at `cuts`, each chunk alone
+    in a llama_decode padded to `rows(n)` rows; default kernels, one slot beside two others."""
+
+    def __init__(self) -> None:
+        self.llama = Llama(resolve_model(None), slots=3, ctx_per_slot=1024, n_batch=720, threads=2)
+        vocab = llama_cpp.llama_model_get_vocab(self.llama.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        self.text = self.llama.vocab.tokenize("Log: " + TEXT * 80)[:700]
+        self.other = self.llama.vocab.tokenize("Other: bread salt rope " * 200)[:300]
+
+    def _logits(self, row: int) -> np.ndarray:
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.llama.ctx, row), shape=(self.n_vocab,)).copy()
+
+    def prompt(self, cuts: list[int], rows: Callable[[int], int]) -> np.ndarray:
+        llama, n = self.llama, len(self.text) - 1
+        llama.seq_rm(0, 0, -1)
+        start = 0
+        for end in [*cuts, n]:
+            llama.batch.clear()
+            llama.batch.add_run(self.text[start:end], start, 0, False)
+            for pos in range(end, start + rows(end - start)):
+                llama.batch.add(0, pos, 0, False)
+            assert llama.decode() == 0
+            llama.seq_rm(0, end, -1)
+            start = end
+        llama.batch.clear()
+        llama.batch.add(self.text[n], n, 0, True)
+        assert llama.decode() == 0
+        return self._logits(0)
+
+    def decode_row(self, held: int, beside: int) -> np.ndarray:
+        """Slot 0 holding `held` tokens decodes its next one, leading a batch with one row of `beside` other slots."""
+        llama = self.llama
+        for s in range(3):
+            llama.seq_rm(s, 0, -1)
+        for s, text, n in ((0, self.text, held), *((s, self.other, 200) for s in range(1, 1 + beside))):
+            llama.batch.clear()
+            llama.batch.add_run(text[:n], 0, s, False)
+            assert llama.decode() == 0
+        llama.batch.clear()
+        llama.batch.add(self.text[held], held, 0, True)
+        for s in range(1, 1 + beside):
+            llama.batch.add(self.other[200], 200, s, True)
+        assert llama.decode() == 0
+        return self._logits(0)
+
+
+def alone(with_cuts: dict[str, list[int]]) -> None:
+    probe = AloneProbe()
+
+    def padded(least: int, step: int) -> Callable[[int], int]:
+        return lambda n: max(least, -(-n // step) * step)
+
+    rules = {
+        f"multiple of {ALONE_ROWS_STEP}, at least {ALONE_ROWS_MIN} (worker/llama.py)": padded(ALONE_ROWS_MIN, ALONE_ROWS_STEP),
+        "multiple of 4, at least 64": padded(64, 4),
+        "multiple of 4, at least 60": padded(60, 4),
+        "multiple of 2, at least 64": padded(64, 2),
+        "no padding": padded(1, 1),
+    }
+    print(f"\na prompt of {len(probe.text)} tokens, its chunks each alone in a llama_decode, padded; the last token's logits "
+          "compared with those after one chunk of the whole prompt, padded the same way (default kernels):")  # fmt: skip
+    for name, rows in rules.items():
+        truth = probe.prompt([], rows)
+        differ = [c for c, cuts in with_cuts.items() if not np.array_equal(probe.prompt(cuts, rows), truth)]
+        print(f"  {name:44s} {'exact for every cut' if not differ else 'differs when cut ' + '; '.join(differ)}")
+    print("\na decode row leading a batch with one row of each of N other slots, against the same row alone:")
+    for held in (191, 300):
+        alone_row = probe.decode_row(held, 0)
+        same = [n for n in (1, 2) if np.array_equal(probe.decode_row(held, n), alone_row)]
+        print(f"  holding {held} tokens: {'the same' if len(same) == 2 else 'differs'} (beside 1 and 2 other slots)")
+    probe.llama.close()
+
+
+CUTS = {"at 300": [300], "at 64, 128, ...": list(range(64, 699, 64)), "at 7, 77, 150, 333, 335, 600": [7, 77, 150, 333, 335, 600],
+        "after tokens 1 to 5, then at 64, 640": [1, 2, 3, 4, 5, 64, 640], "at 640": [640], "at 690": [690]}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="48,700", help="tokens each slot holds before the decoded rows")
     ap.add_argument("--rounds", type=int, default=10, help="interleaved rounds of the step-cost comparison")
+    ap.add_argument("--alone", action="store_true", help="check the padded chunks of seeded jobs (see above) only")
     a = ap.parse_args()
+    if a.alone:
+        alone(CUTS)
+        return
     for context in (int(c) for c in a.contexts.split(",")):
         for kernels in ("deterministic", "flash-attn", "repacked"):
             llama = load(kernels, 1024)

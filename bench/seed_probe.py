@@ -5,7 +5,9 @@ deterministic engine, interleaved rounds (the order rotates), no HTTP.
 
 Workloads (ignore_eos):
 - sampled: 4 slots generating 64 tokens at once at temperature 0.8, story prompts: aggregate decode tokens/s (from the
-  first token);
+  first token); seeded, each job's rows have llama_decodes of their own on a default engine;
+- beside: the same with only the first job seeded: the other three's decode tokens/s (what a seeded job costs the
+  unseeded ones beside it);
 - copy: 1 slot asked to repeat a 300-token code text at temperature 0.3, 96 tokens: decode tokens/s (where speculation pays);
 - ttft: a cold 300-token prompt, 1 token: time to first token (a seeded job computes its last prompt token alone).
 Each figure: median over rounds (min-max); each ratio: the median of the per-round ratios (min-max).
@@ -34,8 +36,15 @@ MODES = ("default-unseeded", "default-seeded", "deterministic-seeded")
 
 
 def batch(
-    e: Engine, prompts: list[list[int]], tokens: int, seeds: list[int | None], tag: str, temperature: float = 0.8
+    e: Engine,
+    prompts: list[list[int]],
+    tokens: int,
+    seeds: list[int | None],
+    tag: str,
+    temperature: float = 0.8,
+    counted: slice = slice(None),
 ) -> tuple[float, list[JobDone]]:
+    """Decode tokens/s of the jobs `counted`, from the first token of any to the end of all."""
     for s in range(len(e.table)):
         e.call(lambda e, s=s: e._clear(e.table[s])).result()
     t = time.perf_counter()
@@ -54,7 +63,7 @@ def batch(
     wall = time.perf_counter() - t
     assert all(isinstance(d, JobDone) for d in dones), dones
     first = min(d.timings.ttft_ms for d in dones) / 1000
-    return sum(d.generated_tokens for d in dones) / (wall - first), dones  # type: ignore[misc]
+    return sum(d.generated_tokens for d in dones[counted]) / (wall - first), dones  # type: ignore[misc]
 
 
 def main() -> None:
@@ -66,7 +75,7 @@ def main() -> None:
         "deterministic": Engine(WorkerConfig(slots=4, ctx_per_slot=2048, threads=2, deterministic=True)).start(),
     }
     vocab = engines["default"].vocab
-    res: dict[str, dict[str, list[float]]] = {m: {"sampled": [], "copy": [], "ttft": []} for m in MODES}
+    res: dict[str, dict[str, list[float]]] = {m: {"sampled": [], "beside": [], "copy": [], "ttft": []} for m in MODES}
     for r in range(a.rounds):
         order = MODES[r % 3 :] + MODES[: r % 3]
         stories = [vocab.tokenize(STORY.format(i=10 * r + i)) for i in range(4)]
@@ -78,11 +87,14 @@ def main() -> None:
             seeds = [1000 * r + i if seeded else None for i in range(4)]
             tps, _ = batch(e, stories, 64, seeds, f"{m}-{r}-s")
             res[m]["sampled"].append(tps)
+            tps, _ = batch(e, stories, 64, [seeds[0], None, None, None], f"{m}-{r}-b", counted=slice(1, None))
+            res[m]["beside"].append(tps)
             tps, _ = batch(e, copy, 96, seeds, f"{m}-{r}-c", temperature=0.3)
             res[m]["copy"].append(tps)
             _, d = batch(e, long, 1, seeds, f"{m}-{r}-t")
             res[m]["ttft"].append(d[0].timings.ttft_ms)
-            print(f"round {r} {m:22s} sampled {res[m]['sampled'][-1]:6.1f} tok/s  copy {res[m]['copy'][-1]:6.1f} tok/s  "
+            print(f"round {r} {m:22s} sampled {res[m]['sampled'][-1]:6.1f} tok/s  beside {res[m]['beside'][-1]:6.1f} tok/s  "
+                  f"copy {res[m]['copy'][-1]:6.1f} tok/s  "
                   f"ttft {res[m]['ttft'][-1]:6.1f} ms ({len(long[0])} tokens)", flush=True)  # fmt: skip
     for m in MODES:
         print(m, "  ".join(f"{k} {statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})" for k, v in res[m].items()))

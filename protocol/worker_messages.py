@@ -160,6 +160,7 @@ class JobDone(Message, tag="job_done", kw_only=True):
     slot_tokens: NonNeg  # the slot's token count after the job
     slot_hash: str  # token_hash() of the slot's tokens after the job
     slot_min_keep: NonNeg = 0  # shortest prefix the slot can be cut to (0: any; see CacheEntry.min_keep)
+    slot_n_exact: NonNeg = 0  # of slot_tokens, the leading ones a seeded or deterministic job reuses (SlotHeld.n_exact)
     timings: Timings
     stop: str | None = None
     restored_tokens: NonNeg = 0  # of reused_tokens: copied into the slot from another slot or host RAM
@@ -182,6 +183,7 @@ class JobError(Message, tag="job_error", kw_only=True):
     slot_tokens: NonNeg = 0
     slot_hash: str = ""
     slot_min_keep: NonNeg = 0  # as in JobDone
+    slot_n_exact: NonNeg = 0  # as in JobDone
     cache_added: list[CacheEntry] = []  # as in JobDone
     cache_dropped: list[NonNeg] = []
     disk_dropped: list[NonNeg] = []

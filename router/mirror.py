@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvroute.slots import EXACT_ROWS, SlotPhase
+from kvroute.slots import SlotPhase
 from protocol import CacheEntry, token_hash
 from router.index import Index, Match, Tokens, as_tokens
 from router.tokens import tokens_from_wire
@@ -51,7 +51,7 @@ class Slot:
     reused_total: int = 0
     before: Tokens | None = None  # contents before the running job, restored if the worker never touched it
     exact: bool = False  # the worker runs in deterministic mode (it reuses only KV computed in full-size ubatches)
-    n_exact: int = 0  # leading tokens computed in full-size ubatches: what a deterministic worker reuses
+    n_exact: int = 0  # leading tokens a deterministic worker, or a seeded job on any worker, reuses (kvroute/slots.py)
     before_exact: int = 0
     rev: list[int] = field(default_factory=lambda: [0])  # shared by a worker's slots; bumped on any change
     salt: str = ""  # the tenant whose prompt it holds (a digest of the client's cache_salt; "": none)
@@ -239,11 +239,20 @@ class Mirror:
         slot.rev[0] += 1
 
     def finish(
-        self, slot: Slot, job: str, prompt: Tokens, generated: Tokens, slot_tokens: int, slot_hash: str, min_keep: int = 0
+        self,
+        slot: Slot,
+        job: str,
+        prompt: Tokens,
+        generated: Tokens,
+        slot_tokens: int,
+        slot_hash: str,
+        min_keep: int = 0,
+        n_exact: int = 0,
     ) -> Mismatch | None:
-        """A JobDone: the slot holds the first `slot_tokens` of prompt + generated, and can be cut to `min_keep` or more."""
+        """A JobDone: the slot holds the first `slot_tokens` of prompt + generated, can be cut to `min_keep` or more,
+        and gives a seeded or deterministic job its first `n_exact`."""
         full = np.concatenate([prompt, generated]) if len(generated) else prompt
-        return self._settle(slot, job, full, slot_tokens, slot_hash, len(prompt), min_keep)
+        return self._settle(slot, job, full, slot_tokens, slot_hash, min_keep, n_exact)
 
     def fail(
         self,
@@ -255,6 +264,7 @@ class Mirror:
         slot_tokens: int,
         slot_hash: str,
         min_keep: int = 0,
+        n_exact: int = 0,
     ) -> Mismatch | None:
         """A JobError. Untouched (slot -1): the slot holds what it held before the job."""
         if not touched:
@@ -268,7 +278,7 @@ class Mirror:
             slot.min_keep = min_keep if before is not None else 0
             return None
         full = np.concatenate([prompt, streamed]) if len(streamed) else prompt
-        return self._settle(slot, job, full, slot_tokens, slot_hash, len(prompt), min_keep)
+        return self._settle(slot, job, full, slot_tokens, slot_hash, min_keep, n_exact)
 
     def lost(self, slot: Slot) -> None:
         """The job's outcome is unknown (cancelled without report): the slot's contents are unknown."""
@@ -283,13 +293,12 @@ class Mirror:
         return False
 
     def _settle(
-        self, slot: Slot, job: str, full: Tokens, slot_tokens: int, slot_hash: str, n_prompt: int, min_keep: int
+        self, slot: Slot, job: str, full: Tokens, slot_tokens: int, slot_hash: str, min_keep: int, n_exact: int
     ) -> Mismatch | None:
         held = full[:slot_tokens]
         if slot_tokens <= len(full) and token_hash(held) == slot_hash:
             self._idle(slot, held, dirty=False)
-            # a deterministic worker computes every token of a prompt of EXACT_ROWS or more exactly, generated ones too
-            slot.n_exact = slot_tokens if n_prompt >= EXACT_ROWS else 0
+            slot.n_exact = min(n_exact, slot_tokens)  # (the worker's word: it alone knows which chunks were exact)
             slot.min_keep = min_keep if slot_tokens else 0
             return None
         self.mismatches += 1

@@ -41,6 +41,7 @@ Failure rules:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import uuid
@@ -116,6 +117,7 @@ class Scheduler:
     def __init__(self, cfg: RouterConfig, *, fingerprint: str, model: str, router_id: str, weights: str = "") -> None:
         self.cfg = cfg
         self.params = Params.from_config(cfg)
+        self.seeded_params = dataclasses.replace(self.params, seeded=True)  # (a seeded request's reuse rule)
         self.fingerprint, self.model, self.router_id = fingerprint, model, router_id
         self.weights = weights  # the model file's weights fingerprint ("" : not checked)
         self.mirror = Mirror()
@@ -456,12 +458,12 @@ class Scheduler:
                 if lead.state in (ReqState.QUEUED, ReqState.TOKENIZING):
                     waiting += 1
                     continue
-                beside = self._beside(lead, match)
+                beside = self._beside(lead, match, self._params(req))
                 if beside is not None:
                     self._dispatch(req, beside)
                     continue
             waited = 0.0 if req.wait_since is None else (now - req.wait_since) * 1000
-            decision = select(match, loads, self.params, now, self._rotation, waited)
+            decision = select(match, loads, self._params(req), now, self._rotation, waited)
             self.metrics.decision_ms.observe((time.perf_counter() - t0) * 1000)
             if isinstance(decision, Wait):
                 if req.wait_since is None:
@@ -480,7 +482,7 @@ class Scheduler:
             if isinstance(decision, Dispatch):
                 self._dispatch(req, decision)
 
-    def _beside(self, lead: Req, match: Any) -> Dispatch | None:
+    def _beside(self, lead: Req, match: Any, params: Params) -> Dispatch | None:
         """An idle slot on the worker running `lead` (that worker copies the prompt's KV from lead's slot once it is
         computed, instead of computing it again); None when that worker has no idle slot."""
         conn = self.workers.get(lead.worker or "")
@@ -489,8 +491,11 @@ class Scheduler:
         slot = coldest(conn.load, self.params.evict_half_life_s)
         if slot is None:
             return None
-        reuse, restore = expected_reuse(match, slot, self.params, conn.load.saved)
+        reuse, restore = expected_reuse(match, slot, params, conn.load.saved)
         return Dispatch(slot, reuse, 0.0, False, restore=restore)
+
+    def _params(self, req: Req) -> Params:
+        return self.seeded_params if req.sampling.seed is not None else self.params
 
     # ---- worker events ----------------------------------------------------------------------------
 
@@ -606,7 +611,8 @@ class Scheduler:
         if msg.slot != slot.index:
             mm = self.mirror.fail(slot, msg.id, req.tokens, generated, True, 0, "not-this-slot")
         else:
-            mm = self.mirror.finish(slot, msg.id, req.tokens, generated, msg.slot_tokens, msg.slot_hash, msg.slot_min_keep)
+            held, hash_ = msg.slot_tokens, msg.slot_hash
+            mm = self.mirror.finish(slot, msg.id, req.tokens, generated, held, hash_, msg.slot_min_keep, msg.slot_n_exact)
         if mm is not None:
             self.metrics.mirror_mismatches += 1
             log.error("mirror_mismatch", **mm.__dict__, reported_slot=msg.slot, via="job_done")
@@ -668,8 +674,9 @@ class Scheduler:
             return
         self._leave_worker(req)
         streamed = np.asarray(req.attempt.streamed, dtype=np.int32)
+        touched, held, hash_ = msg.slot >= 0, msg.slot_tokens, msg.slot_hash
         mm = self.mirror.fail(
-            req.attempt.slot, msg.id, req.tokens, streamed, msg.slot >= 0, msg.slot_tokens, msg.slot_hash, msg.slot_min_keep
+            req.attempt.slot, msg.id, req.tokens, streamed, touched, held, hash_, msg.slot_min_keep, msg.slot_n_exact
         )
         conn.refresh()
         if mm is not None:

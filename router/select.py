@@ -4,7 +4,8 @@ Cost of sending a prompt of L tokens to idle slot s of worker w, in prompt-token
 
     reuse(s)   = LCP(prompt, tokens held by s), minus 1 when the whole prompt matches (the worker
                  backs off one token to get logits); 0 for a dirty slot or with prefix caching off;
-                 on a deterministic worker at most the tokens computed as prompt and L - 8; 0 when
+                 on a deterministic worker at most the tokens computed as prompt and L - 8, for a
+                 seeded request on another worker at most the tokens a seeded prompt computed; 0 when
                  s holds a restored state that cannot be cut that far back (its reported min_keep).
     cost(w, s) = (L - affine(s))                              prompt tokens still to prefill here
                + queued_prefill(w)                             prefill already sent to w, not yet done
@@ -75,10 +76,11 @@ class Params:
     imbalance_rel: float = _CONFIG["imbalance_rel"]
     busy_wait_ms: float = float(_CONFIG["busy_wait_ms"])
     hold_ms: float = float(_CONFIG["hold_ms"])
+    seeded: bool = False  # the request has a seed: it reuses only KV computed for seeded jobs (kvroute/slots.py)
 
     @classmethod
     def from_config(cls, cfg: RouterConfig) -> Params:
-        kinds: dict[str, Any] = {f.name: type(f.default) for f in dataclasses.fields(cls)}
+        kinds: dict[str, Any] = {f.name: type(f.default) for f in dataclasses.fields(cls) if f.name != "seeded"}
         return cls(**{name: kind(getattr(cfg, name)) for name, kind in kinds.items()})
 
 
@@ -126,13 +128,13 @@ def predicted_reuse(lcp: int, length: int, slot: Slot, params: Params) -> int:
     restored state cannot be cut back before its `min_keep`: `restore_keep`)."""
     if not params.prefix_cache or slot.dirty:
         return 0
-    return restore_keep(reused(lcp, length, slot.n_exact, slot.exact), len(slot.tokens), slot.min_keep)
+    return restore_keep(reused(lcp, length, slot.n_exact, slot.exact, params.seeded), len(slot.tokens), slot.min_keep)
 
 
-def restored_reuse(lcp: int, length: int, saved: Saved, have: int) -> int:
+def restored_reuse(lcp: int, length: int, saved: Saved, have: int, seeded: bool) -> int:
     """What a saved state sharing `lcp` tokens with a prompt gives on a slot that gives `have` itself: the worker's
     rule (worker/engine.py `_source`); `have` when a restore is not worth it there."""
-    r = restore_keep(reused(lcp, length, saved.n_exact, saved.exact), len(saved.tokens), saved.min_keep)
+    r = restore_keep(reused(lcp, length, saved.n_exact, saved.exact, seeded), len(saved.tokens), saved.min_keep)
     return r if worth_copy(r - have, len(saved.tokens)) else have
 
 
@@ -143,7 +145,7 @@ def expected_reuse(match: Match, slot: Slot, params: Params, saved: dict[SavedKe
     if not params.prefix_cache or slot.dirty or not saved:
         return own, False
     lcp, top = max(((match.lcp(s), s) for s in saved.values()), key=lambda x: x[0])
-    r = restored_reuse(lcp, match.length, top, own) if lcp else own
+    r = restored_reuse(lcp, match.length, top, own, params.seeded) if lcp else own
     return r, r > own
 
 
@@ -232,7 +234,7 @@ def _prefix(
         reuse = own = predicted_reuse(lcp, length, s, params)
         extra = 0.0
         if saved is not None and not s.dirty:
-            reuse = restored_reuse(saved_lcp, length, saved, own)
+            reuse = restored_reuse(saved_lcp, length, saved, own, params.seeded)
             extra = by_name[s.worker].restore_cost_of(saved) if reuse > own else 0.0
         if holding and reuse < mm and s.last_used > hold_since and s.tokens.size and not s.dirty:
             held = s  # kept for its own conversation a little longer
@@ -312,7 +314,7 @@ def _busy_better(match: Match, length: int, params: Params, idle_reuse: int, ful
             if isinstance(s, Slot) and s.busy:
                 wait = Wait(s, predicted_reuse(depth, length, s, params))
             elif isinstance(s, Saved) and s.worker in full:
-                wait = Wait(full[s.worker].slots[0], restored_reuse(depth, length, s, 0), saved=True)
+                wait = Wait(full[s.worker].slots[0], restored_reuse(depth, length, s, 0, params.seeded), saved=True)
             else:
                 continue
             reuse = wait.reuse

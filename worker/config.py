@@ -90,8 +90,8 @@ class WorkerConfig:
     )
     deterministic: bool = opt(
         False,
-        "bit-identical output cached vs cold and batched vs alone (small batches padded; no weight repacking, no flash "
-        "attention)",
+        "bit-identical output cached vs cold and batched vs alone for every request, seeded or not (a request with a "
+        "seed gets that without it too, at its own cost); small batches padded, no weight repacking, no flash attention",
     )
     spec: str = spec_opt()
     spec_max: int = spec_max_opt()

@@ -27,15 +27,20 @@ asking, whichever, nothing differed). A prompt chunk asks for one; so a decode b
 EXACT_OUTPUTS: guesses stop there, and more generating slots than that decode in several batches.
 
 Seeded jobs without deterministic mode: a seed asks for the same tokens every time the same job comes, as
-llama-server gives them (issue 30). Two things in the default mode would break that and are off for a seeded job:
-guesses (rows verified together are computed with other kernels than one row alone, measured up to 1 in a logit
-and 1-5 % of the next token's probability mass at temperature 1, and what is guessed depends on earlier jobs'
-outputs and on step timings), and a cold prompt's last token computed inside its prompt's chunk (a cached
-request computes it alone: a seeded job always does). The same seeded job then gives the same tokens whether its
-prompt is computed from scratch or found whole in the cache (its slot, another slot's copy, host RAM, disk), with
-`--spec` on or off, on a worker with no other job at the time. A prefix that another request left (a shared system
-prompt, the chat template's first tokens) was computed in another chunk, and other jobs change the batch: only
-deterministic mode gives the same tokens then (its kernels cost every job, its padding every generating step).
+llama-server gives them (issue 30), whatever else the worker runs and whatever its cache holds. The default kernels
+compute a row otherwise by the shape of its batch (measured: bench/exact_shapes.py), so a seeded job's rows keep to
+shapes that do not change: (1) no guesses (rows verified together are computed with other kernels than one row
+alone: up to 1 in a logit, 1-5 % of the next token's probability mass at temperature 1, and what is guessed depends
+on earlier jobs' outputs and on step timings); (2) its rows go in llama_decodes of their own, never beside another
+slot's (a row leading a batch of several slots, in a slot holding 256+ cells, takes another flash attention path
+than one row alone); (3) its prompt but the last token in chunks padded as worker/llama.py `alone_rows` says, whose
+KV does not depend on where a chunk starts or ends; the last token alone, then one decode row a step. Only KV so
+computed is reused for a seeded job (`Slot.n_exact`: the seeded prompts' tokens, not their last token nor the
+reply), from its slot, another slot, host RAM or disk. What it costs the seeded job and the others beside it:
+bench/README.md "What a seed costs". A chunk within a padded chunk's length of the end of its slot's context has no
+room for its padding and is computed without (and not counted in `n_exact`): such a prompt's tokens may differ from
+run to run. Deterministic mode gives the same with other kernels (its
+padding costs every generating step, not only seeded jobs').
 
 Speculation (`--spec auto|ngram`, worker/speculate.py): a generating slot's row may be followed by rows of guessed
 tokens; its sampler takes the rows in order while they agree with the guess, and the KV of the guessed tokens it
@@ -90,7 +95,7 @@ from worker.disk_cache import Added, DiskCache, DiskEntry, llama_state_version
 from worker.faults import Faults
 from worker.guide import Guide, GuideError, GuideTokenizer
 from worker.host_cache import Entry, HostCache
-from worker.llama import Llama
+from worker.llama import ALONE_ROWS_MIN, Llama, alone_rows
 from worker.sampling import Sampler, SamplingError
 from worker.slots import Slot, SlotTable, Snapshot
 from worker.speculate import Drafter, OutputPool, StepCost
@@ -100,7 +105,7 @@ log = logs.get(__name__)
 
 Sink = Callable[[Message], None]
 MS = 1000.0
-PAD_TOKEN = 0  # token of deterministic mode's padding rows (any id: their KV is removed after the decode)
+PAD_TOKEN = 0  # token of padding rows (deterministic mode's, seeded jobs'; any id: their KV is removed after the decode)
 # deterministic mode: most rows with logits in one llama_decode (llama.cpp computes a token's logits otherwise from
 # EXACT_ROWS output rows on; a prompt chunk has one, see the module docstring)
 EXACT_OUTPUTS = EXACT_ROWS - 1
@@ -150,6 +155,7 @@ class Request:
     drafter: Drafter | None = None  # speculation: guesses from this job's history
     draft: list[int] = field(default_factory=list)  # the guessed tokens in the batch being decoded
     withheld: bool = False  # no guess in that batch: its guesses were taken too rarely to pay there
+    exact_chunk: bool = False  # its prompt chunk in that batch is padded as a seeded job's is (see `_build`)
     t_first: float = 0.0
 
     @property
@@ -518,8 +524,9 @@ class Engine:
             self._save(slot, 0)
             self._clear(slot)
         slot.salt = salt
-        lcp = self._reusable(slot.tokens, slot.n_exact, prompt, self.llama.seq_pos_min(slot.id))
-        src = self._source(slot, prompt, lcp) if req.job.prefix_cache else None
+        seeded = req.seeded
+        lcp = self._reusable(slot.tokens, slot.n_exact, prompt, self.llama.seq_pos_min(slot.id), seeded)
+        src = self._source(slot, prompt, lcp, seeded) if req.job.prefix_cache else None
         if src is not None:
             self._save(slot, 0)
             lcp = self._copy(slot, src)
@@ -546,12 +553,13 @@ class Engine:
             predicted_reuse=req.job.predicted_reuse,
         )
 
-    def _reusable(self, tokens: list[int], n_exact: int, prompt: list[int], pos_min: int) -> int:
+    def _reusable(self, tokens: list[int], n_exact: int, prompt: list[int], pos_min: int, seeded: bool = False) -> int:
         """Prompt tokens a sequence holding `tokens` can give: their LCP, minus one on a full match (logits are not
         cached: the last prompt token must be computed again); in deterministic mode only KV computed as prompt,
-        leaving a full-size chunk to compute; none when its sliding-window layers start at `pos_min`, too late for
-        the cut (a state restored from host RAM can only be extended, not cut far back)."""
-        lcp = reused(common_prefix(tokens, prompt), len(prompt), n_exact, self.exact)
+        leaving a full-size chunk to compute, and to a seeded job otherwise only KV computed as a seeded job's prompt
+        (`n_exact` both); none when its sliding-window layers start at `pos_min`, too late for the cut (a state
+        restored from host RAM can only be extended, not cut far back)."""
+        lcp = reused(common_prefix(tokens, prompt), len(prompt), n_exact, self.exact, seeded)
         return lcp if self.llama.can_keep(pos_min, len(tokens), lcp) else 0
 
     def _min_keep(self, slot: Slot) -> int:
@@ -559,12 +567,12 @@ class Engine:
         holds a state restored from host RAM or disk."""
         return self.llama.min_keep(self.llama.seq_pos_min(slot.id)) if slot.n_tokens else 0
 
-    def _restorable(self, entry: Entry | DiskEntry, prompt: list[int]) -> int:
+    def _restorable(self, entry: Entry | DiskEntry, prompt: list[int], seeded: bool = False) -> int:
         """Prompt tokens a saved state gives (the rule the router predicts with: kvroute/slots.py)."""
-        lcp = reused(common_prefix(entry.tokens, prompt), len(prompt), entry.n_exact, self.exact)
+        lcp = reused(common_prefix(entry.tokens, prompt), len(prompt), entry.n_exact, self.exact, seeded)
         return restore_keep(lcp, len(entry.tokens), self.llama.min_keep(entry.pos_min))
 
-    def _source(self, slot: Slot, prompt: list[int], have: int) -> Source | None:
+    def _source(self, slot: Slot, prompt: list[int], have: int, seeded: bool) -> Source | None:
         """Another slot (idle or busy: its KV is committed) or a saved state of the same tenant (`slot.salt`) that gives
         enough more of the prompt than the `have` tokens `slot` gives itself to be worth a copy; the one giving most."""
         if not self.copies:
@@ -574,18 +582,18 @@ class Engine:
         for other in self.table.slots:
             if other is slot or not other.tokens or other.salt != salt:
                 continue
-            lcp = self._reusable(other.tokens, other.n_exact, prompt, self.llama.seq_pos_min(other.id))
+            lcp = self._reusable(other.tokens, other.n_exact, prompt, self.llama.seq_pos_min(other.id), seeded)
             if worth_copy(lcp - have, self.n_ctx) and (best is None or lcp > best.lcp):
                 best = Source(lcp, slot=other)
         entry, _ = self.host.best(prompt, salt)
         # a restore writes the slot's cells now, and a stream copy still pending into it would overwrite them
         if entry is not None and slot.id not in self._copying:
-            lcp = self._restorable(entry, prompt)
+            lcp = self._restorable(entry, prompt, seeded)
             if worth_copy(lcp - have, len(entry.tokens)) and (best is None or lcp > best.lcp):
                 best = Source(lcp, entry=entry)
         on_disk, _ = self.disk.best(prompt, salt) if self.disk is not None else (None, 0)
         if on_disk is not None and slot.id not in self._copying:
-            lcp = self._restorable(on_disk, prompt)
+            lcp = self._restorable(on_disk, prompt, seeded)
             if worth_copy(lcp - have, len(on_disk.tokens)) and (best is None or lcp > best.lcp):
                 best = Source(lcp, disk=on_disk)
         return best
@@ -684,16 +692,19 @@ class Engine:
         then the job waits for it and copies it, instead of computing the same tokens a second time alongside."""
         if not self.copies or not req.job.prefix_cache:
             return False
-        prompt, salt = req.prompt, req.job.cache_salt
+        prompt, salt, seeded = req.prompt, req.job.cache_salt, req.seeded
         computing = [s for s in self.table.busy() if s.job is not None and not s.job.generated and s.salt == salt]
+        if seeded and not self.exact:  # (a seeded job reuses only what a seeded job computes)
+            computing = [s for s in computing if s.job.seeded]
         if not computing:
             return False
         mine = [s for s in self.table.slots if s.salt == salt]
-        have = max([self._reusable(s.tokens, s.n_exact, prompt, self.llama.seq_pos_min(s.id)) for s in mine] + [0])
+        pos_min = self.llama.seq_pos_min
+        have = max([self._reusable(s.tokens, s.n_exact, prompt, pos_min(s.id), seeded) for s in mine] + [0])
         disk = self.disk.best(prompt, salt)[0] if self.disk is not None else None
         for saved in (self.host.best(prompt, salt)[0], disk):
             if saved is not None:
-                have = max(have, self._restorable(saved, prompt))
+                have = max(have, self._restorable(saved, prompt, seeded))
         for s in computing:
             shared = min(common_prefix(s.job.prompt, prompt), len(prompt) - 1)
             if s.n_tokens < shared and shared - have >= COPY_MIN:
@@ -732,11 +743,16 @@ class Engine:
             return
         self._check(busy)
         budget = self.n_batch
-        # one llama_decode for all slots; in deterministic mode one for the generating slots and one per prompt
-        # chunk (see the module docstring), taking the prefill budget in the same order as one batch does
+        # one llama_decode for all slots but seeded jobs', each of which has one of its own; in deterministic mode
+        # one for the generating slots and one per prompt chunk (see the module docstring), taking the prefill
+        # budget in the same order as one batch does
         busy = self._prefill_order(self.table.busy())
         if not self.exact:
-            self._run(busy, budget)
+            shared = [s for s in busy if not s.job.seeded]
+            starved = [s for s in busy if s.job.seeded and s.job.passed_over >= PREFILL_PATIENCE_STEPS]
+            rest = [s for s in busy if s.job.seeded and s not in starved]
+            for group in [*([s] for s in starved), shared, *([s] for s in rest)]:
+                budget = self._run(group, budget)
         else:  # the generating slots together, padded; then each prompt chunk alone (see the module docstring)
             generating = sorted((s for s in busy if s.job.generated), key=lambda s: s.id)
             for i in range(0, len(generating), EXACT_OUTPUTS):  # (at most EXACT_OUTPUTS decode rows in a batch)
@@ -749,7 +765,6 @@ class Engine:
     def _run(self, group: list[Slot], budget: int) -> int:
         """Build, decode and commit one batch for `group`. Returns the prefill budget left."""
         group = [s for s in group if s.job is not None]
-        padded = self.exact and bool(group) and bool(group[0].job.generated)  # deterministic mode's decode batch
         while True:
             t0 = time.perf_counter()
             plan = self._build(group, budget)
@@ -761,7 +776,7 @@ class Engine:
             ret = self._decode()
             self._copying.clear()  # llama_decode does the pending stream copies before anything else
             self.counters.decode_s += time.perf_counter() - t1
-            if padded:
+            if self.llama.batch.n > sum(n for _, n, _ in plan):  # padding rows (see _build and _build_padded)
                 self._unpad(plan)
             if ret == 1 and budget > 1 and any(n > 1 for _, n, _ in plan):
                 self.counters.decode_retries += 1
@@ -831,12 +846,21 @@ class Engine:
                 take = end - start - EXACT_ROWS  # never leave a remainder too small to compute exactly
                 if take < EXACT_ROWS:
                     continue  # not enough budget left this step for an exact chunk
-            if (self.snapshots or (req.seeded and not self.exact)) and start < end - 1:
+            alone = req.seeded and not self.exact  # (its batch has no other slot's rows: _step)
+            if (self.snapshots or alone) and start < end - 1:
                 # stop one short of the end: so that a snapshot can be taken there; a seeded job's last prompt token is
                 # then computed on its own, as it is when the rest of its prompt was cached (see the module docstring)
                 take = min(take, end - 1 - start)
+                if alone and take < min(end - 1 - start, ALONE_ROWS_MIN):
+                    continue  # too little budget left this step to be worth a padded chunk
             last = start + take == end
             row = batch.add_run(req.prompt[start : start + take], start, slot.id, last)
+            # a seeded job's chunk, padded: its KV is then what every such chunk computes (worker/llama.py); not at
+            # the end of the slot's context, where the padding has no room
+            rows = alone_rows(take)
+            req.exact_chunk = alone and not last and self.copies and start + rows <= self.n_ctx
+            for pos in range(start + take, start + rows) if req.exact_chunk else ():
+                batch.add(PAD_TOKEN, pos, slot.id, False)
             plan.append((slot, take, row if last else -1))
             req.passed_over = 0
             budget -= take
@@ -868,7 +892,8 @@ class Engine:
         return plan
 
     def _unpad(self, plan: list[tuple[Slot, int, int]]) -> None:
-        """Remove the padding rows' KV (the positions after its real rows, of every slot `_build_padded` spanned)."""
+        """Remove the padding rows' KV: the positions after the real rows of every slot from the plan's first to its
+        last (`_build_padded` pads the idle ones between too; `_build` pads a seeded job's chunk)."""
         rows = {slot.id: n for slot, n, _ in plan}
         for slot in self.table.slots[min(rows) : max(rows) + 1]:
             self.llama.seq_rm(slot.id, slot.n_tokens + rows.get(slot.id, 0), -1)  # (checked by the invariant)
@@ -899,7 +924,7 @@ class Engine:
             else:
                 start = slot.n_tokens
                 slot.tokens.extend(req.prompt[start : start + n])
-                if self.exact and slot.n_exact == start and n >= EXACT_ROWS:
+                if (req.exact_chunk or (self.exact and n >= EXACT_ROWS)) and slot.n_exact == start:
                     slot.n_exact = slot.n_tokens
                 if self.snapshots and slot.n_tokens == len(req.prompt) - 1:
                     slot.snapshot = Snapshot(slot.n_tokens, self.llama.state_get(slot.id))
@@ -1026,6 +1051,7 @@ class Engine:
             slot_tokens=slot.n_tokens,
             slot_hash=token_hash(slot.tokens),
             slot_min_keep=self._min_keep(slot),
+            slot_n_exact=slot.n_exact,
             timings=timings,
             stop=req.stream.stop,
         )
@@ -1046,7 +1072,7 @@ class Engine:
             msg.cache_added, msg.cache_dropped, msg.disk_dropped = self._cache_changes()
         if slot is not None:
             msg.slot, msg.slot_tokens, msg.slot_hash = slot.id, slot.n_tokens, token_hash(slot.tokens)
-            msg.slot_min_keep = self._min_keep(slot)
+            msg.slot_min_keep, msg.slot_n_exact = self._min_keep(slot), slot.n_exact
             self._release(req, slot)
         else:
             self._forget(req)

@@ -26,6 +26,20 @@ if TYPE_CHECKING:
 KV_GGML_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
 KV_BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # ggml blocks of 32 values: scale + quants
 
+# A prompt chunk of one sequence alone in its llama_decode, padded (rows after its tokens, removed after) to a multiple
+# of ALONE_ROWS_STEP rows and at least ALONE_ROWS_MIN, computes each token's KV to the same bits wherever the chunk
+# starts and however long it is. Measured on CPU with llama.cpp's default kernels (bench/exact_shapes.py --alone):
+# repacked weights compute rows in fours and the rest one by one, flash attention tiles from 64 rows of a sequence;
+# 60 rows, or a multiple of 2, is not enough. (16: AMX computes rows in tiles of 16.) Seeded jobs rest on it.
+ALONE_ROWS_MIN = 64
+ALONE_ROWS_STEP = 16
+
+
+def alone_rows(n: int) -> int:
+    """Rows of the padded chunk that computes `n` prompt tokens of one sequence as every such chunk does."""
+    return max(ALONE_ROWS_MIN, -(-n // ALONE_ROWS_STEP) * ALONE_ROWS_STEP)
+
+
 log = logs.get(__name__)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 
@@ -150,7 +164,8 @@ class Llama:
         cp = llama_cpp.llama_context_default_params()
         cp.n_seq_max = slots
         cp.n_ctx = slots * ctx_per_slot
-        self.rows = n_batch + slots  # decode rows of every slot plus a full prefill chunk
+        # decode rows of every slot plus a full prefill chunk, or a seeded job's padded chunk
+        self.rows = max(n_batch + slots, alone_rows(n_batch))
         cp.n_batch = self.rows
         cp.n_ubatch = self.rows
         cp.kv_unified = False  # one stream per slot: a slot can never run out of cells because of another

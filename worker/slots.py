@@ -31,7 +31,7 @@ class Slot:
     job: Any = None  # the running request (worker.engine.Request) while BUSY
     last_used: int = 0
     snapshot: Snapshot | None = None
-    n_exact: int = 0  # deterministic mode: leading tokens whose KV came from full-size prefill ubatches
+    n_exact: int = 0  # leading tokens whose KV is what a cold prompt pass computes (see worker/engine.py)
     salt: str = ""  # the tenant whose prompt it holds (Job.cache_salt); reused only by the same tenant
 
     @property

@@ -94,6 +94,36 @@ def test_sessions_stick_to_their_slots_and_reuse_is_predicted_exactly(system):
     c.close()
 
 
+def test_a_seeded_conversation_repeats_and_the_router_predicts_what_a_seeded_job_reuses(system):
+    """A seeded job on a default worker reuses only KV computed for seeded prompts (their tokens but the last): the
+    worker says how much each slot holds of it (`slot_n_exact`), and the router predicts with that."""
+    rt, cep = system
+    router = rt.router
+    mispredicted = router.metrics.reuse_mispredictions
+    c = RawClient(cep)
+    sampling = Sampling(max_tokens=6, temperature=1.0, seed=4321)
+    system_prompt = ChatMessage(role="system", content="You answer in one line.")
+    turn1 = [system_prompt, ChatMessage(role="user", content="Why is the sea salty?")]
+
+    def ask(rid: str, messages: list[ChatMessage]) -> Result:
+        c.send(Submit(id=rid, messages=messages, sampling=sampling))
+        res = collect(c, {rid})[rid][1]
+        assert isinstance(res, Result), res
+        rec = next(r for r in reversed(router.metrics.recent) if r.id == rid)
+        assert rec.predicted_reuse == rec.reused_tokens == res.usage.cached_tokens
+        return res
+
+    first = ask("seeded-1", turn1)
+    again = ask("seeded-1-again", turn1)
+    turn2 = [*turn1, ChatMessage(role="assistant", content=first.text), ChatMessage(role="user", content="And rivers?")]
+    second = ask("seeded-2", turn2)
+    assert again.text == first.text and again.usage.cached_tokens == first.usage.prompt_tokens - 1
+    # turn 1's prompt but its last token: that token and the reply were computed a row at a time, not as a prompt
+    assert second.usage.cached_tokens == first.usage.prompt_tokens - 1
+    assert router.metrics.reuse_mispredictions == mispredicted and router.metrics.mirror_mismatches == 0
+    c.close()
+
+
 def test_questions_on_one_document_share_its_kv_inside_a_worker(system):
     """Three questions on one document at once on 2 workers: two land on one worker, which computes the
     document once and copies it into the other slot; the router counts that copy as reported, not mispredicted."""

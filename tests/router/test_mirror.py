@@ -106,8 +106,8 @@ def test_deterministic_worker_reuse_covers_generated_tokens_and_leaves_a_chunk()
     prompt = toks(*range(1, 41))
     m.assign(s, "j1", prompt)
     gen = toks(90, 91, 92)
-    assert m.finish(s, "j1", prompt, gen, 42, token_hash([*range(1, 41), 90, 91])) is None
-    assert s.n_exact == 42  # generated tokens are computed in padded batches, exactly as a prompt pass
+    assert m.finish(s, "j1", prompt, gen, 42, token_hash([*range(1, 41), 90, 91]), n_exact=42) is None
+    assert s.n_exact == 42  # the worker's word: generated tokens are computed in padded batches, as a prompt pass
     nxt = toks(*range(1, 41), 90, 91, *([7] * 10))
     assert predicted_reuse(42, len(nxt), s, Params()) == 42
     # at least 8 prompt tokens are always computed
@@ -116,6 +116,26 @@ def test_deterministic_worker_reuse_covers_generated_tokens_and_leaves_a_chunk()
     m.assign(s, "j2", toks(1, 2, 3))
     assert m.finish(s, "j2", toks(1, 2, 3), toks(4, 5), 4, token_hash([1, 2, 3, 4])) is None
     assert s.n_exact == 0
+
+
+def test_a_seeded_job_on_a_default_worker_is_predicted_to_reuse_only_what_seeded_prompts_computed():
+    m = Mirror()
+    (s,) = m.add_worker("w0", 1)
+    prompt = toks(*range(1, 101))
+    m.assign(s, "j1", prompt)
+    # a seeded job: its prompt but the last token computed in padded chunks of its own (worker/engine.py)
+    assert m.finish(s, "j1", prompt, toks(7), 101, token_hash([*range(1, 101), 7]), n_exact=99) is None
+    assert s.n_exact == 99
+    longer = toks(*range(1, 101), 7, 8, 9)
+    seeded = Params(seeded=True)
+    assert predicted_reuse(101, len(longer), s, Params()) == 101  # an unseeded job reuses every token held
+    assert predicted_reuse(101, len(longer), s, seeded) == 99  # a seeded one not the reply's nor the last prompt token
+    m.assign(s, "j2", longer)
+    assert m.finish(s, "j2", longer, toks(), 103, token_hash(longer[:103].tolist()), n_exact=99) is None
+    assert predicted_reuse(103, 104, s, seeded) == 99 and predicted_reuse(103, 104, s, Params()) == 103
+    m.assign(s, "j3", toks(1, 2))  # the worker said nothing of exact KV (an unseeded job after a cut): none
+    assert m.finish(s, "j3", toks(1, 2), toks(), 2, token_hash([1, 2])) is None
+    assert predicted_reuse(2, 3, s, seeded) == 0
 
 
 def test_worker_copies_count_as_predicted_only_when_reported_and_never_below_prediction():

@@ -1,23 +1,29 @@
 """A seed gives the same tokens every time the same request comes (issue 30), with the real default model.
 
-Default mode (`fast_engine`, speculation on): the same seeded job cold, cached, copied into another slot and with
-speculation off gives the same tokens, because a seeded job takes no guesses (rows verified together are computed with
-other kernels than one row alone) and computes its prompt's last token alone, as a cached run of it does.
+Default mode (`fast_engine`, `default4`; speculation on): the same seeded job cold, cached, copied into another slot,
+with speculation off, after another seeded prompt's prefix and batched with other jobs gives the same tokens, because
+a seeded job takes no guesses (rows verified together are computed with other kernels than one row alone), has
+llama_decodes of its own (other jobs' rows would change its kernels), computes its prompt in padded chunks (whose KV
+does not depend on where a chunk starts: worker/llama.py) and its last prompt token alone, as a cached run of it does,
+and reuses only KV that seeded prompts computed so.
 Deterministic mode (`engine`, speculation on): the same after another request's prefix, batched with other jobs and
 with guesses taken, because no decode batch asks for more rows of logits than llama.cpp computes as it computes a
 prompt's (EXACT_OUTPUTS), not even with more generating slots than that."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
 from worker_helpers import Run, assert_slot_invariant, complete, start
 
+from kvroute.slots import common_prefix
 from protocol import JobDone
 from worker.config import WorkerConfig
 from worker.engine import EXACT_OUTPUTS, Engine
+from worker.llama import alone_rows
 
 pytestmark = pytest.mark.model
 
@@ -59,6 +65,10 @@ def set_spec(engine: Engine, on: bool) -> None:
     engine.call(lambda e: setattr(e, "spec", on)).result(10)
 
 
+def logprobs(run: Run) -> list[float]:
+    return [lp.logprob for d in run.deltas for lp in d.logprobs]
+
+
 def done(run: Run) -> JobDone:
     assert isinstance(run.final, JobDone), run.final
     return run.final
@@ -96,14 +106,15 @@ def test_a_seeded_request_gives_the_same_tokens_cold_cached_in_another_slot_and_
         assert_slot_invariant(fast_engine, run)
 
 
-def test_a_seeded_job_computes_its_last_prompt_token_on_its_own_as_a_cached_run_does(fast_engine):
+def test_a_seeded_job_computes_its_prompt_alone_in_a_padded_chunk_and_its_last_token_on_its_own(fast_engine):
     prompt = fast_engine.vocab.tokenize(chat("Name three rivers of Europe."))
     n = len(prompt)
     with decodes(fast_engine) as seen:
-        complete(fast_engine, prompt, slot=0, prefix_cache=False, **{**SEEDED, "max_tokens": 2})
-    mine = [[r for r in rows if r[0] == 0] for rows in seen]
-    assert [len(rows) for rows in mine[:2]] == [n - 1, 1]
-    assert mine[1] == [(0, n - 1, True)]
+        run = complete(fast_engine, prompt, slot=0, prefix_cache=False, **{**SEEDED, "max_tokens": 2})
+    assert seen[0] == [(0, pos, False) for pos in range(alone_rows(n - 1))]  # n - 1 tokens, then padding
+    assert seen[1:3] == [[(0, n - 1, True)], [(0, n, True)]]  # the last prompt token alone; the decode row alone
+    assert done(run).slot_n_exact == n - 1  # what the next seeded job may reuse: not the last token, nor the reply
+    assert_slot_invariant(fast_engine, run)  # (the padding's KV is gone)
     with decodes(fast_engine) as seen:
         complete(fast_engine, prompt, slot=0, prefix_cache=False, temperature=1.0, max_tokens=2)  # no seed
     assert len([r for r in seen[0] if r[0] == 0]) == n  # the whole prompt in one chunk
@@ -163,3 +174,62 @@ def test_more_generating_slots_than_exact_outputs_decode_in_several_batches(nine
     for s in (0, 8):  # the first and the last slot alone give what they gave batched
         alone = complete(nine, prompts[s], slot=s, prefix_cache=False, **kw)
         assert alone.tokens == runs[s].tokens
+
+
+@pytest.fixture(scope="module")
+def default4() -> Iterator[Engine]:
+    """Default mode (repacked weights, flash attention auto, speculation on) with four slots and no host-RAM tier (a
+    prefix is found only in the slots)."""
+    eng = Engine(WorkerConfig(slots=4, ctx_per_slot=1024, threads=2, host_cache_mb=0)).start()
+    yield eng
+    eng.stop()
+
+
+# (long enough that a slot holds 256+ cells: flash attention takes another path for one row alone from there)
+STORY = "The keeper of the lighthouse wrote in his log that the wind turned north and the sea rose over the rocks. " * 26
+
+
+def test_without_deterministic_mode_a_seeded_job_repeats_after_other_prefixes_and_batched_with_other_jobs(default4):
+    """Issue 30: a prompt found in part in the cache, or decoded beside other jobs, changed a seeded job's tokens."""
+    eng = default4
+    prompt = eng.vocab.tokenize(chat(f"{STORY}What did the keeper see?"))
+    sibling = eng.vocab.tokenize(chat(f"{STORY}What did the keeper eat?"))  # the same first ~590 tokens
+    shared = common_prefix(prompt, sibling)
+    assert 300 < shared < len(prompt) - 4
+    kw = {**SEEDED, "seed": 1236, "logprobs": 1}  # (a logprob tells a changed logit even where the token stays)
+    clear = lambda i: eng.call(lambda e: e._clear(e.table[i])).result(10)  # noqa: E731
+
+    cold = complete(eng, prompt, slot=0, prefix_cache=False, **kw)
+    complete(eng, sibling, slot=1, prefix_cache=False, **kw)
+    after_seeded = complete(eng, prompt, slot=1, **kw)  # reuses the sibling's prefix, computed for a seeded job
+    clear(0), clear(1)
+    complete(eng, sibling, slot=2, prefix_cache=False, temperature=1.0, max_tokens=4)  # no seed
+    after_unseeded = complete(eng, prompt, slot=2, **kw)  # that prefix is not what a seeded prompt computes
+    clear(2)
+    short = eng.vocab.tokenize(chat("Count to twenty."))
+    with decodes(eng) as seen:
+        batched = start(eng, prompt, slot=0, prefix_cache=False, **kw)
+        while not batched.deltas:
+            time.sleep(0.002)
+        # its decode rows would now lead batches of several slots (a row alone, holding 256+ cells, is computed with
+        # another flash attention path: measured, its logprobs changed)
+        runs = [
+            start(eng, short, slot=1, prefix_cache=False, **{**kw, "seed": 7}),
+            start(eng, sibling, slot=2, prefix_cache=False, temperature=1.0, max_tokens=40),
+            start(eng, short, slot=3, prefix_cache=False, max_tokens=40),
+        ]
+        for r in [*runs, batched]:
+            r.wait()
+
+    assert done(after_seeded).reused_tokens == shared and done(after_seeded).restored_tokens == 0
+    assert done(after_unseeded).reused_tokens == 0  # (an unseeded job would have reused `shared` tokens of it)
+    assert after_seeded.tokens == cold.tokens and logprobs(after_seeded) == logprobs(cold)
+    assert after_unseeded.tokens == cold.tokens and logprobs(after_unseeded) == logprobs(cold)
+    assert batched.tokens == cold.tokens and logprobs(batched) == logprobs(cold)
+    mine = [rows for rows in seen if any(s == 0 for s, _, _ in rows)]
+    assert all({s for s, _, _ in rows} == {0} for rows in mine)  # its rows never share a llama_decode
+    others = [i for i, rows in enumerate(seen) if 0 not in {s for s, _, _ in rows}]
+    first, last = seen.index(mine[0]), seen.index(mine[-1])
+    assert any(first < i < last for i in others), "the other jobs never ran beside it: the test would prove nothing"
+    for run in (cold, after_seeded, after_unseeded, batched, *runs):
+        assert_slot_invariant(eng, run)
