@@ -45,7 +45,7 @@ def batch(
     counted: slice = slice(None),
 ) -> tuple[float, list[JobDone]]:
     """Decode tokens/s of the jobs `counted`, from the first token of any to the end of all."""
-    for s in range(len(e.table)):
+    for s in range(e.cfg.slots):
         e.call(lambda e, s=s: e._clear(e.table[s])).result()
     t = time.perf_counter()
     streams = [

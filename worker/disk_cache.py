@@ -5,7 +5,7 @@ The storage layer only: the engine decides what to save and restores what `read`
 `<id>.kvs` in `directory`, holding the model fingerprint, the llama.cpp state format (`llama_state_version`), the
 exact tokens whose KV the state holds, `n_exact`, `pos_min` and the bytes `llama_state_seq_get_data` wrote, with
 CRC-32 checksums (format below). An entry id is an int, the file's stem, unique in the directory: ids survive a
-restart, so the router can be told "entry 12 holds these tokens" and "entry 12 is gone" (`drain_events`).
+restart, so the router can be told "entry 12 holds these tokens" and "entry 12 is gone" (`drain_events`, `changes`).
 
 Contract:
 - `load()` starts the tier (creates the directory, locks it against a second worker, scans it). Until then, and
@@ -59,6 +59,7 @@ from protocol.common import pack_tokens, unpack_tokens
 
 if TYPE_CHECKING:
     from worker.llama import StateData
+    from worker.saved import TierName
 
 log = logs.get(__name__)
 
@@ -103,9 +104,9 @@ class DiskEntry:
 
 @dataclass(frozen=True)
 class Added:
-    """The disk tier now holds `tokens` (under `entry_id`)."""
+    """The disk tier now holds `tokens` (under `id`)."""
 
-    entry_id: int
+    id: int
     tokens: list[int]
     n_exact: int
     pos_min: int
@@ -140,7 +141,9 @@ class _Bad(Exception):
 
 
 class DiskCache:
-    """Entries on disk by LRU within `capacity` bytes; 0 means off."""
+    """Entries on disk by LRU within `capacity` bytes; 0 means off. A saved-state tier (worker/saved.py)."""
+
+    name: TierName = "disk"
 
     def __init__(
         self,
@@ -288,7 +291,7 @@ class DiskCache:
 
     def put(
         self, tokens: list[int], n_exact: int, pos_min: int, data: StateData | bytes | bytearray | memoryview, salt: str = ""
-    ) -> int | None:
+    ) -> int | None:  # (a saved-state tier's `put`: worker/saved.py; an id is true)
         """Queue a state holding `tokens` for writing; returns its entry id, or None when nothing is queued (the tier
         is off, an entry covers them, it is over the capacity or the write queue is full). Never blocks on disk."""
         state_bytes = memoryview(data).nbytes
@@ -383,6 +386,11 @@ class DiskCache:
         with self._cond:
             events, self._events = self._events, []
         return events
+
+    def changes(self) -> tuple[list[Added], list[int]]:
+        """The states added and the ids dropped since the last call (worker/saved.py)."""
+        events = self.drain_events()
+        return [e for e in events if isinstance(e, Added)], [e.entry_id for e in events if isinstance(e, Dropped)]
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is done (or dropped); False when `timeout` seconds passed first."""

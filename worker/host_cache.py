@@ -7,7 +7,7 @@ to the shared part: milliseconds of memcpy instead of seconds of prefill. Bounde
 used out first. llama-server does the same with its `--cache-ram` (8 GiB by default).
 
 The router sees this cache: every entry has an id, and the cache lists what was added (with the slot whose contents
-it copied: the router knows those tokens from its mirror) and dropped since the last `take_changes`; the engine
+it copied: the router knows those tokens from its mirror) and dropped since the last `changes`; the engine
 sends that with its next JobDone or JobError. An entry dropped to make room goes to `spill` first (the disk tier,
 worker/disk_cache.py, when there is one).
 
@@ -24,6 +24,7 @@ from kvroute.slots import common_prefix
 
 if TYPE_CHECKING:
     from worker.llama import StateData
+    from worker.saved import TierName
 
 
 @dataclass(eq=False)
@@ -43,7 +44,10 @@ class Entry:
 
 
 class HostCache:
-    """Entries by LRU within `capacity` bytes. No entry is a prefix of another (the longer one is kept)."""
+    """Entries by LRU within `capacity` bytes. No entry is a prefix of another (the longer one is kept). A saved-state
+    tier (worker/saved.py)."""
+
+    name: TierName = "ram"
 
     def __init__(self, capacity: int, spill: Callable[[Entry], None] | None = None) -> None:
         """`spill` gets each entry dropped to make room (least recently used), before it goes: the disk tier."""
@@ -53,7 +57,7 @@ class HostCache:
         self.nbytes = 0
         self._clock = 0
         self._ids = 0
-        self.added: list[Entry] = []  # since the last take_changes
+        self.added: list[Entry] = []  # since the last `changes`
         self.dropped: list[int] = []
 
     def __len__(self) -> int:
@@ -73,8 +77,9 @@ class HostCache:
             self._evict()
         return True
 
-    def put(self, tokens: list[int], n_exact: int, data: StateData, pos_min: int = 0, slot: int = -1, salt: str = "") -> bool:
-        """Keep a copy of a sequence holding `tokens`; entries it extends are dropped. False when it cannot fit."""
+    def put(self, tokens: list[int], n_exact: int, pos_min: int, data: StateData, salt: str = "", slot: int = -1) -> bool:
+        """Keep a copy of a sequence holding `tokens` (the contents of `slot`); entries it extends are dropped. False
+        when it cannot fit."""
         if len(data) > self.capacity:
             return False
         n = len(tokens)
@@ -114,7 +119,7 @@ class HostCache:
         self.entries.clear()
         self.nbytes = 0
 
-    def take_changes(self) -> tuple[list[Entry], list[int]]:
+    def changes(self) -> tuple[list[Entry], list[int]]:
         """Entries added and ids dropped since the last call (an entry may be in both: added, then dropped)."""
         added, dropped = self.added, self.dropped
         self.added, self.dropped = [], []

@@ -28,7 +28,7 @@ class Slot:
     id: int
     tokens: list[int] = field(default_factory=list)  # exactly the tokens whose KV this seq holds, in position order
     phase: SlotPhase = SlotPhase.IDLE
-    job: Any = None  # the running request (worker.engine.Request) while BUSY
+    task: Any = None  # the running task (worker.engine.Task: a job's life in the worker) while BUSY
     last_used: int = 0
     snapshot: Snapshot | None = None
     n_exact: int = 0  # leading tokens whose KV is what a cold prompt pass computes (see worker/engine.py)
@@ -40,8 +40,8 @@ class Slot:
 
     @property
     def job_id(self) -> str | None:
-        job = self.job
-        return job.id if job is not None else None
+        task = self.task
+        return task.id if task is not None else None
 
     def keep(self, n: int) -> None:
         """The KV now holds only the first n tokens (after a trim); drop a snapshot that no longer fits."""
@@ -89,13 +89,13 @@ class SlotTable:
             return empty[0]
         return min(idle, key=lambda s: s.last_used)
 
-    def assign(self, slot: Slot, job: Any) -> None:
+    def assign(self, slot: Slot, task: Any) -> None:
         assert slot.phase is SlotPhase.IDLE, f"slot {slot.id} is busy"
-        slot.phase, slot.job = SlotPhase.BUSY, job
+        slot.phase, slot.task = SlotPhase.BUSY, task
         self._touch(slot)
 
     def release(self, slot: Slot) -> None:
-        slot.phase, slot.job = SlotPhase.IDLE, None
+        slot.phase, slot.task = SlotPhase.IDLE, None
         self._touch(slot)
 
     def _touch(self, slot: Slot) -> None:

@@ -135,7 +135,7 @@ def test_a_restart_finds_the_entries_in_their_lru_order(tmp_path: Path):
     assert not again.enabled and again.best([0, 0]) == (None, 0)  # nothing before load()
     loaded = again.load()
     assert sorted(e.id for e in loaded) == ids and again.enabled
-    assert {e.entry_id for e in again.drain_events() if isinstance(e, Added)} == set(ids)
+    assert {e.id for e in again.drain_events() if isinstance(e, Added)} == set(ids)
     assert again.read(found(again, [2, 2])) is not None
     new = put(again, [5, 5], state(500))  # [1, 1] is now the least recently used
     assert sorted(e.id for e in again.entries) == [ids[0], ids[2], new]

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 from worker_helpers import assert_slot_invariant, complete
 
-import worker.engine
+import worker.saved_states
 from protocol import JobDone, unpack_tokens
 from worker.config import WorkerConfig
-from worker.engine import ENTRY_OVERHEAD_BYTES, Engine
+from worker.engine import Engine
+from worker.saved_states import ENTRY_OVERHEAD_BYTES
 
 pytestmark = pytest.mark.model
 
@@ -80,7 +81,7 @@ def test_a_restart_restores_what_a_graceful_stop_wrote_and_a_bad_file_is_served_
         on_disk = [unpack_tokens(c.tokens) for c in cached if c.tier == "disk"]
         assert any(t[: len(a)] == a for t in on_disk) and any(t[: len(b)] == b for t in on_disk)  # ...a warm disk
         # a hello carries only what fits its budget (here one state): the most recently used
-        monkeypatch.setattr(worker.engine, "HELLO_LISTING_BYTES", 4 * max(map(len, on_disk)) + ENTRY_OVERHEAD_BYTES)
+        monkeypatch.setattr(worker.saved_states, "HELLO_LISTING_BYTES", 4 * max(map(len, on_disk)) + ENTRY_OVERHEAD_BYTES)
         _, few = eng.held().result(30)
         assert len(few) == 1 and few[0].id == max(eng.disk.entries, key=lambda e: e.last_used).id
         monkeypatch.undo()

@@ -9,9 +9,11 @@ from collections.abc import Iterator
 import pytest
 from worker_helpers import assert_slot_invariant, complete, start
 
+from kvroute.slots import COPY_MIN
 from protocol import JobDone
 from worker.config import WorkerConfig
-from worker.engine import COPY_MIN, SAVE_MIN, Engine
+from worker.engine import Engine
+from worker.prefix import SAVE_MIN
 
 pytestmark = pytest.mark.model
 

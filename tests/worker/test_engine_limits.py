@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
 import pytest
 from worker_helpers import assert_slot_invariant, complete, start
 
 from protocol import JobDone, JobError, token_hash
-from worker.engine import PREFILL_PATIENCE_STEPS, Engine
 
 pytestmark = pytest.mark.model
 
@@ -65,7 +63,7 @@ def test_seed_reproducible_and_logit_bias(engine, vocab):
 
 
 def test_decode_failure_ends_job_and_worker_keeps_serving(engine, vocab):
-    real = engine._decode
+    real = engine.core._decode
     calls = {"n": 0}
 
     def failing() -> int:
@@ -89,7 +87,7 @@ def test_decode_failure_ends_job_and_worker_keeps_serving(engine, vocab):
 
 
 def test_no_kv_room_is_retried_with_a_smaller_batch(engine, vocab):
-    real = engine._decode
+    real = engine.core._decode
     state = {"failed": False}
 
     def once_full() -> int:
@@ -138,14 +136,3 @@ def test_a_short_prompt_is_prefilled_before_a_long_one_that_came_first(engine, v
     long_run.wait(), short_run.wait()
     assert isinstance(long_run.final, JobDone) and isinstance(short_run.final, JobDone)
     assert short_run.times[0] < long_run.times[0]
-
-
-def test_a_long_prompt_passed_over_too_often_goes_first():
-    def slot(name: str, prompt: int, done: int, passed_over: int = 0) -> SimpleNamespace:
-        job = SimpleNamespace(prompt=[0] * prompt, passed_over=passed_over)
-        return SimpleNamespace(name=name, n_tokens=done, job=job)
-
-    short, long_ = slot("short", 60, 0), slot("long", 2000, 512)
-    assert [s.name for s in Engine._prefill_order([long_, short])] == ["short", "long"]
-    long_.job.passed_over = PREFILL_PATIENCE_STEPS
-    assert [s.name for s in Engine._prefill_order([short, long_])] == ["long", "short"]

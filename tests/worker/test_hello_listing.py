@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from protocol import MAX_FRAME_BYTES, CacheEntry, Hello, encode, pack_tokens, token_hash
-from worker.engine import ENTRY_OVERHEAD_BYTES, HELLO_LISTING_BYTES, most_recent_within
+from worker.saved_states import ENTRY_OVERHEAD_BYTES, HELLO_LISTING_BYTES, most_recent_within
 
 
 def entry(name: str, n_tokens: int, last_used: int) -> SimpleNamespace:

@@ -21,8 +21,9 @@ from worker_helpers import Run, assert_slot_invariant, complete, start
 
 from kvroute.slots import common_prefix
 from protocol import JobDone
+from worker.batching import EXACT_OUTPUTS
 from worker.config import WorkerConfig
-from worker.engine import EXACT_OUTPUTS, Engine
+from worker.engine import Engine
 from worker.llama import alone_rows
 
 pytestmark = pytest.mark.model

@@ -1,0 +1,154 @@
+"""Batch building with plain data, no model: which slots share a llama_decode and the rows of each."""
+
+from __future__ import annotations
+
+from kvroute.slots import EXACT_ROWS, SlotPhase
+from protocol import Job, Sampling, pack_tokens
+from worker.batching import EXACT_OUTPUTS, PAD_TOKEN, PREFILL_PATIENCE_STEPS, Batcher, prefill_order
+from worker.llama import ALONE_ROWS_MIN, alone_rows
+from worker.slots import Slot
+from worker.task import Task
+
+Row = tuple[int, int, int, bool]  # token, position, seq id, logits
+
+
+class Rows:
+    """A batch as a list of rows."""
+
+    def __init__(self) -> None:
+        self.rows: list[Row] = []
+
+    @property
+    def n(self) -> int:
+        return len(self.rows)
+
+    def clear(self) -> None:
+        self.rows = []
+
+    def add(self, token: int, pos: int, seq: int, logits: bool) -> int:
+        self.rows.append((token, pos, seq, logits))
+        return len(self.rows) - 1
+
+    def add_run(self, tokens: list[int], pos0: int, seq: int, last_logits: bool) -> int:
+        for i, tok in enumerate(tokens):
+            self.add(tok, pos0 + i, seq, last_logits and i == len(tokens) - 1)
+        return len(self.rows) - 1
+
+
+def busy(slot_id: int, prompt: int, held: int = 0, generated: int = 0, seed: int | None = None) -> Slot:
+    """A slot running a task of a `prompt`-token prompt of which it holds `held` tokens (plus `generated` sampled)."""
+    tokens = [100 + i for i in range(prompt)]
+    job = Job(id=f"j{slot_id}", slot=slot_id, tokens=pack_tokens(tokens), sampling=Sampling(temperature=1.0, seed=seed))
+    task = Task(f"j{slot_id}", job, tokens, sink=lambda m: None, max_gen=100, t_arrival=0.0, deadline=None)
+    task.generated = [7] * generated
+    slot = Slot(slot_id, tokens=tokens[:held] + task.generated[:-1] if generated else tokens[:held])
+    slot.phase, slot.task = SlotPhase.BUSY, task
+    return slot
+
+
+def batcher(slots: list[Slot], n_ctx: int = 4096, **kw) -> tuple[Batcher, Rows]:
+    rows = Rows()
+    table = sorted(slots, key=lambda s: s.id)
+    return Batcher(rows, table, n_ctx, **kw), rows
+
+
+def test_decode_rows_come_first_then_prompt_chunks_least_left_first_within_the_budget():
+    gen = busy(0, 20, held=20, generated=3)
+    long_, short = busy(1, 900), busy(2, 50, held=10)
+    b, rows = batcher([gen, long_, short])
+    (group,) = b.groups([gen, long_, short])
+    assert group.slots == [gen, short, long_] and group.budgeted
+    plan = b.build(group.slots, 100)
+    assert [(s.id, n, row) for s, n, row in plan] == [(0, 1, 0), (2, 40, 40), (1, 60, -1)]
+    assert rows.rows[0] == (7, 22, 0, True)  # the decode row: the last sampled token, after what the slot holds
+    assert rows.rows[1:41] == [(110 + i, 10 + i, 2, i == 39) for i in range(40)]  # its whole rest: logits on its last
+    assert rows.n == 101 and b.padding(plan) == []
+    assert long_.task.passed_over == short.task.passed_over == 0
+
+
+def test_a_prompt_left_without_budget_is_passed_over_and_goes_first_once_it_has_waited_long_enough():
+    first, second = busy(0, 300), busy(1, 400)
+    b, _ = batcher([first, second])
+    plan = b.build(prefill_order([first, second]), 300)
+    assert [s.id for s, _, _ in plan] == [0] and second.task.passed_over == 1
+    third = busy(2, 10)
+    assert prefill_order([first, second, third]) == [third, first, second]  # least left to compute first
+    second.task.passed_over = PREFILL_PATIENCE_STEPS
+    assert prefill_order([third, first, second]) == [second, third, first]
+
+
+def test_guesses_follow_a_decode_row_and_take_from_the_prefill_budget():
+    seen: list[tuple[str, int, int, int]] = []
+
+    def guess(task: Task, slot: Slot, budget: int, decoding: int, rows: int) -> list[int]:
+        seen.append((task.id, budget, decoding, rows))
+        return [5, 6, 7]
+
+    gen, other, prompt = busy(0, 10, held=10, generated=1), busy(1, 10, held=10, generated=1), busy(2, 100)
+    b, rows = batcher([gen, other, prompt], guess=guess)
+    plan = b.build([gen, other, prompt], 50)
+    assert seen == [("j0", 50, 2, 2), ("j1", 47, 2, 5)]  # the budget and rows so far shrink with each guess
+    assert [(s.id, n) for s, n, _ in plan] == [(0, 4), (1, 4), (2, 44)]
+    assert rows.rows[:4] == [(7, 10, 0, True), (5, 11, 0, True), (6, 12, 0, True), (7, 13, 0, True)]
+
+
+def test_a_seeded_job_has_llama_decodes_of_its_own_padded_chunks_its_last_prompt_token_alone_and_no_guesses():
+    plain, seeded, seeded_gen = busy(0, 30), busy(1, 200, seed=5), busy(2, 40, held=40, generated=2, seed=6)
+    b, rows = batcher([plain, seeded, seeded_gen], guess=lambda *a: [9])
+    groups = b.groups([plain, seeded, seeded_gen])
+    assert [g.slots for g in groups] == [[plain], [seeded_gen], [seeded]] and all(g.budgeted for g in groups)
+
+    plan = b.build([seeded], 512)
+    assert [(s.id, n, row) for s, n, row in plan] == [(1, 199, -1)]  # all but the last prompt token
+    assert rows.n == alone_rows(199) == 208 and rows.rows[199:] == [(PAD_TOKEN, p, 1, False) for p in range(199, 208)]
+    assert seeded.task.exact_chunk and b.padding(plan) == [(1, 199)]  # (before the commit: the slot holds 0)
+    seeded.tokens = seeded.task.prompt[:199]
+    plan = b.build([seeded], 512)
+    assert [(s.id, n, row) for s, n, row in plan] == [(1, 1, 0)] and rows.rows == [(299, 199, 1, True)]
+    assert not seeded.task.exact_chunk and b.padding(plan) == []
+
+    plan = b.build([seeded_gen], 512)
+    assert rows.rows == [(7, 41, 2, True)] and seeded_gen.task.draft == []  # one row, no guess
+
+
+def test_a_seeded_chunk_is_at_least_the_padded_minimum_and_unpadded_where_the_context_has_no_room():
+    small = busy(0, 20, seed=1)
+    b, rows = batcher([small])
+    b.build([small], 512)
+    assert rows.n == ALONE_ROWS_MIN and sum(1 for r in rows.rows if r[0] == PAD_TOKEN) == ALONE_ROWS_MIN - 19
+
+    near_end = busy(0, 1000, held=990, seed=1)
+    b, rows = batcher([near_end], n_ctx=1024)  # 990 + 64 rows would pass the slot's 1,024 cells
+    plan = b.build([near_end], 512)
+    assert [(n, row) for _, n, row in plan] == [(9, -1)] and rows.n == 9 and not near_end.task.exact_chunk
+
+    starved = busy(0, 500, seed=1)
+    b, rows = batcher([starved])
+    assert b.build([starved], 40) == [] and starved.task.passed_over == 1  # 40 of 499: not worth a padded chunk
+    plan = b.build([starved], 499)
+    assert [n for _, n, _ in plan] == [499]
+
+
+def test_deterministic_mode_decodes_the_generating_slots_padded_and_each_prompt_chunk_alone():
+    gens = [busy(i, 12, held=12, generated=1) for i in range(9)]
+    prompt = busy(9, 100)
+    b, rows = batcher([*gens, prompt], exact=True)
+    groups = b.groups([prompt, *gens])
+    assert [[s.id for s in g.slots] for g in groups] == [list(range(EXACT_OUTPUTS)), [7, 8], [9]]
+    assert [g.budgeted for g in groups] == [False, False, True]
+
+    plan = b.build([gens[0], gens[2]], 512)  # slots 0 and 2: slot 1 between them is padded too
+    assert [(s.id, n, row) for s, n, row in plan] == [(0, 1, 0), (2, 1, 6)]
+    pad = -(-EXACT_ROWS // 3)
+    assert rows.n == 3 * pad and [r[2] for r in rows.rows] == [0] * pad + [1] * pad + [2] * pad
+    assert b.padding(plan) == [(0, 13), (1, 12), (2, 13)]  # after each decode row; slot 1 after what it holds
+
+    plan = b.build([prompt], 95)  # 95 of 100 would leave 5: fewer than EXACT_ROWS, so the chunk leaves 8
+    assert [n for _, n, _ in plan] == [100 - EXACT_ROWS]
+
+
+def test_with_snapshots_a_prompt_stops_one_short_of_its_end_and_nothing_is_padded():
+    prompt = busy(0, 50, seed=3)
+    b, rows = batcher([prompt], snapshots=True)
+    plan = b.build([prompt], 512)
+    assert [n for _, n, _ in plan] == [49] and rows.n == 49 and not prompt.task.exact_chunk

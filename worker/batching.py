@@ -1,0 +1,183 @@
+"""Batch building: which slots share a llama_decode in one engine step, and the rows of each (decode rows, guessed
+rows, prompt chunks, padding). Plain data in, rows out: it writes into anything with the `Rows` methods
+(worker/llama.py `Batch`, or a list in the tests) and calls nothing in llama.cpp; guesses come from a callable.
+
+The rules (why: worker/engine.py's docstring):
+- default mode: one llama_decode for every slot but seeded jobs', each of which has its own (a starved seeded prompt
+  first); decode rows first, then prompt chunks up to the step's prefill budget, in `prefill_order`;
+- a seeded job's prompt: chunks padded to `alone_rows` (worker/llama.py), its last token alone, no guesses;
+- deterministic mode: the generating slots together, at most EXACT_OUTPUTS of them a batch, every slot from the
+  first to the last padded to the same rows; then each prompt chunk alone, at least EXACT_ROWS tokens;
+- a memory restored from snapshots (`snapshots`): a prompt stops one short of its end, where a snapshot is taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvroute.slots import EXACT_ROWS
+from worker.llama import ALONE_ROWS_MIN, alone_rows
+from worker.slots import Slot
+from worker.task import Task
+
+PAD_TOKEN = 0  # token of padding rows (deterministic mode's, seeded jobs'; any id: their KV is removed after the decode)
+# deterministic mode: most rows with logits in one llama_decode (llama.cpp computes a token's logits otherwise from
+# EXACT_ROWS output rows on; a prompt chunk has one, see worker/engine.py's docstring)
+EXACT_OUTPUTS = EXACT_ROWS - 1
+# a prompt that got no prefill budget this many steps in a row takes it before prompts with less left to compute
+PREFILL_PATIENCE_STEPS = 4
+
+Planned = tuple[Slot, int, int]  # a slot in the batch, the tokens it adds (decode row and guesses, or its chunk), its
+# first sampled row (-1: none, a chunk in the middle of its prompt)
+# (task, slot, budget left, decode rows in the step, rows so far) -> the tokens to verify after the slot's decode row;
+# decode rows 0: rows that cost nothing (deterministic mode's padding)
+Guess = Callable[[Task, Slot, int, int, int], list[int]]
+
+
+class Rows(Protocol):
+    """Where a batch's rows go (worker/llama.py `Batch`)."""
+
+    @property
+    def n(self) -> int: ...  # rows so far
+
+    def clear(self) -> None: ...
+
+    def add(self, token: int, pos: int, seq: int, logits: bool) -> int: ...
+
+    def add_run(self, tokens: list[int], pos0: int, seq: int, last_logits: bool) -> int: ...
+
+
+@dataclass(frozen=True)
+class Group:
+    """The slots of one llama_decode, in batch order."""
+
+    slots: list[Slot]
+    budgeted: bool = True  # its rows take from the step's prefill budget (deterministic mode's decode batch: no)
+
+
+def prefill_order(slots: list[Slot]) -> list[Slot]:
+    """Who gets the step's prefill budget first: the prompt with the least left to compute (an agent's 50-token turn
+    does not wait behind a cold 800-token prompt), except that one passed over PREFILL_PATIENCE_STEPS steps in a row
+    goes before all of those, so that a stream of short prompts never starves a long one."""
+
+    def key(slot: Slot) -> tuple[bool, int]:
+        task: Task = slot.task
+        return task.passed_over < PREFILL_PATIENCE_STEPS, len(task.prompt) - slot.n_tokens
+
+    return sorted(slots, key=key)
+
+
+@dataclass
+class Batcher:
+    rows: Rows
+    slots: list[Slot]  # every slot, by seq id
+    n_ctx: int  # a slot's context
+    exact: bool = False  # deterministic mode
+    snapshots: bool = False  # the memory cannot be trimmed: a prompt stops one short of its end; nothing is padded
+    guess: Guess | None = None  # speculation on
+
+    def groups(self, busy: list[Slot]) -> list[Group]:
+        """The step's llama_decodes, in order; `busy` the busy slots."""
+        busy = prefill_order(busy)
+        if not self.exact:
+            shared = [s for s in busy if not s.task.seeded]
+            starved = [s for s in busy if s.task.seeded and s.task.passed_over >= PREFILL_PATIENCE_STEPS]
+            rest = [s for s in busy if s.task.seeded and s not in starved]
+            return [*(Group([s]) for s in starved), Group(shared), *(Group([s]) for s in rest)]
+        generating = sorted((s for s in busy if s.task.generated), key=lambda s: s.id)
+        decodes = [Group(generating[i : i + EXACT_OUTPUTS], False) for i in range(0, len(generating), EXACT_OUTPUTS)]
+        return decodes + [Group([s]) for s in busy if not s.task.generated]
+
+    def build(self, group: list[Slot], budget: int) -> list[Planned]:
+        """Fill the batch for one group: decode rows first, then prefill chunks within `budget` prompt tokens."""
+        batch = self.rows
+        batch.clear()
+        if self.exact and group and group[0].task.generated:  # (a decode group: see `groups`)
+            return self._build_padded(group)
+        plan: list[Planned] = []
+        prefilling: list[Slot] = []
+        decoding = sum(1 for slot in group if slot.task.generated)
+        rows = decoding  # decode rows and the guesses taken so far: a guess's cost depends on the step it joins
+        for slot in group:
+            task: Task = slot.task
+            if not task.generated:
+                prefilling.append(slot)
+                continue
+            pos = slot.n_tokens
+            row = batch.add(task.generated[-1], pos, slot.id, True)
+            # (a seeded job takes no guesses here: rows verified together compute other numbers than one row alone)
+            task.draft = self.guess(task, slot, budget, decoding, rows) if self.guess and not task.seeded else []
+            for i, tok in enumerate(task.draft, 1):
+                batch.add(tok, pos + i, slot.id, True)
+            budget -= len(task.draft)
+            rows += len(task.draft)
+            plan.append((slot, 1 + len(task.draft), row))
+        for slot in prefilling:  # (in prefill order)
+            task = slot.task
+            task.passed_over += 1  # (back to 0 below when it gets a chunk)
+            if budget > 0 and self._chunk(slot, task, budget, plan):
+                task.passed_over = 0
+                budget -= plan[-1][1]
+        return plan
+
+    def _chunk(self, slot: Slot, task: Task, budget: int, plan: list[Planned]) -> bool:
+        """Add the slot's next prompt chunk, at most `budget` tokens; False when none fits this step."""
+        start, end = slot.n_tokens, len(task.prompt)
+        take = min(end - start, budget)
+        if self.exact and 0 < end - start - take < EXACT_ROWS:
+            take = end - start - EXACT_ROWS  # never leave a remainder too small to compute exactly
+            if take < EXACT_ROWS:
+                return False  # not enough budget left this step for an exact chunk
+        alone = task.seeded and not self.exact  # (its batch has no other slot's rows: `groups`)
+        if (self.snapshots or alone) and start < end - 1:
+            # stop one short of the end: so that a snapshot can be taken there; a seeded job's last prompt token is
+            # then computed on its own, as it is when the rest of its prompt was cached
+            take = min(take, end - 1 - start)
+            if alone and take < min(end - 1 - start, ALONE_ROWS_MIN):
+                return False  # too little budget left this step to be worth a padded chunk
+        last = start + take == end
+        row = self.rows.add_run(task.prompt[start : start + take], start, slot.id, last)
+        # a seeded job's chunk, padded: its KV is then what every such chunk computes (worker/llama.py); not at the
+        # end of the slot's context, where the padding has no room
+        padded = alone_rows(take)
+        task.exact_chunk = alone and not last and not self.snapshots and start + padded <= self.n_ctx
+        for pos in range(start + take, start + padded) if task.exact_chunk else ():
+            self.rows.add(PAD_TOKEN, pos, slot.id, False)
+        plan.append((slot, take, row if last else -1))
+        return True
+
+    def _build_padded(self, generating: list[Slot]) -> list[Planned]:
+        """Deterministic mode's decode batch: the slots from the first generating one to the last, in seq id order
+        (llama.cpp puts only consecutive seq ids in one ubatch), have `pad` rows each: a generating slot its decode row,
+        then guesses, then padding; any other slot padding after the tokens it holds."""
+        batch = self.rows
+        plan: list[Planned] = []
+        mine = {s.id for s in generating}
+        span = self.slots[min(mine) : max(mine) + 1]
+        pad = max(2, -(-EXACT_ROWS // len(span)))
+        guesses = EXACT_OUTPUTS - len(mine)  # rows with logits the batch has left for guesses
+        for slot in span:
+            pos, rows = slot.n_tokens, 0
+            if slot.id in mine:
+                task: Task = slot.task
+                row = batch.add(task.generated[-1], pos, slot.id, True)
+                task.draft = self.guess(task, slot, min(pad - 1, guesses), 0, 0) if self.guess and guesses > 0 else []
+                guesses -= len(task.draft)
+                for i, tok in enumerate(task.draft, 1):
+                    batch.add(tok, pos + i, slot.id, True)
+                rows = 1 + len(task.draft)
+                plan.append((slot, rows, row))
+            for i in range(rows, pad):
+                batch.add(PAD_TOKEN, pos + i, slot.id, False)
+        return plan
+
+    def padding(self, plan: list[Planned]) -> list[tuple[int, int]]:
+        """Where the batch's padding rows are, to remove their KV after the decode: (seq id, first padding position)
+        for every slot from the plan's first to its last (`_build_padded` pads the idle ones between too); none when
+        the batch has no padding."""
+        if self.rows.n == sum(n for _, n, _ in plan):
+            return []
+        rows = {slot.id: n for slot, n, _ in plan}
+        return [(s.id, s.n_tokens + rows.get(s.id, 0)) for s in self.slots[min(rows) : max(rows) + 1]]

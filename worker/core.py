@@ -1,0 +1,658 @@
+"""The engine's work on its compute thread (worker/engine.py runs it): admission, the step, commit and ends.
+
+A step places waiting jobs on slots (their prefixes: worker/prefix.py), builds the step's batches (worker/batching.py:
+one decode row for every generating slot first, then prefill chunks of the slots still reading their prompt, up to
+`n_batch` prompt tokens, the prompt with the least left to compute first), decodes each, commits what it computed and
+samples the rows that ask for it. Jobs join and leave between steps. Results go out as protocol messages (JobDelta,
+then one JobDone or JobError) passed to the job's sink.
+
+Deterministic mode (measured on CPU, see DESIGN.md): a token's KV and logits are bit-reproducible only if they
+are computed the same way every time. Measured with flash attention off (it is: its result depends on how much
+of the KV came from earlier ubatches): llama.cpp computes a ubatch of fewer than EXACT_ROWS rows, or with a single
+row of some sequence, with other kernels; from EXACT_ROWS rows with at least 2 of each sequence on, a row's result
+does not depend on its ubatch. With one KV stream per slot, llama.cpp splits a batch into ubatches of consecutive
+seq ids with equal rows per sequence. So in this mode the generating slots decode together in one batch in which
+every slot from the first generating one to the last, idle ones between them too, has the same number of rows (at
+least 2, and at least EXACT_ROWS in all): a slot's decode row, its guesses, then padding at the positions after them,
+removed again right after the decode. The fewer slots that span, the more rows each gets for guesses. Prefill
+chunks of at least EXACT_ROWS tokens get a `llama_decode` of their own. Every token's KV is then what a prompt pass computes, so a
+slot reuses its generated tokens too (`Slot.n_exact`, which covers everything but a prompt's too-short tail).
+Logits have a threshold of their own: llama.cpp computes the last layer and the output only for the rows that ask
+for logits, and from EXACT_ROWS such rows in a ubatch on it computes a token's logits otherwise (measured: a row
+4 of 8 verified guesses differed from the same token decoded alone, by 1e-2 in every logit, while with 7 rows
+asking, whichever, nothing differed). A prompt chunk asks for one; so a decode batch asks for at most
+EXACT_OUTPUTS: guesses stop there, and more generating slots than that decode in several batches.
+
+Seeded jobs without deterministic mode: a seed asks for the same tokens every time the same job comes, as
+llama-server gives them (issue 30), whatever else the worker runs and whatever its cache holds. The default kernels
+compute a row otherwise by the shape of its batch (measured: bench/exact_shapes.py), so a seeded job's rows keep to
+shapes that do not change: (1) no guesses (rows verified together are computed with other kernels than one row
+alone: up to 1 in a logit, 1-5 % of the next token's probability mass at temperature 1, and what is guessed depends
+on earlier jobs' outputs and on step timings); (2) its rows go in llama_decodes of their own, never beside another
+slot's (a row leading a batch of several slots, in a slot holding 256+ cells, takes another flash attention path
+than one row alone); (3) its prompt but the last token in chunks padded as worker/llama.py `alone_rows` says, whose
+KV does not depend on where a chunk starts or ends; the last token alone, then one decode row a step. Only KV so
+computed is reused for a seeded job (`Slot.n_exact`: the seeded prompts' tokens, not their last token nor the
+reply), from its slot, another slot, host RAM or disk. What it costs the seeded job and the others beside it:
+bench/README.md "What a seed costs". A chunk within a padded chunk's length of the end of its slot's context has no
+room for its padding and is computed without (and not counted in `n_exact`): such a prompt's tokens may differ from
+run to run. Deterministic mode gives the same with other kernels (its
+padding costs every generating step, not only seeded jobs').
+
+Speculation (`--spec auto|ngram`, worker/speculate.py): a generating slot's row may be followed by rows of guessed
+tokens; its sampler takes the rows in order while they agree with the guess, and the KV of the guessed tokens it
+did not take is removed before anything else happens (so the invariant below holds after every step).
+
+Invariant (checked after every decode, and before building a batch): for every slot,
+`llama_memory_seq_pos_max(slot) + 1 == len(slot.tokens)`. A violation is counted, logged with an id, reported
+to the slot's job as an `internal` error carrying that id, and the slot is cleared.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import uuid
+
+from kvroute import logs
+from kvroute.model import resolve_model
+from kvroute.slots import EXACT_ROWS, SlotPhase
+from protocol import (
+    EngineCounters,
+    ErrorCode,
+    FinishReason,
+    Job,
+    JobDelta,
+    JobDone,
+    JobError,
+    Message,
+    Timings,
+    TokenLogprob,
+    pack_tokens,
+    token_hash,
+    unpack_tokens,
+)
+from worker.batching import Batcher, Planned
+from worker.config import WorkerConfig
+from worker.faults import Faults
+from worker.guide import Guide, GuideError, GuideTokenizer
+from worker.llama import Llama
+from worker.prefix import Prefixes
+from worker.sampling import Sampler, SamplingError
+from worker.saved_states import SavedStates, open_disk_tier
+from worker.slots import Slot, SlotTable, Snapshot
+from worker.speculate import Drafter, OutputPool, StepCost
+from worker.stopping import TextStream
+from worker.task import Sink, Task
+
+log = logs.get(__name__)
+
+MS = 1000.0
+
+
+Counters = EngineCounters  # (protocol/worker_messages.py: they cross to the router with every heartbeat)
+
+
+class EngineCore:
+    """Continuous batching over the slots of one llama context; every method on the compute thread."""
+
+    def __init__(self, cfg: WorkerConfig, llama: Llama | None = None) -> None:
+        self.cfg = cfg
+        self.llama = llama or Llama(
+            resolve_model(cfg.model),
+            slots=cfg.slots,
+            ctx_per_slot=cfg.ctx_per_slot,
+            n_batch=cfg.n_batch,
+            threads=cfg.threads,
+            gpu=cfg.gpu,
+            deterministic=cfg.deterministic,
+            kv_types=(cfg.cache_type_k, cfg.cache_type_v),
+            flash_attn=cfg.flash_attn,
+            kv_budget_mb=cfg.kv_budget_mb,
+            n_gpu_layers=cfg.n_gpu_layers,
+        )
+        self.vocab = self.llama.vocab
+        self.guide_tokenizer = GuideTokenizer(self.vocab)  # built on its own thread, ready long before a grammar is
+        self.n_ctx = self.llama.ctx_per_slot
+        self.n_batch = cfg.n_batch
+        self.snapshots = cfg.snapshots or self.llama.info.recurrent  # trim by restoring, not by seq_rm
+        # prefixes move between slots and host RAM by state copy + trim, so only where KV can be trimmed
+        self.copies = not self.snapshots
+        disk = open_disk_tier(cfg, self.vocab) if self.copies else None
+        if cfg.cache_dir and not self.copies:
+            log.warning("disk_tier_off", reason="this model's memory cannot be trimmed (--snapshots): no saved states")
+        self.saved = SavedStates(cfg.host_cache_mb * 2**20 if self.copies else 0, disk, self.llama.min_keep)
+        self.host, self.disk = self.saved.host, self.saved.disk
+        self.exact = cfg.deterministic
+        if self.exact:
+            self.n_ctx -= EXACT_ROWS  # room for the most rows a slot takes in a decode batch (worker/batching.py)
+        # guesses are verified in the slot's own rows and the rejected ones' KV removed (needs seq_rm); in
+        # deterministic mode they take a slot's padding rows
+        self.spec = cfg.spec != "none" and not self.snapshots
+        self.step_cost = StepCost()  # what a guessed row costs in a step: whether a job's guesses pay
+        self.pool = OutputPool(cfg.spec_ngram) if self.spec else None  # recent outputs, guesses across requests
+        if cfg.spec == "ngram" and not self.spec:
+            log.warning("speculation_off", reason="this model's memory cannot be trimmed (recurrent or hybrid)")
+        self.table = SlotTable(cfg.slots)
+        self.counters = Counters()
+        self.prefixes = Prefixes(
+            self.llama, self.table, self.saved, self.counters, exact=self.exact, copies=self.copies, n_ctx=self.n_ctx
+        )
+        self.batcher = Batcher(self.llama.batch, self.table.slots, self.n_ctx, self.exact, self.snapshots, self._guess)
+        self.draining = False
+        self.waiting: collections.deque[Task] = collections.deque()
+        self._by_id: dict[str, Task] = {}
+        self._decode = self.llama.decode  # tests replace this to inject failures
+        self.faults = Faults.from_env()  # failpoints of the fault tests; none unless KVROUTE_FAULTS is set
+        if self.faults:
+            log.warning("fault_injection_on", faults=self.faults.rules)
+        self.progress = 0  # steps completed; a worker whose progress stops while it has jobs is hung
+
+    def take(self, job: Job, sink: Sink, t_arrival: float) -> None:
+        """A job arrived: queue it, or answer it with an error."""
+        try:
+            self._accept(job, sink, t_arrival)
+        except Exception as exc:  # a bug met by one job: that job fails with an id, the worker goes on
+            error_id = uuid.uuid4().hex[:16]
+            log.exception("job_accept_failed", error_id=error_id, request_id=job.id)
+            self._forget_id(job.id)
+            message = f"the worker could not start this job: {type(exc).__name__}: {exc} (error {error_id})"
+            self._send(sink, JobError(id=job.id, code=ErrorCode.INTERNAL, message=message, error_id=error_id))
+            self.counters.jobs_failed += 1
+
+    def cancel(self, job_id: str) -> None:
+        task = self._by_id.get(job_id)
+        if task is not None:
+            task.cancelled = True
+
+    def step(self) -> None:
+        """One step; a bug fails the running jobs and keeps the worker alive."""
+        try:
+            self._step()
+        except Exception as exc:
+            self._fail_all(exc)
+        self.progress += 1
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.table.busy()
+
+    def _accept(self, job: Job, sink: Sink, t_arrival: float) -> None:
+        """Validate a job and queue it, or answer with an error before any work."""
+        prompt = unpack_tokens(job.tokens)
+        err = self._refusal(job, prompt)
+        if err is not None:
+            code, message = err
+            self._send(sink, JobError(id=job.id, code=code, message=message))
+            self.counters.jobs_failed += 1
+            return
+        max_tokens = job.sampling.max_tokens
+        max_gen = self.n_ctx - len(prompt) if max_tokens is None else max_tokens
+        deadline = t_arrival + job.deadline_ms / MS if job.deadline_ms else None
+        task = Task(id=job.id, job=job, prompt=prompt, sink=sink, max_gen=max_gen, t_arrival=t_arrival, deadline=deadline)
+        task.stream = TextStream(job.sampling.stop)
+        try:
+            guide = None if job.constraint is None else Guide(job.constraint, self.guide_tokenizer)
+            task.sampler = Sampler(job.sampling, self.vocab.n_vocab, guide=guide, max_gen=max_gen, piece=self.vocab.piece)
+        except (SamplingError, GuideError) as exc:
+            self._send(sink, JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=str(exc)))
+            self.counters.jobs_failed += 1
+            return
+        self._by_id[job.id] = task
+        self.waiting.append(task)
+
+    def _refusal(self, job: Job, prompt: list[int]) -> tuple[ErrorCode, str] | None:
+        if self.draining:
+            return ErrorCode.DRAINING, "this worker is draining and takes no new jobs"
+        if job.id in self._by_id:
+            return ErrorCode.BAD_REQUEST, f"job id {job.id!r} is already running on this worker"
+        if job.slot >= len(self.table):
+            return ErrorCode.BAD_REQUEST, f"slot {job.slot} does not exist (this worker has slots 0..{len(self.table) - 1})"
+        n_vocab = self.vocab.n_vocab
+        if any(t < 0 or t >= n_vocab for t in prompt):
+            bad = next(t for t in prompt if t < 0 or t >= n_vocab)
+            return ErrorCode.BAD_REQUEST, f"prompt token id {bad} is outside the vocabulary (0..{n_vocab - 1})"
+        n, ctx = len(prompt), self.n_ctx
+        if n >= ctx:
+            return ErrorCode.CONTEXT_OVERFLOW, f"prompt of {n} tokens does not fit a slot's context of {ctx} tokens"
+        mt = job.sampling.max_tokens
+        if mt is not None and n + mt > ctx:
+            return (
+                ErrorCode.CONTEXT_OVERFLOW,
+                f"prompt of {n} tokens + max_tokens {mt} = {n + mt} is over a slot's context of {ctx} tokens",
+            )
+        return None
+
+    # -- admission --
+
+    def _admit(self) -> None:
+        """Give idle slots to waiting jobs, in arrival order; a job naming a busy slot waits for it (FIFO)."""
+        if not self.waiting:
+            return
+        claimed: set[int] = set()
+        still: collections.deque[Task] = collections.deque()
+        for task in self.waiting:
+            if task.cancelled or (task.deadline is not None and time.monotonic() >= task.deadline):
+                code = ErrorCode.CANCELLED if task.cancelled else ErrorCode.DEADLINE_EXCEEDED
+                self._error(task, code, f"job {code.value} while waiting for a slot")
+                continue
+            if task.job.slot >= 0:
+                slot = self.table[task.job.slot]
+                if slot.phase is SlotPhase.BUSY or slot.id in claimed or self.prefixes.awaits(task):
+                    claimed.add(slot.id)
+                    still.append(task)
+                    continue
+            elif self.prefixes.awaits(task):
+                still.append(task)
+                continue
+            else:
+                picked = self.table.pick(task.prompt, claimed, task.job.cache_salt)
+                if picked is None:
+                    still.append(task)
+                    continue
+                slot = picked
+            claimed.add(slot.id)
+            self._assign(task, slot)
+        self.waiting = still
+
+    def _assign(self, task: Task, slot: Slot) -> None:
+        """Reuse the slot's longest common prefix with the prompt (minus one on a full match); trim the rest."""
+        self.table.assign(slot, task)
+        task.slot, task.t_assigned = slot.id, time.monotonic()
+        prompt, salt = task.prompt, task.job.cache_salt
+        prefixes = self.prefixes
+        if not task.job.prefix_cache or slot.salt != salt:  # (another tenant's KV is never reused: its timing would tell)
+            prefixes.save(slot, 0)
+            self._clear(slot)
+        slot.salt = salt
+        seeded = task.seeded
+        lcp = prefixes.held(slot, prompt, seeded)
+        src = prefixes.source(slot, prompt, lcp, seeded) if task.job.prefix_cache else None
+        if src is not None:
+            prefixes.save(slot, 0)
+            lcp = prefixes.copy(slot, src)
+            task.restored = lcp
+        if lcp < slot.n_tokens:
+            prefixes.save(slot, lcp)
+            self._trim(slot, lcp)
+        task.reused = slot.n_tokens
+        task.restored = min(task.restored, task.reused)
+        self.counters.reused_tokens += task.reused
+        self.counters.restored_tokens += task.restored
+        if src is not None and src.slot is not None:
+            self.counters.restored_from_slots += task.restored
+        elif src is not None:
+            self.counters.restored_from_host += task.restored
+        self.counters.prefilled_tokens += len(prompt) - task.reused
+        log.debug(
+            "slot_assigned",
+            request_id=task.id,
+            slot=slot.id,
+            reused=task.reused,
+            restored=task.restored,
+            prefilled=len(prompt) - task.reused,
+            predicted_reuse=task.job.predicted_reuse,
+        )
+
+    def _trim(self, slot: Slot, n: int) -> None:
+        """Make the slot hold only its first n tokens, or fewer if its memory cannot be cut there."""
+        if not self.snapshots:
+            if self.llama.seq_rm(slot.id, n, -1):
+                slot.keep(n)
+                return
+            log.warning("seq_rm_refused", slot=slot.id, keep=n, held=slot.n_tokens)
+            self._clear(slot)
+            return
+        snap = slot.snapshot
+        if snap is not None and snap.n_tokens <= n and self.llama.state_set(slot.id, snap.data):
+            slot.keep(snap.n_tokens)
+            self.counters.snapshot_restores += 1
+            return
+        self._clear(slot)
+
+    def _clear(self, slot: Slot) -> None:
+        self.prefixes.clear(slot)
+
+    # -- the step --
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        self._expire()
+        self._admit()
+        busy = self.table.busy()
+        if not busy:
+            return
+        self._check(busy)
+        budget = self.n_batch
+        for group in self.batcher.groups(self.table.busy()):  # (one llama_decode each: worker/batching.py)
+            left = self._run(group.slots, budget)
+            budget = left if group.budgeted else budget
+        self.counters.step_s += time.perf_counter() - t0
+
+    def _run(self, group: list[Slot], budget: int) -> int:
+        """Build, decode and commit one batch for `group`. Returns the prefill budget left."""
+        group = [s for s in group if s.task is not None]
+        while True:
+            t0 = time.perf_counter()
+            plan = self.batcher.build(group, budget)
+            if not plan:
+                return budget
+            if self.faults:
+                self.faults.before_decode([slot.task.id for slot, _, _ in plan])
+            t1 = time.perf_counter()
+            ret = self._decode()
+            self.prefixes.copying.clear()  # llama_decode does the pending stream copies before anything else
+            self.counters.decode_s += time.perf_counter() - t1
+            for seq, pos in self.batcher.padding(plan):  # the padding rows' KV goes
+                self.llama.seq_rm(seq, pos, -1)  # (checked by the invariant)
+            if ret == 1 and budget > 1 and any(n > 1 for _, n, _ in plan):
+                self.counters.decode_retries += 1
+                budget //= 2  # no KV room for this batch: retry with a smaller prefill chunk (memory is unchanged)
+                continue
+            break
+        c = self.counters  # (counted for the batch decoded, not for one built again after a KV-full retry)
+        c.steps += 1
+        c.batch_rows += self.llama.batch.n
+        c.decode_rows += sum(1 for slot, _, _ in plan if slot.task.generated)
+        c.prefill_rows += sum(n for slot, n, _ in plan if not slot.task.generated)
+        c.spec_withheld += sum(1 for slot, _, _ in plan if slot.task.withheld)
+        used = sum(n - 1 if slot.task.generated else n for slot, n, _ in plan)  # prompt and guessed rows
+        if ret != 0:
+            self._decode_failed(plan, ret)
+            return budget - used
+        rows, decode_only = self.llama.batch.n, not self.exact and all(slot.task.generated for slot, _, _ in plan)
+        self._commit(plan)
+        if decode_only:  # every row has logits and is sampled: what a guessed row adds to a step
+            self.step_cost.observe(rows, time.perf_counter() - t0)
+        return budget - used
+
+    def _guess(self, task: Task, slot: Slot, budget: int, decoding: int = 0, rows: int = 0) -> list[int]:
+        """Tokens to verify after the slot's decode row: within the step's budget, the slot's context, and what the
+        job may still produce; none while the job's guesses are taken too rarely to pay in a step of `decoding`
+        decode rows and `rows` rows so far (decoding 0: rows that cost nothing, deterministic mode's padding)."""
+        if not self.spec:
+            return []
+        if task.drafter is None:
+            pool = self.pool.lookup(task.job.cache_salt) if self.pool else None
+            task.drafter = Drafter(
+                slot.tokens + task.generated[-1:], self.n_ctx + 1, self.cfg.spec_ngram, self.cfg.spec_max, pool
+            )
+        drafter = task.drafter
+        limit = min(budget, self.n_ctx - 1 - slot.n_tokens, task.max_gen - len(task.generated) - 1)
+        pays = not decoding or self.step_cost.pays(drafter.rate, decoding, rows, min(drafter.k, limit))
+        task.withheld = not pays and drafter.shadow(limit)
+        return [] if task.withheld else drafter.propose(limit)
+
+    def _commit(self, plan: list[Planned]) -> None:
+        """The decode succeeded: record the tokens now in KV, check the invariant, sample the output rows."""
+        for slot, n, _ in plan:
+            task: Task = slot.task
+            if task.generated:
+                start = slot.n_tokens
+                slot.tokens.append(task.generated[-1])
+                slot.tokens.extend(task.draft)  # in KV now; the part the sampler does not take is removed below
+                if self.exact and slot.n_exact == start:
+                    slot.n_exact = slot.n_tokens  # computed in a padded batch: as a prompt pass would
+            else:
+                start = slot.n_tokens
+                slot.tokens.extend(task.prompt[start : start + n])
+                if (task.exact_chunk or (self.exact and n >= EXACT_ROWS)) and slot.n_exact == start:
+                    slot.n_exact = slot.n_tokens
+                if self.snapshots and slot.n_tokens == len(task.prompt) - 1:
+                    slot.snapshot = Snapshot(slot.n_tokens, self.llama.state_get(slot.id))
+        self._check([slot for slot, _, _ in plan])
+        ctx = self.llama.ctx
+        now = time.monotonic()
+        for slot, _, row in plan:
+            task = slot.task
+            if row < 0 or task is None:  # mid-prompt chunk, or the job was ended by the invariant check
+                continue
+            assert task.sampler is not None  # freed only when the job ends
+            if task.draft:
+                self._verify(task, slot, row, now)
+                continue
+            tok, logprob = task.sampler.sample(ctx, row)
+            self._on_token(task, slot, tok, now, logprob)
+
+    def _verify(self, task: Task, slot: Slot, row: int, now: float) -> None:
+        """The sampler takes the slot's rows in order while they agree with the guess (row i's logits follow the
+        guess's first i tokens); the guessed tokens' KV after the first disagreement is removed."""
+        draft, task.draft = task.draft, []
+        assert task.sampler is not None and task.drafter is not None
+        guide = task.sampler.guide
+        picked: list[tuple[int, TokenLogprob | None, bool]] = []  # token, its log-probability, grammar complete after it
+        for i in range(len(draft) + 1):
+            tok, logprob = task.sampler.sample(self.llama.ctx, row + i)
+            complete = guide is not None and guide.done  # the grammar allows nothing after this token
+            picked.append((tok, logprob, complete))
+            if complete or i == len(draft) or tok != draft[i]:
+                break
+        taken = len(picked) - 1
+        keep = slot.n_tokens - (len(draft) - taken)
+        self.counters.spec_proposed += len(draft)
+        self.counters.spec_accepted += taken
+        task.drafter.verified(len(draft), taken)
+        if keep < slot.n_tokens:
+            self._trim(slot, keep)
+            if slot.n_tokens != keep:  # the trim failed and cleared the slot: this job's KV is gone
+                error_id = uuid.uuid4().hex[:16]
+                log.error("spec_trim_failed", error_id=error_id, slot=slot.id, keep=keep)
+                message = f"could not remove rejected guesses from slot {slot.id} (error {error_id})"
+                self._error(task, ErrorCode.INTERNAL, message, error_id)
+                return
+        for tok, logprob, complete in picked:
+            self._on_token(task, slot, tok, now, logprob, complete)
+            if slot.task is not task:  # the job ended (end of generation, a stop, its length)
+                return
+
+    def _on_token(
+        self, task: Task, slot: Slot, tok: int, now: float, logprob: TokenLogprob | None = None, complete: bool | None = None
+    ) -> None:
+        """Take one sampled token. `complete`: whether the grammar was complete right after it (given by `_verify`,
+        whose sampler has already gone through the later rows; otherwise read from the guide now)."""
+        if not task.generated:
+            task.t_first = now
+        task.generated.append(tok)
+        if task.drafter is not None:
+            task.drafter.push(tok)
+        self.counters.generated_tokens += 1
+        if tok in self.vocab.eog_tokens and not task.job.sampling.ignore_eos:
+            self._done(task, slot, FinishReason.STOP)
+            return
+        stream = task.stream
+        text = stream.push(self.vocab.piece(tok))
+        assert task.sampler is not None
+        if complete is None:
+            guide = task.sampler.guide
+            complete = guide is not None and guide.done  # the grammar allows nothing more
+        delta = JobDelta(id=task.id, text=text, tokens=pack_tokens([tok]), logprobs=[] if logprob is None else [logprob])
+        if len(task.generated) == 1:
+            delta.reused_tokens = task.reused
+        if stream.stop is not None:
+            self._send(task.sink, delta)
+            self._done(task, slot, FinishReason.STOP)
+        elif complete or len(task.generated) >= task.max_gen:
+            delta.text += stream.flush()
+            self._send(task.sink, delta)
+            self._done(task, slot, FinishReason.STOP if complete else FinishReason.LENGTH)
+        else:
+            self._send(task.sink, delta)
+
+    def _expire(self) -> None:
+        """End running jobs that were cancelled or ran past their deadline; their slots keep the valid KV."""
+        now = time.monotonic()
+        for slot in self.table.busy():
+            task: Task = slot.task
+            if task.cancelled:
+                self._flush_and_done(task, slot, FinishReason.CANCELLED)
+            elif task.deadline is not None and now >= task.deadline:
+                self._flush_and_done(task, slot, FinishReason.DEADLINE_EXCEEDED)
+
+    def _flush_and_done(self, task: Task, slot: Slot, reason: FinishReason) -> None:
+        text = task.stream.flush()
+        if text:
+            self._send(task.sink, JobDelta(id=task.id, text=text, tokens=b""))
+        self._done(task, slot, reason)
+
+    # -- endings --
+
+    def _done(self, task: Task, slot: Slot, reason: FinishReason) -> None:
+        now = time.monotonic()
+        held = len(task.prompt) + len(task.generated)
+        if slot.n_tokens > held:  # guessed tokens past where the job ended (it stopped mid-guess)
+            self._trim(slot, held)
+        t_first = task.t_first or now
+        timings = Timings(
+            queue_ms=(task.t_assigned - task.t_arrival) * MS,
+            prefill_ms=(t_first - task.t_assigned) * MS,
+            decode_ms=(now - t_first) * MS,
+            ttft_ms=(t_first - task.t_arrival) * MS,
+            total_ms=(now - task.t_arrival) * MS,
+        )
+        done = JobDone(
+            id=task.id,
+            slot=slot.id,
+            finish_reason=reason.value,
+            text=task.stream.full_text(),
+            tokens=pack_tokens(task.generated),
+            prompt_tokens=len(task.prompt),
+            reused_tokens=task.reused,
+            restored_tokens=task.restored,
+            prefilled_tokens=len(task.prompt) - task.reused,
+            generated_tokens=len(task.generated),
+            slot_tokens=slot.n_tokens,
+            slot_hash=token_hash(slot.tokens),
+            slot_min_keep=self.prefixes.min_keep(slot),
+            slot_n_exact=slot.n_exact,
+            timings=timings,
+            stop=task.stream.stop,
+        )
+        if not task.silent:
+            done.cache_added, done.cache_dropped, done.disk_dropped = self.saved.changes()
+        if self.pool is not None:
+            self.pool.add(task.job.cache_salt, task.generated)
+        self._release(task, slot)
+        self.counters.jobs_done += 1
+        log.debug("job_done", request_id=task.id, slot=slot.id, finish=reason.value, generated=len(task.generated))
+        self._send(task.sink, done, task.silent)
+
+    def _error(self, task: Task, code: ErrorCode, message: str, error_id: str | None = None) -> None:
+        """End a job with an error, reporting what its slot (if any) holds now."""
+        slot = self.table[task.slot] if task.slot >= 0 else None
+        msg = JobError(id=task.id, code=code, message=message, error_id=error_id)
+        if not task.silent:
+            msg.cache_added, msg.cache_dropped, msg.disk_dropped = self.saved.changes()
+        if slot is not None:
+            msg.slot, msg.slot_tokens, msg.slot_hash = slot.id, slot.n_tokens, token_hash(slot.tokens)
+            msg.slot_min_keep, msg.slot_n_exact = self.prefixes.min_keep(slot), slot.n_exact
+            self._release(task, slot)
+        else:
+            self._forget(task)
+        self.counters.jobs_failed += 1
+        self._send(task.sink, msg, task.silent)
+
+    def _release(self, task: Task, slot: Slot) -> None:
+        self.table.release(slot)
+        self._forget(task)
+
+    def _forget_id(self, job_id: str) -> None:
+        task = self._by_id.get(job_id)
+        if task is not None and task in self.waiting:
+            self.waiting.remove(task)
+        if task is not None:
+            self._forget(task)
+
+    def _forget(self, task: Task) -> None:
+        self._by_id.pop(task.id, None)
+        if task.sampler is not None:
+            task.sampler.free()
+            task.sampler = None
+
+    def _send(self, sink: Sink, msg: Message, silent: bool = False) -> None:
+        if silent:
+            return
+        try:
+            sink(msg)
+        except Exception:
+            log.exception("sink_failed", message=type(msg).__name__)
+
+    # -- failures --
+
+    def _check(self, slots: list[Slot]) -> None:
+        """The invariant: each slot's KV holds exactly len(slot.tokens) positions, and its sliding-window layers
+        hold the whole window before the next one. A violation is a bug."""
+        n_swa = self.llama.info.n_swa
+        for slot in slots:
+            held, floor = self.llama.seq_len(slot.id), self.llama.seq_pos_min(slot.id)
+            if held == slot.n_tokens and floor <= max(0, held - n_swa + 1):
+                continue
+            error_id = uuid.uuid4().hex[:16]
+            self.counters.invariant_violations += 1
+            log.error("slot_invariant_violated", error_id=error_id, slot=slot.id, believed=slot.n_tokens, kv=held, kv_from=floor)
+            believed = slot.n_tokens
+            self._clear(slot)
+            if slot.task is not None:
+                self._error(
+                    slot.task,
+                    ErrorCode.INTERNAL,
+                    f"slot {slot.id} believed it held {believed} tokens but its KV holds positions {floor}..{held - 1}; "
+                    f"slot cleared (error {error_id})",
+                    error_id,
+                )
+
+    def _decode_failed(self, plan: list[Planned], ret: int) -> None:
+        """llama_decode failed: put each affected slot back to what it held before, end its job with an error."""
+        self.counters.decode_errors += 1
+        error_id = uuid.uuid4().hex[:16]
+        log.error("decode_failed", error_id=error_id, ret=ret, rows=self.llama.batch.n, slots=[s.id for s, _, _ in plan])
+        for slot, _, _ in plan:
+            if self.llama.seq_len(slot.id) != slot.n_tokens:  # ubatches processed before the failure are kept
+                trimmed = not self.snapshots and self.llama.seq_rm(slot.id, slot.n_tokens, -1)
+                if not trimmed or self.llama.seq_len(slot.id) != slot.n_tokens:
+                    self._clear(slot)
+            if slot.task is not None:
+                self._error(slot.task, ErrorCode.INTERNAL, f"llama_decode failed with code {ret} (error {error_id})", error_id)
+
+    def _fail_all(self, exc: Exception) -> None:
+        error_id = uuid.uuid4().hex[:16]
+        log.exception("engine_step_failed", error_id=error_id)
+        for slot in self.table.busy():
+            self._clear(slot)
+            if slot.task is not None:
+                message = f"engine error {type(exc).__name__}: {exc} (error {error_id})"
+                self._error(slot.task, ErrorCode.INTERNAL, message, error_id)
+
+    def _hand_back(self, running: bool) -> int:
+        reqs = list(self.waiting)
+        self.waiting.clear()
+        if running:
+            reqs += [slot.task for slot in self.table.busy() if slot.task is not None]
+        for task in reqs:
+            self._error(task, ErrorCode.DRAINING, "the worker is shutting down; this job was handed back")
+        return len(reqs)
+
+    def _forget_jobs(self) -> int:
+        reqs = [*self.waiting, *(slot.task for slot in self.table.busy() if slot.task is not None)]
+        for task in self.waiting:
+            self._forget(task)
+        self.waiting.clear()
+        for slot in self.table.busy():
+            if slot.task is not None:
+                self._release(slot.task, slot)  # the slot keeps the KV its job computed
+        for task in reqs:
+            task.silent = True
+        if reqs:
+            log.info("jobs_forgotten", jobs=len(reqs), reason="the router does not know this worker any more")
+        return len(reqs)
+
+    def _reset(self) -> None:
+        for task in list(self.waiting):
+            task.silent = True
+            self._forget(task)
+        self.waiting.clear()
+        for slot in self.table.slots:
+            if slot.task is not None:
+                slot.task.silent = True
+                self._release(slot.task, slot)
+            self._clear(slot)
+        self.host.clear()
+        log.info("slots_reset", slots=len(self.table))

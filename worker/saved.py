@@ -1,0 +1,66 @@
+"""Saved sequence states: the one interface of the tiers that keep a slot's KV after the slot moves on, host RAM
+(worker/host_cache.py) and disk (worker/disk_cache.py). The engine saves into them, asks them for the state sharing
+the longest prefix with a prompt, restores from them, and passes their change reports on to the router.
+
+A state is keyed by the exact tokens whose KV it holds and by its tenant (`salt`); no tier gives one tenant's state
+to another. A tier's entries carry an id the router knows them by (CacheEntry.id, within the tier).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from worker.llama import StateData
+
+
+TierName = Literal["ram", "disk"]  # (CacheEntry.tier)
+
+
+class SavedState(Protocol):
+    """One state a tier holds (or, in a change report, now holds)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def tokens(self) -> list[int]: ...  # exactly the tokens whose KV it holds, in position order
+    @property
+    def n_exact(self) -> int: ...  # leading tokens a seeded or deterministic job reuses (worker/engine.py)
+    @property
+    def pos_min(self) -> int: ...  # lowest position its sliding-window layers hold once restored
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def salt(self) -> str: ...  # the tenant whose prompt it holds ("": none)
+
+
+E = TypeVar("E", bound=SavedState)
+
+
+class Tier(Protocol[E]):
+    """Where saved states live, of entry type E. Every method is called on the engine's compute thread."""
+
+    name: TierName
+
+    def covers(self, tokens: list[int], salt: str = "") -> bool:
+        """Whether a state of this tenant already holds `tokens` (or more after them): saving them adds nothing."""
+        ...
+
+    def put(self, tokens: list[int], n_exact: int, pos_min: int, data: StateData, salt: str = "") -> object:
+        """Keep a state holding `tokens`; states it extends go. True (or an id) when it is kept."""
+        ...
+
+    def best(self, prompt: list[int], salt: str = "") -> tuple[E | None, int]:
+        """This tenant's state sharing the longest prefix with `prompt`, and that length (0 when none shares any)."""
+        ...
+
+    def used(self, entry: E) -> None: ...
+
+    def drop(self, entry: E) -> None:
+        """Forget a state (its restore failed: it would fail again)."""
+        ...
+
+    def changes(self) -> tuple[Sequence[SavedState], list[int]]:
+        """States added and ids dropped since the last call (an id may be in both: added, then dropped)."""
+        ...

@@ -1,0 +1,148 @@
+"""The saved-state tiers of one worker: host RAM, and the disk tier when `--cache-dir` asks for one (host RAM spills
+to it what it drops to make room). What the router is told of them: the changes since the last report (with each
+JobDone and JobError) and, in a hello, a listing of what they hold.
+
+Owned by the engine's compute thread, except `flush` and `close`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvroute import logs
+from kvroute.slots import COPY_MIN
+from kvroute.vocab import Vocab
+from kvroute.weights import GGUFError, weights_fingerprint
+from protocol import MAX_FRAME_BYTES, CacheEntry, pack_tokens, token_hash
+from worker.config import WorkerConfig
+from worker.disk_cache import DiskCache, DiskEntry, llama_state_version
+from worker.host_cache import Entry, HostCache
+from worker.saved import SavedState, Tier, TierName
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from worker.llama import Llama
+    from worker.slots import Slot
+
+log = logs.get(__name__)
+
+# A hello lists saved states with their tokens; the router refuses a frame over MAX_FRAME_BYTES, and a worker it
+# refuses would repeat that hello forever. A large disk tier lists its most recently used states up to this much.
+HELLO_LISTING_BYTES = MAX_FRAME_BYTES // 2
+ENTRY_OVERHEAD_BYTES = 160  # a listed entry's fields besides its tokens, about
+PERSIST_MIN = COPY_MIN  # a slot holding fewer tokens is not worth a file on a graceful stop
+
+
+def open_disk_tier(cfg: WorkerConfig, vocab: Vocab) -> DiskCache | None:
+    """The disk tier (--cache-dir), loaded: what a previous run left there is restorable at once."""
+    if not cfg.cache_dir or cfg.disk_cache_gb <= 0:
+        return None
+    # the files are only good for this model and the same KV layout, so both are in what each file must match
+    try:
+        fingerprint = f"{vocab.fingerprint}:{weights_fingerprint(vocab.path)}"
+    except (GGUFError, OSError) as exc:
+        log.warning("disk_tier_off", reason=f"the model's weights cannot be fingerprinted: {exc}")
+        return None
+    layout = llama_state_version(
+        f"k={cfg.cache_type_k}", f"v={cfg.cache_type_v}", f"fa={cfg.flash_attn}", f"det={cfg.deterministic}"
+    )
+    disk = DiskCache(Path(cfg.cache_dir), int(cfg.disk_cache_gb * 2**30), fingerprint, layout)
+    loaded = disk.load()
+    disk.drain_events()  # what it found goes to the router in the hello (`held`), not again with a JobDone
+    log.info("disk_tier", directory=cfg.cache_dir, entries=len(loaded), nbytes=disk.nbytes, enabled=disk.enabled)
+    return disk
+
+
+class SavedStates:
+    def __init__(self, host_bytes: int, disk: DiskCache | None, min_keep: Callable[[int], int]) -> None:
+        """`min_keep(pos_min)`: the shortest prefix a state restored with that `pos_min` can be cut to."""
+        self.disk = disk
+        self.host = HostCache(host_bytes, spill=self._spill)
+        self.tiers: list[Tier[Any]] = [self.host] if disk is None else [self.host, disk]
+        self.min_keep = min_keep
+
+    def _spill(self, entry: Entry) -> None:
+        """A host-RAM entry dropped to make room goes to disk (written off this thread)."""
+        if self.disk is not None:
+            self.disk.put(entry.tokens, entry.n_exact, entry.pos_min, entry.data, entry.salt)
+
+    def persist(self, slots: list[Slot], llama: Llama, skip: set[int]) -> int:
+        """Queue every slot's contents (but those in `skip`: no KV to read yet) and every host-RAM entry for the disk
+        tier. Returns how many were queued."""
+        assert self.disk is not None
+        queued = 0
+        for slot in slots:
+            if slot.n_tokens < PERSIST_MIN or slot.id in skip or self.disk.covers(slot.tokens, slot.salt):
+                continue
+            try:
+                pos_min = llama.state_pos_min(slot.id, slot.n_tokens)
+                data = llama.state_get(slot.id)
+            except (RuntimeError, MemoryError) as exc:
+                log.warning("persist_failed", slot=slot.id, error=str(exc))
+                continue
+            queued += self.disk.put(list(slot.tokens), slot.n_exact, pos_min, data, slot.salt) is not None
+        for entry in sorted(self.host.entries, key=lambda e: -e.last_used):  # most recently used first
+            queued += self.disk.put(entry.tokens, entry.n_exact, entry.pos_min, entry.data, entry.salt) is not None
+        log.info("persisting", queued=queued)
+        return queued
+
+    def changes(self) -> tuple[list[CacheEntry], list[int], list[int]]:
+        """The saved states added and dropped since the last report, for the router's index: added, dropped from host
+        RAM, dropped from disk (an entry both added and dropped since then is left out)."""
+        out: list[CacheEntry] = []
+        gone: dict[str, list[int]] = {"ram": [], "disk": []}
+        for tier in self.tiers:
+            added, dropped = tier.changes()
+            new, lost = {e.id for e in added}, set(dropped)
+            out += [self.described(e, tier.name) for e in added if e.id not in lost]
+            gone[tier.name] = sorted(lost - new)
+        return out, gone["ram"], gone["disk"]
+
+    def listing(self) -> list[CacheEntry]:
+        """What the tiers hold, tokens included, for a hello: as much as `most_recent_within` lets it carry."""
+        disk = self.disk.entries if self.disk is not None else []
+        listed, left_out = most_recent_within(self.host.entries, disk, HELLO_LISTING_BYTES)
+        if left_out:
+            log.warning(
+                "saved_states_not_listed",
+                listed=len(listed),
+                left_out=left_out,
+                reason="more than the hello can carry: the router routes to the listed ones; this worker still "
+                "restores any of them for a request sent here",
+            )
+        return [self.described(x, "ram" if isinstance(x, Entry) else "disk", with_tokens=True) for x in listed]
+
+    def described(self, entry: SavedState, tier: TierName, with_tokens: bool = False) -> CacheEntry:
+        """A saved state as the router is told of it: a host-RAM entry's tokens by reference to the slot they came
+        from, or in full (a disk entry's always: its tokens may be from before this process)."""
+        slot = entry.slot if isinstance(entry, Entry) and not with_tokens else -1
+        return CacheEntry(
+            id=entry.id,
+            tier=tier,
+            n_tokens=len(entry.tokens),
+            hash=token_hash(entry.tokens),
+            nbytes=entry.nbytes,
+            n_exact=entry.n_exact,
+            min_keep=self.min_keep(entry.pos_min),
+            slot=slot,
+            tokens=pack_tokens(entry.tokens) if slot < 0 else b"",
+            salt=entry.salt,
+        )
+
+
+def most_recent_within(host: list[Entry], disk: list[DiskEntry], budget: int) -> tuple[list[Entry | DiskEntry], int]:
+    """The saved states a hello lists: host RAM's then the disk tier's, each most recently used first, while their
+    tokens fit in `budget` bytes; and how many were left out."""
+    ordered: list[Entry | DiskEntry] = [
+        *sorted(host, key=lambda x: x.last_used, reverse=True),
+        *sorted(disk, key=lambda x: x.last_used, reverse=True),
+    ]
+    listed: list[Entry | DiskEntry] = []
+    for x in ordered:
+        budget -= 4 * len(x.tokens) + ENTRY_OVERHEAD_BYTES
+        if budget < 0:
+            break
+        listed.append(x)
+    return listed, len(ordered) - len(listed)

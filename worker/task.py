@@ -1,0 +1,50 @@
+"""A job's life inside the worker: the Job message it came as, its prompt, its sampler and what it produced so far.
+
+`Slot.task` holds one while the slot runs it (worker/slots.py); the engine (worker/engine.py) owns both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protocol import Job, Message
+from worker.sampling import Sampler
+from worker.speculate import Drafter
+from worker.stopping import TextStream
+
+Sink = Callable[[Message], None]
+
+
+@dataclass(eq=False)
+class Task:
+    """One job in the worker (`job`: the Job message it came as). Progress is derived: prefilling while nothing is
+    sampled, then decoding."""
+
+    id: str
+    job: Job
+    prompt: list[int]
+    sink: Sink
+    max_gen: int
+    t_arrival: float
+    deadline: float | None
+    slot: int = -1
+    reused: int = 0
+    restored: int = 0  # of `reused`: copied in from another slot or host RAM
+    sampler: Sampler | None = None
+    stream: TextStream = field(default_factory=TextStream)
+    generated: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    silent: bool = False  # reset by a router restart: the new router does not know this job
+    t_assigned: float = 0.0
+    passed_over: int = 0  # steps in a row in which its prompt got no prefill budget
+    drafter: Drafter | None = None  # speculation: guesses from this job's history
+    draft: list[int] = field(default_factory=list)  # the guessed tokens in the batch being decoded
+    withheld: bool = False  # no guess in that batch: its guesses were taken too rarely to pay there
+    exact_chunk: bool = False  # its prompt chunk in that batch is padded as a seeded job's is (worker/batching.py)
+    t_first: float = 0.0
+
+    @property
+    def seeded(self) -> bool:
+        """A seed asks for the same tokens every time the same job comes (worker/engine.py's docstring)."""
+        return self.job.sampling.seed is not None
