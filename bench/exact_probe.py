@@ -8,7 +8,7 @@
 
 Prints the medians, the min-max across rounds and the ratio deterministic / default (goals: throughput >= 0.9,
 cached TTFT <= 1.1), and each engine's steps and batch rows over the whole run (counts, free of the machine's noise:
-deterministic mode pads its decode batches, see worker/engine.py).
+deterministic mode pads its decode batches, see worker/core.py).
 """
 
 from __future__ import annotations

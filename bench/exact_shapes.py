@@ -1,6 +1,6 @@
 """Which batch shapes compute a token exactly as a prompt pass does, on this CPU and this llama.cpp build.
 
-Deterministic mode (worker/engine.py) rests on these facts; run this after upgrading llama.cpp or on a new CPU. Four
+Deterministic mode (worker/core.py) rests on these facts; run this after upgrading llama.cpp or on a new CPU. Four
 slots hold the same kind of text; a shape decodes, for some slots, their next tokens (a decode row and guesses, every
 row with logits) and padding rows. Each real row's logits are compared bit for bit with the same position's logits
 from an 8-row prompt chunk, and each slot's KV with a prompt pass's (through the logits of one fixed next token, in

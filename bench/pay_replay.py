@@ -74,7 +74,7 @@ def replay(
     while any(i < len(o) for i, (_, o) in zip(at, jobs, strict=True)):
         live = [j for j, (_, o) in enumerate(jobs) if at[j] < len(o)]
         rows, plan = len(live), []
-        for j in live:  # as Engine._build and Engine._guess decide
+        for j in live:  # as worker/batching.py and EngineCore._guess decide
             drafter, out = jobs[j]
             limit, guess = len(out) - at[j] - 1, []
             if spec and limit > 0:
@@ -85,7 +85,7 @@ def replay(
         seconds += step_s(rows)
         if noise is not None:
             cost.observe(rows, noise(step_s(rows)))
-        for j, guess in plan:  # as Engine._verify takes them
+        for j, guess in plan:  # as EngineCore._verify takes them
             drafter, out = jobs[j]
             n = 0
             while n < len(guess) and guess[n] == out[at[j] + n]:

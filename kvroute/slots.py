@@ -5,7 +5,7 @@ them (and predicts what the worker will reuse) must agree to the token.
 - `reused(lcp, length, n_exact, exact, seeded)`: the prompt tokens a slot holding a prefix of `lcp` of them gives a
   job: one less on a full match (logits are not cached: the last prompt token is computed again); on a deterministic
   worker at most the KV computed as prompt (`n_exact`), leaving a chunk of EXACT_ROWS to compute; to a seeded job on
-  any other worker at most the KV computed as a seeded job's prompt (`n_exact` there: worker/engine.py).
+  any other worker at most the KV computed as a seeded job's prompt (`n_exact` there: worker/core.py).
 - `worth_copy(gain, n_copied)`: whether copying a prefix in (from another slot or a cached state) is worth it.
 - `restore_keep(lcp, n_tokens, min_keep)`: what a cached state of `n_tokens` tokens gives a prompt sharing `lcp`.
 - `common_prefix(a, b)` of two token sequences (lists or int32 arrays).

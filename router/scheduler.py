@@ -49,7 +49,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from kvroute import logs
 from protocol import (
@@ -72,15 +71,15 @@ from protocol import (
     Timings,
     Usage,
 )
-from router import handshake, queue_order, views
+from router import handshake, outcomes, queue_order, views
 from router.config import RouterConfig
-from router.metrics import Metrics, RequestRecord, mispredicted
+from router.metrics import Metrics
 from router.mirror import Mirror
 from router.prepare import Prepared, PrepareError
 from router.replies import choice_of, delta_of, result_of
 from router.requests import Attempt, Req, ReqState, WorkerConn, WorkerState, tenant
 from router.select import Dispatch, Params, Wait, coldest, expected_reuse, select
-from router.tokens import tokens_from_wire, tokens_to_list, tokens_to_wire
+from router.tokens import tokens_to_list, tokens_to_wire
 
 log = logs.get(__name__)
 
@@ -605,56 +604,15 @@ class Scheduler:
             log.warning("unknown_job_done", worker=conn.id, job=msg.id)
             return
         self._leave_worker(req)
-        generated = tokens_from_wire(msg.tokens)
         attempt = req.attempt
-        slot = attempt.slot
-        if msg.slot != slot.index:
-            mm = self.mirror.fail(slot, msg.id, req.tokens, generated, True, 0, "not-this-slot")
-        else:
-            held, hash_ = msg.slot_tokens, msg.slot_hash
-            mm = self.mirror.finish(slot, msg.id, req.tokens, generated, held, hash_, msg.slot_min_keep, msg.slot_n_exact)
-        if mm is not None:
-            self.metrics.mirror_mismatches += 1
-            log.error("mirror_mismatch", **mm.__dict__, reported_slot=msg.slot, via="job_done")
+        outcomes.settle_slot(self.mirror, self.metrics, req, msg)
         conn.refresh()
         conn.prefilled(msg.prefilled_tokens, msg.timings.prefill_ms)
         if msg.reused_tokens >= self.params.min_match:
-            slot.hits += 1
-        slot.reused_total += msg.reused_tokens
-        if mispredicted(attempt.predicted, msg.reused_tokens, msg.restored_tokens):
-            log.warning(
-                "reuse_mispredicted", request_id=req.rid, job=msg.id, predicted=attempt.predicted, actual=msg.reused_tokens
-            )
-        t = msg.timings
-        timings = Timings(
-            queue_ms=req.queue_ms + t.queue_ms,
-            prefill_ms=t.prefill_ms,
-            decode_ms=t.decode_ms,
-            ttft_ms=t.ttft_ms + req.queue_ms,
-            total_ms=(time.monotonic() - req.arrived) * 1000,
-        )
-        self.metrics.finished(
-            RequestRecord(
-                req.rid, conn.id, slot.index, msg.prompt_tokens, attempt.predicted, msg.reused_tokens,
-                msg.generated_tokens, msg.finish_reason, timings.ttft_ms, timings.queue_ms, req.attempts,
-                msg.restored_tokens,
-            ),
-            count_outcome=not req.ended,
-        )  # fmt: skip
-        log.info(
-            "request_done",
-            request_id=req.rid,
-            job=msg.id,
-            worker=conn.id,
-            slot=slot.index,
-            finish_reason=msg.finish_reason,
-            predicted_reuse=attempt.predicted,
-            reused=msg.reused_tokens,
-            restored=msg.restored_tokens,
-            prefilled=msg.prefilled_tokens,
-            generated=msg.generated_tokens,
-            ttft_ms=round(timings.ttft_ms, 1),
-        )
+            attempt.slot.hits += 1
+        attempt.slot.reused_total += msg.reused_tokens
+        timings = outcomes.timings_of(req, msg)
+        outcomes.record_done(self.metrics, conn.id, req, msg, timings)
         self._finish(req)
         tail = attempt.parser.finish()
         if req.stream and (tail.content or tail.reasoning or tail.calls):
@@ -673,15 +631,8 @@ class Scheduler:
         if req is None or req.attempt is None:
             return
         self._leave_worker(req)
-        streamed = np.asarray(req.attempt.streamed, dtype=np.int32)
-        touched, held, hash_ = msg.slot >= 0, msg.slot_tokens, msg.slot_hash
-        mm = self.mirror.fail(
-            req.attempt.slot, msg.id, req.tokens, streamed, touched, held, hash_, msg.slot_min_keep, msg.slot_n_exact
-        )
+        outcomes.settle_slot(self.mirror, self.metrics, req, msg)
         conn.refresh()
-        if mm is not None:
-            self.metrics.mirror_mismatches += 1
-            log.error("mirror_mismatch", **mm.__dict__, via="job_error")
         if msg.code == ErrorCode.DRAINING and req.state is ReqState.RUNNING and not req.started:
             conn.state = WorkerState.DRAINING
             self._requeue(req)

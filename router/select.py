@@ -133,7 +133,7 @@ def predicted_reuse(lcp: int, length: int, slot: Slot, params: Params) -> int:
 
 def restored_reuse(lcp: int, length: int, saved: Saved, have: int, seeded: bool) -> int:
     """What a saved state sharing `lcp` tokens with a prompt gives on a slot that gives `have` itself: the worker's
-    rule (worker/engine.py `_source`); `have` when a restore is not worth it there."""
+    rule (worker/prefix.py `Prefixes.source`); `have` when a restore is not worth it there."""
     r = restore_keep(reused(lcp, length, saved.n_exact, saved.exact, seeded), len(saved.tokens), saved.min_keep)
     return r if worth_copy(r - have, len(saved.tokens)) else have
 

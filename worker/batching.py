@@ -2,7 +2,7 @@
 rows, prompt chunks, padding). Plain data in, rows out: it writes into anything with the `Rows` methods
 (worker/llama.py `Batch`, or a list in the tests) and calls nothing in llama.cpp; guesses come from a callable.
 
-The rules (why: worker/engine.py's docstring):
+The rules (why: worker/core.py's docstring):
 - default mode: one llama_decode for every slot but seeded jobs', each of which has its own (a starved seeded prompt
   first); decode rows first, then prompt chunks up to the step's prefill budget, in `prefill_order`;
 - a seeded job's prompt: chunks padded to `alone_rows` (worker/llama.py), its last token alone, no guesses;
@@ -24,7 +24,7 @@ from worker.task import Task
 
 PAD_TOKEN = 0  # token of padding rows (deterministic mode's, seeded jobs'; any id: their KV is removed after the decode)
 # deterministic mode: most rows with logits in one llama_decode (llama.cpp computes a token's logits otherwise from
-# EXACT_ROWS output rows on; a prompt chunk has one, see worker/engine.py's docstring)
+# EXACT_ROWS output rows on; a prompt chunk has one, see worker/core.py's docstring)
 EXACT_OUTPUTS = EXACT_ROWS - 1
 # a prompt that got no prefill budget this many steps in a row takes it before prompts with less left to compute
 PREFILL_PATIENCE_STEPS = 4

@@ -23,17 +23,7 @@ Contract:
 - Thread safe: every method may be called from any thread. `read` reads a whole file (and `used` sets its mtime)
   on the caller's thread.
 
-File format (little-endian):
-    header    36 bytes  magic b"KVRDISK\\n", format version u16, fingerprint length u16, state version length u16,
-                        salt length u16, token count u32, n_exact i32, pos_min i32, state bytes u64
-              ...       fingerprint (utf-8), state version (utf-8), salt (utf-8: the tenant, usually empty),
-                        tokens (int32 each)
-    meta crc  u32       zlib.crc32 of everything before it: `load` trusts the tokens without reading the state
-    state     ...       raw, as llama.cpp wrote it
-    file crc  u32       zlib.crc32 of everything before it
-CRC-32 rather than a cryptographic hash: it guards against accidental damage (torn or truncated writes, bit rot, a
-file from elsewhere), not against someone who can write the directory anyway, and it runs at ~4.7 GB/s here against
-~1 GB/s for blake2b, on the path that restores a state (both release the GIL).
+File format: worker/disk_format.py.
 """
 
 from __future__ import annotations
@@ -43,19 +33,28 @@ import ctypes
 import fcntl
 import os
 import re
-import struct
 import threading
 import time
 import zlib
 from collections import deque
 from dataclasses import dataclass
-from io import FileIO
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvroute import logs
 from kvroute.slots import common_prefix
-from protocol.common import pack_tokens, unpack_tokens
+from worker.disk_format import (
+    CRC_BYTES,
+    Bad,
+    check_crc,
+    crc_bytes,
+    file_size,
+    header_bytes,
+    read_exact,
+    read_header,
+    readinto_exact,
+    write_all,
+)
 
 if TYPE_CHECKING:
     from worker.llama import StateData
@@ -63,13 +62,9 @@ if TYPE_CHECKING:
 
 log = logs.get(__name__)
 
-MAGIC = b"KVRDISK\n"
-FORMAT_VERSION = 1
 SUFFIX = ".kvs"
 TMP_SUFFIX = ".kvs.tmp"
 LOCK_NAME = ".lock"
-_HEAD = struct.Struct("<8sHHHHIiiQ")
-_CRC = struct.Struct("<I")
 _NAME = re.compile(r"(\d+)\.kvs(\.tmp)?")
 _MAX_PENDING = 1 << 30  # bytes of states queued for writing (held in RAM meanwhile) at most, by default
 _SCRATCH_STEP = 1 << 20  # the read buffer grows by whole MiB
@@ -134,10 +129,6 @@ class _Write:
     state_bytes: int
     nbytes: int
     salt: str = ""
-
-
-class _Bad(Exception):
-    """A file that is not a usable entry; the message says why."""
 
 
 class DiskCache:
@@ -248,8 +239,8 @@ class DiskCache:
             try:
                 with open(path, "rb", buffering=0) as f:
                     st = os.fstat(f.fileno())
-                    tokens, n_exact, pos_min, state_bytes, salt = self._read_header(f, st.st_size)
-            except _Bad as exc:
+                    tokens, n_exact, pos_min, state_bytes, salt = read_header(f, st.st_size, self._fp, self._sv)
+            except Bad as exc:
                 self._reject(path, str(exc))
                 continue
             entry_id = int(m.group(1))
@@ -296,9 +287,7 @@ class DiskCache:
         is off, an entry covers them, it is over the capacity or the write queue is full). Never blocks on disk."""
         state_bytes = memoryview(data).nbytes
         tokens = list(tokens)
-        salt_b = salt.encode()
-        meta = len(self._fp) + len(self._sv) + len(salt_b) + 4 * len(tokens)
-        nbytes = _HEAD.size + meta + _CRC.size + state_bytes + _CRC.size
+        nbytes = file_size(self._fp, self._sv, salt, len(tokens), state_bytes)
         with self._cond:
             if not self.enabled or self._closing or not tokens or nbytes > self.capacity or self._covered(tokens, salt):
                 return None
@@ -337,19 +326,16 @@ class DiskCache:
         try:
             with open(entry.path, "rb", buffering=0) as f:
                 st = os.fstat(f.fileno())
-                header = self._read_header(f, st.st_size)
+                header = read_header(f, st.st_size, self._fp, self._sv)
                 state_bytes = header[3]
                 if header != (entry.tokens, entry.n_exact, entry.pos_min, entry.state_bytes, entry.salt):
-                    raise _Bad("header differs from the one loaded")
+                    raise Bad("header differs from the one loaded")
                 f.seek(0)
-                crc = zlib.crc32(_read_exact(f, st.st_size - state_bytes - _CRC.size))
+                crc = zlib.crc32(read_exact(f, st.st_size - state_bytes - CRC_BYTES))
                 buf = self._buffer(state_bytes)
-                _readinto_exact(f, memoryview(buf).cast("B"))
-                crc = zlib.crc32(buf, crc)
-                (stored,) = _CRC.unpack(_read_exact(f, _CRC.size))
-                if stored != crc:
-                    raise _Bad(f"checksum {crc:#010x} differs from the stored {stored:#010x}")
-        except _Bad as exc:
+                readinto_exact(f, memoryview(buf).cast("B"))
+                check_crc(f, zlib.crc32(buf, crc))
+        except Bad as exc:
             if self._forget(entry):
                 self._reject(entry.path, str(exc))
             return None
@@ -458,30 +444,11 @@ class DiskCache:
         tmp = self.directory / f"{w.id}{TMP_SUFFIX}"
         try:
             with open(tmp, "xb", buffering=0) as f:
-                head = b"".join(
-                    [
-                        _HEAD.pack(
-                            MAGIC,
-                            FORMAT_VERSION,
-                            len(self._fp),
-                            len(self._sv),
-                            len(w.salt.encode()),
-                            len(w.tokens),
-                            w.n_exact,
-                            w.pos_min,
-                            w.state_bytes,
-                        ),
-                        self._fp,
-                        self._sv,
-                        w.salt.encode(),
-                        pack_tokens(w.tokens),
-                    ]
-                )
-                head += _CRC.pack(zlib.crc32(head))
+                head = header_bytes(self._fp, self._sv, w.salt, w.tokens, w.n_exact, w.pos_min, w.state_bytes)
                 data = memoryview(w.data).cast("B")
-                _write_all(f, head)
-                _write_all(f, data)
-                _write_all(f, _CRC.pack(zlib.crc32(data, zlib.crc32(head))))
+                write_all(f, head)
+                write_all(f, data)
+                write_all(f, crc_bytes(zlib.crc32(data, zlib.crc32(head))))
                 with self._cond:
                     stamp = self._stamp()
                 os.utime(f.fileno(), ns=(stamp, stamp))
@@ -510,35 +477,6 @@ class DiskCache:
             os.close(fd)
 
     # -- helpers --------------------------------------------------------------------------------------------------
-
-    def _read_header(self, f: FileIO, size: int) -> tuple[list[int], int, int, int, str]:
-        """Check a file's header against this model and format and its length; returns (tokens, n_exact, pos_min,
-        state bytes, salt), leaving `f` at the state. Raises _Bad."""
-        raw = f.read(_HEAD.size)
-        if raw is None or len(raw) < _HEAD.size:
-            raise _Bad(f"truncated: {size} bytes")
-        magic, version, fp_len, sv_len, salt_len, n_tokens, n_exact, pos_min, state_bytes = _HEAD.unpack(raw)
-        if magic != MAGIC:
-            raise _Bad("bad magic: not a kvroute disk entry")
-        if version != FORMAT_VERSION:
-            raise _Bad(f"file format version {version}, this build reads {FORMAT_VERSION}")
-        meta_len = fp_len + sv_len + salt_len + 4 * n_tokens
-        if _HEAD.size + meta_len + _CRC.size + state_bytes + _CRC.size != size:
-            raise _Bad(f"truncated or overlong: {size} bytes, the header announces others")
-        meta = _read_exact(f, meta_len)
-        (stored,) = _CRC.unpack(_read_exact(f, _CRC.size))
-        if zlib.crc32(meta, zlib.crc32(raw)) != stored:
-            raise _Bad("header checksum differs")
-        fp, sv = meta[:fp_len], meta[fp_len : fp_len + sv_len]
-        if fp != self._fp:
-            raise _Bad(f"other model: fingerprint {fp[:16].decode(errors='replace')}")
-        if sv != self._sv:
-            raise _Bad(f"other state version: {sv.decode(errors='replace')}")
-        if n_tokens == 0:
-            raise _Bad("no tokens")
-        at = fp_len + sv_len
-        salt = meta[at : at + salt_len].decode(errors="replace")
-        return unpack_tokens(meta[at + salt_len :]), n_exact, pos_min, state_bytes, salt
 
     def _covered(self, tokens: list[int], salt: str, writing: _Write | None = None) -> bool:
         n = len(tokens)
@@ -594,25 +532,3 @@ class DiskCache:
 
 def _is_prefix(a: list[int], b: list[int]) -> bool:
     return len(a) <= len(b) and b[: len(a)] == a
-
-
-def _read_exact(f: FileIO, n: int) -> bytes:
-    out = bytearray(n)
-    _readinto_exact(f, memoryview(out))
-    return bytes(out)
-
-
-def _readinto_exact(f: FileIO, buf: memoryview) -> None:
-    got = 0
-    while got < len(buf):
-        n = f.readinto(buf[got:])
-        if not n:
-            raise _Bad(f"truncated: {got} of {len(buf)} bytes")
-        got += n
-
-
-def _write_all(f: FileIO, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        n = f.write(view)
-        view = view[n:]

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 @dataclass(eq=False)
 class Entry:
     tokens: list[int]  # exactly the tokens whose KV `data` holds, in position order
-    n_exact: int  # leading tokens whose KV a seeded or deterministic job reuses (worker/engine.py)
+    n_exact: int  # leading tokens whose KV a seeded or deterministic job reuses (worker/core.py)
     data: StateData
     pos_min: int = 0  # lowest position its sliding-window layers hold once restored (Llama.state_pos_min)
     id: int = 0

@@ -3,7 +3,8 @@ prompt (kvroute/slots.py `reused`, the rule the router predicts with); another s
 saved in host RAM or on disk (worker/saved.py), gives more when it is worth the copy. Before a slot loses tokens
 worth keeping, they are saved to host RAM. A job whose prefix another slot is computing right now waits and copies it.
 
-Owned by the engine's compute thread (worker/engine.py), which calls `prefix_for` when it places a job.
+Owned by the engine's compute thread (worker/core.py), which asks it when it places a job (`held`, `source`, `copy`,
+`save`, `awaits`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class SavedState(Protocol):
     @property
     def tokens(self) -> list[int]: ...  # exactly the tokens whose KV it holds, in position order
     @property
-    def n_exact(self) -> int: ...  # leading tokens a seeded or deterministic job reuses (worker/engine.py)
+    def n_exact(self) -> int: ...  # leading tokens a seeded or deterministic job reuses (worker/core.py)
     @property
     def pos_min(self) -> int: ...  # lowest position its sliding-window layers hold once restored
     @property

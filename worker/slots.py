@@ -31,7 +31,7 @@ class Slot:
     task: Any = None  # the running task (worker.engine.Task: a job's life in the worker) while BUSY
     last_used: int = 0
     snapshot: Snapshot | None = None
-    n_exact: int = 0  # leading tokens whose KV is what a cold prompt pass computes (see worker/engine.py)
+    n_exact: int = 0  # leading tokens whose KV is what a cold prompt pass computes (see worker/core.py)
     salt: str = ""  # the tenant whose prompt it holds (Job.cache_salt); reused only by the same tenant
 
     @property

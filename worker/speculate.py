@@ -8,7 +8,7 @@ token the sampler did not pick (the KV of the rest is removed with `llama_memory
 rows it would have seen one token at a time, in the same order and with the same draws, so the output is what it
 would have been without speculation, up to the numbers: llama.cpp computes rows verified together with other kernels
 than one row alone. Bit for bit the same only in deterministic mode (where guesses take its padding rows); without it,
-a job with a seed takes no guesses, so that its tokens do not depend on what was guessed (worker/engine.py).
+a job with a seed takes no guesses, so that its tokens do not depend on what was guessed (worker/core.py).
 
 A guess costs a logits row per token (on CPU about as much as a decode row: the output layer dominates), so the
 length adapts: it starts at START tokens, doubles while guesses are taken whole and falls back to what was

@@ -46,5 +46,5 @@ class Task:
 
     @property
     def seeded(self) -> bool:
-        """A seed asks for the same tokens every time the same job comes (worker/engine.py's docstring)."""
+        """A seed asks for the same tokens every time the same job comes (worker/core.py's docstring)."""
         return self.job.sampling.seed is not None

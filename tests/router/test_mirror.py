@@ -123,7 +123,7 @@ def test_a_seeded_job_on_a_default_worker_is_predicted_to_reuse_only_what_seeded
     (s,) = m.add_worker("w0", 1)
     prompt = toks(*range(1, 101))
     m.assign(s, "j1", prompt)
-    # a seeded job: its prompt but the last token computed in padded chunks of its own (worker/engine.py)
+    # a seeded job: its prompt but the last token computed in padded chunks of its own (worker/core.py)
     assert m.finish(s, "j1", prompt, toks(7), 101, token_hash([*range(1, 101), 7]), n_exact=99) is None
     assert s.n_exact == 99
     longer = toks(*range(1, 101), 7, 8, 9)

@@ -1,0 +1,87 @@
+"""What a job's end tells the router, besides the reply: how the slot's mirror settles, and the request's figures
+(its timings across attempts, the record the metrics keep, the log line).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvroute import logs
+from protocol import JobDone, JobError, Timings
+from router.metrics import Metrics, RequestRecord, mispredicted
+from router.mirror import Mirror
+from router.requests import Req
+from router.tokens import tokens_from_wire
+
+log = logs.get(__name__)
+
+
+def settle_slot(mirror: Mirror, metrics: Metrics, req: Req, msg: JobDone | JobError) -> None:
+    """The slot of the job's attempt holds what the worker says (checked against what the router knows it was sent
+    and streamed); a mismatch is counted and logged, and the slot's contents forgotten."""
+    attempt = req.attempt
+    assert attempt is not None
+    slot = attempt.slot
+    if isinstance(msg, JobDone):
+        generated = tokens_from_wire(msg.tokens)
+        if msg.slot != slot.index:
+            mm = mirror.fail(slot, msg.id, req.tokens, generated, True, 0, "not-this-slot")
+        else:
+            mm = mirror.finish(
+                slot, msg.id, req.tokens, generated, msg.slot_tokens, msg.slot_hash, msg.slot_min_keep, msg.slot_n_exact
+            )
+    else:
+        streamed = np.asarray(attempt.streamed, dtype=np.int32)
+        touched = msg.slot >= 0
+        mm = mirror.fail(
+            slot, msg.id, req.tokens, streamed, touched, msg.slot_tokens, msg.slot_hash, msg.slot_min_keep, msg.slot_n_exact
+        )
+    if mm is not None:
+        metrics.mirror_mismatches += 1
+        via = "job_done" if isinstance(msg, JobDone) else "job_error"
+        log.error("mirror_mismatch", **mm.__dict__, reported_slot=msg.slot, via=via)
+
+
+def timings_of(req: Req, msg: JobDone) -> Timings:
+    """The request's timings: the worker's, with the time it queued in the router (all its attempts) added."""
+    t = msg.timings
+    return Timings(
+        queue_ms=req.queue_ms + t.queue_ms,
+        prefill_ms=t.prefill_ms,
+        decode_ms=t.decode_ms,
+        ttft_ms=t.ttft_ms + req.queue_ms,
+        total_ms=(time.monotonic() - req.arrived) * 1000,
+    )
+
+
+def record_done(metrics: Metrics, worker: str, req: Req, msg: JobDone, timings: Timings) -> None:
+    """Count a finished job in the metrics and log it (with a warning where its reuse was mispredicted)."""
+    attempt = req.attempt
+    assert attempt is not None
+    slot = attempt.slot
+    if mispredicted(attempt.predicted, msg.reused_tokens, msg.restored_tokens):
+        log.warning("reuse_mispredicted", request_id=req.rid, job=msg.id, predicted=attempt.predicted, actual=msg.reused_tokens)
+    metrics.finished(
+        RequestRecord(
+            req.rid, worker, slot.index, msg.prompt_tokens, attempt.predicted, msg.reused_tokens,
+            msg.generated_tokens, msg.finish_reason, timings.ttft_ms, timings.queue_ms, req.attempts,
+            msg.restored_tokens,
+        ),
+        count_outcome=not req.ended,
+    )  # fmt: skip
+    log.info(
+        "request_done",
+        request_id=req.rid,
+        job=msg.id,
+        worker=worker,
+        slot=slot.index,
+        finish_reason=msg.finish_reason,
+        predicted_reuse=attempt.predicted,
+        reused=msg.reused_tokens,
+        restored=msg.restored_tokens,
+        prefilled=msg.prefilled_tokens,
+        generated=msg.generated_tokens,
+        ttft_ms=round(timings.ttft_ms, 1),
+    )
