@@ -1,5 +1,8 @@
 """llama-server, built from the llama.cpp vendored in the pinned llama-cpp-python sdist: the server kvroute is
-compared with. Built once (cmake, CPU, no network features; a few minutes on 2 cores) and cached.
+compared with. Built once (cmake, CPU, no network features; a few minutes on 2 cores) and cached, by the same rule as
+the workers' llama.cpp (kvroute/build.py: a native build with AMX compiled out on x86-64, the user's CMAKE_ARGS,
+CFLAGS and CXXFLAGS added), so that both run the same kernels, and neither crashes where llama.cpp's AMX kernels
+fault (found on an AMX Xeon: a native llama-server exited with SIGSEGV before it was ready).
 
     .venv/bin/python -m bench.llama_server      # build if needed, print the binary's path
 """
@@ -14,6 +17,8 @@ import tarfile
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
+
+from kvroute.build import this_machine
 
 LLAMA_CPP_PYTHON = version("llama-cpp-python")  # the pinned version: the same llama.cpp as the workers
 CMAKE_FLAGS = (
@@ -37,16 +42,21 @@ def cache_dir() -> Path:
 
 
 def binary() -> Path:
-    """The llama-server binary, built first when it is not cached."""
-    out = cache_dir() / "llama-server"
+    """The llama-server binary, built first when it is not cached (one per build key: flags and CPU features)."""
+    rule = this_machine()
+    for note in rule.notes:
+        print(f"llama-server build: {note}", file=sys.stderr)
+    out = cache_dir() / f"llama-server-{rule.key}"
     if out.exists():
         return out
+    env = {**os.environ, "CFLAGS": rule.cflags, "CXXFLAGS": rule.cxxflags}
     with tempfile.TemporaryDirectory(prefix="llama-server-build-") as tmp:
         src = _vendored_llama_cpp(Path(tmp))
         build = Path(tmp) / "build"
         jobs = str(os.cpu_count() or 2)
-        subprocess.run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS], check=True)
-        subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], check=True)
+        configure = ["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS, *rule.cmake_args.split()]
+        subprocess.run(configure, check=True, env=env)
+        subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", jobs], check=True, env=env)
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(build / "bin" / "llama-server", out)
     return out

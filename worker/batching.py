@@ -3,9 +3,10 @@ rows, prompt chunks, padding). Plain data in, rows out: it writes into anything 
 (worker/llama.py `Batch`, or a list in the tests) and calls nothing in llama.cpp; guesses come from a callable.
 
 The rules (why: worker/core.py's docstring):
-- default mode: one llama_decode for every slot but seeded jobs', each of which has its own (a starved seeded prompt
-  first); decode rows first, then prompt chunks up to the step's prefill budget, in `prefill_order`;
-- a seeded job's prompt: chunks padded to `alone_rows` (worker/llama.py), its last token alone, no guesses;
+- default mode: one llama_decode for every slot but those computing a seeded job's prompt, each of which has its own
+  (a starved one first); decode rows first, then prompt chunks up to the step's prefill budget, in `prefill_order`;
+- a seeded job's prompt: chunks padded to `alone_rows` (worker/llama.py), its last token alone; then its decode rows
+  beside the others', without guesses;
 - deterministic mode: the generating slots together, at most EXACT_OUTPUTS of them a batch, every slot from the
   first to the last padded to the same rows; then each prompt chunk alone, at least EXACT_ROWS tokens;
 - a memory restored from snapshots (`snapshots`): a prompt stops one short of its end, where a snapshot is taken.
@@ -81,10 +82,11 @@ class Batcher:
     def groups(self, busy: list[Slot]) -> list[Group]:
         """The step's llama_decodes, in order; `busy` the busy slots."""
         busy = prefill_order(busy)
-        if not self.exact:
-            shared = [s for s in busy if not s.task.seeded]
-            starved = [s for s in busy if s.task.seeded and s.task.passed_over >= PREFILL_PATIENCE_STEPS]
-            rest = [s for s in busy if s.task.seeded and s not in starved]
+        if not self.exact:  # a seeded prompt alone (its decode rows join the others')
+            alone = [s for s in busy if s.task.seeded and not s.task.generated]
+            shared = [s for s in busy if s not in alone]
+            starved = [s for s in alone if s.task.passed_over >= PREFILL_PATIENCE_STEPS]
+            rest = [s for s in alone if s not in starved]
             return [*(Group([s]) for s in starved), Group(shared), *(Group([s]) for s in rest)]
         generating = sorted((s for s in busy if s.task.generated), key=lambda s: s.id)
         decodes = [Group(generating[i : i + EXACT_OUTPUTS], False) for i in range(0, len(generating), EXACT_OUTPUTS)]
@@ -130,7 +132,7 @@ class Batcher:
             take = end - start - EXACT_ROWS  # never leave a remainder too small to compute exactly
             if take < EXACT_ROWS:
                 return False  # not enough budget left this step for an exact chunk
-        alone = task.seeded and not self.exact  # (its batch has no other slot's rows: `groups`)
+        alone = task.seeded and not self.exact  # (its batch has no other slot's rows while it reads its prompt: `groups`)
         if (self.snapshots or alone) and start < end - 1:
             # stop one short of the end: so that a snapshot can be taken there; a seeded job's last prompt token is
             # then computed on its own, as it is when the rest of its prompt was cached

@@ -90,8 +90,9 @@ class WorkerConfig:
     )
     deterministic: bool = opt(
         False,
-        "bit-identical output cached vs cold and batched vs alone for every request, seeded or not (a request with a "
-        "seed gets that without it too, at its own cost); small batches padded, no weight repacking, no flash attention",
+        "bit-identical output cached vs cold and batched vs alone for every request, seeded or not (without it a request "
+        "with a seed repeats cached or cold, but not beside other generating jobs); small batches padded, no weight "
+        "repacking, no flash attention",
     )
     spec: str = spec_opt()
     spec_max: int = spec_max_opt()

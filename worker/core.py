@@ -24,20 +24,20 @@ asking, whichever, nothing differed). A prompt chunk asks for one; so a decode b
 EXACT_OUTPUTS: guesses stop there, and more generating slots than that decode in several batches.
 
 Seeded jobs without deterministic mode: a seed asks for the same tokens every time the same job comes, as
-llama-server gives them (issue 30), whatever else the worker runs and whatever its cache holds. The default kernels
-compute a row otherwise by the shape of its batch (measured: bench/exact_shapes.py), so a seeded job's rows keep to
-shapes that do not change: (1) no guesses (rows verified together are computed with other kernels than one row
-alone: up to 1 in a logit, 1-5 % of the next token's probability mass at temperature 1, and what is guessed depends
-on earlier jobs' outputs and on step timings); (2) its rows go in llama_decodes of their own, never beside another
-slot's (a row leading a batch of several slots, in a slot holding 256+ cells, takes another flash attention path
-than one row alone); (3) its prompt but the last token in chunks padded as worker/llama.py `alone_rows` says, whose
-KV does not depend on where a chunk starts or ends; the last token alone, then one decode row a step. Only KV so
-computed is reused for a seeded job (`Slot.n_exact`: the seeded prompts' tokens, not their last token nor the
-reply), from its slot, another slot, host RAM or disk. What it costs the seeded job and the others beside it:
-bench/README.md "What a seed costs". A chunk within a padded chunk's length of the end of its slot's context has no
-room for its padding and is computed without (and not counted in `n_exact`): such a prompt's tokens may differ from
-run to run. Deterministic mode gives the same with other kernels (its
-padding costs every generating step, not only seeded jobs').
+llama-server gives them (issue 30), whatever its cache holds: cold, found whole or in part, in any slot, with `--spec`
+on or off. The default kernels compute a row otherwise by the shape of its batch (measured: bench/exact_shapes.py),
+so a seeded job keeps to shapes that do not change: (1) no guesses (rows verified together are computed with other
+kernels than one row alone: up to 1 in a logit, 1-5 % of the next token's probability mass at temperature 1, and what
+is guessed depends on earlier jobs' outputs and on step timings); (2) its prompt in llama_decodes of its own (a few
+rows of another prompt beside a chunk changed its KV), in chunks padded as worker/llama.py `alone_rows` says, whose
+KV does not depend on where a chunk starts or ends; (3) its last prompt token alone. Only KV so computed is reused for
+a seeded job (`Slot.n_exact`: the seeded prompts' tokens, not their last token nor the reply), from its slot, another
+slot, host RAM or disk. Its decode rows then go in the step's batch beside the other slots' rows: with other jobs
+generating at the same time its tokens may differ (a row leading a batch of several slots, in a slot holding 256+
+cells, takes another flash attention path than one row alone); deterministic mode gives the same tokens then too,
+its kernels costing every job and its padding every generating step. What the seed path costs: bench/README.md "What
+a seed costs". A chunk within a padded chunk's length of the end of its slot's context has no room for its padding
+and is computed without (and not counted in `n_exact`): such a prompt's tokens may differ from run to run.
 
 Speculation (`--spec auto|ngram`, worker/speculate.py): a generating slot's row may be followed by rows of guessed
 tokens; its sampler takes the rows in order while they agree with the guess, and the KV of the guessed tokens it

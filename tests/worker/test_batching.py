@@ -92,11 +92,11 @@ def test_guesses_follow_a_decode_row_and_take_from_the_prefill_budget():
     assert rows.rows[:4] == [(7, 10, 0, True), (5, 11, 0, True), (6, 12, 0, True), (7, 13, 0, True)]
 
 
-def test_a_seeded_job_has_llama_decodes_of_its_own_padded_chunks_its_last_prompt_token_alone_and_no_guesses():
+def test_a_seeded_prompt_has_llama_decodes_of_its_own_in_padded_chunks_and_its_decode_rows_take_no_guesses():
     plain, seeded, seeded_gen = busy(0, 30), busy(1, 200, seed=5), busy(2, 40, held=40, generated=2, seed=6)
     b, rows = batcher([plain, seeded, seeded_gen], guess=lambda *a: [9])
     groups = b.groups([plain, seeded, seeded_gen])
-    assert [g.slots for g in groups] == [[plain], [seeded_gen], [seeded]] and all(g.budgeted for g in groups)
+    assert [g.slots for g in groups] == [[seeded_gen, plain], [seeded]] and all(g.budgeted for g in groups)
 
     plan = b.build([seeded], 512)
     assert [(s.id, n, row) for s, n, row in plan] == [(1, 199, -1)]  # all but the last prompt token
@@ -107,8 +107,8 @@ def test_a_seeded_job_has_llama_decodes_of_its_own_padded_chunks_its_last_prompt
     assert [(s.id, n, row) for s, n, row in plan] == [(1, 1, 0)] and rows.rows == [(299, 199, 1, True)]
     assert not seeded.task.exact_chunk and b.padding(plan) == []
 
-    plan = b.build([seeded_gen], 512)
-    assert rows.rows == [(7, 41, 2, True)] and seeded_gen.task.draft == []  # one row, no guess
+    plan = b.build([seeded_gen, plain], 512)
+    assert rows.rows[0] == (7, 41, 2, True) and seeded_gen.task.draft == []  # its decode row, no guess
 
 
 def test_a_seeded_chunk_is_at_least_the_padded_minimum_and_unpadded_where_the_context_has_no_room():
