@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from kvroute import logs
 from kvroute.slots import COPY_MIN, common_prefix, restore_keep, reused, worth_copy
@@ -19,14 +18,12 @@ from protocol import EngineCounters
 from worker.disk_cache import DiskEntry
 from worker.host_cache import Entry
 from worker.llama import Llama
-from worker.saved import SavedState, Tier
-from worker.saved_states import SavedStates
+from worker.saved import SavedState
+from worker.saved_states import SAVE_MIN, SavedStates
 from worker.slots import Slot, SlotTable
 from worker.task import Task
 
 log = logs.get(__name__)
-
-SAVE_MIN = COPY_MIN  # an eviction losing fewer tokens than a restore must gain is not worth a host-RAM copy
 
 
 @dataclass(frozen=True)
@@ -35,8 +32,7 @@ class Source:
 
     lcp: int  # prompt tokens it would give (after the reuse rules)
     slot: Slot | None = None
-    saved: SavedState | None = None
-    tier: Tier[Any] | None = None
+    saved: SavedState | None = None  # a host-RAM Entry or a DiskEntry
 
 
 class Prefixes:
@@ -102,7 +98,7 @@ class Prefixes:
                 continue
             lcp = self.restorable(entry, prompt, seeded)
             if worth_copy(lcp - have, len(entry.tokens)) and (best is None or lcp > best.lcp):
-                best = Source(lcp, saved=entry, tier=tier)
+                best = Source(lcp, saved=entry)
         return best
 
     def copy(self, slot: Slot, src: Source) -> int:
@@ -117,7 +113,11 @@ class Prefixes:
             self.counters.slot_copies += 1
             return src.lcp
         saved = src.saved
-        restored = self._restore(slot, saved) if isinstance(saved, Entry) else self._restore_from_disk(slot, saved)
+        if isinstance(saved, Entry):
+            restored = self._restore(slot, saved)
+        else:
+            assert isinstance(saved, DiskEntry)
+            restored = self._restore_from_disk(slot, saved)
         return src.lcp if restored else 0
 
     def _restore(self, slot: Slot, entry: Entry) -> bool:
@@ -136,9 +136,9 @@ class Prefixes:
         self.counters.host_restore_s += time.perf_counter() - t0
         return True
 
-    def _restore_from_disk(self, slot: Slot, entry: SavedState | None) -> bool:
+    def _restore_from_disk(self, slot: Slot, entry: DiskEntry) -> bool:
         """Read a disk-tier entry (checked against its checksum) into the slot; False (slot cleared) when it fails."""
-        assert self.disk is not None and isinstance(entry, DiskEntry)
+        assert self.disk is not None
         t0 = time.perf_counter()
         data = self.disk.read(entry)  # (a file that does not check out is removed: the prompt is computed instead)
         if data is None or not self.llama.state_set(slot.id, data):

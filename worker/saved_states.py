@@ -32,7 +32,8 @@ log = logs.get(__name__)
 # refuses would repeat that hello forever. A large disk tier lists its most recently used states up to this much.
 HELLO_LISTING_BYTES = MAX_FRAME_BYTES // 2
 ENTRY_OVERHEAD_BYTES = 160  # a listed entry's fields besides its tokens, about
-PERSIST_MIN = COPY_MIN  # a slot holding fewer tokens is not worth a file on a graceful stop
+# a slot losing fewer tokens than a restore must gain is not worth a copy in host RAM, nor a file on a graceful stop
+SAVE_MIN = COPY_MIN
 
 
 def open_disk_tier(cfg: WorkerConfig, vocab: Vocab) -> DiskCache | None:
@@ -74,7 +75,7 @@ class SavedStates:
         assert self.disk is not None
         queued = 0
         for slot in slots:
-            if slot.n_tokens < PERSIST_MIN or slot.id in skip or self.disk.covers(slot.tokens, slot.salt):
+            if slot.n_tokens < SAVE_MIN or slot.id in skip or self.disk.covers(slot.tokens, slot.salt):
                 continue
             try:
                 pos_min = llama.state_pos_min(slot.id, slot.n_tokens)

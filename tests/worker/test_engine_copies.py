@@ -13,7 +13,7 @@ from kvroute.slots import COPY_MIN
 from protocol import JobDone
 from worker.config import WorkerConfig
 from worker.engine import Engine
-from worker.prefix import SAVE_MIN
+from worker.saved_states import SAVE_MIN
 
 pytestmark = pytest.mark.model
 

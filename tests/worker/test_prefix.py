@@ -8,8 +8,8 @@ import ctypes
 from kvroute.slots import COPY_MIN, SlotPhase
 from protocol import EngineCounters, Job, Sampling, pack_tokens
 from worker.host_cache import HostCache
-from worker.prefix import SAVE_MIN, Prefixes
-from worker.saved_states import SavedStates
+from worker.prefix import Prefixes
+from worker.saved_states import SAVE_MIN, SavedStates
 from worker.slots import Slot, SlotTable
 from worker.task import Task
 
@@ -87,7 +87,7 @@ def test_the_longest_worthwhile_prefix_is_copied_from_another_slot_or_host_ram()
     assert src is not None and src.slot is other  # a copy into it is pending: a restore now would be overwritten
     prefixes.copying.clear()
     src = prefixes.source(mine, PROMPT, 0, seeded=False)
-    assert src is not None and src.tier is host and src.lcp == 180
+    assert src is not None and src.saved in host.entries and src.lcp == 180
     assert prefixes.copy(mine, src) == 180 and mine.tokens == PROMPT[:180]
 
 
