@@ -41,7 +41,7 @@ def chain_only() -> Iterator[None]:
 def batch(engine: Engine, slots: int, tokens: int, tag: str) -> tuple[float, float, list[bytes]]:
     """(aggregate decode tokens/s, share of step time outside llama_decode, each job's tokens)."""
     for s in range(slots):
-        engine.call(lambda e, s=s: e._clear(e.table[s])).result()
+        engine.call(lambda e, s=s: e.prefixes.clear(e.table[s])).result()
     c0 = msgspec.structs.replace(engine.counters)
     t = time.perf_counter()
     streams = []

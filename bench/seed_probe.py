@@ -45,7 +45,7 @@ def batch(
 ) -> tuple[float, list[JobDone]]:
     """Decode tokens/s of the jobs `counted`, from the first token of any to the end of the last of them."""
     for s in range(e.cfg.slots):
-        e.call(lambda e, s=s: e._clear(e.table[s])).result()
+        e.call(lambda e, s=s: e.prefixes.clear(e.table[s])).result()
     streams = [
         e.submit(
             Job(

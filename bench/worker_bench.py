@@ -40,7 +40,7 @@ def decode_rate(engine: Engine, prompts: list[list[int]], gen: int, guided: Cons
     """Aggregate decode tokens/s of one job per prompt, all at once (the first one under `guided`), for tenant
     `salt`; slots cleared first so that each round computes the same."""
     for s in range(len(prompts)):
-        engine.call(lambda e, s=s: e._clear(e.table[s])).result()
+        engine.call(lambda e, s=s: e.prefixes.clear(e.table[s])).result()
     sampling = Sampling(temperature=0.0, max_tokens=gen, ignore_eos=True)
     t = time.perf_counter()
     streams = [
@@ -89,7 +89,7 @@ def main() -> None:
     one = run(engine, prompts[0], "one", slot=0, max_tokens=a.gen, cache=False)
     tps1 = one.generated_tokens / (one.timings.decode_ms / 1000)
     for s in range(8):  # prefill all eight, then measure decoding only
-        engine.call(lambda e, s=s: e._clear(e.table[s])).result()
+        engine.call(lambda e, s=s: e.prefixes.clear(e.table[s])).result()
     c0 = msgspec.structs.replace(engine.counters)
     t = time.perf_counter()
     streams = [

@@ -1,5 +1,6 @@
-"""What a job's end tells the router, besides the reply: how the slot's mirror settles, and the request's figures
-(its timings across attempts, the record the metrics keep, the log line).
+"""What a job's messages tell the router, besides the reply: a delta's tokens and text for the attempt, and at its
+end how the slot's mirror settles, the worker's load and speed, and the request's figures (its timings across
+attempts, the record the metrics keep, the log line).
 """
 
 from __future__ import annotations
@@ -8,14 +9,43 @@ import time
 
 import numpy as np
 
+from chat.output import Piece
 from kvroute import logs
-from protocol import JobDone, JobError, Timings
+from protocol import JobDelta, JobDone, JobError, Timings
 from router.metrics import Metrics, RequestRecord, mispredicted
 from router.mirror import Mirror
-from router.requests import Req
-from router.tokens import tokens_from_wire
+from router.requests import Req, WorkerConn
+from router.tokens import tokens_from_wire, tokens_to_list
 
 log = logs.get(__name__)
+
+
+def delta_taken(conn: WorkerConn, req: Req, msg: JobDelta) -> Piece:
+    """A delta of the request's running attempt: its tokens kept, its text parsed; the piece for the client."""
+    attempt = req.attempt
+    assert attempt is not None
+    if attempt.prefill_pending:
+        attempt.prefill_pending = 0  # the prompt is computed: no longer this worker's queued prefill
+        conn.refresh()
+    attempt.streamed.extend(tokens_to_list(msg.tokens))
+    attempt.logprobs.extend(msg.logprobs)
+    return attempt.parser.feed(msg.text)
+
+
+def settle_done(mirror: Mirror, metrics: Metrics, min_match: int, conn: WorkerConn, req: Req, msg: JobDone) -> Timings:
+    """A job's end, read: the mirror of its slot, the worker's load and prefill speed, the slot's hit figures, the
+    request's record. Returns the request's timings."""
+    attempt = req.attempt
+    assert attempt is not None
+    settle_slot(mirror, metrics, req, msg)
+    conn.refresh()
+    conn.prefilled(msg.prefilled_tokens, msg.timings.prefill_ms)
+    if msg.reused_tokens >= min_match:
+        attempt.slot.hits += 1
+    attempt.slot.reused_total += msg.reused_tokens
+    timings = timings_of(req, msg)
+    record_done(metrics, conn.id, req, msg, timings)
+    return timings
 
 
 def settle_slot(mirror: Mirror, metrics: Metrics, req: Req, msg: JobDone | JobError) -> None:

@@ -1,4 +1,5 @@
-"""The router's core: requests, the queue, dispatch, the mirror and the workers' records, without a socket.
+"""The router's core without a socket: the life cycle of its requests, over the worker table (router/workers.py),
+the queue and its placements (router/dispatch_queue.py) and the mirror (router/mirror.py).
 
 Every event is a method call: `accept` and `prepared` (a submit, before and after its prompt is rendered and
 tokenized), `cancel`, `client_gone`, `hello`, `worker_message` (heartbeat, job_delta, job_done, job_error),
@@ -41,14 +42,11 @@ Failure rules:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
-
-import msgspec
 
 from kvroute import logs
 from protocol import (
@@ -59,45 +57,30 @@ from protocol import (
     FailedWorker,
     Heartbeat,
     Hello,
-    Job,
     JobCancel,
     JobDelta,
     JobDone,
     JobError,
     Refuse,
-    Sampling,
     StatusReply,
     Submit,
     Timings,
     Usage,
 )
-from router import handshake, outcomes, queue_order, views
+from router import admission, handshake, outcomes, views
 from router.config import RouterConfig
+from router.dispatch_queue import DispatchQueue, job_message
 from router.metrics import Metrics
 from router.mirror import Mirror
-from router.prepare import Prepared, PrepareError
+from router.prepare import Prepared
 from router.replies import choice_of, delta_of, result_of
 from router.requests import Attempt, Req, ReqState, WorkerConn, WorkerState, tenant
-from router.select import Dispatch, Params, Wait, coldest, expected_reuse, select
-from router.tokens import tokens_to_list, tokens_to_wire
+from router.select import Dispatch
+from router.workers import Kill, WorkerTable
 
 log = logs.get(__name__)
 
-MAX_WAITING_SCAN = 64  # queued requests examined per event beyond those dispatched
-# the default bound on waiting requests (--queue-size 0): agents arrive in bursts of dozens and should wait their
-# turn, as llama-server lets them, while a flood still gets queue_full instead of memory growing without bound
-DEFAULT_QUEUE = 256
 DEADLINE_GRACE_S = 1.0  # a worker ends a job at its deadline itself; the router steps in this much later
-
-
-@dataclass(frozen=True)
-class Kill:
-    """A worker process to kill (hung, or silent for too long); the supervisor restarts it."""
-
-    worker: str
-    incarnation: int
-    pid: int
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -115,29 +98,21 @@ class Scheduler:
 
     def __init__(self, cfg: RouterConfig, *, fingerprint: str, model: str, router_id: str, weights: str = "") -> None:
         self.cfg = cfg
-        self.params = Params.from_config(cfg)
-        self.seeded_params = dataclasses.replace(self.params, seeded=True)  # (a seeded request's reuse rule)
         self.fingerprint, self.model, self.router_id = fingerprint, model, router_id
         self.weights = weights  # the model file's weights fingerprint ("" : not checked)
         self.mirror = Mirror()
         self.metrics = Metrics()
-        self.workers: dict[str, WorkerConn] = {}
-        self.seen: set[tuple[str, int]] = set()  # (worker id, incarnation) ever accepted
-        self.restarts: dict[str, int] = {}  # filled by the supervisor
-        self.expected: set[str] = set()  # the local workers a supervisor runs
-        self.failed: dict[str, str] = {}  # worker id -> why its supervisor gave up on it (crashes at start, restarts)
+        self.table = WorkerTable(cfg, self.mirror, self.metrics)
+        self.workers = self.table.workers  # by id (the same dict: the views, the shell and the tests read it)
+        self.restarts, self.expected, self.failed = self.table.restarts, self.table.expected, self.table.failed
+        self.queue = DispatchQueue(cfg, self.mirror, self.metrics, self.table)
+        self.params = self.queue.params
         self.requests: dict[tuple[bytes, str, int], Req] = {}  # by (client, request id, choice)
         self.jobs: dict[str, Req] = {}
-        self.queue: list[Req] = []
-        self.no_workers_since: float | None = time.monotonic()
         self.draining = False
         self.outbox: list[Out] = []
-        self.kills: list[Kill] = []  # taken by the shell, like the outbox
-        self.silent: dict[tuple[str, int], tuple[float, int]] = {}  # declared dead for silence: (when, pid)
         self._job_ids = itertools.count(1)
         self._rid = itertools.count(1)
-        self._rotation = 0
-        self._arrivals = 0  # --policy round-robin's turn
 
     def take(self) -> list[Out]:
         """The messages the last events produced (the outbox is emptied)."""
@@ -162,10 +137,7 @@ class Scheduler:
         req.state, req.attempt = ReqState.QUEUED, None
         req.queued_at, req.wait_since = time.monotonic(), None
         self.requests[req.key] = req
-        if front:
-            self.queue.insert(0, req)
-        else:
-            self.queue.append(req)
+        self.queue.push(req, front)
 
     def _dispatch(self, req: Req, d: Dispatch) -> None:
         conn = self.workers[d.slot.worker]
@@ -173,7 +145,6 @@ class Scheduler:
         job = f"{req.rid[:100]}.{next(self._job_ids)}"
         prefix_cache = self.cfg.prefix_cache and not slot.dirty
         self.mirror.assign(slot, job, req.tokens, req.salt)
-        self._rotation += 1
         self.queue.remove(req)
         now = time.monotonic()
         req.queue_ms += (now - req.queued_at) * 1000
@@ -187,33 +158,7 @@ class Scheduler:
         conn.refresh()
         kind = "guarded" if d.guarded else "restore" if d.restore else "affinity" if d.affinity else "cold"
         self.metrics.decisions[kind] += 1
-        deadline_ms = None if req.deadline is None else max(1, int((req.deadline - now) * 1000))
-        log.info(
-            "slot_assigned",
-            request_id=req.rid,
-            job=job,
-            worker=conn.id,
-            slot=slot.index,
-            predicted_reuse=d.reuse,
-            prefill=len(req.tokens) - d.reuse,
-            cost=round(d.cost, 1),
-            affinity=d.affinity,
-            restore=d.restore,
-        )
-        self._to_worker(
-            conn,
-            Job(
-                id=job,
-                slot=slot.index,
-                tokens=tokens_to_wire(req.tokens),
-                sampling=req.sampling,
-                deadline_ms=deadline_ms,
-                predicted_reuse=d.reuse,
-                prefix_cache=prefix_cache,
-                constraint=req.constraint,
-                cache_salt=req.salt,
-            ),
-        )
+        self._to_worker(conn, job_message(req, d, job, prefix_cache, now))
 
     def _requeue(self, req: Req) -> None:
         """Back to the front of the queue, to be placed again (its worker died, or refused it)."""
@@ -229,7 +174,7 @@ class Scheduler:
             self._finish_empty(req, "cancelled")
         elif req.state is ReqState.RUNNING:
             req.state = ReqState.CANCELLING
-            conn = self.workers.get(req.worker or "")
+            conn = self.table.get(req.worker)
             if conn is not None and req.job:
                 self._to_worker(conn, JobCancel(id=req.job))
 
@@ -238,13 +183,12 @@ class Scheduler:
         self._leave_worker(req)
         req.state = ReqState.DONE
         self.requests.pop(req.key, None)
-        if req in self.queue:
-            self.queue.remove(req)
+        self.queue.remove(req)
         if req.job:
             self.jobs.pop(req.job, None)
 
     def _leave_worker(self, req: Req) -> None:
-        conn = self.workers.get(req.worker or "")
+        conn = self.table.get(req.worker)
         if conn is not None and req.job in conn.jobs:
             del conn.jobs[req.job]
             conn.refresh()
@@ -267,7 +211,7 @@ class Scheduler:
 
     def _on_worker(self, req: Req) -> bool:
         """Whether the request's job is on a connected worker (its end is still to come)."""
-        conn = self.workers.get(req.worker or "")
+        conn = self.table.get(req.worker)
         return conn is not None and req.job in conn.jobs
 
     def _finish_empty(self, req: Req, reason: str) -> None:
@@ -298,24 +242,19 @@ class Scheduler:
         """A submit arrived: the request, in flight from now on (its prompt is to be prepared and handed to
         `prepared`), or None when it is refused at once (draining, an id already in flight)."""
         rid = msg.id or f"r{next(self._rid)}-{uuid.uuid4().hex[:8]}"
-        if self.draining:
-            self.metrics.requests[ErrorCode.DRAINING] += 1
-            self.reply(identity, envelope, Error(id=rid, code=ErrorCode.DRAINING, message="the router is shutting down"))
-            return None
-        if (identity, rid, 0) in self.requests:
-            message = f"request id {rid!r} is already in flight"
-            self.reply(identity, envelope, Error(id=rid, code=ErrorCode.BAD_REQUEST, message=message))
-            return None
-        # texts still being tokenized count against the queue: a flood of long prompts cannot pile up behind it
         waiting = len(self.queue) + sum(r.state is ReqState.TOKENIZING for r in self.requests.values())
-        if waiting + msg.n > max(self.queue_limit(), msg.n):
-            self.metrics.requests[ErrorCode.QUEUE_FULL] += 1
-            message = f"{waiting} requests are already waiting"
-            self.reply(identity, envelope, Error(id=rid, code=ErrorCode.QUEUE_FULL, message=message, retry_after_ms=1000))
+        repeated = rid if (identity, rid, 0) in self.requests else None
+        refusal = admission.at_submit(self.draining, repeated, waiting, msg.n, self.table.queue_limit())
+        if refusal is not None:
+            code, message, extra = refusal
+            if code != ErrorCode.BAD_REQUEST:  # (a repeated id is the client's bug, not an answer to its load)
+                self.metrics.requests[code] += 1
+            self.reply(identity, envelope, Error(id=rid, code=code, message=message, **extra))
             return None
         deadline = None if msg.deadline_ms is None else time.monotonic() + msg.deadline_ms / 1000.0
+        sampling = admission.capped(msg.sampling, self.cfg.max_tokens)
         # REQ sockets take exactly one reply per request: no deltas for them
-        req = Req(identity, list(envelope), rid, self._capped(msg.sampling), msg.stream and not envelope, deadline, msg.n)
+        req = Req(identity, list(envelope), rid, sampling, msg.stream and not envelope, deadline, msg.n)
         req.salt = tenant(msg.cache_salt)
         self.requests[req.key] = req
         return req
@@ -326,20 +265,14 @@ class Scheduler:
             return  # ended meanwhile (cancelled, client gone, router draining)
         if isinstance(outcome, BaseException):
             self._finish(req)
-            if isinstance(outcome, PrepareError):
-                err = Error(id=req.rid, code=ErrorCode.BAD_REQUEST, message=str(outcome), param=outcome.param)
-            else:
-                error_id = uuid.uuid4().hex[:12]
-                log.error("tokenize_crashed", error_id=error_id, request_id=req.rid, error=repr(outcome))
-                err = Error(id=req.rid, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id)
-            self._to_client(req, err)
+            self._to_client(req, admission.prepare_failed(req, outcome))
             return
         req.tokens, req.constraint, req.output = outcome.tokens, outcome.constraint, outcome.output
         req.shift = outcome.shift
         if req.shift is not None:
             shift = req.shift
             log.info("context_shift", request_id=req.rid, dropped_messages=shift.messages, dropped_tokens=shift.tokens)
-        refusal = self._refusal(req) if len(req.tokens) else (ErrorCode.BAD_REQUEST, "the prompt has no tokens", {})
+        refusal = admission.when_prepared(req, self.table, len(self.queue), self.cfg.no_workers_grace_s)
         if refusal:
             code, text, extra = refusal
             self._finish(req)
@@ -352,47 +285,9 @@ class Scheduler:
         for r in req.choices:
             self._enqueue(r)
             if self.cfg.policy == "round-robin":
-                self._pin(r, self._ready_loads(r))  # its worker is picked now, as it arrives
+                self.queue.pin(r)  # its worker is picked now, as it arrives
         log.info("request_queued", request_id=req.rid, prompt_tokens=len(req.tokens), n=req.n, queued=len(self.queue))
         self._pump()
-
-    def _capped(self, sampling: Sampling) -> Sampling:
-        """--max-tokens: a request asking for more (or for no limit) gets the cap."""
-        cap = self.cfg.max_tokens
-        if cap > 0 and (sampling.max_tokens is None or sampling.max_tokens > cap):
-            return msgspec.structs.replace(sampling, max_tokens=cap)
-        return sampling
-
-    def _refusal(self, req: Req) -> tuple[str, str, dict[str, Any]] | None:
-        """Why a request with its prompt ready cannot be queued, or None."""
-        ready = [w for w in self.workers.values() if w.state is WorkerState.READY]
-        if not ready and self._no_workers_expired():
-            return ErrorCode.NO_WORKERS, "no worker is connected", {}
-        if ready and not any(w.fits(req) for w in ready):
-            return ErrorCode.CONTEXT_OVERFLOW, self._overflow(req, max(w.hello.ctx_per_slot for w in ready)), {}
-        if len(self.queue) + req.n > max(self.queue_limit(), req.n):
-            return ErrorCode.QUEUE_FULL, f"{len(self.queue)} requests are already waiting", {"retry_after_ms": 1000}
-        return None
-
-    @staticmethod
-    def _overflow(req: Req, ctx: int) -> str:
-        """Both numbers: the prompt (and max_tokens) and the largest slot; what --context-shift dropped, if it tried."""
-        asked = "" if req.sampling.max_tokens is None else f" + max_tokens {req.sampling.max_tokens}"
-        s = req.shift
-        shifted = f" (after --context-shift dropped {s.messages} messages, {s.tokens} tokens)" if s is not None else ""
-        return f"prompt of {len(req.tokens)} tokens{shifted}{asked} does not fit a slot of {ctx} tokens"
-
-    def slot_context(self) -> int | None:
-        """The largest slot of the ready workers, in tokens (what a prompt must fit); None when none is ready."""
-        return max((w.hello.ctx_per_slot for w in self.workers.values() if w.state is WorkerState.READY), default=None)
-
-    def queue_limit(self) -> int:
-        if self.cfg.queue_size > 0:
-            return self.cfg.queue_size
-        return max(DEFAULT_QUEUE, 4 * sum(len(w.slots) for w in self.workers.values()))
-
-    def _no_workers_expired(self) -> bool:
-        return self.no_workers_since is not None and time.monotonic() - self.no_workers_since >= self.cfg.no_workers_grace_s
 
     def cancel(self, identity: bytes, rid: str) -> None:
         lead = self.requests.get((identity, rid, 0))
@@ -411,90 +306,10 @@ class Scheduler:
 
     # ---- dispatch ---------------------------------------------------------------------------------
 
-    def _ready_loads(self, req: Req) -> list[Any]:
-        """The loads of the ready workers this request may go to: their slots hold it, and, for a request that was
-        on a worker that died, no other such request runs there; under --policy round-robin, the one it was sent to."""
-        loads = [
-            w.load
-            for w in self.workers.values()
-            if w.state is WorkerState.READY and w.fits(req) and not (req.deaths and w.has_suspect)
-        ]
-        if self.cfg.policy != "round-robin":
-            return loads
-        self._pin(req, loads)
-        return [w for w in loads if w.worker == req.pinned]
-
-    def _pin(self, req: Req, loads: list[Any]) -> None:
-        """--policy round-robin: unless it is pinned to one of `loads` already, the next worker in turn becomes the
-        only one the request may go to, as a load balancer in front of independent servers sends a request on when it
-        arrives (and again when that worker has left)."""
-        if loads and req.pinned not in {w.worker for w in loads}:
-            req.pinned = loads[self._arrivals % len(loads)].worker
-            self._arrivals += 1
-
-    def _idle_slot(self) -> bool:
-        return any(w.state is WorkerState.READY and w.load.busy < len(w.slots) for w in self.workers.values())
-
     def _pump(self) -> None:
-        """Dispatch queued requests, in `queue_order.in_order`, while idle slots remain."""
-        if not self.queue or not self._idle_slot():
-            return  # (before ordering the queue: a new request or a tick while every slot is busy costs nothing)
-        now = time.monotonic()
-        waiting = 0
-        for req in queue_order.in_order(self.queue, self.mirror, self.workers.values(), self.cfg, now):
-            if not self._idle_slot():
-                break
-            if waiting >= MAX_WAITING_SCAN:
-                break  # bound the work per event when many requests wait for particular slots
-            loads = self._ready_loads(req)
-            if not any(w.busy < len(w.slots) for w in loads):
-                waiting += 1  # none of the workers it may go to has an idle slot
-                continue
-            t0 = time.perf_counter()
-            match = self.mirror.match(req.tokens, req.salt)  # afresh: a dispatch in this loop may have changed the mirror
-            if req.index > 0:  # another choice of a request: beside its first choice, which computes the prompt
-                lead = req.choices[0]
-                if lead.state in (ReqState.QUEUED, ReqState.TOKENIZING):
-                    waiting += 1
-                    continue
-                beside = self._beside(lead, match, self._params(req))
-                if beside is not None:
-                    self._dispatch(req, beside)
-                    continue
-            waited = 0.0 if req.wait_since is None else (now - req.wait_since) * 1000
-            decision = select(match, loads, self._params(req), now, self._rotation, waited)
-            self.metrics.decision_ms.observe((time.perf_counter() - t0) * 1000)
-            if isinstance(decision, Wait):
-                if req.wait_since is None:
-                    req.wait_since = now
-                    self.metrics.decisions["wait"] += 1
-                    log.info(
-                        "waiting_for_slot",
-                        request_id=req.rid,
-                        worker=decision.slot.worker,
-                        slot=decision.slot.index,
-                        reuse=decision.reuse,
-                        saved=decision.saved,
-                    )
-                waiting += 1
-                continue
-            if isinstance(decision, Dispatch):
-                self._dispatch(req, decision)
-
-    def _beside(self, lead: Req, match: Any, params: Params) -> Dispatch | None:
-        """An idle slot on the worker running `lead` (that worker copies the prompt's KV from lead's slot once it is
-        computed, instead of computing it again); None when that worker has no idle slot."""
-        conn = self.workers.get(lead.worker or "")
-        if conn is None or conn.state is not WorkerState.READY:
-            return None
-        slot = coldest(conn.load, self.params.evict_half_life_s)
-        if slot is None:
-            return None
-        reuse, restore = expected_reuse(match, slot, params, conn.load.saved)
-        return Dispatch(slot, reuse, 0.0, False, restore=restore)
-
-    def _params(self, req: Req) -> Params:
-        return self.seeded_params if req.sampling.seed is not None else self.params
+        """Dispatch the queued requests that have a slot now (router/dispatch_queue.py)."""
+        for req, d in self.queue.placements():
+            self._dispatch(req, d)
 
     # ---- worker events ----------------------------------------------------------------------------
 
@@ -505,38 +320,12 @@ class Scheduler:
                 log.warning("worker_refused", worker=msg.worker_id, code="model_mismatch", reason=refusal.reason)
             self.outbox.append(Out(identity, refusal, worker=True))
             return
-        self.silent.pop((msg.worker_id, msg.incarnation), None)  # it came back
-        self.failed.pop(msg.worker_id, None)
-        old = self.workers.get(msg.worker_id)
-        if old is not None and old.hello.incarnation == msg.incarnation:
-            old.last_seen = time.monotonic()  # a repeated hello: our accept crossed it
-            self._to_worker(old, Accept(worker_id=msg.worker_id, router_id=self.router_id))
-            return
-        if old is not None:
-            self.worker_dead(msg.worker_id, f"new incarnation {msg.incarnation}")
-        held = handshake.held(msg)
-        # without a report, a fresh process starts empty; one seen before may hold anything
-        known = held is not None or (msg.worker_id, msg.incarnation) not in self.seen
-        self.seen.add((msg.worker_id, msg.incarnation))
-        cached = msg.cached if held is not None else ()  # (a worker that cannot say what its slots hold clears all)
-        slots = self.mirror.add_worker(
-            msg.worker_id, msg.slots, contents_known=known, exact=msg.deterministic, held=held, cached=cached
-        )
-        conn = WorkerConn(msg, slots)
-        conn.load.saved = self.mirror.saved[msg.worker_id]
-        self.workers[msg.worker_id] = conn
-        self.no_workers_since = None
+        conn = self.table.repeated(msg)
+        if conn is None:
+            if msg.worker_id in self.workers:
+                self.worker_dead(msg.worker_id, f"new incarnation {msg.incarnation}")
+            conn = self.table.join(msg)
         self._to_worker(conn, Accept(worker_id=msg.worker_id, router_id=self.router_id))
-        log.info(
-            "worker_accepted",
-            worker=msg.worker_id,
-            incarnation=msg.incarnation,
-            slots=msg.slots,
-            ctx_per_slot=msg.ctx_per_slot,
-            device=msg.device,
-            pid=msg.pid,
-            held_tokens=sum(s.n_tokens for s in slots),
-        )
         self._pump()
 
     def worker_message(self, identity: bytes, msg: Heartbeat | JobDelta | JobDone | JobError) -> None:
@@ -548,7 +337,7 @@ class Scheduler:
             return
         conn.last_seen = time.monotonic()
         if isinstance(msg, Heartbeat):
-            self._heartbeat(conn, msg)
+            self.table.heartbeat(conn, msg)
         elif isinstance(msg, JobDelta):
             self._job_delta(conn, msg)
         elif isinstance(msg, JobDone):
@@ -556,63 +345,27 @@ class Scheduler:
         else:
             self._job_error(conn, msg)
 
-    def _heartbeat(self, conn: WorkerConn, msg: Heartbeat) -> None:
-        now = time.monotonic()
-        conn.queue = msg.queue
-        conn.counted(msg.counters, now)
-        if msg.progress != conn.progress:
-            conn.progress, conn.progress_at = msg.progress, now
-        conn.state = WorkerState.DRAINING if msg.draining else WorkerState.READY
-        for st in msg.slots:
-            if st.slot >= len(conn.slots) or st.busy:
-                continue
-            slot = conn.slots[st.slot]
-            if not self.mirror.check_idle(slot, st.n_tokens):
-                self.metrics.mirror_mismatches += 1
-                log.error(
-                    "mirror_mismatch",
-                    error_id=uuid.uuid4().hex[:12],
-                    worker=conn.id,
-                    slot=st.slot,
-                    mirror=0,
-                    reported=st.n_tokens,
-                    via="heartbeat",
-                )
-
     def _job_delta(self, conn: WorkerConn, msg: JobDelta) -> None:
         req = conn.jobs.get(msg.id)
         if req is None or req.attempt is None:
             return
-        attempt = req.attempt
-        if attempt.prefill_pending:
-            attempt.prefill_pending = 0  # the prompt is computed: no longer this worker's queued prefill
-            conn.refresh()
-        attempt.streamed.extend(tokens_to_list(msg.tokens))
-        attempt.logprobs.extend(msg.logprobs)
-        piece = attempt.parser.feed(msg.text)
+        piece = outcomes.delta_taken(conn, req, msg)
         if req.stream and req.reply_to is not None:
             delta = delta_of(req, piece, msg.tokens, msg.logprobs)
             if msg.reused_tokens is not None:  # the job's first token: what the prompt cost is known now
                 delta.usage = Usage(prompt_tokens=len(req.tokens), cached_tokens=msg.reused_tokens, completion_tokens=0)
-            attempt.delivered += 1
+            req.attempt.delivered += 1
             self._to_client(req, delta)
 
     def _job_done(self, conn: WorkerConn, msg: JobDone) -> None:
-        self._cache_changed(conn, msg)
+        self.table.cache_changed(conn, msg)
         req = conn.jobs.get(msg.id)
         if req is None or req.attempt is None:
             log.warning("unknown_job_done", worker=conn.id, job=msg.id)
             return
         self._leave_worker(req)
         attempt = req.attempt
-        outcomes.settle_slot(self.mirror, self.metrics, req, msg)
-        conn.refresh()
-        conn.prefilled(msg.prefilled_tokens, msg.timings.prefill_ms)
-        if msg.reused_tokens >= self.params.min_match:
-            attempt.slot.hits += 1
-        attempt.slot.reused_total += msg.reused_tokens
-        timings = outcomes.timings_of(req, msg)
-        outcomes.record_done(self.metrics, conn.id, req, msg, timings)
+        timings = outcomes.settle_done(self.mirror, self.metrics, self.params.min_match, conn, req, msg)
         self._finish(req)
         tail = attempt.parser.finish()
         if req.stream and (tail.content or tail.reasoning or tail.calls):
@@ -626,7 +379,7 @@ class Scheduler:
         self._pump()
 
     def _job_error(self, conn: WorkerConn, msg: JobError) -> None:
-        self._cache_changed(conn, msg)
+        self.table.cache_changed(conn, msg)
         req = conn.jobs.get(msg.id)
         if req is None or req.attempt is None:
             return
@@ -642,23 +395,11 @@ class Scheduler:
             self._fail(req, msg.code, msg.message, error_id=msg.error_id)
         self._pump()
 
-    def _cache_changed(self, conn: WorkerConn, msg: JobDone | JobError) -> None:
-        """The saved states a JobDone/JobError reports, before its job is settled (an entry may name the slot whose
-        previous contents it holds)."""
-        if not msg.cache_added and not msg.cache_dropped and not msg.disk_dropped:
-            return
-        for problem in self.mirror.cache_changed(conn.id, msg.cache_added, msg.cache_dropped, msg.disk_dropped):
-            self.metrics.mirror_mismatches += 1
-            log.error("mirror_mismatch", error_id=uuid.uuid4().hex[:12], worker=conn.id, problem=problem, via="cache_added")
-
     def worker_dead(self, worker: str, reason: str) -> None:
         """A worker is gone: purge its slots now, re-dispatch what it had not streamed, fail the rest."""
-        conn = self.workers.pop(worker, None)
+        conn = self.table.remove(worker, reason)
         if conn is None:
             return
-        self.mirror.remove_worker(worker)
-        self.metrics.dead_workers += 1
-        log.warning("worker_dead", worker=worker, incarnation=conn.hello.incarnation, reason=reason, jobs=len(conn.jobs))
         for req in list(conn.jobs.values()):
             self._to_worker(conn, JobCancel(id=req.job or ""))  # in case it is only slow
             del conn.jobs[req.job or ""]
@@ -677,8 +418,6 @@ class Scheduler:
                 )
             else:
                 self._requeue(req)
-        if not any(w.state is WorkerState.READY for w in self.workers.values()) and self.no_workers_since is None:
-            self.no_workers_since = time.monotonic()
         self._pump()
 
     def worker_failed(self, worker: str, reason: str) -> None:
@@ -695,10 +434,7 @@ class Scheduler:
         return True
 
     def none_can_come(self) -> str | None:
-        """Why no worker will serve: none is connected and every local worker failed at start. None otherwise."""
-        if self.workers or not self.expected or not self.expected <= self.failed.keys():
-            return None
-        return "; ".join(f"worker {w}: {r}" for w, r in sorted(self.failed.items()))
+        return self.table.none_can_come()
 
     def worker_exited(self, worker: str, incarnation: int, returncode: int | None) -> None:
         """From the supervisor: the process of this worker incarnation exited."""
@@ -709,18 +445,8 @@ class Scheduler:
     # ---- time -------------------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        for conn in list(self.workers.values()):
-            if now - conn.last_seen > self.cfg.heartbeat_timeout_s:
-                self.silent[(conn.id, conn.hello.incarnation)] = (now, conn.hello.pid)
-                self.worker_dead(conn.id, f"no heartbeat for {now - conn.last_seen:.1f} s")
-            elif conn.jobs and now - conn.progress_at > self.cfg.hung_after_s:
-                reason = f"hung: {len(conn.jobs)} jobs and no engine progress for {now - conn.progress_at:.1f} s"
-                self.kills.append(Kill(conn.id, conn.hello.incarnation, conn.hello.pid, reason))
-                self.worker_dead(conn.id, reason)
-        for (worker, incarnation), (since, pid) in list(self.silent.items()):
-            if now - since > self.cfg.hung_after_s:  # declared dead for silence, and never came back
-                del self.silent[(worker, incarnation)]
-                self.kills.append(Kill(worker, incarnation, pid, f"silent for {now - since:.1f} s after it was declared dead"))
+        for worker, reason in self.table.overdue(now):
+            self.worker_dead(worker, reason)
         for req in list(self.requests.values()):
             if req.deadline is None or now < req.deadline or req.state is ReqState.DONE or req.ended:
                 continue
@@ -729,7 +455,7 @@ class Scheduler:
             elif req.state is ReqState.RUNNING and now >= req.deadline + DEADLINE_GRACE_S:
                 self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was running")
         self._unfit(now)
-        if not self._fail_hopeless() and self.queue and not self.workers and self._no_workers_expired():
+        if not self._fail_hopeless() and self.queue and not self.workers and self.table.none_for(self.cfg.no_workers_grace_s):
             for req in list(self.queue):
                 self._fail(req, ErrorCode.NO_WORKERS, f"no worker connected for {self.cfg.no_workers_grace_s:g} s")
         if any(r.wait_since is not None for r in self.queue):
@@ -738,7 +464,7 @@ class Scheduler:
     def _unfit(self, now: float) -> None:
         """Queued requests that no ready worker can hold (the one that could left) wait `no_workers_grace_s` for
         one to come back, then get `context_overflow`."""
-        ready = [w for w in self.workers.values() if w.state is WorkerState.READY]
+        ready = self.table.ready()
         if not ready:
             return
         for req in list(self.queue):
@@ -747,11 +473,16 @@ class Scheduler:
             elif req.unfit_since is None:
                 req.unfit_since = now
             elif now - req.unfit_since >= self.cfg.no_workers_grace_s:
-                self._fail(req, ErrorCode.CONTEXT_OVERFLOW, self._overflow(req, max(w.hello.ctx_per_slot for w in ready)))
+                self._fail(req, ErrorCode.CONTEXT_OVERFLOW, admission.overflow(req, max(w.hello.ctx_per_slot for w in ready)))
 
     def take_kills(self) -> list[Kill]:
-        kills, self.kills = self.kills, []
-        return kills
+        return self.table.take_kills()
+
+    def slot_context(self) -> int | None:
+        return self.table.slot_context()
+
+    def queue_limit(self) -> int:
+        return self.table.queue_limit()
 
     def drain_expired(self) -> None:
         """The drain's time is up: every request still open ends with `draining` (its job cancelled)."""

@@ -208,86 +208,120 @@ def _prefix(
 ) -> Decision:
     """Cost over idle slots: each worker's cheapest slot to overwrite (the only cold candidate that can
     win there), then the slots holding a prefix, deepest match first, until no shallower match can win."""
-    length = match.length
-    guarded = False
+    workers, guarded = _balanced(workers, params)
+    found = _Cheapest(match, workers, params, now)
+    for w in workers:
+        found.cold(w)
+    if params.prefix_cache:
+        found.holders()
+    best = found.slot
+    if best is None:
+        assert found.held is not None
+        return Wait(found.held, 0)
+    reuse, restore = found.reuse, found.restore
+    if waited_ms < params.busy_wait_ms and params.prefix_cache:
+        wait = _busy_better(match, match.length, params, reuse, full)
+        if wait is not None:
+            return wait
+    if not restore:  # the worker restores a saved state on that slot if one is worth it, chosen for it or not
+        reuse, restore = expected_reuse(match, best, params, found.by_name[best.worker].saved)
+    return Dispatch(best, reuse, found.cost, reuse >= params.min_match, guarded, restore)
+
+
+def _balanced(workers: list[WorkerLoad], params: Params) -> tuple[list[WorkerLoad], bool]:
+    """The imbalance guard: when the busiest worker runs too many more jobs than the least busy, only the workers
+    within `imbalance_abs` of the least busy are candidates (True: the guard acted)."""
     lo = min(w.busy for w in workers)
     hi = max(w.busy for w in workers)
     if hi - lo > params.imbalance_abs and hi > params.imbalance_rel * lo:
-        workers = [w for w in workers if w.busy <= lo + params.imbalance_abs]
-        guarded = True
-    rank = {w.worker: i for i, w in enumerate(workers)}  # rotated order breaks ties
-    load = {w.worker: w.queued_prefill + params.busy_slot_cost * w.busy for w in workers}
-    min_load = min(load.values())
-    hl, ew, mm = params.evict_half_life_s, params.evict_weight, params.min_match
-    best: tuple[float, int, int] | None = None
-    best_slot: Slot | None = None
-    best_reuse = 0
-    best_restore = False
+        return [w for w in workers if w.busy <= lo + params.imbalance_abs], True
+    return workers, False
 
-    holding = params.prefix_cache and params.hold_ms > 0  # the wait ends when the hold does
-    hold_since = now - params.hold_ms / 1000.0
-    held: Slot | None = None
-    by_name = {w.worker: w for w in workers}
 
-    def consider(s: Slot, lcp: int, saved: Saved | None = None, saved_lcp: int = 0) -> None:
-        nonlocal best, best_slot, best_reuse, best_restore, held
+class _Cheapest:
+    """The search for one prompt's cheapest idle slot: every candidate is `consider`ed, the cheapest kept; a slot
+    kept for its own conversation a little longer (`hold_ms`) is not a candidate, and is what to wait for when no
+    other is."""
+
+    def __init__(self, match: Match, workers: list[WorkerLoad], params: Params, now: float) -> None:
+        self.match, self.params, self.now = match, params, now
+        self.length = match.length
+        self.rank = {w.worker: i for i, w in enumerate(workers)}  # rotated order breaks ties
+        self.load = {w.worker: w.queued_prefill + params.busy_slot_cost * w.busy for w in workers}
+        self.by_name = {w.worker: w for w in workers}
+        self.holding = params.prefix_cache and params.hold_ms > 0  # the wait ends when the hold does
+        self.hold_since = now - params.hold_ms / 1000.0
+        self.key: tuple[float, int, int] | None = None  # (cost, rank, slot index) of the cheapest so far
+        self.slot: Slot | None = None
+        self.reuse = 0
+        self.restore = False
+        self.held: Slot | None = None
+
+    @property
+    def cost(self) -> float:
+        return self.key[0] if self.key is not None else float("inf")
+
+    def consider(self, s: Slot, lcp: int, saved: Saved | None = None, saved_lcp: int = 0) -> None:
+        params, length = self.params, self.length
         reuse = own = predicted_reuse(lcp, length, s, params)
         extra = 0.0
         if saved is not None and not s.dirty:
             reuse = restored_reuse(saved_lcp, length, saved, own, params.seeded)
-            extra = by_name[s.worker].restore_cost_of(saved) if reuse > own else 0.0
-        if holding and reuse < mm and s.last_used > hold_since and s.tokens.size and not s.dirty:
-            held = s  # kept for its own conversation a little longer
+            extra = self.by_name[s.worker].restore_cost_of(saved) if reuse > own else 0.0
+        mm = params.min_match
+        if self.holding and reuse < mm and s.last_used > self.hold_since and s.tokens.size and not s.dirty:
+            self.held = s  # kept for its own conversation a little longer
             return
         lost = 0 if s.dirty else len(s.tokens) - own
-        cost = length - (reuse if reuse >= mm else 0) + load[s.worker] + extra
-        if lost > 0 and ew > 0:
-            cost += ew * lost * _recency(s, now, hl)
-        key = (cost, rank[s.worker], s.index)
-        if best is None or key < best:
-            best, best_slot, best_reuse, best_restore = key, s, reuse, reuse > own
+        cost = length - (reuse if reuse >= mm else 0) + self.load[s.worker] + extra
+        if lost > 0 and params.evict_weight > 0:
+            cost += params.evict_weight * lost * _recency(s, self.now, params.evict_half_life_s)
+        key = (cost, self.rank[s.worker], s.index)
+        if self.key is None or key < self.key:
+            self.key, self.slot, self.reuse, self.restore = key, s, reuse, reuse > own
 
-    for w in workers:
-        cold = coldest(w, hl)
-        if cold is not None:
-            consider(cold, match.lcp(cold) if params.prefix_cache else 0)
-            if held is cold:  # the cheapest slot to overwrite is held: look at the worker's others
-                for s in w.slots:
-                    if not s.busy and s is not cold:
-                        consider(s, match.lcp(s))
-    if params.prefix_cache:
-        for level, depth in match.levels():
+    def cold(self, w: WorkerLoad) -> None:
+        """The worker's cheapest slot to overwrite; when that one is held, the worker's other idle slots."""
+        cold = coldest(w, self.params.evict_half_life_s)
+        if cold is None:
+            return
+        self.consider(cold, self.match.lcp(cold) if self.params.prefix_cache else 0)
+        if self.held is cold:
+            for s in w.slots:
+                if not s.busy and s is not cold:
+                    self.consider(s, self.match.lcp(s))
+
+    def holders(self) -> None:
+        """The idle slots and saved states holding a prefix of the prompt, deepest first, while one can still win."""
+        params, length, hl = self.params, self.length, self.params.evict_half_life_s
+        min_load = min(self.load.values())
+        for level, depth in self.match.levels():
             owners = cast("set[Slot | Saved]", level)
             top = min(depth, length - 1)
-            if top < mm or (best is not None and length - top + min_load >= best[0]):
+            if top < params.min_match or length - top + min_load >= self.cost:
                 break  # shallower levels reuse less: none of them can win
-            idle = [s for s in owners if isinstance(s, Slot) and not s.busy and s.worker in rank]
             for saved in owners:
-                if isinstance(saved, Saved) and saved.worker in rank:
-                    target = coldest(by_name[saved.worker], hl)  # (a restore overwrites what the slot holds)
+                if isinstance(saved, Saved) and saved.worker in self.rank:
+                    target = coldest(self.by_name[saved.worker], hl)  # (a restore overwrites what the slot holds)
                     if target is not None:
-                        consider(target, match.lcp(target), saved, depth)
-            if len(idle) > 32 and ew > 0:
-                plain = [s for s in idle if not (s.dirty or s.exact or s.min_keep)]
-                for s in idle:
-                    if s.dirty or s.exact or s.min_keep:
-                        consider(s, depth)
-                if plain:
-                    i = _vector_best(plain, top, length, load, rank, now, hl, ew)
-                    consider(plain[i], depth)
-            else:
-                for s in idle:
-                    consider(s, depth)
-    if best is None or best_slot is None:
-        assert held is not None
-        return Wait(held, 0)
-    if waited_ms < params.busy_wait_ms and params.prefix_cache:
-        wait = _busy_better(match, length, params, best_reuse, full)
-        if wait is not None:
-            return wait
-    if not best_restore:  # the worker restores a saved state on that slot if one is worth it, chosen for it or not
-        best_reuse, best_restore = expected_reuse(match, best_slot, params, by_name[best_slot.worker].saved)
-    return Dispatch(best_slot, best_reuse, best[0], best_reuse >= mm, guarded, best_restore)
+                        self.consider(target, self.match.lcp(target), saved, depth)
+            idle = [s for s in owners if isinstance(s, Slot) and not s.busy and s.worker in self.rank]
+            self._idle_at(idle, depth, top)
+
+    def _idle_at(self, idle: list[Slot], depth: int, top: int) -> None:
+        """Idle slots sharing one match depth; many of them are costed at once (numpy)."""
+        ew = self.params.evict_weight
+        if len(idle) <= 32 or ew <= 0:
+            for s in idle:
+                self.consider(s, depth)
+            return
+        plain = [s for s in idle if not (s.dirty or s.exact or s.min_keep)]
+        for s in idle:
+            if s.dirty or s.exact or s.min_keep:
+                self.consider(s, depth)
+        if plain:
+            i = _vector_best(plain, top, self.length, self.load, self.rank, self.now, self.params.evict_half_life_s, ew)
+            self.consider(plain[i], depth)
 
 
 def _vector_best(

@@ -71,8 +71,9 @@ from router.mirror import Mirror
 from router.prepare import PrepareError, prepare, text_chars, tokens_reply
 from router.prompt_tokens import PromptTokenizer
 from router.requests import Req, WorkerConn
-from router.scheduler import Kill, Out, Scheduler
+from router.scheduler import Out, Scheduler
 from router.security import Gatekeeper, Security
+from router.workers import Kill
 
 log = logs.get(__name__)
 

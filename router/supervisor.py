@@ -30,8 +30,8 @@ from pathlib import Path
 from kvroute import logs
 from kvroute.config import opt
 from kvroute.start_record import START_FAILED_EXIT, read_crash, read_refusal
-from router.scheduler import Kill
 from router.server import Router
+from router.workers import Kill
 
 log = logs.get(__name__)
 

@@ -22,3 +22,13 @@ def test_every_package_is_in_a_layer() -> None:
     layered = {p.strip() for layer in config["contracts"][0]["layers"] for p in layer.split("|")}
     packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
     assert set(config["root_packages"]) == layered == packages - {"tests", "bench"}
+
+
+def test_every_module_of_the_worker_and_the_router_is_in_its_layers() -> None:
+    """A new module of either process goes in its contract's layers, or nothing checks what it imports."""
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    for package in ("worker", "router"):
+        layers = next(c["layers"] for c in contracts if c["layers"][0].startswith(f"{package}."))
+        layered = {m.strip() for layer in layers for m in layer.split("|")}
+        modules = {f"{package}.{p.stem}" for p in (ROOT / package).glob("*.py") if p.stem != "__init__"}
+        assert modules - layered == set(), f"{package} modules outside the import-linter layers"

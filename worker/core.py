@@ -1,10 +1,10 @@
 """The engine's work on its compute thread (worker/engine.py runs it): admission, the step, commit and ends.
 
-A step places waiting jobs on slots (their prefixes: worker/prefix.py), builds the step's batches (worker/batching.py:
-one decode row for every generating slot first, then prefill chunks of the slots still reading their prompt, up to
-`n_batch` prompt tokens, the prompt with the least left to compute first), decodes each, commits what it computed and
-samples the rows that ask for it. Jobs join and leave between steps. Results go out as protocol messages (JobDelta,
-then one JobDone or JobError) passed to the job's sink.
+A step places waiting jobs on slots (worker/admission.py; their prefixes: worker/prefix.py), builds the step's
+batches (worker/batching.py: one decode row for every generating slot first, then prefill chunks of the slots still
+reading their prompt, up to `n_batch` prompt tokens, the prompt with the least left to compute first), decodes each,
+commits what it computed and samples the rows that ask for it. Jobs join and leave between steps. Results go out
+as protocol messages (JobDelta, then one JobDone or JobError) passed to the job's sink.
 
 Deterministic mode (measured on CPU, see DESIGN.md): a token's KV and logits are bit-reproducible only if they
 are computed the same way every time. Measured with flash attention off (it is: its result depends on how much
@@ -50,13 +50,12 @@ to the slot's job as an `internal` error carrying that id, and the slot is clear
 
 from __future__ import annotations
 
-import collections
 import time
 import uuid
 
 from kvroute import logs
 from kvroute.model import resolve_model
-from kvroute.slots import EXACT_ROWS, SlotPhase
+from kvroute.slots import EXACT_ROWS
 from protocol import (
     EngineCounters,
     ErrorCode,
@@ -66,29 +65,23 @@ from protocol import (
     JobDone,
     JobError,
     Message,
-    Timings,
     TokenLogprob,
     pack_tokens,
     token_hash,
-    unpack_tokens,
 )
+from worker.admission import Admission
 from worker.batching import Batcher, Planned
 from worker.config import WorkerConfig
 from worker.faults import Faults
-from worker.guide import Guide, GuideError, GuideTokenizer
+from worker.guide import GuideTokenizer
 from worker.llama import Llama
 from worker.prefix import Prefixes
-from worker.sampling import Sampler, SamplingError
 from worker.saved_states import SavedStates, open_disk_tier
 from worker.slots import Slot, SlotTable, Snapshot
 from worker.speculate import Drafter, OutputPool, StepCost
-from worker.stopping import TextStream
 from worker.task import Sink, Task
 
 log = logs.get(__name__)
-
-MS = 1000.0
-
 
 Counters = EngineCounters  # (protocol/worker_messages.py: they cross to the router with every heartbeat)
 
@@ -136,12 +129,10 @@ class EngineCore:
         self.table = SlotTable(cfg.slots)
         self.counters = Counters()
         self.prefixes = Prefixes(
-            self.llama, self.table, self.saved, self.counters, exact=self.exact, copies=self.copies, n_ctx=self.n_ctx
+            self.llama, self.table, self.saved, self.counters, exact=self.exact, snapshots=self.snapshots, n_ctx=self.n_ctx
         )
+        self.admission = Admission(self.vocab, self.guide_tokenizer, self.table, self.prefixes, self.counters, self.n_ctx)
         self.batcher = Batcher(self.llama.batch, self.table.slots, self.n_ctx, self.exact, self.snapshots, self._guess)
-        self.draining = False
-        self.waiting: collections.deque[Task] = collections.deque()
-        self._by_id: dict[str, Task] = {}
         self._decode = self.llama.decode  # tests replace this to inject failures
         self.faults = Faults.from_env()  # failpoints of the fault tests; none unless KVROUTE_FAULTS is set
         if self.faults:
@@ -151,19 +142,19 @@ class EngineCore:
     def take(self, job: Job, sink: Sink, t_arrival: float) -> None:
         """A job arrived: queue it, or answer it with an error."""
         try:
-            self._accept(job, sink, t_arrival)
+            refused = self.admission.accept(job, sink, t_arrival)
         except Exception as exc:  # a bug met by one job: that job fails with an id, the worker goes on
             error_id = uuid.uuid4().hex[:16]
             log.exception("job_accept_failed", error_id=error_id, request_id=job.id)
-            self._forget_id(job.id)
+            self.admission.forget_id(job.id)
             message = f"the worker could not start this job: {type(exc).__name__}: {exc} (error {error_id})"
-            self._send(sink, JobError(id=job.id, code=ErrorCode.INTERNAL, message=message, error_id=error_id))
+            refused = JobError(id=job.id, code=ErrorCode.INTERNAL, message=message, error_id=error_id)
+        if refused is not None:
+            self._send(sink, refused)
             self.counters.jobs_failed += 1
 
     def cancel(self, job_id: str) -> None:
-        task = self._by_id.get(job_id)
-        if task is not None:
-            task.cancelled = True
+        self.admission.cancel(job_id)
 
     def step(self) -> None:
         """One step; a bug fails the running jobs and keeps the worker alive."""
@@ -174,150 +165,16 @@ class EngineCore:
         self.progress += 1
 
     def idle(self) -> bool:
-        return not self.waiting and not self.table.busy()
-
-    def _accept(self, job: Job, sink: Sink, t_arrival: float) -> None:
-        """Validate a job and queue it, or answer with an error before any work."""
-        prompt = unpack_tokens(job.tokens)
-        err = self._refusal(job, prompt)
-        if err is not None:
-            code, message = err
-            self._send(sink, JobError(id=job.id, code=code, message=message))
-            self.counters.jobs_failed += 1
-            return
-        max_tokens = job.sampling.max_tokens
-        max_gen = self.n_ctx - len(prompt) if max_tokens is None else max_tokens
-        deadline = t_arrival + job.deadline_ms / MS if job.deadline_ms else None
-        task = Task(id=job.id, job=job, prompt=prompt, sink=sink, max_gen=max_gen, t_arrival=t_arrival, deadline=deadline)
-        task.stream = TextStream(job.sampling.stop)
-        try:
-            guide = None if job.constraint is None else Guide(job.constraint, self.guide_tokenizer)
-            task.sampler = Sampler(job.sampling, self.vocab.n_vocab, guide=guide, max_gen=max_gen, piece=self.vocab.piece)
-        except (SamplingError, GuideError) as exc:
-            self._send(sink, JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=str(exc)))
-            self.counters.jobs_failed += 1
-            return
-        self._by_id[job.id] = task
-        self.waiting.append(task)
-
-    def _refusal(self, job: Job, prompt: list[int]) -> tuple[ErrorCode, str] | None:
-        if self.draining:
-            return ErrorCode.DRAINING, "this worker is draining and takes no new jobs"
-        if job.id in self._by_id:
-            return ErrorCode.BAD_REQUEST, f"job id {job.id!r} is already running on this worker"
-        if job.slot >= len(self.table):
-            return ErrorCode.BAD_REQUEST, f"slot {job.slot} does not exist (this worker has slots 0..{len(self.table) - 1})"
-        n_vocab = self.vocab.n_vocab
-        if any(t < 0 or t >= n_vocab for t in prompt):
-            bad = next(t for t in prompt if t < 0 or t >= n_vocab)
-            return ErrorCode.BAD_REQUEST, f"prompt token id {bad} is outside the vocabulary (0..{n_vocab - 1})"
-        n, ctx = len(prompt), self.n_ctx
-        if n >= ctx:
-            return ErrorCode.CONTEXT_OVERFLOW, f"prompt of {n} tokens does not fit a slot's context of {ctx} tokens"
-        mt = job.sampling.max_tokens
-        if mt is not None and n + mt > ctx:
-            return (
-                ErrorCode.CONTEXT_OVERFLOW,
-                f"prompt of {n} tokens + max_tokens {mt} = {n + mt} is over a slot's context of {ctx} tokens",
-            )
-        return None
-
-    # -- admission --
-
-    def _admit(self) -> None:
-        """Give idle slots to waiting jobs, in arrival order; a job naming a busy slot waits for it (FIFO)."""
-        if not self.waiting:
-            return
-        claimed: set[int] = set()
-        still: collections.deque[Task] = collections.deque()
-        for task in self.waiting:
-            if task.cancelled or (task.deadline is not None and time.monotonic() >= task.deadline):
-                code = ErrorCode.CANCELLED if task.cancelled else ErrorCode.DEADLINE_EXCEEDED
-                self._error(task, code, f"job {code.value} while waiting for a slot")
-                continue
-            if task.job.slot >= 0:
-                slot = self.table[task.job.slot]
-                if slot.phase is SlotPhase.BUSY or slot.id in claimed or self.prefixes.awaits(task):
-                    claimed.add(slot.id)
-                    still.append(task)
-                    continue
-            elif self.prefixes.awaits(task):
-                still.append(task)
-                continue
-            else:
-                picked = self.table.pick(task.prompt, claimed, task.job.cache_salt)
-                if picked is None:
-                    still.append(task)
-                    continue
-                slot = picked
-            claimed.add(slot.id)
-            self._assign(task, slot)
-        self.waiting = still
-
-    def _assign(self, task: Task, slot: Slot) -> None:
-        """Reuse the slot's longest common prefix with the prompt (minus one on a full match); trim the rest."""
-        self.table.assign(slot, task)
-        task.slot, task.t_assigned = slot.id, time.monotonic()
-        prompt, salt = task.prompt, task.job.cache_salt
-        prefixes = self.prefixes
-        if not task.job.prefix_cache or slot.salt != salt:  # (another tenant's KV is never reused: its timing would tell)
-            prefixes.save(slot, 0)
-            self._clear(slot)
-        slot.salt = salt
-        seeded = task.seeded
-        lcp = prefixes.held(slot, prompt, seeded)
-        src = prefixes.source(slot, prompt, lcp, seeded) if task.job.prefix_cache else None
-        if src is not None:
-            prefixes.save(slot, 0)
-            lcp = prefixes.copy(slot, src)
-            task.restored = lcp
-        if lcp < slot.n_tokens:
-            prefixes.save(slot, lcp)
-            self._trim(slot, lcp)
-        task.reused = slot.n_tokens
-        task.restored = min(task.restored, task.reused)
-        self.counters.reused_tokens += task.reused
-        self.counters.restored_tokens += task.restored
-        if src is not None and src.slot is not None:
-            self.counters.restored_from_slots += task.restored
-        elif src is not None:
-            self.counters.restored_from_host += task.restored
-        self.counters.prefilled_tokens += len(prompt) - task.reused
-        log.debug(
-            "slot_assigned",
-            request_id=task.id,
-            slot=slot.id,
-            reused=task.reused,
-            restored=task.restored,
-            prefilled=len(prompt) - task.reused,
-            predicted_reuse=task.job.predicted_reuse,
-        )
-
-    def _trim(self, slot: Slot, n: int) -> None:
-        """Make the slot hold only its first n tokens, or fewer if its memory cannot be cut there."""
-        if not self.snapshots:
-            if self.llama.seq_rm(slot.id, n, -1):
-                slot.keep(n)
-                return
-            log.warning("seq_rm_refused", slot=slot.id, keep=n, held=slot.n_tokens)
-            self._clear(slot)
-            return
-        snap = slot.snapshot
-        if snap is not None and snap.n_tokens <= n and self.llama.state_set(slot.id, snap.data):
-            slot.keep(snap.n_tokens)
-            self.counters.snapshot_restores += 1
-            return
-        self._clear(slot)
-
-    def _clear(self, slot: Slot) -> None:
-        self.prefixes.clear(slot)
+        return not self.admission.waiting and not self.table.busy()
 
     # -- the step --
 
     def _step(self) -> None:
         t0 = time.perf_counter()
         self._expire()
-        self._admit()
+        for task, code in self.admission.expired():
+            self._error(task, code, f"job {code.value} while waiting for a slot")
+        self.admission.admit()
         busy = self.table.busy()
         if not busy:
             return
@@ -432,7 +289,7 @@ class EngineCore:
         self.counters.spec_accepted += taken
         task.drafter.verified(len(draft), taken)
         if keep < slot.n_tokens:
-            self._trim(slot, keep)
+            self.prefixes.trim(slot, keep)
             if slot.n_tokens != keep:  # the trim failed and cleared the slot: this job's KV is gone
                 error_id = uuid.uuid4().hex[:16]
                 log.error("spec_trim_failed", error_id=error_id, slot=slot.id, keep=keep)
@@ -499,15 +356,7 @@ class EngineCore:
         now = time.monotonic()
         held = len(task.prompt) + len(task.generated)
         if slot.n_tokens > held:  # guessed tokens past where the job ended (it stopped mid-guess)
-            self._trim(slot, held)
-        t_first = task.t_first or now
-        timings = Timings(
-            queue_ms=(task.t_assigned - task.t_arrival) * MS,
-            prefill_ms=(t_first - task.t_assigned) * MS,
-            decode_ms=(now - t_first) * MS,
-            ttft_ms=(t_first - task.t_arrival) * MS,
-            total_ms=(now - task.t_arrival) * MS,
-        )
+            self.prefixes.trim(slot, held)
         done = JobDone(
             id=task.id,
             slot=slot.id,
@@ -523,7 +372,7 @@ class EngineCore:
             slot_hash=token_hash(slot.tokens),
             slot_min_keep=self.prefixes.min_keep(slot),
             slot_n_exact=slot.n_exact,
-            timings=timings,
+            timings=task.timings(now),
             stop=task.stream.stop,
         )
         if not task.silent:
@@ -546,26 +395,13 @@ class EngineCore:
             msg.slot_min_keep, msg.slot_n_exact = self.prefixes.min_keep(slot), slot.n_exact
             self._release(task, slot)
         else:
-            self._forget(task)
+            self.admission.forget(task)
         self.counters.jobs_failed += 1
         self._send(task.sink, msg, task.silent)
 
     def _release(self, task: Task, slot: Slot) -> None:
         self.table.release(slot)
-        self._forget(task)
-
-    def _forget_id(self, job_id: str) -> None:
-        task = self._by_id.get(job_id)
-        if task is not None and task in self.waiting:
-            self.waiting.remove(task)
-        if task is not None:
-            self._forget(task)
-
-    def _forget(self, task: Task) -> None:
-        self._by_id.pop(task.id, None)
-        if task.sampler is not None:
-            task.sampler.free()
-            task.sampler = None
+        self.admission.forget(task)
 
     def _send(self, sink: Sink, msg: Message, silent: bool = False) -> None:
         if silent:
@@ -589,7 +425,7 @@ class EngineCore:
             self.counters.invariant_violations += 1
             log.error("slot_invariant_violated", error_id=error_id, slot=slot.id, believed=slot.n_tokens, kv=held, kv_from=floor)
             believed = slot.n_tokens
-            self._clear(slot)
+            self.prefixes.clear(slot)
             if slot.task is not None:
                 self._error(
                     slot.task,
@@ -608,7 +444,7 @@ class EngineCore:
             if self.llama.seq_len(slot.id) != slot.n_tokens:  # ubatches processed before the failure are kept
                 trimmed = not self.snapshots and self.llama.seq_rm(slot.id, slot.n_tokens, -1)
                 if not trimmed or self.llama.seq_len(slot.id) != slot.n_tokens:
-                    self._clear(slot)
+                    self.prefixes.clear(slot)
             if slot.task is not None:
                 self._error(slot.task, ErrorCode.INTERNAL, f"llama_decode failed with code {ret} (error {error_id})", error_id)
 
@@ -616,14 +452,13 @@ class EngineCore:
         error_id = uuid.uuid4().hex[:16]
         log.exception("engine_step_failed", error_id=error_id)
         for slot in self.table.busy():
-            self._clear(slot)
+            self.prefixes.clear(slot)
             if slot.task is not None:
                 message = f"engine error {type(exc).__name__}: {exc} (error {error_id})"
                 self._error(slot.task, ErrorCode.INTERNAL, message, error_id)
 
     def _hand_back(self, running: bool) -> int:
-        reqs = list(self.waiting)
-        self.waiting.clear()
+        reqs = self.admission.take_waiting()
         if running:
             reqs += [slot.task for slot in self.table.busy() if slot.task is not None]
         for task in reqs:
@@ -631,10 +466,10 @@ class EngineCore:
         return len(reqs)
 
     def _forget_jobs(self) -> int:
-        reqs = [*self.waiting, *(slot.task for slot in self.table.busy() if slot.task is not None)]
-        for task in self.waiting:
-            self._forget(task)
-        self.waiting.clear()
+        waiting = self.admission.take_waiting()
+        reqs = [*waiting, *(slot.task for slot in self.table.busy() if slot.task is not None)]
+        for task in waiting:
+            self.admission.forget(task)
         for slot in self.table.busy():
             if slot.task is not None:
                 self._release(slot.task, slot)  # the slot keeps the KV its job computed
@@ -645,14 +480,13 @@ class EngineCore:
         return len(reqs)
 
     def _reset(self) -> None:
-        for task in list(self.waiting):
+        for task in self.admission.take_waiting():
             task.silent = True
-            self._forget(task)
-        self.waiting.clear()
+            self.admission.forget(task)
         for slot in self.table.slots:
             if slot.task is not None:
                 slot.task.silent = True
                 self._release(slot.task, slot)
-            self._clear(slot)
+            self.prefixes.clear(slot)
         self.host.clear()
         log.info("slots_reset", slots=len(self.table))

@@ -175,15 +175,15 @@ class Engine:
 
     def working(self) -> bool:
         """Whether any job waits or runs (for the watchdog: progress is expected only then)."""
-        return bool(self.core.waiting) or any(s.phase is SlotPhase.BUSY for s in self.core.table.slots)
+        return bool(self.core.admission.waiting) or any(s.phase is SlotPhase.BUSY for s in self.core.table.slots)
 
     @property
     def queue_len(self) -> int:
-        return len(self.core.waiting)
+        return len(self.core.admission.waiting)
 
     @property
     def draining(self) -> bool:
-        return self.core.draining
+        return self.core.admission.draining
 
     # ---- compute thread ----
 
@@ -208,7 +208,7 @@ class Engine:
         elif kind == "cancel":
             core.cancel(arg)
         elif kind == "drain":
-            core.draining = True
+            core.admission.draining = True
         elif kind == "reset":
             core._reset()
         elif kind == "call":

@@ -118,6 +118,44 @@ class Batch:
             self.raw = None
 
 
+def _model_params(gpu: int | None, n_gpu_layers: int | None, deterministic: bool) -> Any:
+    mp = llama_cpp.llama_model_default_params()
+    if gpu is None:
+        mp.n_gpu_layers = 0
+    else:
+        if not llama_cpp.llama_supports_gpu_offload():
+            raise ModelError(f"--gpu {gpu} asked for, but this llama.cpp build has no GPU support")
+        mp.n_gpu_layers = -1 if n_gpu_layers is None else n_gpu_layers  # -1: all layers
+        mp.split_mode = 0  # LLAMA_SPLIT_MODE_NONE: whatever is offloaded goes to main_gpu alone
+        mp.main_gpu = gpu
+    if deterministic:
+        mp.use_extra_bufts = False  # repacked CPU weights change results with the batch shape
+    return mp
+
+
+def _context_params(
+    slots: int, ctx_per_slot: int, rows: int, threads: int, kv_types: tuple[str, str], flash_attn: str, deterministic: bool
+) -> Any:
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_seq_max = slots
+    cp.n_ctx = slots * ctx_per_slot
+    cp.n_batch = rows
+    cp.n_ubatch = rows
+    cp.kv_unified = False  # one stream per slot: a slot can never run out of cells because of another
+    cp.swa_full = True  # sliding-window layers keep every position, so partial trims stay valid
+    cp.n_threads = threads
+    cp.n_threads_batch = threads
+    cp.no_perf = True
+    cp.type_k, cp.type_v = (KV_GGML_TYPES[t] for t in kv_types)
+    if deterministic:  # flash attention's result depends on how much of the KV was computed in earlier ubatches
+        cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    elif flash_attn == "on" or (flash_attn == "auto" and kv_types[1] != "f16"):  # quantized values need it
+        cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    elif flash_attn == "off":
+        cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    return cp
+
+
 class Llama:
     """The model and one context with `slots` independent streams of `ctx_per_slot` cells each."""
 
@@ -141,17 +179,7 @@ class Llama:
         length capped by `kv_budget_mb` (0: worker.context_size's default). `n_gpu_layers`: None = all (with `gpu`)."""
         init_backend()
         self.path = Path(path)
-        mp = llama_cpp.llama_model_default_params()
-        if gpu is None:
-            mp.n_gpu_layers = 0
-        else:
-            if not llama_cpp.llama_supports_gpu_offload():
-                raise ModelError(f"--gpu {gpu} asked for, but this llama.cpp build has no GPU support")
-            mp.n_gpu_layers = -1 if n_gpu_layers is None else n_gpu_layers  # -1: all layers
-            mp.split_mode = 0  # LLAMA_SPLIT_MODE_NONE: whatever is offloaded goes to main_gpu alone
-            mp.main_gpu = gpu
-        if deterministic:
-            mp.use_extra_bufts = False  # repacked CPU weights change results with the batch shape
+        mp = _model_params(gpu, n_gpu_layers, deterministic)
         self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self.model:
             raise ModelError(f"llama.cpp could not load the model {self.path}")
@@ -161,25 +189,9 @@ class Llama:
         choice = self._choose_ctx(ctx_per_slot, slots, per_token, kv_budget_mb, gpu)
         ctx_per_slot = choice.ctx
 
-        cp = llama_cpp.llama_context_default_params()
-        cp.n_seq_max = slots
-        cp.n_ctx = slots * ctx_per_slot
         # decode rows of every slot plus a full prefill chunk, or a seeded job's padded chunk
         self.rows = max(n_batch + slots, alone_rows(n_batch))
-        cp.n_batch = self.rows
-        cp.n_ubatch = self.rows
-        cp.kv_unified = False  # one stream per slot: a slot can never run out of cells because of another
-        cp.swa_full = True  # sliding-window layers keep every position, so partial trims stay valid
-        cp.n_threads = threads
-        cp.n_threads_batch = threads
-        cp.no_perf = True
-        cp.type_k, cp.type_v = (KV_GGML_TYPES[t] for t in kv_types)
-        if deterministic:  # flash attention's result depends on how much of the KV was computed in earlier ubatches
-            cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        elif flash_attn == "on" or (flash_attn == "auto" and kv_types[1] != "f16"):  # quantized values need it
-            cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        elif flash_attn == "off":
-            cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp = _context_params(slots, ctx_per_slot, self.rows, threads, kv_types, flash_attn, deterministic)
         self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)

@@ -3,8 +3,8 @@ prompt (kvroute/slots.py `reused`, the rule the router predicts with); another s
 saved in host RAM or on disk (worker/saved.py), gives more when it is worth the copy. Before a slot loses tokens
 worth keeping, they are saved to host RAM. A job whose prefix another slot is computing right now waits and copies it.
 
-Owned by the engine's compute thread (worker/core.py), which asks it when it places a job (`held`, `source`, `copy`,
-`save`, `awaits`).
+Owned by the engine's compute thread (worker/core.py): admission (worker/admission.py) asks it whether a job waits
+(`awaits`) and has it place a job on a slot (`place`); the engine has it cut a slot back (`trim`, `clear`).
 """
 
 from __future__ import annotations
@@ -44,15 +44,55 @@ class Prefixes:
         counters: EngineCounters,
         *,
         exact: bool,
-        copies: bool,
+        snapshots: bool,
         n_ctx: int,
     ) -> None:
         self.llama, self.table, self.counters = llama, table, counters
         self.host, self.disk, self.tiers = saved.host, saved.disk, saved.tiers
         self.exact = exact  # deterministic mode
-        self.copies = copies  # KV can be trimmed, so prefixes can move between slots and tiers
+        self.snapshots = snapshots  # this model's memory is cut back by restoring a snapshot, not by seq_rm
+        self.copies = not snapshots  # KV can be trimmed, so prefixes can move between slots and tiers
         self.n_ctx = n_ctx
         self.copying: set[int] = set()  # slots whose stream copy (seq_cp) llama.cpp does at the next decode
+
+    def place(self, task: Task, slot: Slot) -> None:
+        """`task` has `slot` now: keep the slot's longest reusable prefix of the prompt, or copy a longer one in from
+        another slot or a saved state (`source`); cut the rest, saving it first when it is worth keeping."""
+        task.slot, task.t_assigned = slot.id, time.monotonic()
+        prompt, salt = task.prompt, task.job.cache_salt
+        if not task.job.prefix_cache or slot.salt != salt:  # (another tenant's KV is never reused: its timing would tell)
+            self.save(slot, 0)
+            self.clear(slot)
+        slot.salt = salt
+        seeded = task.seeded
+        lcp = self.held(slot, prompt, seeded)
+        src = self.source(slot, prompt, lcp, seeded) if task.job.prefix_cache else None
+        if src is not None:
+            self.save(slot, 0)
+            lcp = self.copy(slot, src)
+            task.restored = lcp
+        if lcp < slot.n_tokens:
+            self.save(slot, lcp)
+            self.trim(slot, lcp)
+        task.reused = slot.n_tokens
+        task.restored = min(task.restored, task.reused)
+        c = self.counters
+        c.reused_tokens += task.reused
+        c.restored_tokens += task.restored
+        if src is not None and src.slot is not None:
+            c.restored_from_slots += task.restored
+        elif src is not None:
+            c.restored_from_host += task.restored
+        c.prefilled_tokens += len(prompt) - task.reused
+        log.debug(
+            "slot_assigned",
+            request_id=task.id,
+            slot=slot.id,
+            reused=task.reused,
+            restored=task.restored,
+            prefilled=len(prompt) - task.reused,
+            predicted_reuse=task.job.predicted_reuse,
+        )
 
     def reusable(self, tokens: list[int], n_exact: int, prompt: list[int], pos_min: int, seeded: bool = False) -> int:
         """Prompt tokens a sequence holding `tokens` can give: their LCP, minus one on a full match (logits are not
@@ -198,6 +238,22 @@ class Prefixes:
             if s.n_tokens < shared and shared - have >= COPY_MIN:
                 return True
         return False
+
+    def trim(self, slot: Slot, n: int) -> None:
+        """Make the slot hold only its first n tokens, or fewer if its memory cannot be cut there."""
+        if not self.snapshots:
+            if self.llama.seq_rm(slot.id, n, -1):
+                slot.keep(n)
+                return
+            log.warning("seq_rm_refused", slot=slot.id, keep=n, held=slot.n_tokens)
+            self.clear(slot)
+            return
+        snap = slot.snapshot
+        if snap is not None and snap.n_tokens <= n and self.llama.state_set(slot.id, snap.data):
+            slot.keep(snap.n_tokens)
+            self.counters.snapshot_restores += 1
+            return
+        self.clear(slot)
 
     def clear(self, slot: Slot) -> None:
         self.llama.seq_clear(slot.id)

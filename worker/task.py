@@ -8,12 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protocol import Job, Message
+from protocol import Job, Message, Timings
 from worker.sampling import Sampler
 from worker.speculate import Drafter
 from worker.stopping import TextStream
 
 Sink = Callable[[Message], None]
+
+MS = 1000.0
 
 
 @dataclass(eq=False)
@@ -48,3 +50,14 @@ class Task:
     def seeded(self) -> bool:
         """A seed asks for the same tokens every time the same job comes (worker/core.py's docstring)."""
         return self.job.sampling.seed is not None
+
+    def timings(self, now: float) -> Timings:
+        """Its times from arrival to `now` (its end), in ms: waiting for a slot, reading its prompt, generating."""
+        t_first = self.t_first or now
+        return Timings(
+            queue_ms=(self.t_assigned - self.t_arrival) * MS,
+            prefill_ms=(t_first - self.t_assigned) * MS,
+            decode_ms=(now - t_first) * MS,
+            ttft_ms=(t_first - self.t_arrival) * MS,
+            total_ms=(now - self.t_arrival) * MS,
+        )

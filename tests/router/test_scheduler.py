@@ -85,7 +85,7 @@ def test_a_dead_worker_s_unstarted_request_is_requeued_and_a_started_one_fails()
     (err,) = to_client(out, Error)
     assert err.id == "loud" and err.code == "worker_lost"
     (quiet,) = s.requests.values()
-    assert quiet.state is ReqState.QUEUED and s.queue == [quiet] and s.metrics.redispatched == 1
+    assert quiet.state is ReqState.QUEUED and list(s.queue) == [quiet] and s.metrics.redispatched == 1
     (job,) = jobs(hello(s, "w1"))  # re-dispatched to the next worker
     assert job.id != j1.id and quiet.state is ReqState.RUNNING and quiet.attempts == 2
 
@@ -111,7 +111,7 @@ def test_deadline_and_no_workers_fail_queued_requests() -> None:
     s.tick(time.monotonic() + 1)
     errs = to_client(s.take(), Error)
     assert [(e.id, e.code) for e in errs] == [("late", "deadline_exceeded")]
-    s.no_workers_since = time.monotonic() - 10  # no worker for longer than the grace: queued and new ones fail
+    s.table.no_workers_since = time.monotonic() - 10  # no worker for longer than the grace: queued and new ones fail
     s.tick(time.monotonic())
     (err,) = to_client(s.take(), Error)
     assert (err.id, err.code) == ("patient", "no_workers")

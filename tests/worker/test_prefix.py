@@ -5,57 +5,23 @@ from __future__ import annotations
 
 import ctypes
 
+from worker_prefix_fakes import FakeLlama, prefixes_for
+
 from kvroute.slots import COPY_MIN, SlotPhase
-from protocol import EngineCounters, Job, Sampling, pack_tokens
+from protocol import Job, Sampling, pack_tokens
 from worker.host_cache import HostCache
 from worker.prefix import Prefixes
-from worker.saved_states import SAVE_MIN, SavedStates
+from worker.saved_states import SAVE_MIN
 from worker.slots import Slot, SlotTable
 from worker.task import Task
 
 N_CTX = 1024
 
 
-class FakeLlama:
-    """The memory calls prefix sourcing makes, on a plain record of what each sequence holds."""
-
-    def __init__(self, slots: int) -> None:
-        self.held: dict[int, int] = dict.fromkeys(range(slots), 0)
-        self.copies: list[tuple[int, int]] = []
-
-    def seq_pos_min(self, seq: int) -> int:
-        return 0 if self.held[seq] else -1
-
-    def can_keep(self, pos_min: int, n: int, keep: int) -> bool:
-        return True
-
-    def min_keep(self, pos_min: int) -> int:
-        return 0
-
-    def seq_cp(self, src: int, dst: int) -> None:
-        self.copies.append((src, dst))
-
-    def seq_clear(self, seq: int) -> None:
-        self.held[seq] = 0
-
-    def state_size(self, seq: int) -> int:
-        return 100
-
-    def state_pos_min(self, seq: int, n: int) -> int:
-        return 0
-
-    def state_get(self, seq: int) -> ctypes.Array[ctypes.c_uint8]:
-        return (ctypes.c_uint8 * 100)()
-
-    def state_set(self, seq: int, data: object) -> bool:
-        return True
-
-
 def setup(slots: int = 3, host_mb: int = 1, exact: bool = False) -> tuple[Prefixes, SlotTable, HostCache, FakeLlama]:
     llama, table = FakeLlama(slots), SlotTable(slots)
-    saved = SavedStates(host_mb << 20, None, llama.min_keep)
-    prefixes = Prefixes(llama, table, saved, EngineCounters(), exact=exact, copies=True, n_ctx=N_CTX)  # type: ignore[arg-type]
-    return prefixes, table, saved.host, llama
+    prefixes = prefixes_for(llama, table, N_CTX, host_mb, exact)
+    return prefixes, table, prefixes.host, llama
 
 
 def hold(slot: Slot, tokens: list[int], n_exact: int = 0, salt: str = "") -> None:

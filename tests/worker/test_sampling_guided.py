@@ -94,12 +94,12 @@ def test_grammar_slot_does_not_disturb_its_neighbours(fast_engine, vocab):
 
 
 def test_a_job_that_cannot_start_fails_alone_and_the_worker_goes_on(fast_engine, vocab, monkeypatch):
-    import worker.core
+    import worker.admission
 
     def broken(*args, **kwargs):
         raise RuntimeError("sampler exploded")
 
-    monkeypatch.setattr(worker.core, "Sampler", broken)
+    monkeypatch.setattr(worker.admission, "Sampler", broken)
     failed = complete(fast_engine, vocab.tokenize("hi"), max_tokens=2).final
     monkeypatch.undo()
     assert isinstance(failed, JobError) and failed.code == "internal" and failed.error_id and "exploded" in failed.message

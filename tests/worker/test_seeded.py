@@ -86,7 +86,7 @@ def test_a_seeded_request_gives_the_same_tokens_cold_cached_in_another_slot_and_
     before = counters(fast_engine)
     cold = complete(fast_engine, prompt, slot=0, prefix_cache=False, **SEEDED)
     cached = complete(fast_engine, prompt, slot=0, **SEEDED)
-    fast_engine.call(lambda e: e._clear(e.table[1])).result(10)
+    fast_engine.call(lambda e: e.prefixes.clear(e.table[1])).result(10)
     copied = complete(fast_engine, prompt, slot=1, **SEEDED)
     after = counters(fast_engine)
     set_spec(fast_engine, False)
@@ -198,7 +198,7 @@ def test_without_deterministic_mode_a_seeded_job_repeats_after_other_prefixes_an
     shared = common_prefix(prompt, sibling)
     assert 300 < shared < len(prompt) - 4
     kw = {**SEEDED, "seed": 1236, "logprobs": 1}  # (a logprob tells a changed logit even where the token stays)
-    clear = lambda i: eng.call(lambda e: e._clear(e.table[i])).result(10)  # noqa: E731
+    clear = lambda i: eng.call(lambda e: e.prefixes.clear(e.table[i])).result(10)  # noqa: E731
 
     cold = complete(eng, prompt, slot=0, prefix_cache=False, **kw)
     complete(eng, sibling, slot=1, prefix_cache=False, **kw)

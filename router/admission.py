@@ -1,0 +1,73 @@
+"""A client request's admission: what it is refused for, before and after its prompt is prepared, and its caps.
+
+Pure checks (router/scheduler.py acts on them): a refusal is (error code, message, extra Error fields).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+
+from kvroute import logs
+from protocol import Error, ErrorCode, Sampling
+from router.prepare import PrepareError
+from router.requests import Req
+from router.workers import WorkerTable
+
+log = logs.get(__name__)
+
+Refusal = tuple[str, str, dict[str, Any]]
+
+
+def at_submit(draining: bool, repeated_id: str | None, waiting: int, n: int, limit: int) -> Refusal | None:
+    """Why a submit of `n` choices is refused as it arrives: the router is draining, its id (`repeated_id`) is in
+    flight already, or `waiting` requests are ahead of it (queued or being tokenized: a flood of long prompts cannot
+    pile up behind the tokenizer either)."""
+    if draining:
+        return ErrorCode.DRAINING, "the router is shutting down", {}
+    if repeated_id is not None:
+        return ErrorCode.BAD_REQUEST, f"request id {repeated_id!r} is already in flight", {}
+    if waiting + n > max(limit, n):
+        return ErrorCode.QUEUE_FULL, f"{waiting} requests are already waiting", {"retry_after_ms": 1000}
+    return None
+
+
+def when_prepared(req: Req, workers: WorkerTable, queued: int, grace_s: float) -> Refusal | None:
+    """Why a request with its prompt ready cannot be queued, or None."""
+    if not len(req.tokens):
+        return ErrorCode.BAD_REQUEST, "the prompt has no tokens", {}
+    ready = workers.ready()
+    if not ready and workers.none_for(grace_s):
+        return ErrorCode.NO_WORKERS, "no worker is connected", {}
+    if ready and not any(w.fits(req) for w in ready):
+        return ErrorCode.CONTEXT_OVERFLOW, overflow(req, max(w.hello.ctx_per_slot for w in ready)), {}
+    if queued + req.n > max(workers.queue_limit(), req.n):
+        return ErrorCode.QUEUE_FULL, f"{queued} requests are already waiting", {"retry_after_ms": 1000}
+    return None
+
+
+def prepare_failed(req: Req, exc: BaseException) -> Error:
+    """The reply to a request whose prompt could not be prepared: the client's mistake, named, or an internal error
+    with an id (logged)."""
+    if isinstance(exc, PrepareError):
+        return Error(id=req.rid, code=ErrorCode.BAD_REQUEST, message=str(exc), param=exc.param)
+    error_id = uuid.uuid4().hex[:12]
+    log.error("tokenize_crashed", error_id=error_id, request_id=req.rid, error=repr(exc))
+    return Error(id=req.rid, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id)
+
+
+def capped(sampling: Sampling, cap: int) -> Sampling:
+    """--max-tokens: a request asking for more (or for no limit) gets the cap."""
+    if cap > 0 and (sampling.max_tokens is None or sampling.max_tokens > cap):
+        return msgspec.structs.replace(sampling, max_tokens=cap)
+    return sampling
+
+
+def overflow(req: Req, ctx: int) -> str:
+    """Both numbers: the prompt (and max_tokens) and the largest slot; what --context-shift dropped, if it tried."""
+    asked = "" if req.sampling.max_tokens is None else f" + max_tokens {req.sampling.max_tokens}"
+    s = req.shift
+    shifted = f" (after --context-shift dropped {s.messages} messages, {s.tokens} tokens)" if s is not None else ""
+    return f"prompt of {len(req.tokens)} tokens{shifted}{asked} does not fit a slot of {ctx} tokens"

@@ -1,0 +1,147 @@
+"""Admission: a job from its arrival to a slot. A job is checked (its slot, its tokens, its length, its sampling and
+grammar) and refused before any work, or waits in arrival order until a slot is free for it: the slot it names, else
+the idle slot holding most of its prompt (worker/slots.py `pick`), placed with its prefix (worker/prefix.py `place`).
+
+Owned by the engine's compute thread (worker/core.py), which also asks it for every job it holds by id.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from kvroute.slots import SlotPhase
+from kvroute.vocab import Vocab
+from protocol import EngineCounters, ErrorCode, Job, JobError, unpack_tokens
+from worker.guide import Guide, GuideError, GuideTokenizer
+from worker.prefix import Prefixes
+from worker.sampling import Sampler, SamplingError
+from worker.slots import Slot, SlotTable
+from worker.stopping import TextStream
+from worker.task import Sink, Task
+
+MS = 1000.0
+
+
+class Admission:
+    """The jobs waiting for a slot, in arrival order, and every job the worker holds (waiting or running) by id."""
+
+    def __init__(
+        self,
+        vocab: Vocab,
+        guide_tokenizer: GuideTokenizer,
+        table: SlotTable,
+        prefixes: Prefixes,
+        counters: EngineCounters,
+        n_ctx: int,
+    ) -> None:
+        self.vocab, self.guide_tokenizer = vocab, guide_tokenizer
+        self.table, self.prefixes, self.counters = table, prefixes, counters
+        self.n_ctx = n_ctx
+        self.waiting: collections.deque[Task] = collections.deque()
+        self.by_id: dict[str, Task] = {}
+        self.draining = False
+
+    def accept(self, job: Job, sink: Sink, t_arrival: float) -> JobError | None:
+        """Queue a job; or the error that answers it before any work."""
+        prompt = unpack_tokens(job.tokens)
+        err = self.refusal(job, prompt)
+        if err is not None:
+            code, message = err
+            return JobError(id=job.id, code=code, message=message)
+        max_tokens = job.sampling.max_tokens
+        max_gen = self.n_ctx - len(prompt) if max_tokens is None else max_tokens
+        deadline = t_arrival + job.deadline_ms / MS if job.deadline_ms else None
+        task = Task(id=job.id, job=job, prompt=prompt, sink=sink, max_gen=max_gen, t_arrival=t_arrival, deadline=deadline)
+        task.stream = TextStream(job.sampling.stop)
+        try:
+            guide = None if job.constraint is None else Guide(job.constraint, self.guide_tokenizer)
+            task.sampler = Sampler(job.sampling, self.vocab.n_vocab, guide=guide, max_gen=max_gen, piece=self.vocab.piece)
+        except (SamplingError, GuideError) as exc:
+            return JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=str(exc))
+        self.by_id[job.id] = task
+        self.waiting.append(task)
+        return None
+
+    def refusal(self, job: Job, prompt: list[int]) -> tuple[ErrorCode, str] | None:
+        if self.draining:
+            return ErrorCode.DRAINING, "this worker is draining and takes no new jobs"
+        if job.id in self.by_id:
+            return ErrorCode.BAD_REQUEST, f"job id {job.id!r} is already running on this worker"
+        if job.slot >= len(self.table):
+            return ErrorCode.BAD_REQUEST, f"slot {job.slot} does not exist (this worker has slots 0..{len(self.table) - 1})"
+        n_vocab = self.vocab.n_vocab
+        if any(t < 0 or t >= n_vocab for t in prompt):
+            bad = next(t for t in prompt if t < 0 or t >= n_vocab)
+            return ErrorCode.BAD_REQUEST, f"prompt token id {bad} is outside the vocabulary (0..{n_vocab - 1})"
+        n, ctx = len(prompt), self.n_ctx
+        if n >= ctx:
+            return ErrorCode.CONTEXT_OVERFLOW, f"prompt of {n} tokens does not fit a slot's context of {ctx} tokens"
+        mt = job.sampling.max_tokens
+        if mt is not None and n + mt > ctx:
+            return (
+                ErrorCode.CONTEXT_OVERFLOW,
+                f"prompt of {n} tokens + max_tokens {mt} = {n + mt} is over a slot's context of {ctx} tokens",
+            )
+        return None
+
+    def cancel(self, job_id: str) -> None:
+        task = self.by_id.get(job_id)
+        if task is not None:
+            task.cancelled = True
+
+    def expired(self) -> list[tuple[Task, ErrorCode]]:
+        """Take the waiting jobs that were cancelled or ran past their deadline (the engine ends them)."""
+        now = time.monotonic()
+        gone = [t for t in self.waiting if t.cancelled or (t.deadline is not None and now >= t.deadline)]
+        for task in gone:
+            self.waiting.remove(task)
+        return [(t, ErrorCode.CANCELLED if t.cancelled else ErrorCode.DEADLINE_EXCEEDED) for t in gone]
+
+    def admit(self) -> None:
+        """Give idle slots to waiting jobs, in arrival order; a job naming a busy slot waits for it (FIFO). Each job is
+        placed before the next is looked at: a later one may wait for the prefix an earlier one is about to compute."""
+        if not self.waiting:
+            return
+        claimed: set[int] = set()
+        still: collections.deque[Task] = collections.deque()
+        for task in self.waiting:
+            slot = self._slot_for(task, claimed)
+            if slot is None:
+                still.append(task)
+                continue
+            claimed.add(slot.id)
+            self.table.assign(slot, task)
+            self.prefixes.place(task, slot)
+        self.waiting = still
+
+    def _slot_for(self, task: Task, claimed: set[int]) -> Slot | None:
+        if task.job.slot >= 0:
+            slot = self.table[task.job.slot]
+            if slot.phase is SlotPhase.BUSY or slot.id in claimed or self.prefixes.awaits(task):
+                claimed.add(slot.id)  # (a later job naming it waits behind this one)
+                return None
+            return slot
+        if self.prefixes.awaits(task):
+            return None
+        return self.table.pick(task.prompt, claimed, task.job.cache_salt)
+
+    def take_waiting(self) -> list[Task]:
+        """Every waiting job, out of the queue (still held by id until forgotten)."""
+        tasks = list(self.waiting)
+        self.waiting.clear()
+        return tasks
+
+    def forget(self, task: Task) -> None:
+        """The job has ended: let go of it and its sampler."""
+        self.by_id.pop(task.id, None)
+        if task.sampler is not None:
+            task.sampler.free()
+            task.sampler = None
+
+    def forget_id(self, job_id: str) -> None:
+        task = self.by_id.get(job_id)
+        if task is not None and task in self.waiting:
+            self.waiting.remove(task)
+        if task is not None:
+            self.forget(task)
