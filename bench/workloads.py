@@ -57,6 +57,11 @@ class Sizes:
         "every request's temperature (0: greedy); above 0 with top_k 0, top_p 1, min_p 0 and a seed per request, "
         "the same for every system (llama-server's own defaults would cut the distribution)",
     )
+    request_seeds: bool = opt(
+        True,
+        "with --temperature: a seed per request, the same on every system (--no-request-seeds: none, as most clients "
+        "send; kvroute computes a seeded request's prompt alone, so that the seed repeats its tokens)",
+    )
 
 
 # Tiny sizes for checking the harness end to end in a minute or two (`--quick`).
@@ -120,6 +125,7 @@ class Workload:
     workers: int = 0
     slots: int = 0
     temperature: float = 0.0  # (Sizes.temperature)
+    request_seeds: bool = True  # (Sizes.request_seeds)
 
     @property
     def n_requests(self) -> int:
@@ -372,7 +378,7 @@ def build(name: str, sizes: Sizes, tokenize: Callable[[str], list[int]]) -> Work
     """The workload called `name` (one of WORKLOADS); `tokenize` maps text to model tokens, without BOS."""
     if name not in BUILDERS:
         raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
-    return replace(BUILDERS[name](sizes, tokenize), temperature=sizes.temperature)
+    return replace(BUILDERS[name](sizes, tokenize), temperature=sizes.temperature, request_seeds=sizes.request_seeds)
 
 
 def model_tokenizer(model_path: str) -> Callable[[str], list[int]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -200,6 +201,7 @@ class Llama:
         self.slots = slots
         self.ctx_per_slot = llama_cpp.llama_n_ctx_seq(self.ctx)
         self.batch = Batch(self.rows)
+        self._decoder: threading.Thread | None = None  # the thread that decodes (`decode`)
         self.info = self._info(slots * self.ctx_per_slot, per_token)  # the cells llama.cpp made (padded to 256)
         self.device = "cpu" if gpu is None else f"cuda:{gpu}"
         log.info(
@@ -248,6 +250,18 @@ class Llama:
     # ---- calls the engine makes (compute thread only) ----
 
     def decode(self) -> int:
+        """llama_decode of the batch. Only ever from one live thread: llama.cpp's CPU threads are an OpenMP team
+        per calling thread, and once a process holds more OpenMP threads than cores, libgomp stops spinning at
+        barriers and sleeps instead (measured on 2 cores: decodes of a few rows 2.3x slower, the served
+        throughput workload at 0.63x llama-server, when the worker's first decode ran on its main thread)."""
+        me = threading.current_thread()
+        if self._decoder is not me:
+            if self._decoder is not None and self._decoder.is_alive():
+                raise RuntimeError(
+                    f"llama_decode from thread {me.name!r} while thread {self._decoder.name!r} decodes on this context"
+                    " (one thread decodes: worker/llama.py `decode`)"
+                )
+            self._decoder = me
         self.batch.raw.n_tokens = self.batch.n
         return llama_cpp.llama_decode(self.ctx, self.batch.raw)
 

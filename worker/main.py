@@ -113,10 +113,11 @@ def checked_engine(cfg: WorkerConfig) -> Engine | None:
     t0 = time.monotonic()
     with record.stage("first_decode"):
         Faults.from_env().at_start("first-decode", cfg.worker_id)
-        first_decode(engine.llama)
+        # on the compute thread, as every decode after it (worker/llama.py `decode` says why)
+        engine.start().call(lambda core: first_decode(core.llama)).result()
     record.passed()
     log.info("first_decode_ok", ms=round((time.monotonic() - t0) * 1000, 1))
-    return engine.start()
+    return engine
 
 
 class WorkerServer:

@@ -136,3 +136,24 @@ def test_a_short_prompt_is_prefilled_before_a_long_one_that_came_first(engine, v
     long_run.wait(), short_run.wait()
     assert isinstance(long_run.final, JobDone) and isinstance(short_run.final, JobDone)
     assert short_run.times[0] < long_run.times[0]
+
+
+def test_only_the_compute_thread_decodes(engine, vocab):
+    """A second live thread calling llama_decode would make llama.cpp's OpenMP threads sleep at every barrier
+    (worker/llama.py `decode`): it is refused before anything is computed, and the engine goes on."""
+    import threading
+
+    complete(engine, vocab.tokenize("Hi"), max_tokens=1)  # the compute thread has decoded
+    raised: list[BaseException] = []
+
+    def stray() -> None:
+        try:
+            engine.llama.decode()
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    t = threading.Thread(target=stray, name="stray")
+    t.start()
+    t.join()
+    assert raised and "stray" in str(raised[0]) and "kvroute-engine" in str(raised[0])
+    assert isinstance(complete(engine, vocab.tokenize("Hi"), max_tokens=2).final, JobDone)
