@@ -19,7 +19,7 @@ from router.config import RouterConfig
 from router.metrics import Metrics
 from router.mirror import Mirror
 from router.queue_order import in_order
-from router.requests import Req, ReqState, WorkerState
+from router.requests import Req, ReqState, WorkerConn, WorkerState
 from router.select import Dispatch, Params, Wait, WorkerLoad, coldest, expected_reuse, select
 from router.tokens import tokens_to_wire
 from router.workers import WorkerTable
@@ -62,22 +62,23 @@ class DispatchQueue:
     def params_of(self, req: Req) -> Params:
         return self.seeded_params if req.sampling.seed is not None else self.params
 
-    def pin(self, req: Req) -> None:
-        """--policy round-robin: unless it is pinned to one of the workers it may go to already, the next worker in
-        turn becomes the only one the request may go to, as a load balancer in front of independent servers sends a
-        request on when it arrives (and again when that worker has left)."""
-        loads = [w.load for w in self.workers.loads_for(req)]
-        if loads and req.pinned not in {w.worker for w in loads}:
-            req.pinned = loads[self._arrivals % len(loads)].worker
+    def pin(self, req: Req, conns: list[WorkerConn] | None = None) -> None:
+        """--policy round-robin: unless it is pinned to one of the workers it may go to already (`conns`, found
+        when not given), the next worker in turn becomes the only one the request may go to, as a load balancer in
+        front of independent servers sends a request on when it arrives (and again when that worker has left)."""
+        ids = [w.id for w in (self.workers.loads_for(req) if conns is None else conns)]
+        if ids and req.pinned not in ids:
+            req.pinned = ids[self._arrivals % len(ids)]
             self._arrivals += 1
 
     def _loads(self, req: Req) -> list[WorkerLoad]:
         """The loads of the workers this request may go to (router/workers.py `loads_for`); under --policy
         round-robin, the one it is pinned to."""
+        conns = self.workers.loads_for(req)
         if self.cfg.policy == "round-robin":
-            self.pin(req)
-            return [w.load for w in self.workers.loads_for(req) if w.id == req.pinned]
-        return [w.load for w in self.workers.loads_for(req)]
+            self.pin(req, conns)
+            conns = [w for w in conns if w.id == req.pinned]
+        return [w.load for w in conns]
 
     def placements(self) -> Iterator[tuple[Req, Dispatch]]:
         """The queued requests to dispatch now, each with its slot, in `queue_order.in_order`, while idle slots remain.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -141,8 +142,6 @@ def test_a_short_prompt_is_prefilled_before_a_long_one_that_came_first(engine, v
 def test_only_the_compute_thread_decodes(engine, vocab):
     """A second live thread calling llama_decode would make llama.cpp's OpenMP threads sleep at every barrier
     (worker/llama.py `decode`): it is refused before anything is computed, and the engine goes on."""
-    import threading
-
     complete(engine, vocab.tokenize("Hi"), max_tokens=1)  # the compute thread has decoded
     raised: list[BaseException] = []
 
