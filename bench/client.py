@@ -46,12 +46,20 @@ class CompletionClient:
     """POSTs streamed completions to one server. One instance per system; `aclose()` when done."""
 
     def __init__(
-        self, base_url: str, *, timeout_s: float = 600.0, model: str | None = None, temperature: float = 0.0, seeds: bool = True
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 600.0,
+        model: str | None = None,
+        temperature: float = 0.0,
+        seeds: bool = True,
+        full_length: bool = False,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.temperature = temperature
         self.seeds = seeds  # (with a temperature) a seed per request
+        self.full_length = full_length  # every reply to its max_tokens (Workload.full_length)
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits)
 
@@ -81,6 +89,8 @@ class CompletionClient:
             body |= {"top_k": 0, "top_p": 1.0, "min_p": 0.0}
             if self.seeds:
                 body["seed"] = zlib.crc32(f"{session}/{turn}".encode()) % (2**32 - 1)
+        if self.full_length:
+            body["ignore_eos"] = True
         if self.model:
             body["model"] = self.model
         sent = time.perf_counter()

@@ -134,7 +134,13 @@ async def measure(
 ) -> tuple[list[Sample], float]:
     """Warm the server up, then run the workload. With `counters`, kvroute's /metrics go in it: "delta", what they
     grew by over the workload alone (after the warm-up)."""
-    client = CompletionClient(server.url, timeout_s=timeout_s, temperature=workload.temperature, seeds=workload.request_seeds)
+    client = CompletionClient(
+        server.url,
+        timeout_s=timeout_s,
+        temperature=workload.temperature,
+        seeds=workload.request_seeds,
+        full_length=workload.full_length,
+    )
     try:
         warm = await client.complete("Hello, world.", 4, session="warmup", turn=0, t0=time.perf_counter())
         if warm.error:

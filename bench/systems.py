@@ -11,7 +11,8 @@ Every system gets the same model, the same thread count and the same context per
 - `kvroute-nospec`: `--spec none` (no speculative decoding, which is on by default);
 - `llama-server`: llama.cpp's own server, built from the llama.cpp vendored in the pinned llama-cpp-python sdist
   (bench/llama_server.py), the server kvroute competes with, at its best settings here: one slot per kvroute
-  slot in one unified KV (`--parallel`, `--ctx-size` = slots x ctx per slot), `--swa-full` (Gemma 3's
+  slot (`--parallel`, `--ctx-size` = slots x ctx per slot; its log says `kv_unified = 'false'`: one KV stream per
+  slot, as kvroute's), `--swa-full` (Gemma 3's
   sliding-window layers kept whole, so any cached prefix can be reused), `--cache-ram 2048` (evicted prompts
   kept in host RAM, as kvroute's `--host-cache-mb` default), flash attention `auto`, and the same chat template
   (`--no-jinja --chat-template gemma`: with Jinja on, as it is by default, llama-server takes the name "gemma" for

@@ -5,8 +5,9 @@ rows, prompt chunks, padding). Plain data in, rows out: it writes into anything 
 The rules (why: worker/core.py's docstring):
 - default mode: one llama_decode for every slot but those computing a seeded job's prompt, each of which has its own
   (a starved one first); decode rows first, then prompt chunks up to the step's prefill budget, in `prefill_order`;
-- a seeded job's prompt: chunks padded to `alone_rows` (worker/llama.py), its last token alone; then its decode rows
-  beside the others', without guesses;
+  the rows go into the batch in seq id order (`_write`: llama.cpp's ubatches);
+- a seeded job's prompt: chunks padded to `alone_rows` (worker/llama.py), its last token alone or beside decode rows
+  only (never beside another prompt's rows); then its decode rows beside the others', without guesses;
 - deterministic mode: the generating slots together, at most EXACT_OUTPUTS of them a batch, every slot from the
   first to the last padded to the same rows; then each prompt chunk alone, at least EXACT_ROWS tokens;
 - a memory restored from snapshots (`snapshots`): a prompt stops one short of its end, where a snapshot is taken.
@@ -71,6 +72,19 @@ def prefill_order(slots: list[Slot]) -> list[Slot]:
 
 
 @dataclass
+class Piece:
+    """One slot's rows in a batch: its decode row and guesses (`decode`: every row asks for logits), or a prompt chunk
+    (logits on its last row when it ends the prompt, `last`) followed by `pad` padding rows."""
+
+    slot: Slot
+    tokens: list[int]
+    pos: int  # the first row's position
+    decode: bool
+    last: bool = False
+    pad: int = 0
+
+
+@dataclass
 class Batcher:
     rows: Rows
     slots: list[Slot]  # every slot, by seq id
@@ -85,6 +99,14 @@ class Batcher:
         if not self.exact:  # a seeded prompt alone (its decode rows join the others')
             alone = [s for s in busy if s.task.seeded and not s.task.generated]
             shared = [s for s in busy if s not in alone]
+            if shared and all(s.task.generated for s in shared):
+                # one seeded job with only its last prompt token left computes it beside decode rows alone: its
+                # first token may then differ as its later ones do beside generating jobs (worker/core.py), and a
+                # llama_decode of its own would cost a pass over the weights (the rows share one ubatch: `_write`)
+                last = next((s for s in alone if s.n_tokens == len(s.task.prompt) - 1), None)
+                if last is not None:
+                    alone.remove(last)
+                    shared.append(last)
             starved = [s for s in alone if s.task.passed_over >= PREFILL_PATIENCE_STEPS]
             rest = [s for s in alone if s not in starved]
             return [*(Group([s]) for s in starved), Group(shared), *(Group([s]) for s in rest)]
@@ -93,12 +115,12 @@ class Batcher:
         return decodes + [Group([s]) for s in busy if not s.task.generated]
 
     def build(self, group: list[Slot], budget: int) -> list[Planned]:
-        """Fill the batch for one group: decode rows first, then prefill chunks within `budget` prompt tokens."""
-        batch = self.rows
-        batch.clear()
+        """Fill the batch for one group: decode rows first, then prefill chunks within `budget` prompt tokens (in
+        `prefill_order`); the rows then go into the batch in seq id order (`_write`)."""
+        self.rows.clear()
         if self.exact and group and group[0].task.generated:  # (a decode group: see `groups`)
             return self._build_padded(group)
-        plan: list[Planned] = []
+        pieces: list[Piece] = []
         prefilling: list[Slot] = []
         decoding = sum(1 for slot in group if slot.task.generated)
         rows = decoding  # decode rows and the guesses taken so far: a guess's cost depends on the step it joins
@@ -107,48 +129,64 @@ class Batcher:
             if not task.generated:
                 prefilling.append(slot)
                 continue
-            pos = slot.n_tokens
-            row = batch.add(task.generated[-1], pos, slot.id, True)
             # (a seeded job takes no guesses here: rows verified together compute other numbers than one row alone)
             task.draft = self.guess(task, slot, budget, decoding, rows) if self.guess and not task.seeded else []
-            for i, tok in enumerate(task.draft, 1):
-                batch.add(tok, pos + i, slot.id, True)
             budget -= len(task.draft)
             rows += len(task.draft)
-            plan.append((slot, 1 + len(task.draft), row))
+            pieces.append(Piece(slot, [task.generated[-1], *task.draft], slot.n_tokens, True))
         for slot in prefilling:  # (in prefill order)
             task = slot.task
             task.passed_over += 1  # (back to 0 below when it gets a chunk)
-            if budget > 0 and self._chunk(slot, task, budget, plan):
+            piece = self._chunk(slot, task, budget) if budget > 0 else None
+            if piece is not None:
                 task.passed_over = 0
-                budget -= plan[-1][1]
-        return plan
+                budget -= len(piece.tokens)
+                pieces.append(piece)
+        return self._write(pieces)
 
-    def _chunk(self, slot: Slot, task: Task, budget: int, plan: list[Planned]) -> bool:
-        """Add the slot's next prompt chunk, at most `budget` tokens; False when none fits this step."""
+    def _chunk(self, slot: Slot, task: Task, budget: int) -> Piece | None:
+        """The slot's next prompt chunk, at most `budget` tokens; None when none fits this step."""
         start, end = slot.n_tokens, len(task.prompt)
         take = min(end - start, budget)
         if self.exact and 0 < end - start - take < EXACT_ROWS:
             take = end - start - EXACT_ROWS  # never leave a remainder too small to compute exactly
             if take < EXACT_ROWS:
-                return False  # not enough budget left this step for an exact chunk
+                return None  # not enough budget left this step for an exact chunk
         alone = task.seeded and not self.exact  # (its batch has no other slot's rows while it reads its prompt: `groups`)
         if (self.snapshots or alone) and start < end - 1:
             # stop one short of the end: so that a snapshot can be taken there; a seeded job's last prompt token is
             # then computed on its own, as it is when the rest of its prompt was cached
             take = min(take, end - 1 - start)
             if alone and take < min(end - 1 - start, ALONE_ROWS_MIN):
-                return False  # too little budget left this step to be worth a padded chunk
+                return None  # too little budget left this step to be worth a padded chunk
         last = start + take == end
-        row = self.rows.add_run(task.prompt[start : start + take], start, slot.id, last)
         # a seeded job's chunk, padded: its KV is then what every such chunk computes (worker/llama.py); not at the
         # end of the slot's context, where the padding has no room
         padded = alone_rows(take)
         task.exact_chunk = alone and not last and not self.snapshots and start + padded <= self.n_ctx
-        for pos in range(start + take, start + padded) if task.exact_chunk else ():
-            self.rows.add(PAD_TOKEN, pos, slot.id, False)
-        plan.append((slot, take, row if last else -1))
-        return True
+        pad = padded - take if task.exact_chunk else 0
+        return Piece(slot, task.prompt[start : start + take], start, False, last, pad)
+
+    def _write(self, pieces: list[Piece]) -> list[Planned]:
+        """Put the pieces' rows into the batch in seq id order. With one KV stream per slot, llama.cpp puts only
+        increasing, consecutive seq ids in one ubatch (llama-batch.cpp `split_equal`, "sequential"), and each ubatch
+        is a pass over all the weights: four decode rows in the order of slots 1, 2, 0, 3 took two ubatches and 1.5x
+        the time of the same rows in slot order (measured: bench/README.md "Rows in slot order")."""
+        plan: list[Planned] = []
+        batch = self.rows
+        for p in sorted(pieces, key=lambda p: p.slot.id):
+            if p.decode:
+                row = batch.add(p.tokens[0], p.pos, p.slot.id, True)
+                for i, tok in enumerate(p.tokens[1:], 1):
+                    batch.add(tok, p.pos + i, p.slot.id, True)
+            else:
+                row = batch.add_run(p.tokens, p.pos, p.slot.id, p.last)
+                if not p.last:
+                    row = -1
+                for pos in range(p.pos + len(p.tokens), p.pos + len(p.tokens) + p.pad):
+                    batch.add(PAD_TOKEN, pos, p.slot.id, False)
+            plan.append((p.slot, len(p.tokens), row))
+        return plan
 
     def _build_padded(self, generating: list[Slot]) -> list[Planned]:
         """Deterministic mode's decode batch: the slots from the first generating one to the last, in seq id order

@@ -30,7 +30,8 @@ so a seeded job keeps to shapes that do not change: (1) no guesses (rows verifie
 kernels than one row alone: up to 1 in a logit, 1-5 % of the next token's probability mass at temperature 1, and what
 is guessed depends on earlier jobs' outputs and on step timings); (2) its prompt in llama_decodes of its own (a few
 rows of another prompt beside a chunk changed its KV), in chunks padded as worker/llama.py `alone_rows` says, whose
-KV does not depend on where a chunk starts or ends; (3) its last prompt token alone. Only KV so computed is reused for
+KV does not depend on where a chunk starts or ends; (3) its last prompt token alone, or beside other slots' decode rows
+only (as its own decode rows are: see below). Only KV so computed is reused for
 a seeded job (`Slot.n_exact`: the seeded prompts' tokens, not their last token nor the reply), from its slot, another
 slot, host RAM or disk. Its decode rows then go in the step's batch beside the other slots' rows: with other jobs
 generating at the same time its tokens may differ (a row leading a batch of several slots, in a slot holding 256+

@@ -37,3 +37,11 @@ def test_a_sampled_request_carries_the_whole_distribution_and_a_seed_unless_seed
     assert "seed" not in unseeded and unseeded["top_k"] == 0
     greedy = sent_body()
     assert greedy["temperature"] == 0.0 and "seed" not in greedy and "top_k" not in greedy
+
+
+def test_the_throughput_workload_asks_every_reply_to_its_full_length() -> None:
+    from bench.workloads import Sizes, build
+
+    assert sent_body(full_length=True)["ignore_eos"] is True and "ignore_eos" not in sent_body()
+    tokenize = lambda text: text.split()  # noqa: E731  (the builders only count tokens)
+    assert build("throughput", Sizes(), tokenize).full_length and not build("fanout", Sizes(), tokenize).full_length

@@ -59,11 +59,25 @@ def test_decode_rows_come_first_then_prompt_chunks_least_left_first_within_the_b
     (group,) = b.groups([gen, long_, short])
     assert group.slots == [gen, short, long_] and group.budgeted
     plan = b.build(group.slots, 100)
-    assert [(s.id, n, row) for s, n, row in plan] == [(0, 1, 0), (2, 40, 40), (1, 60, -1)]
+    # the budget goes to the short prompt first (its whole rest), the long one gets what is left; the rows go into
+    # the batch in seq id order
+    assert [(s.id, n, row) for s, n, row in plan] == [(0, 1, 0), (1, 60, -1), (2, 40, 100)]
     assert rows.rows[0] == (7, 22, 0, True)  # the decode row: the last sampled token, after what the slot holds
-    assert rows.rows[1:41] == [(110 + i, 10 + i, 2, i == 39) for i in range(40)]  # its whole rest: logits on its last
+    assert rows.rows[1:61] == [(100 + i, i, 1, False) for i in range(60)]  # mid-prompt: no logits
+    assert rows.rows[61:] == [(110 + i, 10 + i, 2, i == 39) for i in range(40)]  # its whole rest: logits on its last
     assert rows.n == 101 and b.padding(plan) == []
     assert long_.task.passed_over == short.task.passed_over == 0
+
+
+def test_rows_go_into_the_batch_in_seq_id_order_whatever_order_the_slots_come_in():
+    """llama.cpp puts only increasing, consecutive seq ids in one ubatch of a multi-stream KV: out of order, four
+    decode rows take two passes over the weights."""
+    slots = [busy(i, 200 + i, held=200 + i, generated=5 - i) for i in range(4)]
+    b, rows = batcher(slots)
+    order = [slots[1], slots[2], slots[0], slots[3]]  # (a served worker's step had them so: prefill_order)
+    plan = b.build(order, 512)
+    assert [r[2] for r in rows.rows] == [0, 1, 2, 3] and [row for _, _, row in plan] == [0, 1, 2, 3]
+    assert [s.id for s, _, _ in plan] == [0, 1, 2, 3]
 
 
 def test_a_prompt_left_without_budget_is_passed_over_and_goes_first_once_it_has_waited_long_enough():
@@ -108,7 +122,22 @@ def test_a_seeded_prompt_has_llama_decodes_of_its_own_in_padded_chunks_and_its_d
     assert not seeded.task.exact_chunk and b.padding(plan) == []
 
     plan = b.build([seeded_gen, plain], 512)
-    assert rows.rows[0] == (7, 41, 2, True) and seeded_gen.task.draft == []  # its decode row, no guess
+    assert [(s.id, n, row) for s, n, row in plan] == [(0, 30, 29), (2, 1, 30)]  # (in seq id order)
+    assert rows.rows[30] == (7, 41, 2, True) and seeded_gen.task.draft == []  # its decode row, no guess
+
+
+def test_a_seeded_job_with_only_its_last_prompt_token_left_computes_it_beside_decode_rows_but_not_beside_a_prompt():
+    gen = busy(0, 40, held=40, generated=2)
+    first, second = busy(1, 200, held=199, seed=5), busy(2, 300, held=299, seed=6)
+    b, rows = batcher([gen, first, second])
+    groups = b.groups([gen, first, second])
+    assert [g.slots for g in groups] == [[gen, first], [second]]  # one joins the decode rows; the other stays alone
+    plan = b.build(groups[0].slots, 512)
+    assert [(s.id, n, row) for s, n, row in plan] == [(0, 1, 0), (1, 1, 1)] and rows.rows[1] == (299, 199, 1, True)
+    assert b.padding(plan) == []
+    prompt = busy(3, 50)  # an unseeded prompt in the shared batch: the last token keeps a llama_decode of its own
+    assert [g.slots for g in b.groups([gen, first, prompt])] == [[gen, prompt], [first]]
+    assert [g.slots for g in b.groups([first])] == [[], [first]]  # (no decode rows: alone as before)
 
 
 def test_a_seeded_chunk_is_at_least_the_padded_minimum_and_unpadded_where_the_context_has_no_room():
