@@ -5,7 +5,8 @@ rows, prompt chunks, padding). Plain data in, rows out: it writes into anything 
 The rules (why: worker/core.py's docstring):
 - default mode: one llama_decode for every slot but those computing a seeded job's prompt, each of which has its own
   (a starved one first); decode rows first, then prompt chunks up to the step's prefill budget, in `prefill_order`;
-  the rows go into the batch in seq id order (`_write`: llama.cpp's ubatches);
+  the rows go into the batch in seq id order, a padding row in each slot between that has none (`_write`: llama.cpp's
+  ubatches);
 - a seeded job's prompt: chunks padded to `alone_rows` (worker/llama.py), its last token alone or beside decode rows
   only (never beside another prompt's rows); then its decode rows beside the others', without guesses;
 - deterministic mode: the generating slots together, at most EXACT_OUTPUTS of them a batch, every slot from the
@@ -74,7 +75,8 @@ def prefill_order(slots: list[Slot]) -> list[Slot]:
 @dataclass
 class Piece:
     """One slot's rows in a batch: its decode row and guesses (`decode`: every row asks for logits), or a prompt chunk
-    (logits on its last row when it ends the prompt, `last`) followed by `pad` padding rows."""
+    (logits on its last row when it ends the prompt, `last`) followed by `pad` padding rows, or padding alone (no
+    tokens: a slot between two others' rows, `Batcher._gaps`)."""
 
     slot: Slot
     tokens: list[int]
@@ -168,25 +170,42 @@ class Batcher:
         return Piece(slot, task.prompt[start : start + take], start, False, last, pad)
 
     def _write(self, pieces: list[Piece]) -> list[Planned]:
-        """Put the pieces' rows into the batch in seq id order. With one KV stream per slot, llama.cpp puts only
-        increasing, consecutive seq ids in one ubatch (llama-batch.cpp `split_equal`, "sequential"), and each ubatch
-        is a pass over all the weights: four decode rows in the order of slots 1, 2, 0, 3 took two ubatches and 1.5x
-        the time of the same rows in slot order (measured: bench/README.md "Rows in slot order")."""
+        """Put the pieces' rows into the batch in seq id order, and a padding row into every slot between them that
+        has none (its KV is removed again after the decode: `padding`). With one KV stream per slot, llama.cpp puts
+        only increasing, consecutive seq ids in one ubatch (llama-batch.cpp `split_equal`, "sequential"), and each
+        ubatch is a pass over all the weights (measured, bench/README.md "Rows in slot order"): four decode rows in
+        the order of slots 1, 2, 0, 3 took two ubatches and 1.5x the time of the same rows in slot order; decode rows
+        of slots 0 and 2 took 46 ms, with a padding row in slot 1 between them 29 ms."""
         plan: list[Planned] = []
         batch = self.rows
-        for p in sorted(pieces, key=lambda p: p.slot.id):
+        for p in sorted(pieces + self._gaps(pieces), key=lambda p: p.slot.id):
             if p.decode:
                 row = batch.add(p.tokens[0], p.pos, p.slot.id, True)
                 for i, tok in enumerate(p.tokens[1:], 1):
                     batch.add(tok, p.pos + i, p.slot.id, True)
-            else:
+            elif p.tokens:
                 row = batch.add_run(p.tokens, p.pos, p.slot.id, p.last)
                 if not p.last:
                     row = -1
-                for pos in range(p.pos + len(p.tokens), p.pos + len(p.tokens) + p.pad):
-                    batch.add(PAD_TOKEN, pos, p.slot.id, False)
-            plan.append((p.slot, len(p.tokens), row))
+            for pos in range(p.pos + len(p.tokens), p.pos + len(p.tokens) + p.pad):
+                batch.add(PAD_TOKEN, pos, p.slot.id, False)
+            if p.tokens:  # (a gap's padding is not planned: nothing to commit or sample)
+                plan.append((p.slot, len(p.tokens), row))
         return plan
+
+    def _gaps(self, pieces: list[Piece]) -> list[Piece]:
+        """A padding row for each slot between the first and the last piece's that has no rows in this batch (idle,
+        or a prompt left without budget), where it has room; none where the memory cannot be trimmed, nor in a slot
+        reading a seeded prompt (its KV is only ever computed in llama_decodes of its own)."""
+        if self.snapshots or not pieces:
+            return []
+        ids = {p.slot.id for p in pieces}
+
+        def pads(slot: Slot) -> bool:
+            reading_seeded = slot.task is not None and slot.task.seeded and not slot.task.generated
+            return slot.id not in ids and slot.n_tokens < self.n_ctx and not reading_seeded
+
+        return [Piece(s, [], s.n_tokens, False, pad=1) for s in self.slots[min(ids) + 1 : max(ids)] if pads(s)]
 
     def _build_padded(self, generating: list[Slot]) -> list[Planned]:
         """Deterministic mode's decode batch: the slots from the first generating one to the last, in seq id order
@@ -215,7 +234,7 @@ class Batcher:
 
     def padding(self, plan: list[Planned]) -> list[tuple[int, int]]:
         """Where the batch's padding rows are, to remove their KV after the decode: (seq id, first padding position)
-        for every slot from the plan's first to its last (`_build_padded` pads the idle ones between too); none when
+        for every slot from the plan's first to its last (`_build_padded` and `_gaps` pad the ones between too); none when
         the batch has no padding."""
         if self.rows.n == sum(n for _, n, _ in plan):
             return []

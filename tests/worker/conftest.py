@@ -1,4 +1,4 @@
-"""Shared, expensive fixtures for the worker tests: one loaded engine per session (deterministic mode)."""
+"""Shared, expensive fixtures for the worker tests: loaded engines shared by the whole session."""
 
 from __future__ import annotations
 
@@ -31,5 +31,14 @@ def vocab(engine: Engine) -> Vocab:
 def fast_engine() -> Iterator[Engine]:
     """Default (fastest, not bit-reproducible) settings: 2 slots x 1024 tokens, for exact reuse accounting."""
     eng = Engine(WorkerConfig(slots=2, ctx_per_slot=1024, threads=2)).start()
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="session")
+def default4() -> Iterator[Engine]:
+    """Default mode (repacked weights, flash attention auto, speculation on) with four slots and no host-RAM tier (a
+    prefix is found only in the slots)."""
+    eng = Engine(WorkerConfig(slots=4, ctx_per_slot=1024, threads=2, host_cache_mb=0)).start()
     yield eng
     eng.stop()

@@ -122,8 +122,23 @@ def test_a_seeded_prompt_has_llama_decodes_of_its_own_in_padded_chunks_and_its_d
     assert not seeded.task.exact_chunk and b.padding(plan) == []
 
     plan = b.build([seeded_gen, plain], 512)
-    assert [(s.id, n, row) for s, n, row in plan] == [(0, 30, 29), (2, 1, 30)]  # (in seq id order)
+    assert [(s.id, n, row) for s, n, row in plan] == [(0, 30, 29), (2, 1, 30)]  # (in seq id order; no padding in
+    # slot 1 between them, which reads a seeded prompt)
     assert rows.rows[30] == (7, 41, 2, True) and seeded_gen.task.draft == []  # its decode row, no guess
+
+
+def test_a_slot_between_two_in_the_batch_gets_a_padding_row_where_it_has_room_and_it_is_removed_after():
+    """Decode rows of slots 0 and 3 alone would take two ubatches; with a padding row in slots 1 and 2, one."""
+    first, last = busy(0, 20, held=20, generated=2), busy(3, 30, held=30, generated=2)
+    idle, full = Slot(1, tokens=[5] * 40), Slot(2, tokens=[6] * 64)
+    b, rows = batcher([first, idle, full, last], n_ctx=64)
+    plan = b.build([last, first], 512)
+    assert [(s.id, n, row) for s, n, row in plan] == [(0, 1, 0), (3, 1, 2)]  # the padding is not planned
+    assert rows.rows == [(7, 21, 0, True), (PAD_TOKEN, 40, 1, False), (7, 31, 3, True)]  # slot 2 is full: no room
+    assert b.padding(plan) == [(0, 22), (1, 40), (2, 64), (3, 32)]
+    assert b.build([first], 512) and b.padding(b.build([first], 512)) == []  # one slot: nothing between
+    snap, _ = batcher([first, idle, full, last], n_ctx=64, snapshots=True)
+    assert len(snap.build([first, last], 512)) == 2 and snap.rows.n == 2  # no padding where KV cannot be trimmed
 
 
 def test_a_seeded_job_with_only_its_last_prompt_token_left_computes_it_beside_decode_rows_but_not_beside_a_prompt():

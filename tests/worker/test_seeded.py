@@ -12,11 +12,10 @@ prompt's (EXACT_OUTPUTS), not even with more generating slots than that."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 
 import pytest
-from worker_helpers import Run, assert_slot_invariant, complete, start
+from worker_helpers import Run, assert_slot_invariant, complete, decodes, start
 
 from kvroute.slots import common_prefix
 from protocol import JobDone
@@ -33,27 +32,6 @@ COLOURS = "red, green, blue, yellow, " * 6  # a reply that copies it can be gues
 
 def chat(text: str) -> str:
     return f"<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n"
-
-
-Decoded = list[list[tuple[int, int, bool]]]  # per llama_decode: (slot, position, logits?) of each row
-
-
-@contextmanager
-def decodes(engine: Engine) -> Iterator[Decoded]:
-    """Every batch the engine decodes meanwhile."""
-    seen: Decoded = []
-    real: Callable[[], int] = engine.call(lambda e: e._decode).result(10)
-
-    def record() -> int:
-        b = engine.llama.batch
-        seen.append([(b.seq[i][0], b.pos[i], bool(b.logits[i])) for i in range(b.n)])
-        return real()
-
-    engine.call(lambda e: setattr(e, "_decode", record)).result(10)
-    try:
-        yield seen
-    finally:
-        engine.call(lambda e: setattr(e, "_decode", real)).result(10)
 
 
 def counters(engine: Engine) -> tuple[int, int, int]:
@@ -174,15 +152,6 @@ def test_more_generating_slots_than_exact_outputs_decode_in_several_batches(nine
     for s in (0, 8):  # the first and the last slot alone give what they gave batched
         alone = complete(nine, prompts[s], slot=s, prefix_cache=False, **kw)
         assert alone.tokens == runs[s].tokens
-
-
-@pytest.fixture(scope="module")
-def default4() -> Iterator[Engine]:
-    """Default mode (repacked weights, flash attention auto, speculation on) with four slots and no host-RAM tier (a
-    prefix is found only in the slots)."""
-    eng = Engine(WorkerConfig(slots=4, ctx_per_slot=1024, threads=2, host_cache_mb=0)).start()
-    yield eng
-    eng.stop()
 
 
 # (long enough that a slot holds 256+ cells: flash attention takes another path for one row alone from there)

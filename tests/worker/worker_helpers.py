@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from protocol import Constraint, Job, JobDelta, JobDone, JobError, Message, Sampling, pack_tokens, token_hash, unpack_tokens
@@ -97,3 +99,24 @@ def assert_slot_invariant(engine: Engine, run: Run) -> None:
     kv = engine.call(lambda e: (list(e.table[done.slot].tokens), e.llama.seq_len(done.slot))).result(30)
     if kv[0][: done.slot_tokens] == held and len(kv[0]) == done.slot_tokens:  # slot untouched since
         assert kv[1] == done.slot_tokens
+
+
+Decoded = list[list[tuple[int, int, bool]]]  # per llama_decode: (slot, position, logits?) of each row
+
+
+@contextmanager
+def decodes(engine: Engine) -> Iterator[Decoded]:
+    """Every batch the engine decodes meanwhile."""
+    seen: Decoded = []
+    real: Callable[[], int] = engine.call(lambda e: e._decode).result(10)
+
+    def record() -> int:
+        b = engine.llama.batch
+        seen.append([(b.seq[i][0], b.pos[i], bool(b.logits[i])) for i in range(b.n)])
+        return real()
+
+    engine.call(lambda e: setattr(e, "_decode", record)).result(10)
+    try:
+        yield seen
+    finally:
+        engine.call(lambda e: setattr(e, "_decode", real)).result(10)
