@@ -157,7 +157,7 @@ class Batcher:
         alone = task.seeded and not self.exact  # (its batch has no other slot's rows while it reads its prompt: `groups`)
         if (self.snapshots or alone) and start < end - 1:
             # stop one short of the end: so that a snapshot can be taken there; a seeded job's last prompt token is
-            # then computed on its own, as it is when the rest of its prompt was cached
+            # then computed on its own or beside decode rows (`groups`), as it is when the rest of its prompt was cached
             take = min(take, end - 1 - start)
             if alone and take < min(end - 1 - start, ALONE_ROWS_MIN):
                 return None  # too little budget left this step to be worth a padded chunk
