@@ -211,8 +211,13 @@ def clients(path: str, target: str, n: int, tokens: int, seconds: float, out: st
 
 
 def cpu_s(pid: int) -> float:
+    """CPU seconds of `pid` and of the processes it started (`kvroute http --processes N`'s children)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    children: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children.update(int(c) for c in (task / "children").read_text().split())
+    return own + sum(cpu_s(c) for c in children if Path(f"/proc/{c}").exists())
 
 
 def tokens_at(samples: list[tuple[float, int]], t: float) -> float:
@@ -235,7 +240,7 @@ def wait_for(check: Any, what: str, timeout_s: float = 60.0) -> None:
     raise SystemExit(f"timed out waiting for {what}")
 
 
-def run_path(path: str, args: argparse.Namespace, model: str) -> dict[str, float]:
+def run_path(path: str, args: argparse.Namespace, model: str, gateways: int = 1) -> dict[str, float]:
     me = [sys.executable, "-m", "bench.token_path"]
     env = {**os.environ, "KVROUTE_LOG_LEVEL": "warning"}
     cli = [sys.executable, "-m", "commands.cli"]
@@ -261,7 +266,8 @@ def run_path(path: str, args: argparse.Namespace, model: str) -> dict[str, float
         target = zmq_ep
         if path == "http":
             port = free_port()
-            procs["gateway"] = subprocess.Popen([*cli, "http", "--router", zmq_ep, "--http", f"127.0.0.1:{port}"], env=env)
+            gateway = [*cli, "http", "--router", zmq_ep, "--http", f"127.0.0.1:{port}", "--processes", str(gateways)]
+            procs["gateway"] = subprocess.Popen(gateway, env=env)
             target = f"http://127.0.0.1:{port}"
             import httpx
 
@@ -332,6 +338,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=200, help="max_tokens of every request")
     ap.add_argument("--seconds", type=float, default=20.0, help="the measured window")
     ap.add_argument("--warmup-s", type=float, default=3.0)
+    ap.add_argument("--gateway-processes", default="1", help="comma-separated: the http path once per `kvroute http --processes`")
     ap.add_argument("--model", default=None, help="GGUF whose vocabulary the router loads (default: the default model)")
     args = ap.parse_args()
     from kvroute.model import resolve_model
@@ -344,11 +351,17 @@ def main() -> None:
     )
     print("| path | delivered tokens/s | router CPU µs/token | gateway CPU µs/token | workers | clients |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for path in args.paths.split(","):
-        r = run_path(path, args, model)
+    runs = [
+        (p, n)
+        for p in args.paths.split(",")
+        for n in ([int(g) for g in args.gateway_processes.split(",")] if p == "http" else [0])
+    ]
+    for path, gateways in runs:
+        r = run_path(path, args, model, gateways)
         gateway = "—" if r["gateway_us"] != r["gateway_us"] else f"{r['gateway_us']:.0f}"
+        name = f"http, {gateways} gateway process{'es' if gateways > 1 else ''}" if path == "http" else path
         print(
-            f"| {path} | {r['tokens_per_s']:,.0f} | {r['router_us']:.0f} | {gateway} | {r['workers_us']:.0f} | "
+            f"| {name} | {r['tokens_per_s']:,.0f} | {r['router_us']:.0f} | {gateway} | {r['workers_us']:.0f} | "
             f"{r['clients_us']:.0f} |",
             flush=True,
         )

@@ -12,6 +12,8 @@ from kvroute import logs
 from kvroute.config import add_args, from_args, opt
 from protocol import MAX_FRAME_BYTES
 
+MAX_PROCESSES = 256  # --processes
+
 
 @dataclass(frozen=True)
 class HttpConfig:
@@ -58,6 +60,11 @@ class HttpConfig:
     stream_stall_s: float = opt(
         30.0, "a streamed reply whose reader takes nothing for this long is cut: its generation is cancelled"
     )
+    processes: int = opt(
+        1,
+        "HTTP processes serving --http together (SO_REUSEPORT: the kernel spreads connections over them); each has "
+        "its own connection to the router, and one that dies is started again",
+    )
 
     def sampling_defaults(self) -> dict[str, float | int]:
         """The sampling fields a request that leaves them out gets, by their name in the request (and in `Sampling`)."""
@@ -76,6 +83,8 @@ class HttpConfig:
         ):
             if value is not None and not low <= value <= high:
                 raise ValueError(f"--{name.replace('_', '-')} must be between {low} and {high}, got {value}")
+        if not 1 <= self.processes <= MAX_PROCESSES:
+            raise ValueError(f"--processes must be between 1 and {MAX_PROCESSES}, got {self.processes}")
         if self.stream_stall_s <= 0:
             raise ValueError(f"--stream-stall-s must be positive, got {self.stream_stall_s}")
         if self.tenant_per_key and not (self.api_key or os.environ.get("KVROUTE_API_KEY")):
@@ -87,11 +96,14 @@ class HttpConfig:
 SEND_BUFFER_BYTES = 256 * 1024
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The HTTP listening socket; accepted connections inherit its send buffer size."""
+def listen_socket(host: str, port: int, *, shared: bool = False) -> socket.socket:
+    """The HTTP listening socket; accepted connections inherit its send buffer size. `shared`: other processes bind
+    the same port too (SO_REUSEPORT) and the kernel spreads new connections over them."""
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
     try:
         sock.bind(addr)
@@ -136,7 +148,7 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None) -> 
     app = build_app(gateway)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False))
     log = logs.get(__name__)
-    task = asyncio.ensure_future(server.serve(sockets=[listen_socket(host, port)]))
+    task = asyncio.ensure_future(server.serve(sockets=[listen_socket(host, port, shared=cfg.processes > 1)]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if task.done():
@@ -169,8 +181,13 @@ def run(args: argparse.Namespace) -> int:
     logs.setup(process="http")
     import uvloop
 
+    from gateway.processes import HttpProcesses
+
+    others = HttpProcesses(cfg, cfg.processes - 1)  # (the rest serve beside this one: gateway/processes.py)
     try:
-        uvloop.run(serve_http(cfg))
+        uvloop.run(others.beside(lambda ready: serve_http(cfg, ready=ready)))
     except OSError as exc:
         raise UsageError(f"cannot serve HTTP on {cfg.http}: {exc.strerror or exc}") from None
+    finally:
+        others.stop()
     return 0

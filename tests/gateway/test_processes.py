@@ -1,0 +1,96 @@
+"""`kvroute http --processes N`: N processes on one port (SO_REUSEPORT), a dead one started again, all ending with
+the parent. Real processes and sockets; no router or model is needed for /v1/models."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def listeners(port: int) -> set[int]:
+    """The pids holding a listening TCP socket on `port` (from /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(fields[9])
+    pids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if any(link.startswith("socket:[") and link[8:-1] in inodes for link in links):
+            pids.add(int(pid))
+    return pids
+
+
+def until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def http_processes() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "commands.cli", "http", "--router", f"tcp://127.0.0.1:{free_port()}"]
+    env = {**os.environ, "KVROUTE_LOG_LEVEL": "warning"}
+    proc = subprocess.Popen([*cmd, "--http", f"127.0.0.1:{port}", "--processes", "2"], env=env)
+    try:
+        until(lambda: len(listeners(port)) == 2, "two processes listening")
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def models_ok(port: int, n: int = 20) -> bool:
+    """`n` requests, each on a new connection (the kernel spreads connections, not requests)."""
+    return all(httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).status_code == 200 for _ in range(n))
+
+
+def test_processes_share_the_port_and_a_dead_one_is_started_again(http_processes) -> None:
+    proc, port = http_processes
+    pids = listeners(port)
+    assert proc.pid in pids and models_ok(port)
+    (child,) = pids - {proc.pid}
+    os.kill(child, signal.SIGKILL)
+    assert models_ok(port)  # the parent serves meanwhile
+    until(lambda: len(listeners(port)) == 2 and child not in listeners(port), "the child started again")
+    assert models_ok(port)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) in (0, -signal.SIGTERM)  # (uvicorn raises the signal again once it has shut down)
+    until(lambda: not listeners(port), "every process gone after SIGTERM", 10)
+
+
+def test_children_end_with_a_killed_parent(http_processes) -> None:
+    proc, port = http_processes
+    proc.kill()
+    proc.wait(10)
+    until(lambda: not listeners(port), "the child gone with its parent", 10)
+
+
+def test_processes_out_of_range_is_refused_naming_the_flag() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "commands.cli", "http", "--processes", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode != 0 and "--processes must be between 1 and" in out.stderr
