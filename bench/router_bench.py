@@ -1,6 +1,7 @@
 """Router benchmarks, run by hand; figures are ratios measured side by side in one run.
 
     .venv/bin/python bench/router_bench.py decision   # no model: decision cost, 64 workers x 16 slots, 8k tokens
+        [--saved 100000 --saved-tokens 2048]        # ... with host-RAM and disk entries indexed too
     .venv/bin/python bench/router_bench.py policies   # real model, 2 workers: prefix vs round-robin vs least-loaded
 
 `decision` fills a simulated mirror (every slot holds an 8k-token history: shared system prompts plus
@@ -28,13 +29,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from router.mirror import Mirror
+from router.mirror import Mirror, Saved
 from router.select import Params, WorkerLoad, select
 
 # ---- decision cost (no model) -------------------------------------------------------------------
 
 
-def decision_bench(workers: int, slots: int, ctx: int, systems: int, decisions: int, seed: int) -> dict[str, float]:
+def decision_bench(
+    workers: int, slots: int, ctx: int, systems: int, decisions: int, seed: int, saved: int = 0, saved_tokens: int = 2048
+) -> dict[str, float]:
     rng = np.random.default_rng(seed)
     mirror = Mirror()
     sys_len = ctx // 4
@@ -50,20 +53,39 @@ def decision_bench(workers: int, slots: int, ctx: int, systems: int, decisions: 
             mirror._idle(s, h, dirty=False)  # as if the job had finished
             s.last_used -= float(rng.uniform(0, 600))
             histories.append((s, h))
-        loads.append(WorkerLoad(f"w{w}", ws))
+        loads.append(WorkerLoad(f"w{w}", ws, saved=mirror.saved[f"w{w}"]))
+    # host-RAM and disk entries (half each), spread over the workers: a shared system prompt and a tail of their own,
+    # indexed as a worker's cache report indexes them (router/mirror.py `cache_changed`)
+    saved_tails = []
+    for i in range(saved):
+        worker = f"w{i % workers}"
+        tokens = np.concatenate(
+            [
+                prompts_sys[i % systems][: saved_tokens // 2],
+                rng.integers(100, 262_000, saved_tokens - saved_tokens // 2).astype(np.int32),
+            ]
+        )
+        entry = Saved(worker, ("ram" if i % 2 else "disk", i), tokens, nbytes=len(tokens) * 18_432)
+        mirror.saved[worker][entry.key] = entry
+        mirror.index.insert(entry, tokens)
+        saved_tails.append(tokens)
     fill_s = time.perf_counter() - t_fill
     # half the slots busy, spread unevenly
     for s, h in histories[::2]:
         mirror.assign(s, "busy", h[: ctx // 2])
     for wl in loads:
         wl.busy = sum(s.busy for s in wl.slots)
-    kinds: dict[str, list[float]] = {"next_turn": [], "new_session": [], "cold": []}
+    kinds: dict[str, list[float]] = {"next_turn": [], "new_session": [], "cold": [], "saved": []}
     params = Params()
     now = time.monotonic()
     idle = [(s, h) for s, h in histories if not s.busy]
     for i in range(decisions):
-        kind = ("next_turn", "new_session", "cold")[i % 3]
-        if kind == "next_turn":
+        kind = ("next_turn", "new_session", "cold", "saved")[i % (4 if saved_tails else 3)]
+        if kind == "saved":  # a conversation whose state only a tier holds
+            prompt = np.concatenate(
+                [saved_tails[rng.integers(len(saved_tails))], rng.integers(100, 262_000, 64).astype(np.int32)]
+            )
+        elif kind == "next_turn":
             _, h = idle[rng.integers(len(idle))]
             prompt = np.concatenate([h[: ctx - 64], rng.integers(100, 262_000, 64).astype(np.int32)])
         elif kind == "new_session":
@@ -80,6 +102,7 @@ def decision_bench(workers: int, slots: int, ctx: int, systems: int, decisions: 
     all_ms = sorted(x for v in kinds.values() for x in v)
     out = {
         "slots": workers * slots,
+        "saved_entries": saved,
         "tokens_per_slot": ctx,
         "index_stored_tokens": mirror.index.stored_tokens(),
         "fill_s": fill_s,
@@ -88,8 +111,9 @@ def decision_bench(workers: int, slots: int, ctx: int, systems: int, decisions: 
         "decisions_per_s": len(all_ms) / (sum(all_ms) / 1000),
     }
     for k, v in kinds.items():
-        v.sort()
-        out[f"{k}_p99_ms"] = v[int(len(v) * 0.99)]
+        if v:
+            v.sort()
+            out[f"{k}_p99_ms"] = v[int(len(v) * 0.99)]
     # the index update that follows a decision (assign: remove the old sequence, insert the prompt)
     t0 = time.perf_counter()
     n = 200
@@ -239,6 +263,8 @@ def main() -> None:
     d.add_argument("--systems", type=int, default=8, help="distinct shared system prompts")
     d.add_argument("--decisions", type=int, default=3000)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--saved", type=int, default=0, help="host-RAM and disk entries indexed beside the slots")
+    d.add_argument("--saved-tokens", type=int, default=2048, help="tokens of each saved entry")
     p = sub.add_parser("policies")
     p.add_argument("--policies", default="prefix,round-robin,least-loaded")
     p.add_argument("--sessions", type=int, default=6)
@@ -256,7 +282,9 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1, help="rounds, policies interleaved within each")
     args = ap.parse_args()
     if args.what == "decision":
-        out = decision_bench(args.workers, args.slots, args.ctx, args.systems, args.decisions, args.seed)
+        out = decision_bench(
+            args.workers, args.slots, args.ctx, args.systems, args.decisions, args.seed, args.saved, args.saved_tokens
+        )
         for k, v in out.items():
             print(f"{k:>24}: {v:.4f}" if isinstance(v, float) else f"{k:>24}: {v}")
     else:
