@@ -159,6 +159,7 @@ def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfi
         max_body_bytes=args.max_body_bytes,
         max_frame_bytes=router_cfg.max_frame_bytes,
         stream_stall_s=args.stream_stall_s,
+        processes=args.processes,
         temp=args.temp,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -196,7 +197,7 @@ async def serve(
     http_task = None
     if http is not None:
         http = dataclasses.replace(http, model_name=Path(model).stem)
-        http_task = asyncio.ensure_future(serve_http(http))
+        http_task = asyncio.ensure_future(serve_http_processes(http))
     _say_where(router_cfg, http, model)
     try:
         await router.run()
@@ -206,6 +207,17 @@ async def serve(
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await http_task
         await sup.stop()
+
+
+async def serve_http_processes(http: HttpConfig) -> None:
+    """The HTTP API in this loop, and `--processes` - 1 more processes on its port (gateway/processes.py)."""
+    from gateway.processes import HttpProcesses
+
+    others = HttpProcesses(http, http.processes - 1)
+    try:
+        await others.beside(lambda ready: serve_http(http, ready=ready))
+    finally:
+        others.stop()
 
 
 def guard_zmq_clients(router_cfg: RouterConfig, http: HttpConfig | None) -> tuple[RouterConfig, HttpConfig | None]:

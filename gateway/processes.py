@@ -55,22 +55,27 @@ class HttpProcesses:
         self._mp = multiprocessing.get_context("spawn")  # (no copy of this process's event loop and sockets)
 
     async def beside(self, serve: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-        """Run `serve` (this process's own HTTP server); once it listens, start the children and look after them."""
+        """Run `serve` (this process's own HTTP server); once it listens, start the children and look after them.
+        Cancelled, it stops the children and `serve` too."""
         ready = asyncio.Event()
         main = asyncio.ensure_future(serve(ready))
-        done, _ = await asyncio.wait([main, asyncio.ensure_future(ready.wait())], return_when=asyncio.FIRST_COMPLETED)
-        if main in done:
-            await main  # (a bind error: reported by the caller)
-            return
-        for index in range(1, self.n + 1):
-            self._start(index)
+        listening = asyncio.ensure_future(ready.wait())
         try:
+            await asyncio.wait([main, listening], return_when=asyncio.FIRST_COMPLETED)
+            if not main.done():
+                for index in range(1, self.n + 1):
+                    self._start(index)
             while not main.done():
                 await asyncio.wait([main], timeout=CHECK_S)
                 self._look_after()
-            await main
+            await main  # (a bind error at start-up: reported by the caller)
         finally:
+            listening.cancel()
             self.stop()
+            if not main.done():
+                main.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await main
 
     def _start(self, index: int) -> None:
         child = self._mp.Process(target=_child, args=(self.cfg, index, os.getpid()), name=f"http-{index}", daemon=False)

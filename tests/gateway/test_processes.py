@@ -94,3 +94,23 @@ def test_processes_out_of_range_is_refused_naming_the_flag() -> None:
         [sys.executable, "-m", "commands.cli", "http", "--processes", "0"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode != 0 and "--processes must be between 1 and" in out.stderr
+
+
+@pytest.mark.model  # (the router loads the default model's vocabulary)
+def test_serve_runs_its_http_api_in_as_many_processes_and_stops_them_on_sigterm() -> None:
+    port = free_port()
+    flags = ["--workers", "0", "--no-workers-grace-s", "0", "--processes", "2", "--http", f"127.0.0.1:{port}"]
+    flags += ["--zmq", f"tcp://127.0.0.1:{free_port()}", "--worker-endpoint", f"tcp://127.0.0.1:{free_port()}"]
+    proc = subprocess.Popen([sys.executable, "-m", "commands.cli", "serve", *flags], env=os.environ)
+    try:
+        until(lambda: len(listeners(port)) == 2, "serve's two HTTP processes listening", 120)
+        assert proc.pid in listeners(port)
+        codes = {httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code for _ in range(20)}
+        assert codes == {503}  # both answer for the router: no workers
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        until(lambda: not listeners(port), "serve's HTTP processes gone", 10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
