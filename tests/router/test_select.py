@@ -211,3 +211,27 @@ def test_a_just_finished_slot_is_held_for_its_conversation():
     a.last_used -= held.hold_ms / 1000 + 1
     d = pick(m, seq(80), held, busy={"w0": 1, "w1": 1})
     assert isinstance(d, Dispatch) and d.slot is a
+
+
+def test_the_deepest_saved_state_is_the_one_a_scan_of_every_entry_finds_first_among_equals():
+    """`deepest_saved` walks the match's path instead of taking an LCP per entry: the same answer, ties included."""
+    from router.index import Index
+    from router.mirror import Saved
+    from router.select import deepest_saved
+
+    rng = np.random.default_rng(3)
+    stems = [rng.integers(100, 200, 40).astype(np.int32) for _ in range(3)]
+    for trial in range(30):
+        index, saved = Index(), {}
+        for i in range(int(rng.integers(1, 12))):
+            stem = stems[int(rng.integers(3))][: int(rng.integers(1, 40))]
+            tokens = np.concatenate([stem, rng.integers(200, 300, int(rng.integers(0, 5))).astype(np.int32)])
+            entry = Saved("w", ("ram" if i % 2 else "disk", i), tokens, nbytes=1)
+            saved[entry.key] = entry
+            index.insert(entry, tokens)
+        other = Saved("x", ("ram", 99), stems[0], nbytes=1)  # another worker's entry: not a candidate
+        index.insert(other, stems[0])
+        prompt = np.concatenate([stems[trial % 3][: int(rng.integers(1, 40))], np.array([7, 8], dtype=np.int32)])
+        match = index.match(prompt)
+        lcp, top = max(((match.lcp(s), s) for s in saved.values()), key=lambda x: x[0])
+        assert deepest_saved(match, saved) == ((lcp, top) if lcp else (0, None))
