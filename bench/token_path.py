@@ -21,7 +21,6 @@ import asyncio
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ from typing import Any
 
 import zmq
 
+from bench.systems import free_port
+from kvroute.slots import common_prefix
 from protocol import (
     Accept,
     Heartbeat,
@@ -53,12 +54,6 @@ from protocol import (
 TOKEN = 1_000  # what a scripted worker "generates" (any id of the vocabulary)
 HEARTBEAT_S = 0.5
 PROMPT = "Tell me a story about the sea and the lighthouse keeper who wrote in his log every night. "
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- the scripted worker -------------------------------------------------------------------------
@@ -122,10 +117,7 @@ def _done(run: Running, held: dict[int, list[int]]) -> JobDone:
     """The end of a job as a correct worker reports it: the slot keeps prompt + generated but the last token."""
     job = run.job
     prompt, generated = unpack_tokens(job.tokens), [TOKEN] * run.generated
-    old = held[job.slot] if job.prefix_cache else []
-    lcp = 0
-    while lcp < min(len(old), len(prompt) - 1) and old[lcp] == prompt[lcp]:
-        lcp += 1
+    lcp = min(common_prefix(held[job.slot], prompt), len(prompt) - 1) if job.prefix_cache else 0
     kept = (prompt + generated)[: len(prompt) + len(generated) - 1]
     held[job.slot] = kept
     return JobDone(

@@ -213,11 +213,7 @@ async def serve_http_processes(http: HttpConfig) -> None:
     """The HTTP API in this loop, and `--processes` - 1 more processes on its port (gateway/processes.py)."""
     from gateway.processes import HttpProcesses
 
-    others = HttpProcesses(http, http.processes - 1)
-    try:
-        await others.beside(lambda ready: serve_http(http, ready=ready))
-    finally:
-        others.stop()
+    await HttpProcesses(http, http.processes - 1).beside(lambda ready: serve_http(http, ready=ready))
 
 
 def guard_zmq_clients(router_cfg: RouterConfig, http: HttpConfig | None) -> tuple[RouterConfig, HttpConfig | None]:

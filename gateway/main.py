@@ -185,9 +185,7 @@ def run(args: argparse.Namespace) -> int:
 
     others = HttpProcesses(cfg, cfg.processes - 1)  # (the rest serve beside this one: gateway/processes.py)
     try:
-        uvloop.run(others.beside(lambda ready: serve_http(cfg, ready=ready)))
+        uvloop.run(others.beside(lambda ready: serve_http(cfg, ready=ready)))  # (it stops its children itself)
     except OSError as exc:
         raise UsageError(f"cannot serve HTTP on {cfg.http}: {exc.strerror or exc}") from None
-    finally:
-        others.stop()
     return 0
