@@ -173,9 +173,9 @@ class Batcher:
         """Put the pieces' rows into the batch in seq id order, and a padding row into every slot between them that
         has none (its KV is removed again after the decode: `padding`). With one KV stream per slot, llama.cpp puts
         only increasing, consecutive seq ids in one ubatch (llama-batch.cpp `split_equal`, "sequential"), and each
-        ubatch is a pass over all the weights (measured, bench/README.md "Rows in slot order"): four decode rows in
-        the order of slots 1, 2, 0, 3 took two ubatches and 1.5x the time of the same rows in slot order; decode rows
-        of slots 0 and 2 took 46 ms, with a padding row in slot 1 between them 29 ms."""
+        ubatch is a pass over all the weights (`python -m bench.ubatch_order`, bench/README.md "Rows in slot order"):
+        four decode rows in the order of slots 1, 2, 0, 3 took 58 ms, in slot order 37 ms; decode rows of slots 0 and
+        2 took 48 ms, with a padding row in slot 1 between them 31 ms."""
         plan: list[Planned] = []
         batch = self.rows
         for p in sorted(pieces + self._gaps(pieces), key=lambda p: p.slot.id):
