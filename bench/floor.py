@@ -78,10 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-batch", type=int, default=WorkerConfig.n_batch)
     p.add_argument("--point", type=point, action="append", required=True, help="HISTORY:NEW, repeatable")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--gpu", type=int, default=None, help="every layer on this GPU (default: CPU)")
     a = p.parse_args(argv)
     if any(h + n > a.ctx_per_slot for h, n in a.point):
         p.error(f"every HISTORY + NEW must fit --ctx-per-slot {a.ctx_per_slot}")
-    llama = Llama(resolve_model(a.model), slots=a.slots, ctx_per_slot=a.ctx_per_slot, n_batch=a.n_batch, threads=a.threads)
+    llama = Llama(
+        resolve_model(a.model), slots=a.slots, ctx_per_slot=a.ctx_per_slot, n_batch=a.n_batch, threads=a.threads, gpu=a.gpu
+    )
     try:
         points = measure(llama, a.point, a.repeat)
     finally:

@@ -42,7 +42,10 @@ def cache_dir() -> Path:
 
 
 def binary() -> Path:
-    """The llama-server binary, built first when it is not cached (one per build key: flags and CPU features)."""
+    """The llama-server binary, built first when it is not cached (one per build key: flags and CPU features);
+    $KVROUTE_LLAMA_SERVER when set (one built with the workers' llama.cpp elsewhere: bench/gpu/device.sh)."""
+    if env := os.environ.get("KVROUTE_LLAMA_SERVER"):
+        return Path(env)
     rule = this_machine()
     for note in rule.notes:
         print(f"llama-server build: {note}", file=sys.stderr)

@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slots", type=int, default=4, help="kvroute slots per worker (default: 4)")
     p.add_argument("--ctx-per-slot", type=int, default=0, help="context per conversation; 0: what each workload needs")
     p.add_argument("--kvroute-flags", default="", help="more `kvroute serve` flags for every kvroute system, e.g. '--hold-ms 0'")
+    p.add_argument("--gpu", type=int, default=None, help="run every system with all layers on this GPU (default: CPU)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every workload on every system (default: 3)")
     p.add_argument("--quick", action="store_true", help="tiny sizes and one repeat, to check the harness in a few minutes")
     p.add_argument("--cold-long-session", action="store_true", help="also run kvroute-cold on long-session (very slow)")
@@ -268,6 +269,7 @@ def run_one(
         slots=workload.slots or args.slots,
         ctx_per_slot=ctx,
         kvroute_flags=tuple(shlex.split(args.kvroute_flags)),
+        gpu=args.gpu,
     )
     entry: dict[str, Any] = {"description": workload.description, "setup": asdict(setup), "systems": {}, "skipped": {}}
     run["workloads"][wname] = entry
@@ -365,6 +367,7 @@ def measure_floor(wname: str, samples: list[dict[str, Any]], setup: Setup) -> di
     argv = [
         sys.executable, "-m", "bench.floor", "--threads", str(setup.threads), "--slots", str(setup.slots),
         "--ctx-per-slot", str(setup.ctx_per_slot), "--model", setup.model,
+        *(() if setup.gpu is None else ("--gpu", str(setup.gpu))),
         *(f"--point={h}:{n}" for h, n in points),
     ]  # fmt: skip
     print(f"-- llama.cpp alone: prefill of the new tokens of {len(points)} turns", file=sys.stderr, flush=True)

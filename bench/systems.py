@@ -68,6 +68,7 @@ class Setup:
     ctx_per_slot: int
     kvroute_flags: tuple[str, ...] = ()  # more `kvroute serve` flags, for every kvroute system
     llama_server_flags: tuple[str, ...] = ()  # more llama-server flags (e.g. --spec-type)
+    gpu: int | None = None  # every layer on this GPU (kvroute: `workers` workers on it; llama-server: -ngl all)
 
 
 def free_port() -> int:
@@ -82,10 +83,11 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
     kvroute's ZMQ endpoints get free ports too, so that nothing else on the machine (a test run, a user's
     server) is reached by mistake."""
     if name.startswith("kvroute"):
+        place = ["--workers", str(setup.workers)] if setup.gpu is None else ["--gpus", ",".join([str(setup.gpu)] * setup.workers)]
         serve = [
             sys.executable, "-m", "commands.cli", "serve",
             "--model", setup.model,
-            "--workers", str(setup.workers),
+            *place,
             "--slots", str(setup.slots),
             "--ctx-per-slot", str(setup.ctx_per_slot),
             # the same cores in all: with more workers each gets its share (oversubscribed llama.cpp threads crawl)
@@ -125,6 +127,7 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
             "--no-jinja",
             "--chat-template", "gemma",
             "--no-webui",
+            *(() if setup.gpu is None else ("--n-gpu-layers", "all", "--split-mode", "none", "--main-gpu", str(setup.gpu))),
             *setup.llama_server_flags,
         ]]  # fmt: skip
     if name == "llama-cpp-python":

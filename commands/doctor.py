@@ -19,12 +19,14 @@ import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from kvroute import __version__, build
 from kvroute.model import ModelError, resolve_model, sha256_of
 from kvroute.start_record import ADVICE, STAGES
+from worker.context_size import llama_devices
 
 SMOKE_TIMEOUT_S = 300.0
 ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1023, 18, 158  # Linux x86-64
@@ -35,15 +37,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for the smoke test")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument("--no-smoke", action="store_true", help="skip the smoke test (no model is loaded)")
+    parser.add_argument("--gpu", type=int, default=None, metavar="I", help="run the smoke test on GPU I (default: CPU)")
 
 
 def run(args: argparse.Namespace) -> int:
-    report = collect(args.model, args.threads, smoke=not args.no_smoke)
+    report = collect(args.model, args.threads, smoke=not args.no_smoke, gpu=args.gpu)
     print(json.dumps(report, indent=1) if args.json else render(report))
     return 0 if args.no_smoke or report["smoke"].get("ok") else 1
 
 
-def collect(model: str | None, threads: int, smoke: bool = True) -> dict[str, Any]:
+def collect(model: str | None, threads: int, smoke: bool = True, gpu: int | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "kvroute": __version__,
         "python": f"{platform.python_version()} ({sys.executable})",
@@ -59,7 +62,7 @@ def collect(model: str | None, threads: int, smoke: bool = True) -> dict[str, An
     except (ModelError, OSError) as exc:
         report["model"] = {"error": str(exc)}
     if smoke and "path" in report["model"]:
-        report["smoke"] = smoke_test(report["model"]["path"], threads)
+        report["smoke"] = smoke_test(report["model"]["path"], threads, gpu)
     else:
         report["smoke"] = {"skipped": "--no-smoke" if not smoke else "no model"}
     return report
@@ -75,6 +78,7 @@ def llama_build() -> dict[str, Any]:
         "llama_cpp_python": llama_cpp.__version__,
         "system_info": info,
         "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload()),
+        "devices": [asdict(d) for d in llama_devices()],
         "amx_compiled_in": "AMX" in info,
         "installed_build_key": recorded,
         "wanted_build_key": wanted.key,
@@ -142,9 +146,9 @@ def memory() -> dict[str, int]:
     return out
 
 
-def smoke_test(model: str, threads: int) -> dict[str, Any]:
+def smoke_test(model: str, threads: int, gpu: int | None = None) -> dict[str, Any]:
     """The model loaded and a few tokens decoded in a child process, as a worker's start does."""
-    cmd = [sys.executable, "-m", "worker.startcheck", model, str(threads)]
+    cmd = [sys.executable, "-m", "worker.startcheck", model, str(threads), *([] if gpu is None else [str(gpu)])]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -182,11 +186,17 @@ def render(r: dict[str, Any]) -> str:
         f"avx2 / avx-512   {c['avx2']} / {', '.join(c['avx512']) or 'none'}",
         f"amx              {amx}",
         f"gpus             {gpu_list}; this build can offload: {ll['gpu_offload']}",
+        *(
+            f"llama.cpp device {d['name']}: {d['description']}, {d['free'] / 2**30:.1f} GiB free of {d['total'] / 2**30:.1f}"
+            for d in ll["devices"]
+        ),
         f"memory           {mem.get('MemAvailable', 0) / 2**30:.1f} GiB available of {mem.get('MemTotal', 0) / 2**30:.1f} GiB",
         f"model            {m.get('path', m.get('error'))}" + (f"  sha256 {m['sha256']}" if "sha256" in m else ""),
     ]
     if s.get("ok"):
-        lines.append(f"smoke test       ok: loaded in {s['load_s']} s, 4 tokens decoded in {s['decode_ms']} ms")
+        lines.append(
+            f"smoke test       ok on {s.get('device', 'cpu')}: loaded in {s['load_s']} s, 4 tokens decoded in {s['decode_ms']} ms"
+        )
     elif "skipped" in s:
         lines.append(f"smoke test       skipped ({s['skipped']})")
     else:

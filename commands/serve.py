@@ -124,7 +124,9 @@ def worker_specs(local: LocalWorkers, model: str) -> list[WorkerSpec]:
     gpus = local.gpu_list()
     if gpus:
         gpu_flags = {"threads": local.threads or 2, "n_gpu_layers": local.n_gpu_layers}
-        return [WorkerSpec(f"gpu{g}", flags(gpu=g, cache_dir=own_dir(f"gpu{g}"), **gpu_flags)) for g in gpus]
+        # a GPU named twice gets two workers (each a share of its memory): gpu0, gpu0.1
+        names = [f"gpu{g}" + (f".{gpus[:i].count(g)}" if g in gpus[:i] else "") for i, g in enumerate(gpus)]
+        return [WorkerSpec(n, flags(gpu=g, cache_dir=own_dir(n), **gpu_flags)) for n, g in zip(names, gpus, strict=True)]
     n = local.cpu_workers
     cpu_flags: dict[str, Any] = {"threads": local.threads or max(1, (os.cpu_count() or 1) // max(1, n))}
     if n > 1 and local.ctx_per_slot == 0 and local.kv_budget_mb == 0:  # the auto budget is the machine's, not each one's

@@ -52,8 +52,15 @@ class _Progress:
             sys.stderr.write("\n")
 
 
+MODEL_ENV = "KVROUTE_MODEL"  # a GGUF to use wherever no model is named (the test suite on another model, say)
+
+
 def default_model_path() -> Path:
-    """Path of the default GGUF, assembling and checking it on first use. Raises ModelError."""
+    """Path of the default GGUF, assembling and checking it on first use; $KVROUTE_MODEL when set. Raises ModelError."""
+    if env := os.environ.get(MODEL_ENV):
+        if not Path(env).is_file():
+            raise ModelError(f"${MODEL_ENV} names {env}, which is not a file")
+        return Path(env)
     try:
         return _default_model_path()
     except OSError as exc:

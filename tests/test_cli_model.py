@@ -113,3 +113,13 @@ def test_cli_reports_model_errors_in_one_line(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert "Traceback" not in out.stderr
     assert out.stderr.startswith("kvroute model: error:")
+
+
+def test_kvroute_model_names_the_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF")
+    monkeypatch.setenv("KVROUTE_MODEL", str(other))
+    assert default_model_path() == other
+    monkeypatch.setenv("KVROUTE_MODEL", str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelError, match=r"\$KVROUTE_MODEL names .*missing.gguf, which is not a file"):
+        default_model_path()

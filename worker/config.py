@@ -73,6 +73,18 @@ def n_gpu_layers_opt(gpu_flag: str) -> Any:
     )
 
 
+GPU_ENV = "KVROUTE_GPU"  # the GPU a worker takes when --gpu is not given (the test suite run on a GPU, say)
+
+
+def env_gpu() -> int | None:
+    value = os.environ.get(GPU_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise ValueError(f"${GPU_ENV} must be a GPU index (0, 1, ...), got {value!r}")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str | None = opt(None, "GGUF model file (default: the bundled Gemma 3 270M)", metavar="PATH")
@@ -81,7 +93,9 @@ class WorkerConfig:
     kv_budget_mb: int = kv_budget_opt("")
     threads: int = opt(os.cpu_count() or 1, "CPU threads for llama.cpp")
     n_batch: int = opt(512, "most prompt tokens computed in one engine step (chunked prefill)")
-    gpu: int | None = opt(None, "GPU index to pin the model and context to (one GPU); default: CPU", metavar="I")
+    gpu: int | None = opt(
+        env_gpu(), f"GPU index to pin the model and context to (one GPU); default: ${GPU_ENV}, else CPU", metavar="I"
+    )
     n_gpu_layers: int | None = n_gpu_layers_opt("--gpu")
     connect: str = opt("tcp://127.0.0.1:5556", "router's worker endpoint to connect to")
     worker_id: str = opt("w0", "this worker's id (its ZMQ identity)")

@@ -64,29 +64,63 @@ def cpu_budget_bytes(workers: int = 1) -> int:
     return ram_bytes() // RAM_SHARE // max(1, workers)
 
 
-def gpu_free_bytes(gpu: int) -> int | None:
-    """Free memory of GPU `gpu` as llama.cpp numbers them (ggml's GPU devices in order), or None if unknown."""
+def llama_lib_dir() -> Path:
+    """Where llama-cpp-python loads llama.cpp from: its package's lib/, or $LLAMA_CPP_LIB_PATH (a build of one's own,
+    a CUDA build say, beside a package installed without one)."""
+    return Path(os.environ.get("LLAMA_CPP_LIB_PATH") or Path(llama_cpp.__file__).parent / "lib")
+
+
+@dataclass(frozen=True)
+class Device:
+    """One of llama.cpp's devices (ggml's backend devices), as `kvroute doctor` shows them."""
+
+    name: str  # CPU, CUDA0, ...
+    description: str  # the card's or CPU's name
+    kind: int  # ggml_backend_dev_type: 0 CPU, 1 GPU, 2 integrated GPU, 3 accelerator
+    free: int  # bytes
+    total: int
+
+
+def llama_devices() -> list[Device]:
+    """Every device this llama.cpp build can use, in ggml's order ([] if the library cannot be read)."""
     try:
-        lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml.so"))
+        lib = ctypes.CDLL(str(llama_lib_dir() / "libggml.so"))
     except OSError:
-        return None
+        return []
     lib.ggml_backend_dev_count.restype = ctypes.c_size_t
     lib.ggml_backend_dev_get.restype = ctypes.c_void_p
     lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
     lib.ggml_backend_dev_type.restype = ctypes.c_int
     lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    for text in (lib.ggml_backend_dev_name, lib.ggml_backend_dev_description):
+        text.restype = ctypes.c_char_p
+        text.argtypes = [ctypes.c_void_p]
     size_p = ctypes.POINTER(ctypes.c_size_t)
     lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, size_p, size_p]
-    devices = [lib.ggml_backend_dev_get(i) for i in range(lib.ggml_backend_dev_count())]
-    for kind in GGML_GPU_TYPES:  # llama.cpp takes integrated GPUs only when there is no other
-        gpus = [d for d in devices if lib.ggml_backend_dev_type(d) == kind]
-        if gpus:
-            if gpu >= len(gpus):
-                return None
-            free, total = ctypes.c_size_t(), ctypes.c_size_t()
-            lib.ggml_backend_dev_memory(gpus[gpu], ctypes.byref(free), ctypes.byref(total))
-            return int(free.value)
-    return None
+    found = []
+    for i in range(lib.ggml_backend_dev_count()):
+        d = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        lib.ggml_backend_dev_memory(d, ctypes.byref(free), ctypes.byref(total))
+        name = (lib.ggml_backend_dev_name(d) or b"").decode(errors="replace")
+        description = (lib.ggml_backend_dev_description(d) or b"").decode(errors="replace")
+        found.append(Device(name, description, lib.ggml_backend_dev_type(d), int(free.value), int(total.value)))
+    return found
+
+
+def llama_gpus() -> list[Device]:
+    """The devices `--gpu I` numbers (llama.cpp takes integrated GPUs only when there is no other)."""
+    devices = llama_devices()
+    for kind in GGML_GPU_TYPES:
+        if gpus := [d for d in devices if d.kind == kind]:
+            return gpus
+    return []
+
+
+def gpu_free_bytes(gpu: int) -> int | None:
+    """Free memory of GPU `gpu` as llama.cpp numbers them (ggml's GPU devices in order), or None if unknown."""
+    gpus = llama_gpus()
+    return gpus[gpu].free if gpu < len(gpus) else None
 
 
 def default_budget_bytes(gpu: int | None) -> int:

@@ -48,11 +48,11 @@ def first_decode(llama: Llama, tokens: int = 4) -> list[int]:
     return chosen
 
 
-def smoke(model: str, threads: int) -> dict[str, object]:
-    """Load `model` on one small slot and run the first decode, as a worker's start does (`kvroute doctor` runs this in
-    a child process, so a crash is reported there rather than suffered)."""
+def smoke(model: str, threads: int, gpu: int | None = None) -> dict[str, object]:
+    """Load `model` on one small slot (on GPU `gpu`, else CPU) and run the first decode, as a worker's start does
+    (`kvroute doctor` runs this in a child process, so a crash is reported there rather than suffered)."""
     t0 = time.monotonic()
-    llama = Llama(model, slots=1, ctx_per_slot=256, n_batch=32, threads=threads)
+    llama = Llama(model, slots=1, ctx_per_slot=256, n_batch=32, threads=threads, gpu=gpu)
     loaded = time.monotonic()
     try:
         Faults.from_env().at_start("first-decode", "doctor")  # the fault tests' stand-in for a build that crashes here
@@ -64,8 +64,10 @@ def smoke(model: str, threads: int) -> dict[str, object]:
         "tokens": tokens,
         "load_s": round(loaded - t0, 3),
         "decode_ms": round((time.monotonic() - loaded) * 1e3, 1),
+        "device": llama.device,
     }
 
 
-if __name__ == "__main__":  # python -m worker.startcheck MODEL [THREADS]: one JSON line
-    print(json.dumps(smoke(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else (os.cpu_count() or 1))))
+if __name__ == "__main__":  # python -m worker.startcheck MODEL [THREADS [GPU]]: one JSON line
+    threads = int(sys.argv[2]) if len(sys.argv) > 2 else (os.cpu_count() or 1)
+    print(json.dumps(smoke(sys.argv[1], threads, int(sys.argv[3]) if len(sys.argv) > 3 else None)))

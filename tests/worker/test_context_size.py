@@ -16,8 +16,16 @@ import zmq
 
 from commands.serve import LocalWorkers, worker_specs
 from protocol import Hello, worker_to_router_decoder
-from worker.config import WorkerConfig
-from worker.context_size import AUTO_FLOOR, CtxChoice, auto_ctx_per_slot, cpu_budget_bytes
+from worker.config import GPU_ENV, WorkerConfig, env_gpu
+from worker.context_size import (
+    AUTO_FLOOR,
+    CtxChoice,
+    auto_ctx_per_slot,
+    cpu_budget_bytes,
+    gpu_free_bytes,
+    llama_devices,
+    llama_gpus,
+)
 
 MiB = 2**20
 GEMMA_TRAIN = 32768  # the default model's gemma3.context_length
@@ -103,3 +111,28 @@ def test_the_kv_budget_caps_the_default_length(tmp_path: Path) -> None:
         assert hello.ctx_per_slot == 3584  # 64 MiB / 18 KiB = 3640 tokens, down to a multiple of 256
         line = slot_context_line(lines)
         assert (line["reason"], line["kv_budget_mib"]) == ("kv budget", 64)
+
+
+def test_a_gpu_named_twice_gets_two_workers_with_their_own_ids() -> None:
+    specs = worker_specs(LocalWorkers(gpus="0,0,1"), "/m.gguf")
+    assert [s.worker_id for s in specs] == ["gpu0", "gpu0.1", "gpu1"]
+    assert [s.flags[s.flags.index("--gpu") + 1] for s in specs] == ["0", "0", "1"]
+
+
+@pytest.mark.parametrize(("value", "gpu"), [("", None), ("1", 1), (" 0 ", 0)])
+def test_kvroute_gpu_names_the_default_gpu(monkeypatch: pytest.MonkeyPatch, value: str, gpu: int | None) -> None:
+    monkeypatch.setenv(GPU_ENV, value)
+    assert env_gpu() == gpu
+
+
+def test_kvroute_gpu_that_is_not_an_index_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(GPU_ENV, "cuda:0")
+    with pytest.raises(ValueError, match=r"\$KVROUTE_GPU must be a GPU index"):
+        env_gpu()
+
+
+def test_llama_devices_are_read_from_the_build_in_use() -> None:
+    """This CPU build lists the CPU and no GPU, so `--gpu 0` has no free memory to size by (None, not a crash)."""
+    devices = llama_devices()
+    assert devices and devices[0].kind == 0 and devices[0].total > 0
+    assert llama_gpus() == [] and gpu_free_bytes(0) is None
