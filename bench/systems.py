@@ -198,6 +198,10 @@ class Server:
     def _ready(self, http: httpx.Client) -> bool:
         # kvroute answers /health 503 until a worker is ready, then {"workers": n}; llama-cpp-python has no /health.
         health = http.get(f"{self.url}/health")
+        with contextlib.suppress(ValueError):
+            body = health.json()
+            if isinstance(body, dict) and body.get("failed"):  # a worker given up at start: waiting would not help
+                raise SystemError_(f"{self.name}: workers failed at start: {body['failed']}\n{self._log_tail()}")
         if health.status_code == 200:
             with contextlib.suppress(ValueError, AttributeError):
                 return int(health.json().get("workers", self.workers)) >= self.workers

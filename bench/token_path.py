@@ -1,10 +1,11 @@
 """The token path: what kvroute's own processes cost per streamed token, the model costing nothing (issue 33).
 
 Scripted workers (this module's `worker` role: a DEALER speaking the worker protocol, as tests/router's FakeWorker
-does) answer every job by streaming its max_tokens, one token per delta and one delta per running job per round, as
-fast as they can, then a JobDone that keeps the router's mirror exact. A real `kvroute router` places the jobs; the
-clients are a process of their own: ZMQ clients (kvroute/client.py `AsyncClient`) on the router, or HTTP SSE clients
-(/v1/completions) on a `kvroute http` gateway. After a warm-up, the CPU time of every process over the measured
+does) answer every job by streaming its max_tokens, one token per delta and one delta per running job per round (a
+round's deltas in one JobDeltas message, as a worker sends an engine step's), as fast as they can, then a JobDone
+that keeps the router's mirror exact. A real `kvroute router` places the jobs; the clients are a process of their
+own: ZMQ clients (kvroute/client.py `AsyncClient`) on the router, or HTTP SSE clients (/v1/completions) on a
+`kvroute http` gateway. After a warm-up, the CPU time of every process over the measured
 window is read from /proc, with the tokens the clients received in it.
 
     .venv/bin/python -m bench.token_path [--paths zmq,http] [--workers 2] [--slots 8] [--clients 16]
@@ -40,6 +41,7 @@ from protocol import (
     Job,
     JobCancel,
     JobDelta,
+    JobDeltas,
     JobDone,
     Refuse,
     SlotState,
@@ -96,9 +98,11 @@ def worker(endpoint: str, worker_id: str, slots: int, model: str) -> None:
                 raise SystemExit(f"{worker_id}: refused: {msg.reason}")
             elif not isinstance(msg, Accept):
                 pass  # drain and the rest: not part of this benchmark
+        step = [JobDelta(id=rid, text="x", tokens=delta_bytes) for rid, run in running.items() if run.left > 0]
+        if step:  # a round's deltas in one message, as a worker sends an engine step's (worker/main.py)
+            sock.send(encode(step[0] if len(step) == 1 else JobDeltas(items=step)))
         for rid, run in list(running.items()):
             if run.left > 0:
-                sock.send(encode(JobDelta(id=rid, text="x", tokens=delta_bytes)))
                 run.left -= 1
                 run.generated += 1
             if run.left == 0:

@@ -38,6 +38,7 @@ from protocol import (
     Cancel,
     ChatMessage,
     Delta,
+    Deltas,
     Detokenize,
     Error,
     ErrorCode,
@@ -385,20 +386,27 @@ class AsyncClient:
             msg = self._decoder.decode(frame)
             if isinstance(msg, Invalid):
                 log.warning("unreadable_reply", code=msg.code, reason=msg.reason)
-                continue
-            if msg.id is None and isinstance(msg, Error):
-                if len(self._queues) != 1:  # cannot tell whose frame it was: fail none of them
-                    log.warning("unattributed_error", code=msg.code, message=msg.message, waiting=len(self._queues))
-                    continue
-                (msg.id,) = self._queues  # the router could not read the frame of the one request waiting
-            rid = msg.id or ""
-            q = self._queues.get(rid)
-            if q is None or rid in self._cut:
-                continue
-            if q.qsize() >= self.max_buffered:
-                self._fall_behind(rid, q)
-                continue
-            q.put_nowait(msg)
+            elif isinstance(msg, Deltas):  # several requests' deltas (this client's submits say batch_deltas)
+                for delta in msg.items:
+                    self._take(delta)
+            else:
+                self._take(msg)
+
+    def _take(self, msg: Any) -> None:
+        """One reply to the queue of the request it answers."""
+        if msg.id is None and isinstance(msg, Error):
+            if len(self._queues) != 1:  # cannot tell whose frame it was: fail none of them
+                log.warning("unattributed_error", code=msg.code, message=msg.message, waiting=len(self._queues))
+                return
+            (msg.id,) = self._queues  # the router could not read the frame of the one request waiting
+        rid = msg.id or ""
+        q = self._queues.get(rid)
+        if q is None or rid in self._cut:
+            return
+        if q.qsize() >= self.max_buffered:
+            self._fall_behind(rid, q)
+            return
+        q.put_nowait(msg)
 
     def _fall_behind(self, rid: str, q: asyncio.Queue[Any]) -> None:
         """The reader of `rid` left max_buffered replies untaken: cancel it, and end what it will read with TooSlow
@@ -439,6 +447,8 @@ class AsyncClient:
 
     async def stream_submit(self, sub: Submit) -> AsyncGenerator[Delta | Result, None]:
         """Send a ready-made Submit (it must carry an id); yields each Delta, then the Result."""
+        if sub.stream and not sub.batch_deltas:  # this reader takes `deltas` messages apart (_read_loop)
+            sub = msgspec.structs.replace(sub, batch_deltas=True)
         assert sub.id is not None
         frame = encode_checked(sub, self.max_frame_bytes)
         q: asyncio.Queue[Any] = asyncio.Queue()

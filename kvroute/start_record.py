@@ -95,6 +95,17 @@ class StartRecord:
                 return int(signum)
         return None
 
+    def fault_frames(self, n: int = 8) -> list[str]:
+        """Where the previous start's crashing thread was, innermost first ("File ..., line N in f"), as its fault
+        handler wrote it: a native crash then names the Python call that reached it."""
+        try:
+            text = self.fault_path.read_text(errors="replace")
+        except OSError:
+            return []
+        _, current, rest = text.partition("Current thread")
+        block = (rest if current else text).split("\n\n")[0]
+        return [line.strip() for line in block.splitlines() if line.strip().startswith("File ")][:n]
+
     def crashes(self) -> tuple[int, str | None]:
         """Crashes at start so far (the previous start counted when it never finished), and the last one's reason."""
         data = self.read()

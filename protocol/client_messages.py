@@ -42,6 +42,7 @@ class Submit(Message, tag="submit", kw_only=True):
     n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1  # choices; they share the prompt's KV
     # the tenant: cached prefixes are shared only between requests with the same salt (vLLM's name)
     cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    batch_deltas: bool = False  # this client reads `deltas`: its requests' deltas of one moment in one message
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.tokens))
@@ -135,6 +136,13 @@ class Delta(Message, tag="delta", kw_only=True):
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens)
+
+
+class Deltas(Message, tag="deltas", kw_only=True):
+    """Several `delta`s for one client, in the order they were made: sent instead of each one alone to a client whose
+    `submit` said `batch_deltas` (a gateway streams many requests; the cost is per message more than per token)."""
+
+    items: list[Delta]
 
 
 class Choice(Struct, kw_only=True):
@@ -244,4 +252,4 @@ class MetricsReply(Message, tag="metrics_reply", kw_only=True):
     text: str
 
 
-RouterReply = Delta | Result | Error | StatusReply | Tokens | MetricsReply
+RouterReply = Delta | Deltas | Result | Error | StatusReply | Tokens | MetricsReply

@@ -145,6 +145,13 @@ class JobDelta(Message, tag="job_delta", kw_only=True):
         check_token_bytes("tokens", self.tokens)
 
 
+class JobDeltas(Message, tag="job_deltas", kw_only=True):
+    """The deltas of one engine step, of several jobs, in one message (a worker sends a step's single delta as a plain
+    JobDelta). Each job's deltas come before its JobDone or JobError."""
+
+    items: list[JobDelta]
+
+
 class JobDone(Message, tag="job_done", kw_only=True):
     """A job ended. The slot now holds `slot_tokens` tokens: the prompt plus the generated ones it kept."""
 
@@ -189,7 +196,7 @@ class JobError(Message, tag="job_error", kw_only=True):
     disk_dropped: list[NonNeg] = []
 
 
-WorkerToRouter = Hello | Heartbeat | JobDelta | JobDone | JobError
+WorkerToRouter = Hello | Heartbeat | JobDelta | JobDeltas | JobDone | JobError
 
 
 # ---- router -> worker -------------------------------------------------------------------------
@@ -198,6 +205,7 @@ WorkerToRouter = Hello | Heartbeat | JobDelta | JobDone | JobError
 class Accept(Message, tag="accept", kw_only=True):
     worker_id: WorkerId
     router_id: str = ""  # changes when the router restarts
+    features: list[str] = []  # what this router reads beyond version 1's first messages: "job_deltas"
 
 
 class Refuse(Message, tag="refuse", kw_only=True):

@@ -85,6 +85,7 @@ class Req:
     shift: Shift | None = None  # what --context-shift dropped from its messages (the result says so)
     pinned: str | None = None  # --policy round-robin: the worker it was sent to when it arrived
     salt: str = ""  # its tenant: a digest of its cache_salt (prefixes are shared only within a tenant)
+    batch_deltas: bool = False  # its client reads `deltas` messages (Submit.batch_deltas)
 
     def __post_init__(self) -> None:
         self.reply_to = self.client
@@ -121,7 +122,7 @@ class Req:
             sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + index) % (2**32 - 1))
         twin = Req(self.client, self.envelope, self.rid, sampling, self.stream, self.deadline, self.n, self.tokens, self.arrived)
         twin.constraint, twin.output, twin.index, twin.group = self.constraint, self.output, index, self.group
-        twin.salt = self.salt
+        twin.salt, twin.batch_deltas = self.salt, self.batch_deltas
         return twin
 
 

@@ -52,6 +52,7 @@ from kvroute import logs
 from protocol import (
     Accept,
     Choice,
+    Delta,
     Error,
     ErrorCode,
     FailedWorker,
@@ -59,6 +60,7 @@ from protocol import (
     Hello,
     JobCancel,
     JobDelta,
+    JobDeltas,
     JobDone,
     JobError,
     Refuse,
@@ -91,6 +93,7 @@ class Out:
     msg: Any
     envelope: tuple[bytes, ...] = ()
     worker: bool = False
+    batch: bool = False  # a Delta its client takes inside a `deltas` message with others (Submit.batch_deltas)
 
 
 class Scheduler:
@@ -123,7 +126,7 @@ class Scheduler:
 
     def _to_client(self, req: Req, msg: Any) -> None:
         if req.reply_to is not None:
-            self.outbox.append(Out(req.reply_to, msg, tuple(req.envelope)))
+            self.outbox.append(Out(req.reply_to, msg, tuple(req.envelope), batch=req.batch_deltas and isinstance(msg, Delta)))
 
     def _to_worker(self, conn: WorkerConn, msg: Any) -> None:
         self.outbox.append(Out(conn.identity, msg, worker=True))
@@ -255,7 +258,7 @@ class Scheduler:
         sampling = admission.capped(msg.sampling, self.cfg.max_tokens)
         # REQ sockets take exactly one reply per request: no deltas for them
         req = Req(identity, list(envelope), rid, sampling, msg.stream and not envelope, deadline, msg.n)
-        req.salt = tenant(msg.cache_salt)
+        req.salt, req.batch_deltas = tenant(msg.cache_salt), msg.batch_deltas
         self.requests[req.key] = req
         return req
 
@@ -325,10 +328,10 @@ class Scheduler:
             if msg.worker_id in self.workers:
                 self.worker_dead(msg.worker_id, f"new incarnation {msg.incarnation}")
             conn = self.table.join(msg)
-        self._to_worker(conn, Accept(worker_id=msg.worker_id, router_id=self.router_id))
+        self._to_worker(conn, Accept(worker_id=msg.worker_id, router_id=self.router_id, features=["job_deltas"]))
         self._pump()
 
-    def worker_message(self, identity: bytes, msg: Heartbeat | JobDelta | JobDone | JobError) -> None:
+    def worker_message(self, identity: bytes, msg: Heartbeat | JobDelta | JobDeltas | JobDone | JobError) -> None:
         """A message from a worker that said hello; one that did not is told to."""
         conn = self.workers.get(identity.decode("utf-8", "replace"))
         if conn is None or (isinstance(msg, Heartbeat) and msg.incarnation != conn.hello.incarnation):
@@ -340,6 +343,9 @@ class Scheduler:
             self.table.heartbeat(conn, msg)
         elif isinstance(msg, JobDelta):
             self._job_delta(conn, msg)
+        elif isinstance(msg, JobDeltas):  # one engine step's deltas
+            for delta in msg.items:
+                self._job_delta(conn, delta)
         elif isinstance(msg, JobDone):
             self._job_done(conn, msg)
         else:

@@ -49,6 +49,8 @@ from kvroute.vocab import Vocab
 from kvroute.weights import GGUFError, weights_fingerprint
 from protocol import (
     Cancel,
+    Delta,
+    Deltas,
     Detokenize,
     Error,
     ErrorCode,
@@ -85,6 +87,29 @@ CLOSE_LINGER_MS = 1000  # last replies (drain errors) get this long to leave whe
 TOKENIZE_INLINE_CHARS = 16 * 1024
 BACKLOG_MAX = 100_000  # messages kept for one peer that does not read
 BACKLOG_TIMEOUT_S = 30.0  # how long a peer may stay behind
+
+
+def batched(out: list[Out]) -> list[Out]:
+    """`out` with the Deltas a client takes together (Out.batch) joined into one `deltas` message per client, placed
+    where its first one was; the client's other messages keep their order after its deltas before them."""
+    if not any(o.batch for o in out):
+        return out
+    groups: dict[tuple[bytes, tuple[bytes, ...]], list[Delta]] = {}
+    order: list[Out | tuple[Out, list[Delta]]] = []
+    for o in out:
+        key = (o.to, o.envelope)
+        if o.batch:
+            if key not in groups:
+                groups[key] = []
+                order.append((o, groups[key]))  # filled as the loop goes on
+            groups[key].append(o.msg)
+        else:
+            if not o.worker:
+                groups.pop(key, None)  # this client's later deltas go after this message
+            order.append(o)
+    return [
+        o if isinstance(o, Out) else (o[0] if len(o[1]) == 1 else Out(o[0].to, Deltas(items=o[1]), o[0].envelope)) for o in order
+    ]
 
 
 def send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
@@ -267,7 +292,7 @@ class Router:
     def _flush(self) -> None:
         """Send what the core produced; a send that fails becomes the core's next event (and is flushed too)."""
         while out := self.core.take():
-            for o in out:
+            for o in batched(out):
                 key = (o.worker, o.to)
                 if key in self._backlog:
                     self._backlog[key].append(o)  # behind what already waits for this peer, in order

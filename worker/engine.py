@@ -72,6 +72,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._running = False
+        self.after_step: Callable[[], None] | None = None  # called on the compute thread after every step
 
     @property
     def progress(self) -> int:
@@ -200,6 +201,8 @@ class Engine:
             if not self._running:
                 break
             core.step()
+            if self.after_step is not None:
+                self.after_step()
 
     def _handle(self, kind: str, arg: Any) -> None:
         core = self.core

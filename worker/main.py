@@ -44,6 +44,8 @@ from protocol import (
     Invalid,
     Job,
     JobCancel,
+    JobDelta,
+    JobDeltas,
     JobError,
     Message,
     Refuse,
@@ -103,6 +105,9 @@ def checked_engine(cfg: WorkerConfig) -> Engine | None:
     at start too often with this build and model, and says so instead of trying again."""
     model = resolve_model(cfg.model)
     record = StartRecord(Path(cfg.start_record) if cfg.start_record else default_path(cfg.worker_id), identity(str(model)))
+    count, reason = record.crashes()
+    if count and (frames := record.fault_frames()):
+        log.error("previous_start_crashed", reason=reason, python_stack=frames)
     refusal = record.refusal()
     if refusal is not None:
         log.error("worker_start_refused", reason=refusal, start_record=str(record.path))
@@ -130,6 +135,10 @@ class WorkerServer:
         self.pull = self.zctx.socket(zmq.PULL)
         self.pull.bind(self.inproc)
         self._push = threading.local()
+        self._deltas: list[JobDelta] = []  # this step's, until the engine's after_step sends them together
+        self._deltas_lock = threading.Lock()
+        self.step_deltas = False  # the router reads job_deltas (its accept said so)
+        engine.after_step = self.flush_deltas
         self.decoder = router_to_worker_decoder()
         self.accepted = False
         self.ready_sent = False
@@ -146,12 +155,29 @@ class WorkerServer:
             self.weights = ""
 
     def sink(self, msg: Message) -> None:
-        """Called by the compute thread: hand an encoded message to the I/O thread."""
+        """Called by the compute thread: hand a message to the I/O thread. Deltas wait for the step's end
+        (`flush_deltas`): the router's cost is per message more than per token. A router that did not say it reads
+        `job_deltas` (an older one) gets each delta alone."""
+        if isinstance(msg, JobDelta) and self.step_deltas:
+            with self._deltas_lock:
+                self._deltas.append(msg)
+            return
+        self.flush_deltas()  # a job's deltas go before its JobDone or JobError
+        self._push_out(encode(msg))
+
+    def flush_deltas(self) -> None:
+        """The deltas of the step just made, as one message (one delta: a plain JobDelta)."""
+        with self._deltas_lock:
+            deltas, self._deltas = self._deltas, []
+        if deltas:
+            self._push_out(encode(deltas[0] if len(deltas) == 1 else JobDeltas(items=deltas)))
+
+    def _push_out(self, frame: bytes) -> None:
         sock = getattr(self._push, "sock", None)
         if sock is None:
             sock = self._push.sock = self.zctx.socket(zmq.PUSH)
             sock.connect(self.inproc)
-        sock.send(encode(msg))
+        sock.send(frame)
 
     def hello(self) -> Hello:
         llama = self.engine.llama
@@ -321,6 +347,7 @@ class WorkerServer:
                 if not self.told_held:  # the new router's mirror is empty: make it the truth
                     self.engine.reset()
             self.router_id, self.accepted = msg.router_id, True
+            self.step_deltas = "job_deltas" in msg.features
             if not self.ready_sent:  # model loaded and accepted: this worker can serve
                 self.ready_sent = True
                 notify(ready=True, status=self.status_line())

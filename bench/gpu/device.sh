@@ -5,7 +5,9 @@
 #
 # 1. builds the vendored llama.cpp once with CUDA (shared libraries for llama-cpp-python's package, and llama-server
 #    from the same tree), with kvroute's build rule (kvroute/build.py) plus -DGGML_CUDA=on for this one chip;
-# 2. then, in order of importance, each stage in its own log and cut at the deadline: `kvroute doctor --gpu 0`,
+#    (or unpacks the build an earlier session made, carried in .gpu/build/);
+# 2. then, in order of importance, each stage in its own log and cut at the deadline: which context settings the
+#    build survives (bench.gpu.context_probe), `kvroute doctor --gpu 0`,
 #    bench.gpu.smoke, llama.cpp alone (llama-batched-bench), throughput at 8/32/64 concurrent vs llama-server, the
 #    engine's time outside llama_decode, the agent workloads, the worker tests on the GPU, the long session;
 #    GPU_ONLY=REGEX runs only the stages it matches (and the build, a no-op on a machine that still has it);
@@ -44,7 +46,7 @@ grep -E "Driver Version|H100|H200|release" "$RES/machine.txt"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/.gpu/site:$PWD
 export KVROUTE_MODEL=/tmp/model.gguf
-python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.gpu/model.gguf.xz'), open('$KVROUTE_MODEL', 'wb'), 1 << 20)" &
+python3 -m bench.gpu.shaped_model --unpack .gpu/model.gguf.xz "$KVROUTE_MODEL" &
 MODEL_READY=$!
 
 # --- 1. build
@@ -58,8 +60,8 @@ print('export CFLAGS=' + shlex.quote(r.cflags) + ' CXXFLAGS=' + shlex.quote(r.cx
 for n in r.notes: print('echo ' + shlex.quote('build rule: ' + n))
 ")"
 log "cmake flags: $FLAGS -DBUILD_SHARED_LIBS=ON -DGGML_CUDA_NCCL=OFF $RULE; CFLAGS=$CFLAGS"
-if ls .gpu/build/build-* >/dev/null 2>&1; then # an earlier session's build, carried back (see the end)
-  mkdir -p /tmp/b/bin && cat .gpu/build/build-* | xz -d | tar xf - -C /tmp/b/bin && log "build: carried, not rebuilt"
+if ls .gpu/build/* >/dev/null 2>&1; then # an earlier session's build, carried (bench/gpu/pack.sh)
+  mkdir -p /tmp/b/bin && cat .gpu/build/* | xz -d | tar xf - -C /tmp/b/bin && log "build: carried, not rebuilt"
 fi
 if [ ! -x /tmp/b/bin/llama-server ]; then
   TAIL=3 stage build 480 bash -c "cmake -S .gpu/llama.cpp -B /tmp/b -G Ninja $FLAGS -DBUILD_SHARED_LIBS=ON \
@@ -77,6 +79,7 @@ mkdir -p .gpu/site/llama_cpp/lib && cp -a /tmp/b/bin/*.so* .gpu/site/llama_cpp/l
 export KVROUTE_LLAMA_SERVER=/tmp/b/bin/llama-server
 
 # --- 2. the GPU path
+TAIL=40 stage context-probe 120 python3 -m bench.gpu.context_probe --gpu 0
 TAIL=14 stage doctor 60 python3 -m commands.cli doctor --gpu 0
 TAIL=40 stage smoke 120 python3 -m bench.gpu.smoke --gpu 0
 TAIL=12 stage llama-alone 60 /tmp/b/bin/llama-batched-bench -m "$KVROUTE_MODEL" -c 32768 -b 2048 -ub 512 \

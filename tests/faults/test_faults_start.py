@@ -48,6 +48,10 @@ def test_a_worker_crashing_at_start_stops_after_the_limit_and_the_other_worker_s
     crashed = [e for e in events if e.get("event") == "worker_crashed_at_start"]
     assert len(crashed) == CRASH_LIMIT and all(e["worker"] == "cpu1" and e["returncode"] == -11 for e in crashed)
     assert sum(e.get("event") == "worker_spawned" and e.get("worker") == "cpu1" for e in events) == CRASH_LIMIT + 1
+    # each start after a crash names the Python call the crash happened under (the fault handler's dump)
+    previous = [e for e in events if e.get("event") == "previous_start_crashed"]
+    assert len(previous) == CRASH_LIMIT and all(e["process"] == "worker-cpu1" for e in previous)
+    assert all("faults.py" in e["python_stack"][0] and "at_start" in e["python_stack"][0] for e in previous)
 
 
 def test_with_no_worker_left_health_and_requests_get_the_reason(tmp_path):

@@ -173,6 +173,17 @@ EXAMPLES: list[Example] = [
     # ---- router -> client
     Example("delta", "router_reply", p.Delta(id="req-1", text=" Paris", tokens=p.pack_tokens(FIRST)), {"tokens": FIRST}),
     Example(
+        "deltas",
+        "router_reply",
+        p.Deltas(
+            items=[
+                p.Delta(id="req-1", text=" Paris", tokens=p.pack_tokens(FIRST)),
+                p.Delta(id="req-2", text=" Rome", tokens=p.pack_tokens(FIRST)),
+            ]
+        ),
+        {},  # (the token ids are in each item's `tokens`)
+    ),
+    Example(
         "tokens",
         "router_reply",
         p.Tokens(id="tok-2", tokens=p.pack_tokens(FIRST), text=" Paris", pieces=[b" Paris"]),
@@ -375,6 +386,17 @@ EXAMPLES: list[Example] = [
         {"tokens": FIRST},
     ),
     Example(
+        "job_deltas",
+        "worker_to_router",
+        p.JobDeltas(
+            items=[
+                p.JobDelta(id="req-1", text=" Paris", tokens=p.pack_tokens(FIRST)),
+                p.JobDelta(id="req-2", text=" Rome", tokens=p.pack_tokens(FIRST)),
+            ]
+        ),
+        {},  # (the token ids are in each item's `tokens`)
+    ),
+    Example(
         "job_done",
         "worker_to_router",
         p.JobDone(
@@ -412,7 +434,7 @@ EXAMPLES: list[Example] = [
         {},
     ),
     # ---- router -> worker
-    Example("accept", "router_to_worker", p.Accept(worker_id="w0", router_id="r-5f2c"), {}),
+    Example("accept", "router_to_worker", p.Accept(worker_id="w0", router_id="r-5f2c", features=["job_deltas"]), {}),
     Example(
         "refuse",
         "router_to_worker",
