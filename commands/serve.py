@@ -143,7 +143,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_args(parser, RouterConfig)
     add_args(parser, LocalWorkers)
     add_args(parser, SupervisorConfig)
-    add_args(parser, HttpConfig, skip=("router", "model_name", "curve_key", "router_key", "max_frame_bytes"))
+    add_args(parser, HttpConfig, skip=("router", "model_name", "curve_key", "router_key", "max_frame_bytes", "processes"))
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=0,
+        help="HTTP processes serving --http together (SO_REUSEPORT); 0, the default: as the machine allows (one with "
+        "CPU workers, whose llama.cpp takes every core; with GPU workers one per 4 cores the router and the workers "
+        "leave, at most 8)",
+    )
+
+
+def auto_http_processes(cores: int, gpus: int) -> int:
+    """`serve --processes 0`. CPU workers run llama.cpp on every core, so one process; with GPU workers, one per 4
+    cores left after the router's one and 2 per worker (a gateway process streams about 20,000 tokens/s on a core:
+    bench/README.md, "The token path"), at most 8."""
+    if gpus == 0:
+        return 1
+    return max(1, min(8, (cores - 1 - 2 * gpus) // 4))
 
 
 def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfig | None:
@@ -161,7 +178,7 @@ def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfi
         max_body_bytes=args.max_body_bytes,
         max_frame_bytes=router_cfg.max_frame_bytes,
         stream_stall_s=args.stream_stall_s,
-        processes=args.processes,
+        processes=args.processes or auto_http_processes(os.cpu_count() or 1, len(LocalWorkers(gpus=args.gpus).gpu_list())),
         temp=args.temp,
         top_k=args.top_k,
         top_p=args.top_p,

@@ -399,7 +399,7 @@ def message_body(result: Result, model: str) -> dict[str, Any]:
 
 
 def sse(event: str, data: dict[str, Any]) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    return b"event: " + event.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
 
 
 async def message_events(messages: AsyncIterator[Delta | Result], rid: str, model: str) -> AsyncIterator[bytes]:

@@ -6,7 +6,6 @@ kvroute cannot serve, is a 400 naming the field (`param`); hints are served, log
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import AsyncIterator
@@ -416,7 +415,7 @@ def now() -> int:
 
 
 def sse_chunk(body: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"  # (one per token: msgspec is ~5x json's speed)
 
 
 async def openai_events(

@@ -457,7 +457,7 @@ async def response_events(
         nonlocal seq
         data = {"type": kind, "sequence_number": seq, **fields}
         seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+        return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
 
     base = envelope(rid, model, asked, created)
     yield event("response.created", response=base)

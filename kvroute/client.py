@@ -433,10 +433,14 @@ class AsyncClient:
         await self.close()
 
     async def _next(self, q: asyncio.Queue[Any]) -> Any:
-        try:
-            msg = await asyncio.wait_for(q.get(), self.timeout_s)
-        except TimeoutError:
-            raise TimeoutError(f"no reply from the router at {self.endpoint} in {self.timeout_s:g} s") from None
+        if not q.empty():  # (a reply per token: a timer for each would cost more than the rest of the path)
+            msg = q.get_nowait()
+        else:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    msg = await q.get()
+            except TimeoutError:
+                raise TimeoutError(f"no reply from the router at {self.endpoint} in {self.timeout_s:g} s") from None
         if isinstance(msg, Error):
             raise error_from(msg)
         return msg

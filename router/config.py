@@ -101,6 +101,12 @@ class RouterConfig:
     drain_timeout_s: float = opt(
         30.0, "on SIGTERM: new requests get `draining`; accepted ones get this long to finish, then an error"
     )
+    alive_file: str | None = opt(
+        None,
+        "a file touched every few seconds by the router's event loop (as systemd's watchdog is pinged): a liveness "
+        "probe where there is no systemd, e.g. Kubernetes (deploy/kubernetes)",
+        metavar="FILE",
+    )
     curve_key: str | None = opt(None, "the router's CurveZMQ key file (secret; `kvroute keys generate`)", metavar="FILE")
     client_keys: str | None = opt(
         None, "directory of client public keys (*.pub) allowed on the client socket; enables CURVE there", metavar="DIR"

@@ -132,6 +132,12 @@ class WorkerConfig:
     )
     curve_key: str | None = opt(None, "this worker's CurveZMQ key file (secret; `kvroute keys generate`)", metavar="FILE")
     router_key: str | None = opt(None, "the router's public key file (.pub); with --curve-key: CURVE", metavar="FILE")
+    alive_file: str | None = opt(
+        None,
+        "a file touched every few seconds while the engine is idle or making progress (as systemd's watchdog is "
+        "pinged): a liveness probe where there is no systemd, e.g. Kubernetes (deploy/kubernetes)",
+        metavar="FILE",
+    )
     start_record: str | None = opt(
         None,
         "file recording this worker's starts, so that a llama.cpp crashing at start is seen and not started again "

@@ -63,6 +63,7 @@ BEAT_S = 1.0
 POLL_S = 0.1
 EXIT_REFUSED = 3
 PERSIST_S = 30.0  # on a graceful stop, the disk tier's writes get this long
+ALIVE_S = 5.0  # --alive-file is touched this often (a probe allows several times more)
 HELD_WAIT_S = 2.0  # a hello waits this long for the compute thread to say what the slots hold, then says "unknown"
 
 
@@ -217,11 +218,14 @@ class WorkerServer:
         )
 
     def watchdog(self) -> None:
-        """systemd's WATCHDOG=1, but only while the engine is idle or has stepped since the last one: a compute
-        thread stuck in llama_decode stops the pings, and systemd restarts the worker (WatchdogSec=)."""
+        """systemd's WATCHDOG=1 (and --alive-file touched), but only while the engine is idle or has stepped since the
+        last one: a compute thread stuck in llama_decode stops the pings, and systemd (WatchdogSec=) or a liveness
+        probe restarts the worker."""
         progress = self.engine.progress
         if progress != self.watched_progress or not self.engine.working():
             notify(watchdog=True)
+            if self.cfg.alive_file:
+                Path(self.cfg.alive_file).touch()
         else:
             log.warning("watchdog_withheld", reason="jobs are running and the engine made no progress", progress=progress)
         self.watched_progress = progress
@@ -282,7 +286,7 @@ class WorkerServer:
         log.info("worker_started", endpoint=self.cfg.connect, slots=self.cfg.slots, ctx_per_slot=self.engine.n_ctx)
         next_beat = 0.0
         drain_deadline: float | None = None
-        watchdog_s = watchdog_interval_s()
+        watchdog_s = watchdog_interval_s() or (ALIVE_S if self.cfg.alive_file else None)
         next_watchdog = 0.0
         try:
             while True:

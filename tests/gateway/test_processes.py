@@ -114,3 +114,27 @@ def test_serve_runs_its_http_api_in_as_many_processes_and_stops_them_on_sigterm(
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.parametrize(
+    ("cores", "gpus", "processes"),
+    [(2, 0, 1), (64, 0, 1), (16, 1, 3), (16, 4, 1), (64, 8, 8), (128, 8, 8), (8, 1, 1)],
+)
+def test_serve_takes_http_processes_as_the_machine_allows(cores: int, gpus: int, processes: int) -> None:
+    """CPU workers take every core (one HTTP process); GPU workers leave cores: one process per 4 of them, at most 8."""
+    from commands.serve import auto_http_processes
+
+    assert auto_http_processes(cores, gpus) == processes
+
+
+def test_serve_processes_0_is_the_machines_rule_and_a_number_is_kept() -> None:
+    import argparse
+
+    from commands.serve import add_arguments, http_config
+    from router.config import RouterConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    auto = http_config(parser.parse_args([]), RouterConfig())
+    assert auto is not None and auto.processes == 1  # this machine's CPU workers
+    assert http_config(parser.parse_args(["--processes", "3"]), RouterConfig()).processes == 3  # type: ignore[union-attr]

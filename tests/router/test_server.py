@@ -354,3 +354,17 @@ def test_a_client_that_stops_reading_gets_every_message_in_order_when_it_reads_a
     assert deltas == n and not rt.router._backlog and rt.router.metrics.peers_cut == 0
     for x in (slow, other, w):
         x.close()
+
+
+def test_the_alive_file_is_touched_by_the_event_loop(vocab, tmp_path):
+    """--alive-file: a liveness probe's signal where there is no systemd watchdog (deploy/kubernetes)."""
+    cep, wep = endpoints()
+    alive = tmp_path / "alive"
+    rt = start_router(RouterConfig(client_endpoint=cep, worker_endpoint=wep, alive_file=str(alive)), vocab)
+    try:
+        deadline = time.monotonic() + 5
+        while not alive.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert alive.exists()
+    finally:
+        rt.stop()
