@@ -27,7 +27,7 @@ def test_repeats_rotate_the_systems_and_pair_up(monkeypatch, tmp_path: Path) -> 
         return {"samples": [], "figures": figures, "load_average": [0.1, 0.2]}
 
     monkeypatch.setattr(bench_run, "measure_once", fake)
-    args = argparse.Namespace(repeats=3, ctx_per_slot=2048, model="m", threads=2, workers=1, slots=4, kvroute_flags="")
+    args = argparse.Namespace(repeats=3, ctx_per_slot=2048, model="m", threads=2, workers=1, slots=4, kvroute_flags="", gpu=None)
     args.cold_long_session = False
     sizes = Sizes(requests=2, prompt_tokens=20)
     run: dict = {"workloads": {}}

@@ -256,7 +256,7 @@ def test_scale_out_goals_pair_repeats_and_fail_on_errors() -> None:
 
 def args(**kw: object) -> argparse.Namespace:
     base = {"repeats": 1, "ctx_per_slot": 2048, "model": "m", "threads": 2, "workers": 1, "slots": 4}
-    ns = argparse.Namespace(**{**base, "kvroute_flags": "", "cold_long_session": False, "systems": None, **kw})
+    ns = argparse.Namespace(**{**base, "kvroute_flags": "", "gpu": None, "cold_long_session": False, "systems": None, **kw})
     return ns
 
 
