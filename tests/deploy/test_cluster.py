@@ -1,6 +1,9 @@
 """A deployment in miniature, with the real model: `kvroute router` with CURVE on both sockets and two
 real `kvroute worker` processes (2 slots, 1 thread each), each in its own network namespace joined to
 the router by a veth pair in a private test subnet, all started with NOTIFY_SOCKET like systemd does.
+Where `kubectl` is installed, the router and the workers are started with the arguments, environment and settings
+file that deploy/kubernetes gives them (its cpu overlay), their paths and endpoints mapped to this test's and the
+sizes cut to fit, so that the manifests run what is tested here.
 
 One set of processes serves every test here: READY/STATUS notifications, workers in namespaces reaching
 the router over TCP, CURVE (allowed worker and client in; wrong key and no key out), and last, SIGTERM
@@ -10,6 +13,7 @@ same processes run on loopback and only the namespace test is skipped, with the 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -19,17 +23,19 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 import zmq
 
 from kvroute.client import secure_client_socket
 from kvroute.keys import generate, read_key
-from kvroute.model import resolve_model
+from kvroute.model import cache_dir, resolve_model
 from kvroute.vocab import Vocab
 from protocol import (
     Delta,
@@ -47,6 +53,9 @@ from protocol import (
 pytestmark = pytest.mark.model
 
 KVROUTE = str(Path(sys.executable).parent / "kvroute")
+KUBE_OVERLAY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "overlays" / "cpu"
+ROUTER_SIZES = ["--busy-wait-ms", "0", "--hold-ms", "0"]
+WORKER_SIZES = ["--slots", "2", "--ctx-per-slot", "512", "--threads", "1", "--drain-timeout-s", "60"]
 SUBNET = "10.231"  # 10.231.1.0/24 for namespace a, 10.231.2.0/24 for namespace b; checked unused first
 
 
@@ -179,6 +188,7 @@ class Cluster:
     client_ep: str
     worker_ep: str
     keys: dict[str, Path]
+    manifests: Manifests | None = None  # what the router and workers were started with (None: this test's own flags)
     router: subprocess.Popen[bytes] | None = None
     workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     notify: dict[str, NotifyListener] = field(default_factory=dict)
@@ -189,11 +199,58 @@ class Cluster:
     def client(self) -> Peer:
         return Peer(self.client_ep, key=self.keys["client.key"], router_pub=self.keys["router.pub"])
 
-    def start(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+    def start(self, name: str, cmd: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         self.notify[name] = NotifyListener(self.tmp / f"{name}.notify")
-        env = dict(os.environ, NOTIFY_SOCKET=self.notify[name].path, KVROUTE_LOG_FORMAT="json")
+        env = {**os.environ, "KVROUTE_LOG_FORMAT": "json", **(env_extra or {}), "NOTIFY_SOCKET": self.notify[name].path}
         with open(self.tmp / f"{name}.log", "wb") as log:
             return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+
+
+@dataclass
+class Manifests:
+    """The router's and the workers' containers as deploy/kubernetes runs them: arguments, plain environment, and
+    the settings file of its ConfigMap."""
+
+    router: list[str]
+    worker: list[str]
+    env: dict[str, str]
+    settings: dict[str, Any]
+
+    @classmethod
+    def read(cls) -> Manifests | None:
+        if shutil.which("kubectl") is None:
+            return None
+        out = subprocess.run(["kubectl", "kustomize", str(KUBE_OVERLAY)], capture_output=True, text=True, timeout=60, check=True)
+        docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+        containers = {
+            d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0] for d in docs if "template" in d.get("spec", {})
+        }
+        router, worker = containers["kvroute-router"], containers["kvroute-worker"]
+        env = {e["name"]: e["value"] for c in (router, worker) for e in c.get("env", []) if "value" in e}
+        (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
+        return cls(router["args"], worker["args"], env, tomllib.loads(config["data"]["kvroute.toml"]))
+
+    def command(self, args: list[str], paths: dict[str, str]) -> list[str]:
+        """The container's arguments with this test's paths: every absolute path and $(VAR) must have one."""
+        out = []
+        for a in args:
+            if a.startswith("/") or a.startswith("$("):
+                assert a in paths, f"the manifests use {a}, which this test does not provide"
+                a = paths[a]
+            out.append(a)
+        return [KVROUTE, *out]
+
+    def write_settings(self, path: Path, values: dict[str, str]) -> None:
+        """The ConfigMap's settings file with this test's paths and endpoints (each one must have a value here)."""
+        lines = []
+        for table, settings in self.settings.items():
+            lines.append(f"[{table}]")
+            for key, value in settings.items():
+                if isinstance(value, str) and (value.startswith("/") or "://" in value):
+                    assert value in values, f"the manifests' [{table}] {key} = {value!r} has no value in this test"
+                    value = values[value]
+                lines.append(f"{key} = {json.dumps(value)}")
+        path.write_text("\n".join(lines) + "\n")
 
 
 def make_keys(tmp: Path) -> dict[str, Path]:
@@ -221,26 +278,47 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             netns, reason = None, f"network namespaces cannot be created here: {detail}"
     host = netns.router_addr if netns else "127.0.0.1"
     c = Cluster(tmp, netns, reason, f"tcp://127.0.0.1:{free_port()}", f"tcp://{host}:{free_port()}", make_keys(tmp))
+    c.manifests = m = Manifests.read()
     try:
-        c.router = c.start(
-            "router",
-            [
-                KVROUTE, "router", "--zmq", c.client_ep, "--worker-endpoint", c.worker_ep,
-                "--curve-key", str(c.keys["router.key"]), "--worker-keys", str(tmp / "workers"),
-                "--client-keys", str(tmp / "clients"), "--busy-wait-ms", "0", "--hold-ms", "0",
-            ],
-        )  # fmt: skip
+        if m is not None:  # as deploy/kubernetes starts them
+            values = {
+                "tcp://0.0.0.0:5555": c.client_ep, "tcp://0.0.0.0:5556": c.worker_ep,
+                "tcp://kvroute-router:5556": c.worker_ep, "/etc/kvroute/keys/router.key": str(c.keys["router.key"]),
+                "/etc/kvroute/workers": str(tmp / "workers"), "/etc/kvroute/clients": str(tmp / "clients"),
+                "/etc/kvroute/keys/router.pub": str(c.keys["router.pub"]),
+                "/etc/kvroute/keys/worker.key": str(c.keys["wa.key"]),  # (each worker's own --curve-key wins)
+            }  # fmt: skip
+            m.write_settings(tmp / "kvroute.toml", values)
+            env = {k: str(cache_dir()) if v == "/var/cache/kvroute" else v for k, v in m.env.items()}
+            paths = {"/etc/kvroute/kvroute.toml": str(tmp / "kvroute.toml"), "/tmp/alive": str(tmp / "alive-router")}
+            c.router = c.start("router", [*m.command(m.router, paths), *ROUTER_SIZES], env)
+        else:
+            c.router = c.start(
+                "router",
+                [
+                    KVROUTE, "router", "--zmq", c.client_ep, "--worker-endpoint", c.worker_ep,
+                    "--curve-key", str(c.keys["router.key"]), "--worker-keys", str(tmp / "workers"),
+                    "--client-keys", str(tmp / "clients"), *ROUTER_SIZES,
+                ],
+            )  # fmt: skip
         c.notify["router"].wait_for("READY=1", 60, c.router)
         for i, wid in enumerate(("wa", "wb")):
             prefix = ["ip", "netns", "exec", netns.names[i]] if netns else []
-            c.workers[wid] = c.start(
-                wid,
-                [
-                    *prefix, KVROUTE, "worker", "--connect", c.worker_ep, "--worker-id", wid,
-                    "--curve-key", str(c.keys[f"{wid}.key"]), "--router-key", str(c.keys["router.pub"]),
-                    "--slots", "2", "--ctx-per-slot", "512", "--threads", "1", "--drain-timeout-s", "60",
-                ],
-            )  # fmt: skip
+            own = ["--curve-key", str(c.keys[f"{wid}.key"])]
+            if m is not None:
+                paths = {
+                    "/etc/kvroute/kvroute.toml": str(tmp / "kvroute.toml"), "$(POD_NAME)": wid,
+                    "/var/cache/kvroute/disk": str(tmp / f"disk-{wid}"), "/tmp/alive": str(tmp / f"alive-{wid}"),
+                }  # fmt: skip
+                c.workers[wid] = c.start(wid, [*prefix, *m.command(m.worker, paths), *own, *WORKER_SIZES], env)
+            else:
+                c.workers[wid] = c.start(
+                    wid,
+                    [
+                        *prefix, KVROUTE, "worker", "--connect", c.worker_ep, "--worker-id", wid,
+                        "--router-key", str(c.keys["router.pub"]), *own, *WORKER_SIZES,
+                    ],
+                )  # fmt: skip
         for wid, proc in c.workers.items():
             c.notify[wid].wait_for("READY=1", 180, proc)
         yield c
@@ -287,6 +365,17 @@ def test_router_and_workers_send_ready_and_status(cluster: Cluster) -> None:
         line = cluster.notify[wid].wait_for("STATUS=slots", 10)
         assert "/2 busy" in line and "jobs done" in line
         assert '"event": "accepted"' in cluster.log(wid)
+
+
+def test_the_processes_ran_as_the_kubernetes_manifests_start_them(cluster: Cluster) -> None:
+    if cluster.manifests is None:
+        pytest.skip("kubectl is not installed: the processes ran with this test's own flags")
+    # the liveness probes' files (--alive-file), touched by the router's loop and by each idle or stepping engine
+    for name in ("router", "wa", "wb"):
+        alive = cluster.tmp / f"alive-{name}"
+        assert alive.exists() and time.time() - alive.stat().st_mtime < 30, name
+    for wid in ("wa", "wb"):  # each worker's disk tier in its own volume (--cache-dir)
+        assert (cluster.tmp / f"disk-{wid}").is_dir()
 
 
 def test_workers_in_namespaces_reach_the_router_over_tcp(cluster: Cluster) -> None:
