@@ -20,7 +20,12 @@ class HttpConfig:
     http: str = opt(
         "127.0.0.1:8000", "HOST:PORT the HTTP API listens on (loopback by default; 'off' in serve: none)", metavar="HOST:PORT"
     )
-    router: str = opt("tcp://127.0.0.1:5555", "the router's client endpoint", metavar="ENDPOINT")
+    router: str = opt(
+        "tcp://127.0.0.1:5555",
+        "the router's client endpoint; several, comma-separated: when the connection to the one in use drops, the next "
+        "(a request whose output had not begun is sent there again; one whose output had begun fails, router_lost)",
+        metavar="ENDPOINT",
+    )
     model_name: str = opt("default", "model name listed by /v1/models (kvroute serve sets it from the GGUF)")
     alias: str = opt("", "more names /v1/models lists for the model (comma-separated)", metavar="NAMES")
     strict_model_name: bool = opt(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import os
 import time
@@ -31,6 +32,7 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from kvroute import logs
 from protocol import (
@@ -357,7 +359,9 @@ class AsyncClient:
         max_frame_bytes: int = MAX_FRAME_BYTES,
         max_buffered: int = MAX_BUFFERED,
     ) -> None:
-        self.endpoint = endpoint
+        # several routers, comma-separated: one is used; when its connection drops, the next one (see _fail_over)
+        self.endpoints = [e.strip() for e in endpoint.split(",") if e.strip()] or [endpoint]
+        self.endpoint = self.endpoints[0]
         self.curve = (curve_key, router_key)
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
@@ -366,8 +370,10 @@ class AsyncClient:
         self._decoder = router_reply_decoder()
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._cut: set[str] = set()  # requests cancelled because their reader fell behind
+        self._unanswered: dict[str, bytes] = {}  # frames of requests no reply has come for yet: sent again on failover
         self._sock = self._connect()
         self._reader: asyncio.Task[None] | None = None
+        self._watcher: asyncio.Task[None] | None = None
 
     def _connect(self) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -379,6 +385,42 @@ class AsyncClient:
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        if len(self.endpoints) > 1 and (self._watcher is None or self._watcher.done()):
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """With several routers: when the connection to the one in use drops (its process died), move to the next."""
+        sock = self._sock
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                event = zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and sock is self._sock:
+                    self._fail_over()
+                    return
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            monitor.close(0)
+
+    def _fail_over(self) -> None:
+        """Move to the next router. A request no reply has come for is sent there again (a router places a request
+        once, so it ran nowhere else); one whose output had begun ends with `router_lost`."""
+        lost = self.endpoint
+        old, self.endpoint = self._sock, self.endpoints[(self.endpoints.index(lost) + 1) % len(self.endpoints)]
+        log.warning("router_lost", endpoint=lost, next=self.endpoint, resent=len(self._unanswered))
+        self._sock = self._connect()
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        old.close(0)
+        message = f"the router at {lost} stopped answering after this request's output began; it was not sent again"
+        for rid, q in list(self._queues.items()):
+            if rid in self._unanswered:
+                self._send_soon_frame(self._unanswered[rid])
+            else:
+                q.put_nowait(Error(id=rid, code=ErrorCode.ROUTER_LOST, message=message))
+        self._ensure_reader()
 
     async def _read_loop(self) -> None:
         while True:
@@ -400,6 +442,7 @@ class AsyncClient:
                 return
             (msg.id,) = self._queues  # the router could not read the frame of the one request waiting
         rid = msg.id or ""
+        self._unanswered.pop(rid, None)
         q = self._queues.get(rid)
         if q is None or rid in self._cut:
             return
@@ -418,12 +461,16 @@ class AsyncClient:
         self._send_soon(Cancel(id=rid))
 
     def _send_soon(self, msg: Any) -> None:
-        fut = typing.cast("asyncio.Future[Any]", self._sock.send(encode(msg)))  # done at once unless a send is pending
+        self._send_soon_frame(encode(msg))
+
+    def _send_soon_frame(self, frame: bytes) -> None:
+        fut = typing.cast("asyncio.Future[Any]", self._sock.send(frame))  # done at once unless a send is pending
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def close(self) -> None:
-        if self._reader:
-            self._reader.cancel()
+        for task in (self._reader, self._watcher):
+            if task:
+                task.cancel()
         self._sock.close(0)
 
     async def __aenter__(self) -> AsyncClient:
@@ -457,6 +504,7 @@ class AsyncClient:
         frame = encode_checked(sub, self.max_frame_bytes)
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[sub.id] = q
+        self._unanswered[sub.id] = frame
         self._ensure_reader()
         done = False
         try:
@@ -473,6 +521,7 @@ class AsyncClient:
             raise
         finally:
             self._queues.pop(sub.id, None)
+            self._unanswered.pop(sub.id, None)
             self._cut.discard(sub.id)
             if not done:
                 await self._sock.send(encode(Cancel(id=sub.id)))
@@ -509,9 +558,11 @@ class AsyncClient:
         frame = encode_checked(msg, self.max_frame_bytes)
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[msg.id] = q
+        self._unanswered[msg.id] = frame
         self._ensure_reader()
         try:
             await self._sock.send(frame)
             return await self._next(q)
         finally:
             self._queues.pop(msg.id, None)
+            self._unanswered.pop(msg.id, None)
