@@ -94,7 +94,7 @@ class WorkerConfig:
     threads: int = opt(os.cpu_count() or 1, "CPU threads for llama.cpp")
     n_batch: int = opt(512, "most prompt tokens computed in one engine step (chunked prefill)")
     gpu: int | None = opt(
-        env_gpu(), f"GPU index to pin the model and context to (one GPU); default: ${GPU_ENV}, else CPU", metavar="I"
+        None, f"GPU index to pin the model and context to (one GPU); default: ${GPU_ENV}, else CPU", metavar="I"
     )
     n_gpu_layers: int | None = n_gpu_layers_opt("--gpu")
     connect: str = opt("tcp://127.0.0.1:5556", "router's worker endpoint to connect to")
@@ -146,6 +146,8 @@ class WorkerConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.gpu is None and (gpu := env_gpu()) is not None:  # (read here: a bad value is a usage error, not a crash)
+            object.__setattr__(self, "gpu", gpu)
         if self.slots < 1 or self.slots > 256:
             raise ValueError(f"slots must be in 1..256, got {self.slots}")
         if self.ctx_per_slot != 0 and self.ctx_per_slot < 16:

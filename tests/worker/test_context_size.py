@@ -129,6 +129,18 @@ def test_kvroute_gpu_that_is_not_an_index_is_refused_naming_it(monkeypatch: pyte
     monkeypatch.setenv(GPU_ENV, "cuda:0")
     with pytest.raises(ValueError, match=r"\$KVROUTE_GPU must be a GPU index"):
         env_gpu()
+    with pytest.raises(ValueError, match=r"\$KVROUTE_GPU must be a GPU index"):
+        WorkerConfig()  # (when a worker's settings are made, not when the module is imported)
+    out = subprocess.run([sys.executable, "-m", "commands.cli", "worker", "--connect", "tcp://127.0.0.1:1"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, GPU_ENV: "cuda:0"})  # fmt: skip
+    assert out.returncode != 0 and out.stderr.strip().splitlines() == [
+        "kvroute worker: error: $KVROUTE_GPU must be a GPU index (0, 1, ...), got 'cuda:0'"
+    ]
+
+
+def test_kvroute_gpu_is_the_gpu_of_a_worker_that_names_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(GPU_ENV, "1")
+    assert WorkerConfig().gpu == 1 and WorkerConfig(gpu=0).gpu == 0
 
 
 def test_llama_devices_are_read_from_the_build_in_use() -> None:
