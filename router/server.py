@@ -36,7 +36,6 @@ import time
 import typing
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -45,7 +44,7 @@ import zmq.asyncio
 from chat.request import ChatFormat
 from chat.template import ChatTemplate
 from kvroute import logs
-from kvroute.notify import notify, watchdog_interval_s
+from kvroute.notify import alive, notify, watchdog_interval_s
 from kvroute.vocab import Vocab
 from kvroute.weights import GGUFError, weights_fingerprint
 from protocol import (
@@ -88,9 +87,6 @@ CLOSE_LINGER_MS = 1000  # last replies (drain errors) get this long to leave whe
 TOKENIZE_INLINE_CHARS = 16 * 1024
 BACKLOG_MAX = 100_000  # messages kept for one peer that does not read
 BACKLOG_TIMEOUT_S = 30.0  # how long a peer may stay behind
-
-
-ALIVE_S = 5.0  # --alive-file is touched this often (a probe allows several times more)
 
 
 def batched(out: list[Out]) -> list[Out]:
@@ -163,7 +159,7 @@ class Router:
         self._worker_decoder = worker_to_router_decoder()
         self._drain_deadline = 0.0
         self._next_status = 0.0
-        self._watchdog_s = watchdog_interval_s() or (ALIVE_S if cfg.alive_file else None)
+        self._watchdog_s = watchdog_interval_s(cfg.alive_file)
         self._next_watchdog = 0.0
         # long texts are tokenized here, so that the event loop keeps serving (llama_tokenize releases the GIL)
         self._tokenizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvroute-tokenize")
@@ -499,6 +495,4 @@ class Router:
             notify(status=self.core.status_line())
         if self._watchdog_s is not None and now >= self._next_watchdog:
             self._next_watchdog = now + self._watchdog_s
-            notify(watchdog=True)
-            if self.cfg.alive_file:  # (the event loop runs ticks: a stuck loop stops touching it)
-                Path(self.cfg.alive_file).touch()
+            alive(self.cfg.alive_file)  # (from a tick of the event loop: a stuck loop says nothing)

@@ -31,7 +31,7 @@ from kvroute import logs
 from kvroute.client import secure_client_socket
 from kvroute.config import UsageError, add_args, from_args
 from kvroute.model import resolve_model
-from kvroute.notify import notify, watchdog_interval_s
+from kvroute.notify import alive, notify, watchdog_interval_s
 from kvroute.start_record import START_FAILED_EXIT, StartRecord, default_path
 from kvroute.weights import GGUFError, weights_fingerprint
 from protocol import (
@@ -63,7 +63,6 @@ BEAT_S = 1.0
 POLL_S = 0.1
 EXIT_REFUSED = 3
 PERSIST_S = 30.0  # on a graceful stop, the disk tier's writes get this long
-ALIVE_S = 5.0  # --alive-file is touched this often (a probe allows several times more)
 HELD_WAIT_S = 2.0  # a hello waits this long for the compute thread to say what the slots hold, then says "unknown"
 
 
@@ -223,9 +222,7 @@ class WorkerServer:
         probe restarts the worker."""
         progress = self.engine.progress
         if progress != self.watched_progress or not self.engine.working():
-            notify(watchdog=True)
-            if self.cfg.alive_file:
-                Path(self.cfg.alive_file).touch()
+            alive(self.cfg.alive_file)
         else:
             log.warning("watchdog_withheld", reason="jobs are running and the engine made no progress", progress=progress)
         self.watched_progress = progress
@@ -286,7 +283,7 @@ class WorkerServer:
         log.info("worker_started", endpoint=self.cfg.connect, slots=self.cfg.slots, ctx_per_slot=self.engine.n_ctx)
         next_beat = 0.0
         drain_deadline: float | None = None
-        watchdog_s = watchdog_interval_s() or (ALIVE_S if self.cfg.alive_file else None)
+        watchdog_s = watchdog_interval_s(self.cfg.alive_file)
         next_watchdog = 0.0
         try:
             while True:

@@ -279,6 +279,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     host = netns.router_addr if netns else "127.0.0.1"
     c = Cluster(tmp, netns, reason, f"tcp://127.0.0.1:{free_port()}", f"tcp://{host}:{free_port()}", make_keys(tmp))
     c.manifests = m = Manifests.read()
+    env: dict[str, str] = {}  # (the manifests' environment, when they are used)
     try:
         if m is not None:  # as deploy/kubernetes starts them
             values = {
