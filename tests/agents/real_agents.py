@@ -255,6 +255,9 @@ class Conversation:
             "small_model": f"kvroute/{self.model}",
             # the small model may call any tool: nothing that writes, runs or fetches
             "permission": {"edit": "deny", "bash": "deny", "webfetch": "deny"},
+            # a bound on tool calls per turn, as a headless run should have: greedy, the small model can call tools until
+            # the context is full (363 calls, 470 s on one CPU); past it opencode asks for a text-only reply
+            "agent": {"build": {"steps": 8}},
             "provider": {
                 "kvroute": {
                     "npm": "@ai-sdk/openai-compatible",
