@@ -76,6 +76,8 @@ from protocol.worker_messages import (
     RouterToWorker,
     SlotHeld,
     SlotState,
+    SlotTaken,
+    SlotUpdate,
     WorkerToRouter,
 )
 
@@ -124,6 +126,8 @@ __all__ = [
     "SlotHeld",
     "SlotState",
     "SlotStatus",
+    "SlotTaken",
+    "SlotUpdate",
     "StatusReply",
     "StatusRequest",
     "Submit",

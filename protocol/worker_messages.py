@@ -196,7 +196,35 @@ class JobError(Message, tag="job_error", kw_only=True):
     disk_dropped: list[NonNeg] = []
 
 
-WorkerToRouter = Hello | Heartbeat | JobDelta | JobDeltas | JobDone | JobError
+class SlotTaken(Message, tag="slot_taken", kw_only=True):
+    """To each other router a worker reports to (routers side by side over one fleet; sent only to routers whose
+    accept lists "slot_notices"): a job of another router now owns this slot, whose contents will change. The router
+    treats the slot as busy until the SlotUpdate of the same epoch or a later one."""
+
+    slot: NonNeg
+    epoch: NonNeg  # the claim's number for this slot (grows with each claim; messages may cross: the greatest wins)
+
+
+class SlotUpdate(Message, tag="slot_update", kw_only=True):
+    """To each other router: another router's job on this slot ended, the slot holds exactly `tokens` now, and the
+    saved states changed as the job's JobDone/JobError said to its own router (an added entry naming a slot holds what
+    that slot held before its job, as there)."""
+
+    slot: Annotated[int, Meta(ge=-1)]  # -1: no slot changed, only the saved states (the ending job's claim goes on)
+    epoch: NonNeg  # the claim it ends (SlotTaken.epoch)
+    tokens: TokenBytes
+    n_exact: NonNeg = 0
+    salt: CacheSalt = ""
+    min_keep: NonNeg = 0
+    cache_added: list[CacheEntry] = []
+    cache_dropped: list[NonNeg] = []
+    disk_dropped: list[NonNeg] = []
+
+    def __post_init__(self) -> None:
+        check_token_bytes("tokens", self.tokens)
+
+
+WorkerToRouter = Hello | Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate
 
 
 # ---- router -> worker -------------------------------------------------------------------------
@@ -205,7 +233,7 @@ WorkerToRouter = Hello | Heartbeat | JobDelta | JobDeltas | JobDone | JobError
 class Accept(Message, tag="accept", kw_only=True):
     worker_id: WorkerId
     router_id: str = ""  # changes when the router restarts
-    features: list[str] = []  # what this router reads beyond version 1's first messages: "job_deltas"
+    features: list[str] = []  # what this router reads beyond version 1's first messages: "job_deltas", "slot_notices"
 
 
 class Refuse(Message, tag="refuse", kw_only=True):

@@ -78,6 +78,9 @@ class _Collector:
         yield _counter(
             "kvroute_request_redispatches", "Requests sent to a worker again (their worker died first)", m.redispatched
         )
+        yield _counter(
+            "kvroute_slot_conflicts", "Jobs a worker refused because another router's job held the slot", m.slot_conflicts
+        )
         yield _counter("kvroute_worker_deaths", "Workers declared dead", m.dead_workers)
         yield _counter("kvroute_worker_restarts", "Local workers restarted by the supervisor", m.restarts)
         yield _counter("kvroute_bad_frames", "Client frames that could not be decoded", m.bad_frames)

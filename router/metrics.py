@@ -87,6 +87,7 @@ class Metrics:
     dead_workers: int = 0
     restarts: int = 0
     redispatched: int = 0
+    slot_conflicts: int = 0  # jobs a worker refused: another router's job held the slot (placed again)
     bad_frames: int = 0
     peers_cut: int = 0  # clients (or workers) that did not read their messages for too long
     queue_depth: int = 0
@@ -123,6 +124,7 @@ class Metrics:
             "dead_workers": self.dead_workers,
             "restarts": self.restarts,
             "redispatched": self.redispatched,
+            "slot_conflicts": self.slot_conflicts,
             "bad_frames": self.bad_frames,
             "queue_depth": self.queue_depth,
             "worker_load": {k: dict(v) for k, v in self.worker_load.items()},

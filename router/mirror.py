@@ -57,10 +57,19 @@ class Slot:
     salt: str = ""  # the tenant whose prompt it holds (a digest of the client's cache_salt; "": none)
     before_salt: str = ""
     min_keep: int = 0  # shortest prefix it can be cut to (it holds a restored state: kvroute/slots.py restore_keep)
+    # routers side by side: the latest claim of another router's jobs on this slot the worker announced (SlotTaken, or
+    # a refusal), and the latest one it said ended (SlotUpdate); while the first is ahead, the slot is theirs
+    taken: int = 0
+    updated: int = 0
 
     @property
     def busy(self) -> bool:
-        return self.phase is SlotPhase.BUSY
+        return self.phase is SlotPhase.BUSY or self.foreign
+
+    @property
+    def foreign(self) -> bool:
+        """Another router's job runs here (its contents change; this mirror learns them when it ends)."""
+        return self.taken > self.updated
 
     @property
     def n_tokens(self) -> int:
@@ -196,13 +205,13 @@ class Mirror:
             if (e.tier, e.id) in saved:
                 continue  # known from the hello that listed it
             if e.tokens:
-                tokens = tokens_from_wire(e.tokens)
-            elif 0 <= e.slot < len(slots) and slots[e.slot].busy and slots[e.slot].before is not None:
-                tokens = slots[e.slot].before  # type: ignore[assignment]
+                tokens, salt = tokens_from_wire(e.tokens), e.salt
+            elif 0 <= e.slot < len(slots) and (before := self._before(slots[e.slot])) is not None:
+                tokens, salt = before
             else:
                 continue  # the mirror does not know what that slot held (unknown contents): not routed to
             tokens = tokens[: e.n_tokens]
-            if e.slot >= 0 and slots[e.slot].before_salt != e.salt:
+            if salt != e.salt:
                 self.mismatches += 1
                 problems.append(f"saved state {e.id} (from slot {e.slot}) is of another tenant than the slot held")
                 continue
@@ -220,8 +229,45 @@ class Mirror:
                 self._unindex(gone, gone.salt)
         return problems
 
+    @staticmethod
+    def _before(slot: Slot) -> tuple[Tokens, str] | None:
+        """What the slot held before the job that runs there now (and whose tenant), when the mirror knows."""
+        if slot.phase is SlotPhase.BUSY:
+            return None if slot.before is None else (slot.before, slot.before_salt)
+        if slot.foreign and not slot.dirty:  # the mirror keeps the contents another router's job started from
+            return slot.tokens, slot.salt
+        return None
+
     def slots(self) -> list[Slot]:
         return [s for slots in self.workers.values() for s in slots]
+
+    # ---- routers side by side: another router's jobs on this worker's slots ------------------------------------
+
+    def taken(self, slot: Slot, epoch: int) -> None:
+        """Another router's job took the slot (SlotTaken): busy until the update that ends that claim."""
+        slot.taken = max(slot.taken, epoch)
+        slot.rev[0] += 1
+
+    def refused(self, slot: Slot) -> None:
+        """The worker refused this router's job on the slot (slot_busy): another router's job holds it, whose claim's
+        number comes with its update."""
+        slot.taken = max(slot.taken, slot.updated + 1)
+        slot.rev[0] += 1
+
+    def updated_by_other(
+        self, slot: Slot, epoch: int, tokens: Tokens, n_exact: int = 0, salt: str = "", min_keep: int = 0
+    ) -> None:
+        """Another router's jobs on the slot ended (SlotUpdate): it holds exactly `tokens` now."""
+        slot.updated = max(slot.updated, epoch)
+        if slot.phase is SlotPhase.BUSY:  # this router's job, sent meanwhile, starts from what they left
+            slot.before, slot.before_exact, slot.before_salt = as_tokens(tokens), n_exact, salt
+            slot.rev[0] += 1
+            return
+        if salt != slot.salt:
+            self._unindex(slot, slot.salt)
+            slot.salt = salt
+        self._idle(slot, as_tokens(tokens), dirty=False)
+        slot.n_exact, slot.min_keep = min(n_exact, len(tokens)), min_keep if len(tokens) else 0
 
     def assign(self, slot: Slot, job: str, prompt: Tokens, salt: str = "") -> None:
         if slot.busy:

@@ -64,6 +64,8 @@ from protocol import (
     JobDone,
     JobError,
     Refuse,
+    SlotTaken,
+    SlotUpdate,
     StatusReply,
     Submit,
     Timings,
@@ -79,6 +81,8 @@ from router.replies import choice_of, delta_of, result_of
 from router.requests import Attempt, Req, ReqState, WorkerConn, WorkerState, tenant
 from router.select import Dispatch
 from router.workers import Kill, WorkerTable
+
+WorkerReport = Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate
 
 log = logs.get(__name__)
 
@@ -145,7 +149,7 @@ class Scheduler:
     def _dispatch(self, req: Req, d: Dispatch) -> None:
         conn = self.workers[d.slot.worker]
         slot = d.slot
-        job = f"{req.rid[:100]}.{next(self._job_ids)}"
+        job = f"{req.rid[:100]}.{self.router_id[:8]}.{next(self._job_ids)}"  # (unique among routers side by side)
         prefix_cache = self.cfg.prefix_cache and not slot.dirty
         self.mirror.assign(slot, job, req.tokens, req.salt)
         self.queue.remove(req)
@@ -328,10 +332,11 @@ class Scheduler:
             if msg.worker_id in self.workers:
                 self.worker_dead(msg.worker_id, f"new incarnation {msg.incarnation}")
             conn = self.table.join(msg)
-        self._to_worker(conn, Accept(worker_id=msg.worker_id, router_id=self.router_id, features=["job_deltas"]))
+        features = ["job_deltas", "slot_notices"]
+        self._to_worker(conn, Accept(worker_id=msg.worker_id, router_id=self.router_id, features=features))
         self._pump()
 
-    def worker_message(self, identity: bytes, msg: Heartbeat | JobDelta | JobDeltas | JobDone | JobError) -> None:
+    def worker_message(self, identity: bytes, msg: WorkerReport) -> None:
         """A message from a worker that said hello; one that did not is told to."""
         conn = self.workers.get(identity.decode("utf-8", "replace"))
         if conn is None or (isinstance(msg, Heartbeat) and msg.incarnation != conn.hello.incarnation):
@@ -348,8 +353,13 @@ class Scheduler:
                 self._job_delta(conn, delta)
         elif isinstance(msg, JobDone):
             self._job_done(conn, msg)
-        else:
+        elif isinstance(msg, JobError):
             self._job_error(conn, msg)
+        elif isinstance(msg, SlotTaken):  # (another router's job: routers side by side over one fleet)
+            self.table.slot_taken(conn, msg)
+        else:
+            self.table.slot_update(conn, msg)
+            self._pump()
 
     def _job_delta(self, conn: WorkerConn, msg: JobDelta) -> None:
         req = conn.jobs.get(msg.id)
@@ -390,10 +400,17 @@ class Scheduler:
         if req is None or req.attempt is None:
             return
         self._leave_worker(req)
+        slot = req.attempt.slot
         outcomes.settle_slot(self.mirror, self.metrics, req, msg)
         conn.refresh()
         if msg.code == ErrorCode.DRAINING and req.state is ReqState.RUNNING and not req.started:
             conn.state = WorkerState.DRAINING
+            self._requeue(req)
+        elif msg.code == ErrorCode.SLOT_BUSY and req.state is ReqState.RUNNING and not req.started:
+            self.mirror.refused(slot)  # another router's job holds it: placed again, elsewhere or after it
+            conn.refresh()
+            self.metrics.slot_conflicts += 1
+            log.info("slot_conflict", request_id=req.rid, worker=conn.id, slot=slot.index)
             self._requeue(req)
         elif req.state is ReqState.CANCELLING:
             self._finish_empty(req, "cancelled")

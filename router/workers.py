@@ -17,12 +17,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvroute import logs
-from protocol import Heartbeat, Hello, JobDone, JobError
+from protocol import Heartbeat, Hello, JobDone, JobError, SlotTaken, SlotUpdate
 from router import handshake
 from router.config import RouterConfig
 from router.metrics import Metrics
 from router.mirror import Mirror
 from router.requests import Req, WorkerConn, WorkerState
+from router.tokens import tokens_from_wire
 
 log = logs.get(__name__)
 
@@ -172,9 +173,23 @@ class WorkerTable:
                     via="heartbeat",
                 )
 
-    def cache_changed(self, conn: WorkerConn, msg: JobDone | JobError) -> None:
-        """The saved states a JobDone/JobError reports, before its job is settled (an entry may name the slot whose
-        previous contents it holds)."""
+    def slot_taken(self, conn: WorkerConn, msg: SlotTaken) -> None:
+        """Another router's job took one of this worker's slots."""
+        if msg.slot < len(conn.slots):
+            self.mirror.taken(conn.slots[msg.slot], msg.epoch)
+            conn.refresh()
+
+    def slot_update(self, conn: WorkerConn, msg: SlotUpdate) -> None:
+        """Another router's jobs on a slot ended: the saved states that changed, then what the slot holds."""
+        self.cache_changed(conn, msg)
+        if 0 <= msg.slot < len(conn.slots):
+            tokens = tokens_from_wire(msg.tokens)
+            self.mirror.updated_by_other(conn.slots[msg.slot], msg.epoch, tokens, msg.n_exact, msg.salt, msg.min_keep)
+            conn.refresh()
+
+    def cache_changed(self, conn: WorkerConn, msg: JobDone | JobError | SlotUpdate) -> None:
+        """The saved states a JobDone/JobError (or another router's, in a SlotUpdate) reports, before its job is settled
+        (an entry may name the slot whose previous contents it holds)."""
         if not msg.cache_added and not msg.cache_dropped and not msg.disk_dropped:
             return
         for problem in self.mirror.cache_changed(conn.id, msg.cache_added, msg.cache_dropped, msg.disk_dropped):

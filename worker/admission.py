@@ -132,6 +132,10 @@ class Admission:
         self.waiting.clear()
         return tasks
 
+    def put_back(self, tasks: list[Task]) -> None:
+        """Jobs taken out by `take_waiting` wait again, first, in their order."""
+        self.waiting.extendleft(reversed(tasks))
+
     def forget(self, task: Task) -> None:
         """The job has ended: let go of it and its sampler."""
         self.by_id.pop(task.id, None)

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Collection
 
 from kvroute import logs
 from kvroute.model import resolve_model
@@ -466,14 +467,18 @@ class EngineCore:
             self._error(task, ErrorCode.DRAINING, "the worker is shutting down; this job was handed back")
         return len(reqs)
 
-    def _forget_jobs(self) -> int:
+    def forget_jobs(self, only: Collection[str] | None = None) -> int:
+        """End jobs (every one, or those `only` names) without a word; their slots keep the KV they computed."""
         waiting = self.admission.take_waiting()
-        reqs = [*waiting, *(slot.task for slot in self.table.busy() if slot.task is not None)]
+        if only is not None:  # the others wait on, in their order
+            waiting, kept = [t for t in waiting if t.id in only], [t for t in waiting if t.id not in only]
+            self.admission.put_back(kept)
+        running = [s for s in self.table.busy() if s.task is not None and (only is None or s.task.id in only)]
+        reqs = [*waiting, *(slot.task for slot in running)]
         for task in waiting:
             self.admission.forget(task)
-        for slot in self.table.busy():
-            if slot.task is not None:
-                self._release(slot.task, slot)  # the slot keeps the KV its job computed
+        for slot in running:
+            self._release(slot.task, slot)  # the slot keeps the KV its job computed
         for task in reqs:
             task.silent = True
         if reqs:

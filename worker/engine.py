@@ -129,7 +129,7 @@ class Engine:
     def forget_jobs(self) -> Future[int]:
         """End every job without a word, keeping what the slots hold (the router forgot this worker: it restarted,
         or it declared this worker dead and already answered for those jobs). The future gives how many."""
-        return self.call(lambda e: e._forget_jobs())
+        return self.call(lambda e: e.forget_jobs())
 
     def held(self) -> Future[tuple[list[SlotHeld], list[CacheEntry]]]:
         """What every slot and every saved state holds, read on the compute thread (for the hello to a router that does

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -46,15 +47,21 @@ from protocol import (
     JobCancel,
     JobDelta,
     JobDeltas,
+    JobDone,
     JobError,
     Message,
     Refuse,
+    SlotTaken,
+    SlotUpdate,
     encode,
+    pack_tokens,
     router_to_worker_decoder,
 )
 from worker.config import WorkerConfig
+from worker.core import EngineCore
 from worker.engine import Engine
 from worker.faults import Faults
+from worker.links import RouterLink, SlotClaims
 from worker.startcheck import first_decode, identity
 
 log = logs.get(__name__)
@@ -126,7 +133,8 @@ def checked_engine(cfg: WorkerConfig) -> Engine | None:
 
 
 class WorkerServer:
-    """Hello until accepted, then heartbeats and jobs. `serve` returns the exit status."""
+    """Hello until accepted, then heartbeats and jobs, to each router of `--connect` (worker/links.py). `serve`
+    returns the exit status."""
 
     def __init__(self, cfg: WorkerConfig, engine: Engine, ctx: zmq.Context | None = None) -> None:
         self.cfg, self.engine = cfg, engine
@@ -135,18 +143,18 @@ class WorkerServer:
         self.pull = self.zctx.socket(zmq.PULL)
         self.pull.bind(self.inproc)
         self._push = threading.local()
-        self._deltas: list[JobDelta] = []  # this step's, until the engine's after_step sends them together
+        endpoints = [e.strip() for e in cfg.connect.split(",") if e.strip()]
+        self.links = [
+            RouterLink.open(i, e, self.zctx, cfg.worker_id, cfg.curve_key, cfg.router_key) for i, e in enumerate(endpoints)
+        ]
+        self.claims = SlotClaims()
         self._deltas_lock = threading.Lock()
-        self.step_deltas = False  # the router reads job_deltas (its accept said so)
         engine.after_step = self.flush_deltas
         self.decoder = router_to_worker_decoder()
-        self.accepted = False
         self.ready_sent = False
         self.draining = False
-        self.router_id: str | None = None
         # every process start is a new incarnation, so a router never mistakes it for the process before it
         self.incarnation = cfg.incarnation if cfg.incarnation is not None else time.time_ns() // 1_000_000
-        self.told_held = False  # the last hello said what the slots hold (else a new router means clearing them)
         self.watched_progress = -1
         try:
             self.weights = weights_fingerprint(engine.vocab.path)
@@ -154,32 +162,74 @@ class WorkerServer:
             log.warning("no_weights_fingerprint", reason=str(exc))
             self.weights = ""
 
-    def sink(self, msg: Message) -> None:
-        """Called by the compute thread: hand a message to the I/O thread. Deltas wait for the step's end
-        (`flush_deltas`): the router's cost is per message more than per token. A router that did not say it reads
-        `job_deltas` (an older one) gets each delta alone."""
-        if isinstance(msg, JobDelta) and self.step_deltas:
+    @property
+    def side_by_side(self) -> bool:
+        """This worker reports to several routers."""
+        return len(self.links) > 1
+
+    @property
+    def accepted(self) -> bool:
+        return any(link.accepted for link in self.links)
+
+    def sink_for(self, link: RouterLink) -> Callable[[Message], None]:
+        return lambda msg: self.sink(link, msg)
+
+    def sink(self, link: RouterLink, msg: Message) -> None:
+        """Called by the compute thread: hand a job's message to the I/O thread, for the router that sent the job.
+        Deltas wait for the step's end (`flush_deltas`): the router's cost is per message more than per token. A router
+        that did not say it reads `job_deltas` (an older one) gets each delta alone."""
+        if isinstance(msg, JobDelta) and link.step_deltas:
             with self._deltas_lock:
-                self._deltas.append(msg)
+                link.deltas.append(msg)
             return
         self.flush_deltas()  # a job's deltas go before its JobDone or JobError
-        self._push_out(encode(msg))
+        self._push_out(link, encode(msg))
+        if isinstance(msg, JobDone | JobError):
+            link.jobs.discard(msg.id)
+            if self.side_by_side:
+                self._tell_others(msg)
+
+    def _tell_others(self, end: JobDone | JobError) -> None:
+        """A job ended (on the compute thread, so its slot is as the job left it): when it was the last job of its
+        router's claim on the slot, every other router learns what the slot holds and which saved states changed."""
+        released = self.claims.release(end.id)
+        if released is not None:
+            update = self.slot_update(*released[:2])
+            owner = released[2]
+        elif end.cache_added or end.cache_dropped or end.disk_dropped:
+            update, owner = SlotUpdate(slot=-1, epoch=0, tokens=b""), -1  # (only the saved states changed)
+        else:
+            return
+        update.cache_added, update.cache_dropped, update.disk_dropped = end.cache_added, end.cache_dropped, end.disk_dropped
+        frame = encode(update)
+        for other in self.links:
+            if other.index != owner and other.notices:
+                self._push_out(other, frame)
+
+    def slot_update(self, slot_id: int, epoch: int) -> SlotUpdate:
+        """What a slot holds now (on the compute thread)."""
+        core = self.engine.core
+        slot = core.table[slot_id]
+        tokens, min_keep = pack_tokens(slot.tokens), core.prefixes.min_keep(slot)
+        return SlotUpdate(slot=slot_id, epoch=epoch, tokens=tokens, n_exact=slot.n_exact, salt=slot.salt, min_keep=min_keep)
 
     def flush_deltas(self) -> None:
-        """The deltas of the step just made, as one message (one delta: a plain JobDelta)."""
+        """The deltas of the step just made, as one message per router (one delta: a plain JobDelta)."""
         with self._deltas_lock:
-            deltas, self._deltas = self._deltas, []
-        if deltas:
-            self._push_out(encode(deltas[0] if len(deltas) == 1 else JobDeltas(items=deltas)))
+            batches = [(link, link.deltas) for link in self.links if link.deltas]
+            for link, _ in batches:
+                link.deltas = []
+        for link, deltas in batches:
+            self._push_out(link, encode(deltas[0] if len(deltas) == 1 else JobDeltas(items=deltas)))
 
-    def _push_out(self, frame: bytes) -> None:
+    def _push_out(self, link: RouterLink, frame: bytes) -> None:
         sock = getattr(self._push, "sock", None)
         if sock is None:
             sock = self._push.sock = self.zctx.socket(zmq.PUSH)
             sock.connect(self.inproc)
-        sock.send(frame)
+        sock.send_multipart([bytes([link.index]), frame])
 
-    def hello(self) -> Hello:
+    def hello(self, link: RouterLink) -> Hello:
         llama = self.engine.llama
         cached: list[CacheEntry] = []
         try:
@@ -187,7 +237,10 @@ class WorkerServer:
         except TimeoutError:
             held = None
             log.warning("slots_unknown", reason=f"the compute thread did not answer in {HELD_WAIT_S:g} s")
-        self.told_held = held is not None
+        if held is not None and self.side_by_side:  # a slot another router's jobs hold changes: unknown until updated
+            claimed = self.claims.claimed()
+            held = [h for h in held if h.slot not in claimed]
+        link.told_held = held is not None
         return Hello(
             worker_id=self.cfg.worker_id,
             incarnation=self.incarnation,
@@ -239,32 +292,43 @@ class WorkerServer:
             f" host cache {len(e.host)} entries / {e.host.nbytes >> 20} MiB"
         )
 
-    def _forward(self, dealer: zmq.Socket) -> None:
-        """Send everything the engine produced so far."""
+    def _forward(self) -> None:
+        """Send everything the engine produced so far, each message to its router."""
         while True:
             try:
-                dealer.send(self.pull.recv(zmq.NOBLOCK))
+                to, frame = self.pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self.links[to[0]].send(frame, may_drop=self.side_by_side)
 
-    def _start_drain(self, dealer: zmq.Socket) -> None:
+    def _beat(self) -> None:
+        """A heartbeat to every router that accepted this worker, a hello to the others."""
+        beat = encode(self.heartbeat())
+        for link in self.links:
+            link.send(beat if link.accepted else encode(self.hello(link)), may_drop=self.side_by_side)
+
+    def _start_drain(self) -> None:
         self.draining = True
         self.engine.drain()
-        dealer.send(encode(self.heartbeat()))  # the router stops routing here now, not at the next beat
+        beat = encode(self.heartbeat())
+        for link in self.links:
+            link.send(beat, may_drop=self.side_by_side)  # the routers stop routing here now, not at the next beat
         handed = self.engine.hand_back(running=False).result()
-        self._forward(dealer)
+        self._forward()
         log.info("draining", handed_back=handed, timeout_s=self.cfg.drain_timeout_s, reason="signal")
         notify(stopping=True, status=self.status_line())
 
-    def _drained(self, dealer: zmq.Socket, deadline: float) -> bool:
+    def _drained(self, deadline: float) -> bool:
         """True once nothing runs any more (after the deadline, running jobs are handed back first)."""
         if self.engine.has_work().result():
             if time.monotonic() < deadline:
                 return False
             handed = self.engine.hand_back(running=True).result()
             log.warning("drain_timeout", handed_back=handed, timeout_s=self.cfg.drain_timeout_s)
-        self._forward(dealer)
-        dealer.send(encode(self.heartbeat()))
+        self._forward()
+        beat = encode(self.heartbeat())
+        for link in self.links:
+            link.send(beat, may_drop=self.side_by_side)
         log.info("drained", jobs_done=self.engine.counters.jobs_done)
         persisted = self.engine.persist(PERSIST_S)  # the disk tier keeps what the slots and host RAM hold
         if persisted:
@@ -272,15 +336,12 @@ class WorkerServer:
         return True
 
     def serve(self, stop: threading.Event) -> int:
-        dealer = self.zctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.IDENTITY, self.cfg.worker_id.encode())
-        dealer.setsockopt(zmq.LINGER, 2000)  # the last results leave even when the worker exits right after
-        secure_client_socket(dealer, self.cfg.curve_key, self.cfg.router_key)
-        dealer.connect(self.cfg.connect)
         poller = zmq.Poller()
-        poller.register(dealer, zmq.POLLIN)
+        for link in self.links:
+            poller.register(link.dealer, zmq.POLLIN)
         poller.register(self.pull, zmq.POLLIN)
-        log.info("worker_started", endpoint=self.cfg.connect, slots=self.cfg.slots, ctx_per_slot=self.engine.n_ctx)
+        endpoints = ",".join(link.endpoint for link in self.links)
+        log.info("worker_started", endpoint=endpoints, slots=self.cfg.slots, ctx_per_slot=self.engine.n_ctx)
         next_beat = 0.0
         drain_deadline: float | None = None
         watchdog_s = watchdog_interval_s(self.cfg.alive_file)
@@ -290,16 +351,16 @@ class WorkerServer:
                 now = time.monotonic()
                 if stop.is_set() and drain_deadline is None:
                     if not self.accepted:
-                        log.info("stopped", reason="signal before the router accepted this worker")
+                        log.info("stopped", reason="signal before a router accepted this worker")
                         return 0
                     drain_deadline = now + self.cfg.drain_timeout_s
-                    self._start_drain(dealer)
-                if drain_deadline is not None and self._drained(dealer, drain_deadline):
+                    self._start_drain()
+                if drain_deadline is not None and self._drained(drain_deadline):
                     return 0
                 if now >= next_beat:
-                    if next_beat and now - next_beat > BEAT_S:  # the router may declare this worker dead soon
+                    if next_beat and now - next_beat > BEAT_S:  # a router may declare this worker dead soon
                         log.warning("heartbeat_late", late_s=round(now - next_beat, 2))
-                    dealer.send(encode(self.heartbeat() if self.accepted else self.hello()))
+                    self._beat()
                     next_beat = now + BEAT_S
                     notify(status=self.status_line())
                 if watchdog_s is not None and now >= next_watchdog:
@@ -309,61 +370,101 @@ class WorkerServer:
                 wait_s = min(next_beat - time.monotonic(), POLL_S) if drain_deadline is None else 0.05
                 events = dict(poller.poll(timeout=max(1, int(wait_s * 1000))))
                 if self.pull in events:
-                    self._forward(dealer)
-                if dealer in events:
+                    self._forward()
+                for link in self.links:
+                    if link.dealer not in events:
+                        continue
                     while True:
                         try:
-                            frames = dealer.recv_multipart(zmq.NOBLOCK)
+                            frames = link.dealer.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        status = self.on_frame(dealer, frames[-1])
+                        status = self.on_frame(link, frames[-1])
                         if status is not None:
                             return status
-                        if not self.accepted:
-                            next_beat = 0.0  # Refuse(not_found): say hello again now
+                        if not link.accepted:
+                            link.send(encode(self.hello(link)), may_drop=self.side_by_side)  # Refuse(not_found): now
             return 0
         finally:
-            dealer.close()
+            for link in self.links:
+                link.dealer.close()
             self.pull.close(linger=0)
 
-    def on_frame(self, dealer: zmq.Socket, frame: bytes) -> int | None:
-        """Handle one message from the router. Returns an exit status to stop serving, else None."""
+    def on_frame(self, link: RouterLink, frame: bytes) -> int | None:
+        """Handle one message from a router. Returns an exit status to stop serving, else None."""
         msg = self.decoder.decode(frame)
         if isinstance(msg, Invalid):
             log.warning("bad_frame", code=msg.code.value, reason=msg.reason, request_id=msg.id)
-            if msg.id is not None:
-                dealer.send(encode(JobError(id=msg.id, code=msg.code.value, message=msg.reason)))
-            else:
-                dealer.send(encode(JobError(id="?", code=msg.code.value, message=msg.reason)))
+            link.send(encode(JobError(id=msg.id or "?", code=msg.code.value, message=msg.reason)), may_drop=self.side_by_side)
             return None
         if isinstance(msg, Job):
-            self.engine.submit(msg, self.sink)
+            self.take_job(link, msg)
         elif isinstance(msg, JobCancel):
-            self.engine.cancel(msg.id)
+            if msg.id in link.jobs:
+                self.engine.cancel(msg.id)
         elif isinstance(msg, Accept):
-            if not self.accepted:
-                log.info("accepted", router_id=msg.router_id)
-            if self.router_id is not None and msg.router_id != self.router_id:
-                log.info("router_restarted", router_id=msg.router_id, slots_reported=self.told_held)
-                if not self.told_held:  # the new router's mirror is empty: make it the truth
+            if not link.accepted:
+                log.info("accepted", router_id=msg.router_id, endpoint=link.endpoint)
+            if link.accept(msg.router_id, msg.features):
+                log.info("router_restarted", router_id=msg.router_id, slots_reported=link.told_held)
+                # the new router's mirror is empty: make it the truth (with other routers, their mirrors are; a
+                # router told nothing marks every slot unknown, and the next job on each clears it)
+                if not link.told_held and not self.side_by_side:
                     self.engine.reset()
-            self.router_id, self.accepted = msg.router_id, True
-            self.step_deltas = "job_deltas" in msg.features
             if not self.ready_sent:  # model loaded and accepted: this worker can serve
                 self.ready_sent = True
                 notify(ready=True, status=self.status_line())
         elif isinstance(msg, Refuse):
             if msg.code == ErrorCode.NOT_FOUND:
-                if self.accepted:
-                    log.info("router_forgot_us", reason=msg.reason)
+                if link.accepted:
+                    log.info("router_forgot_us", reason=msg.reason, endpoint=link.endpoint)
                     # the router answered for our jobs already, or never knew them: end them, keep the KV; the
                     # next hello says what each slot holds (the compute thread takes it after this)
-                    self.engine.forget_jobs()
-                self.accepted = False
+                    self.forget_jobs(link)
+                link.accepted = False
                 return None
-            log.error("refused", code=msg.code, reason=msg.reason)
+            log.error("refused", code=msg.code, reason=msg.reason, endpoint=link.endpoint)
             return EXIT_REFUSED
         elif isinstance(msg, Drain):
             log.info("draining")
             self.engine.drain()
         return None
+
+    def take_job(self, link: RouterLink, job: Job) -> None:
+        """A job to the engine, unless another router's jobs hold the slot it names (or its id is another's)."""
+        if self.side_by_side:
+            if any(job.id in other.jobs for other in self.links if other is not link):
+                reason = "job id in use by another router"
+                link.send(encode(JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=reason)), may_drop=True)
+                return
+            if job.slot >= 0:
+                taken, epoch = self.claims.claim(link.index, job.id, job.slot)
+                if not taken:
+                    log.info("slot_conflict", job=job.id, slot=job.slot, endpoint=link.endpoint)
+                    reason = f"slot {job.slot} runs another router's job"
+                    link.send(encode(JobError(id=job.id, code=ErrorCode.SLOT_BUSY, message=reason)), may_drop=True)
+                    return
+                if epoch is not None:
+                    taken_msg = encode(SlotTaken(slot=job.slot, epoch=epoch))
+                    for other in self.links:
+                        if other is not link and other.accepted and other.notices:
+                            other.send(taken_msg, may_drop=True)
+        link.jobs.add(job.id)
+        self.engine.submit(job, self.sink_for(link))
+
+    def forget_jobs(self, link: RouterLink) -> None:
+        """End this router's jobs without a word; other routers learn what the slots those jobs held hold now."""
+        ids, link.jobs = link.jobs, set()
+        if not self.side_by_side:
+            self.engine.forget_jobs()
+            return
+
+        def forget(core: EngineCore) -> None:  # on the compute thread: no job starts on those slots in between
+            core.forget_jobs(ids)
+            for slot, epoch, owner in filter(None, map(self.claims.release, ids)):
+                frame = encode(self.slot_update(slot, epoch))
+                for other in self.links:
+                    if other.index != owner and other.notices:
+                        self._push_out(other, frame)
+
+        self.engine.call(forget)

@@ -1,6 +1,7 @@
-"""A deployment in miniature, with the real model: `kvroute router` with CURVE on both sockets and two
-real `kvroute worker` processes (2 slots, 1 thread each), each in its own network namespace joined to
-the router by a veth pair in a private test subnet, all started with NOTIFY_SOCKET like systemd does.
+"""A deployment in miniature, with the real model: two `kvroute router` processes side by side with CURVE on both
+sockets and two real `kvroute worker` processes (2 slots, 1 thread each) reporting to both, each worker in its own
+network namespace joined to the routers by a veth pair in a private test subnet, all started with NOTIFY_SOCKET like
+systemd does.
 Where `kubectl` is installed, the router and the workers are started with the arguments, environment and settings
 file that deploy/kubernetes gives them (its cpu overlay), their paths and endpoints mapped to this test's and the
 sizes cut to fit, so that the manifests run what is tested here.
@@ -56,6 +57,8 @@ KVROUTE = str(Path(sys.executable).parent / "kvroute")
 KUBE_OVERLAY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "overlays" / "cpu"
 ROUTER_SIZES = ["--busy-wait-ms", "0", "--hold-ms", "0"]
 WORKER_SIZES = ["--slots", "2", "--ctx-per-slot", "512", "--threads", "1", "--drain-timeout-s", "60"]
+# the workers' [worker] connect in the manifests: both routers, side by side
+ROUTERS_IN_MANIFESTS = "tcp://kvroute-router-0.kvroute-router-headless:5556,tcp://kvroute-router-1.kvroute-router-headless:5556"
 SUBNET = "10.231"  # 10.231.1.0/24 for namespace a, 10.231.2.0/24 for namespace b; checked unused first
 
 
@@ -187,9 +190,12 @@ class Cluster:
     no_netns_reason: str
     client_ep: str
     worker_ep: str
+    client_ep2: str  # the second router's (routers side by side, as the manifests run two)
+    worker_ep2: str
     keys: dict[str, Path]
     manifests: Manifests | None = None  # what the router and workers were started with (None: this test's own flags)
     router: subprocess.Popen[bytes] | None = None
+    router2: subprocess.Popen[bytes] | None = None
     workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     notify: dict[str, NotifyListener] = field(default_factory=dict)
 
@@ -277,14 +283,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             netns.close()
             netns, reason = None, f"network namespaces cannot be created here: {detail}"
     host = netns.router_addr if netns else "127.0.0.1"
-    c = Cluster(tmp, netns, reason, f"tcp://127.0.0.1:{free_port()}", f"tcp://{host}:{free_port()}", make_keys(tmp))
+    c = Cluster(
+        tmp, netns, reason, f"tcp://127.0.0.1:{free_port()}", f"tcp://{host}:{free_port()}",
+        f"tcp://127.0.0.1:{free_port()}", f"tcp://{host}:{free_port()}", make_keys(tmp),
+    )  # fmt: skip
+    second = ["--zmq", c.client_ep2, "--worker-endpoint", c.worker_ep2]  # (its flags win over the settings file)
     c.manifests = m = Manifests.read()
     env: dict[str, str] = {}  # (the manifests' environment, when they are used)
     try:
         if m is not None:  # as deploy/kubernetes starts them
             values = {
                 "tcp://0.0.0.0:5555": c.client_ep, "tcp://0.0.0.0:5556": c.worker_ep,
-                "tcp://kvroute-router:5556": c.worker_ep, "/etc/kvroute/keys/router.key": str(c.keys["router.key"]),
+                ROUTERS_IN_MANIFESTS: f"{c.worker_ep},{c.worker_ep2}",
+                "/etc/kvroute/keys/router.key": str(c.keys["router.key"]),
                 "/etc/kvroute/workers": str(tmp / "workers"), "/etc/kvroute/clients": str(tmp / "clients"),
                 "/etc/kvroute/keys/router.pub": str(c.keys["router.pub"]),
                 "/etc/kvroute/keys/worker.key": str(c.keys["wa.key"]),  # (each worker's own --curve-key wins)
@@ -293,16 +304,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             env = {k: str(cache_dir()) if v == "/var/cache/kvroute" else v for k, v in m.env.items()}
             paths = {"/etc/kvroute/kvroute.toml": str(tmp / "kvroute.toml"), "/tmp/alive": str(tmp / "alive-router")}
             c.router = c.start("router", [*m.command(m.router, paths), *ROUTER_SIZES], env)
+            paths2 = {**paths, "/tmp/alive": str(tmp / "alive-router2")}
+            c.router2 = c.start("router2", [*m.command(m.router, paths2), *ROUTER_SIZES, *second], env)
         else:
-            c.router = c.start(
-                "router",
-                [
-                    KVROUTE, "router", "--zmq", c.client_ep, "--worker-endpoint", c.worker_ep,
-                    "--curve-key", str(c.keys["router.key"]), "--worker-keys", str(tmp / "workers"),
-                    "--client-keys", str(tmp / "clients"), *ROUTER_SIZES,
-                ],
-            )  # fmt: skip
+            own_router = [
+                KVROUTE, "router", "--zmq", c.client_ep, "--worker-endpoint", c.worker_ep,
+                "--curve-key", str(c.keys["router.key"]), "--worker-keys", str(tmp / "workers"),
+                "--client-keys", str(tmp / "clients"), *ROUTER_SIZES,
+            ]  # fmt: skip
+            c.router = c.start("router", own_router)
+            c.router2 = c.start("router2", [*own_router, *second])
         c.notify["router"].wait_for("READY=1", 60, c.router)
+        c.notify["router2"].wait_for("READY=1", 60, c.router2)
         for i, wid in enumerate(("wa", "wb")):
             prefix = ["ip", "netns", "exec", netns.names[i]] if netns else []
             own = ["--curve-key", str(c.keys[f"{wid}.key"])]
@@ -316,7 +329,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                 c.workers[wid] = c.start(
                     wid,
                     [
-                        *prefix, KVROUTE, "worker", "--connect", c.worker_ep, "--worker-id", wid,
+                        *prefix, KVROUTE, "worker", "--connect", f"{c.worker_ep},{c.worker_ep2}", "--worker-id", wid,
                         "--router-key", str(c.keys["router.pub"]), *own, *WORKER_SIZES,
                     ],
                 )  # fmt: skip
@@ -324,10 +337,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             c.notify[wid].wait_for("READY=1", 180, proc)
         yield c
     finally:
-        for proc in [*c.workers.values(), *([c.router] if c.router else [])]:
+        routers = [r for r in (c.router, c.router2) if r is not None]
+        for proc in [*c.workers.values(), *routers]:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in [*c.workers.values(), *([c.router] if c.router else [])]:
+        for proc in [*c.workers.values(), *routers]:
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -359,9 +373,10 @@ def collect(peer: Peer, ids: list[str], timeout_s: float = 120, on_delta: Any = 
 
 
 def test_router_and_workers_send_ready_and_status(cluster: Cluster) -> None:
-    assert cluster.notify["router"].wait_for("STATUS=", 5).startswith("STATUS=workers")
-    status = cluster.notify["router"].wait_for("STATUS=workers 2 ready/2", 10)
-    assert "slots " in status and "/4 busy" in status and "served " in status
+    for router in ("router", "router2"):  # both routers side by side: each has both workers
+        assert cluster.notify[router].wait_for("STATUS=", 5).startswith("STATUS=workers")
+        status = cluster.notify[router].wait_for("STATUS=workers 2 ready/2", 10)
+        assert "slots " in status and "/4 busy" in status and "served " in status
     for wid in ("wa", "wb"):
         line = cluster.notify[wid].wait_for("STATUS=slots", 10)
         assert "/2 busy" in line and "jobs done" in line
@@ -372,7 +387,7 @@ def test_the_processes_ran_as_the_kubernetes_manifests_start_them(cluster: Clust
     if cluster.manifests is None:
         pytest.skip("kubectl is not installed: the processes ran with this test's own flags")
     # the liveness probes' files (--alive-file), touched by the router's loop and by each idle or stepping engine
-    for name in ("router", "wa", "wb"):
+    for name in ("router", "router2", "wa", "wb"):
         alive = cluster.tmp / f"alive-{name}"
         assert alive.exists() and time.time() - alive.stat().st_mtime < 30, name
     for wid in ("wa", "wb"):  # each worker's disk tier in its own volume (--cache-dir)

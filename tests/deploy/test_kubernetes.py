@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = ("cpu", "gpu")
 K8S_VERSION = "1.32.0"
+ROUTERS = 2  # side by side over the fleet
 CONFIGS = {"router": RouterConfig, "worker": WorkerConfig, "http": HttpConfig}
 FILE_FLAGS = ("--config", "--curve-key", "--router-key", "--alive-file", "--cache-dir")
 FILE_SETTINGS = ("curve_key", "router_key", "worker_keys", "client_keys")
@@ -90,10 +91,11 @@ def test_each_container_runs_flags_kvroute_takes_with_the_configmaps_settings(ob
         for path in files:
             path = "/etc/kvroute/kvroute.toml" if path == str(toml) else path
             assert any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts), f"{command}: {path} not mounted"
-        if command == "worker":
-            assert cfg.worker_id == "kvroute-worker-0" and cfg.connect == "tcp://kvroute-router:5556"
+        routers = [f"tcp://kvroute-router-{i}.kvroute-router-headless:{{}}" for i in range(ROUTERS)]
+        if command == "worker":  # every worker reports to every router (side by side)
+            assert cfg.worker_id == "kvroute-worker-0" and cfg.connect == ",".join(r.format(5556) for r in routers)
         if command == "http":
-            assert cfg.router == "tcp://kvroute-router:5555"
+            assert cfg.router == ",".join(r.format(5555) for r in routers)
     assert seen == set(CONFIGS)
 
 
@@ -109,6 +111,9 @@ def test_services_probes_and_budgets_find_what_they_name(objects) -> None:
             assert p["targetPort"] in ports[chosen[0]], f"Service {svc['metadata']['name']}: no port {p['targetPort']}"
     router = named(objects, "Service", "kvroute-router")
     assert {p["name"]: p["port"] for p in router["spec"]["ports"]} == {"clients": 5555, "workers": 5556}
+    routers = named(objects, "StatefulSet", "kvroute-router")
+    assert routers["spec"]["replicas"] == ROUTERS and routers["spec"]["serviceName"] == "kvroute-router-headless"
+    assert named(objects, "Service", "kvroute-router-headless")["spec"]["clusterIP"] == "None"
     for name, t in pods.items():
         c = t["spec"]["containers"][0]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):

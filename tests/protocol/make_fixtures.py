@@ -433,8 +433,29 @@ EXAMPLES: list[Example] = [
         ),
         {},
     ),
+    Example("slot_taken", "worker_to_router", p.SlotTaken(slot=2, epoch=7), {}),
+    Example(
+        "slot_update",
+        "worker_to_router",
+        p.SlotUpdate(
+            slot=2,
+            epoch=7,
+            tokens=p.pack_tokens(SLOT_TOKENS),
+            n_exact=0,
+            salt="",
+            min_keep=0,
+            cache_added=[p.CacheEntry(id=13, n_tokens=5, hash=p.token_hash([2, 9259, 5, 6, 7]), nbytes=92160, slot=2)],
+            cache_dropped=[12],
+        ),
+        {"tokens": SLOT_TOKENS},
+    ),
     # ---- router -> worker
-    Example("accept", "router_to_worker", p.Accept(worker_id="w0", router_id="r-5f2c", features=["job_deltas"]), {}),
+    Example(
+        "accept",
+        "router_to_worker",
+        p.Accept(worker_id="w0", router_id="r-5f2c", features=["job_deltas", "slot_notices"]),
+        {},
+    ),
     Example(
         "refuse",
         "router_to_worker",

@@ -15,7 +15,8 @@ from worker.main import WorkerServer
 def frames(server: WorkerServer) -> list[object]:
     decoder, got = worker_to_router_decoder(), []
     while server.pull.poll(50):
-        got.append(decoder.decode(server.pull.recv()))
+        _, frame = server.pull.recv_multipart()
+        got.append(decoder.decode(frame))
     return got
 
 
@@ -28,17 +29,19 @@ def test_a_steps_deltas_leave_together_after_the_step_and_before_a_jobs_end() ->
     server = WorkerServer(WorkerConfig(model="/nonexistent.gguf"), engine, zmq.Context())  # type: ignore[arg-type]
     try:
         assert engine.after_step == server.flush_deltas  # the engine calls it after every step
-        server.sink(delta("old"))  # a router that has not said it reads job_deltas: each delta alone, at once
+        (link,) = server.links
+        sink = server.sink_for(link)
+        sink(delta("old"))  # a router that has not said it reads job_deltas: each delta alone, at once
         assert [type(m).__name__ for m in frames(server)] == ["JobDelta"]
-        server.step_deltas = True  # (its accept listed "job_deltas")
-        server.sink(delta("a"))
-        server.sink(delta("b"))
+        link.step_deltas = True  # (its accept listed "job_deltas")
+        sink(delta("a"))
+        sink(delta("b"))
         assert frames(server) == []  # held until the step ends
         engine.after_step()
         (step,) = frames(server)
         assert isinstance(step, JobDeltas) and [d.id for d in step.items] == ["a", "b"]
-        server.sink(delta("c"))
-        server.sink(JobError(id="c", code="internal", message="failed"))
+        sink(delta("c"))
+        sink(JobError(id="c", code="internal", message="failed"))
         assert [type(m).__name__ for m in frames(server)] == ["JobDelta", "JobError"]  # one delta goes alone
         engine.after_step()
         assert frames(server) == []

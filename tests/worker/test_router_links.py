@@ -1,0 +1,105 @@
+"""A worker reporting to two routers (`--connect A,B`, worker/links.py): each job's messages go to its own router; the
+other router hears that the slot was taken and, when the job ends, what the slot holds and the saved states that
+changed; a job naming a slot the other router's job holds is refused with slot_busy and never reaches the engine."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import zmq
+
+from protocol import (
+    Accept,
+    CacheEntry,
+    ErrorCode,
+    Job,
+    JobDone,
+    JobError,
+    SlotTaken,
+    SlotUpdate,
+    Timings,
+    encode,
+    pack_tokens,
+    token_hash,
+    unpack_tokens,
+    worker_to_router_decoder,
+)
+from worker.config import WorkerConfig
+from worker.main import WorkerServer
+
+DECODER = worker_to_router_decoder()
+
+
+def received(router: zmq.Socket) -> list[Any]:
+    got = []
+    while router.poll(100):
+        got.append(DECODER.decode(router.recv_multipart()[-1]))
+    return got
+
+
+def job(rid: str, slot: int) -> Job:
+    return Job(id=rid, slot=slot, tokens=pack_tokens([1, 2, 3]))
+
+
+def end(rid: str, slot: int, **fields: Any) -> JobDone:
+    return JobDone(
+        id=rid, slot=slot, finish_reason="length", text="", tokens=b"", prompt_tokens=3, reused_tokens=0,
+        prefilled_tokens=3, generated_tokens=0, slot_tokens=3, slot_hash=token_hash([1, 2, 3]), timings=Timings(), **fields,
+    )  # fmt: skip
+
+
+def test_two_routers_each_get_their_jobs_and_hear_of_the_others_changes() -> None:
+    ctx = zmq.Context()
+    routers = []
+    for name in ("a", "b"):
+        r = ctx.socket(zmq.ROUTER)
+        r.bind(f"inproc://router-{name}")
+        routers.append(r)
+    submitted: list[str] = []
+    slots = [SimpleNamespace(tokens=[1, 2, 3, 4], n_exact=0, salt=""), SimpleNamespace(tokens=[], n_exact=0, salt="")]
+    engine = SimpleNamespace(
+        vocab=SimpleNamespace(path="/nonexistent.gguf"),
+        after_step=None,
+        submit=lambda j, sink: submitted.append(j.id),
+        core=SimpleNamespace(table=slots, prefixes=SimpleNamespace(min_keep=lambda s: 0)),
+    )
+    cfg = WorkerConfig(model="/nonexistent.gguf", connect="inproc://router-a,inproc://router-b")
+    server = WorkerServer(cfg, engine, ctx)  # type: ignore[arg-type]
+    a, b = server.links
+    ra, rb = routers
+    server.ready_sent = True  # (no systemd here)
+    try:
+        for link, rid in ((a, "ra"), (b, "rb")):
+            server.on_frame(link, encode(Accept(worker_id="w0", router_id=rid, features=["job_deltas", "slot_notices"])))
+        server.take_job(a, job("x.ra.1", 0))
+        assert submitted == ["x.ra.1"]
+        assert received(rb) == [SlotTaken(slot=0, epoch=1)] and received(ra) == []
+
+        server.take_job(b, job("y.rb.1", 0))  # slot 0 runs router a's job: refused at once, the engine never sees it
+        (refusal,) = received(rb)
+        assert isinstance(refusal, JobError) and refusal.code == ErrorCode.SLOT_BUSY and refusal.slot == -1
+        assert submitted == ["x.ra.1"]
+
+        saved = CacheEntry(id=9, n_tokens=2, hash=token_hash([7, 7]), nbytes=10, tokens=pack_tokens([7, 7]))
+        server.sink_for(a)(end("x.ra.1", 0, cache_added=[saved], cache_dropped=[4]))  # (on the compute thread)
+        server._forward()
+        (own,) = received(ra)
+        assert isinstance(own, JobDone) and own.id == "x.ra.1"
+        (update,) = received(rb)
+        assert isinstance(update, SlotUpdate) and (update.slot, update.epoch) == (0, 1)
+        assert unpack_tokens(update.tokens) == [1, 2, 3, 4] and update.cache_added == [saved] and update.cache_dropped == [4]
+
+        server.take_job(b, job("y.rb.2", 0))  # free again: router b's now, and router a hears it
+        assert submitted == ["x.ra.1", "y.rb.2"]
+        assert received(ra) == [SlotTaken(slot=0, epoch=2)]
+        server.on_frame(a, encode(Job(id="y.rb.2", slot=1, tokens=pack_tokens([1]))))  # another router's id
+        (dup,) = received(ra)
+        assert isinstance(dup, JobError) and dup.code == ErrorCode.BAD_REQUEST and submitted == ["x.ra.1", "y.rb.2"]
+    finally:
+        for link in server.links:
+            link.dealer.close(0)
+        for r in routers:
+            r.close(0)
+        server.pull.close(0)
+        ctx.destroy(linger=0)
