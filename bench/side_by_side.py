@@ -156,8 +156,8 @@ def main() -> int:
         fleet.stop()
     placed = sum(r["turns"] for r in runs if r["mode"] == "two")
     conflicts = sum(r["slot_conflicts"] for r in runs if r["mode"] == "two")
-    summary = {"conflicts_per_turn_two_routers": round(conflicts / max(placed, 1), 4), "runs": runs, "args": vars(args)}
-    summary["args"]["out"] = str(args.out) if args.out else None
+    settings = {**vars(args), "out": str(args.out) if args.out else None}
+    summary = {"conflicts_per_turn_two_routers": round(conflicts / max(placed, 1), 4), "runs": runs, "args": settings}
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

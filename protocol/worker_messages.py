@@ -202,7 +202,7 @@ class SlotTaken(Message, tag="slot_taken", kw_only=True):
     treats the slot as busy until the SlotUpdate of the same epoch or a later one."""
 
     slot: NonNeg
-    epoch: NonNeg  # the claim's number for this slot (grows with each claim; messages may cross: the greatest wins)
+    epoch: NonNeg  # the job's number on this slot (grows with every job it takes; messages may cross: the greatest wins)
 
 
 class SlotUpdate(Message, tag="slot_update", kw_only=True):
@@ -210,8 +210,8 @@ class SlotUpdate(Message, tag="slot_update", kw_only=True):
     saved states changed as the job's JobDone/JobError said to its own router (an added entry naming a slot holds what
     that slot held before its job, as there)."""
 
-    slot: Annotated[int, Meta(ge=-1)]  # -1: no slot changed, only the saved states (the ending job's claim goes on)
-    epoch: NonNeg  # the claim it ends (SlotTaken.epoch)
+    slot: Annotated[int, Meta(ge=-1)]  # -1: no slot changed (the job took none), only the saved states
+    epoch: NonNeg  # the ending job's (SlotTaken.epoch)
     tokens: TokenBytes
     n_exact: NonNeg = 0
     salt: CacheSalt = ""

@@ -76,7 +76,8 @@ class Slot:
         return len(self.tokens)
 
     def __repr__(self) -> str:
-        return f"Slot({self.worker}/{self.index}, {self.phase.value}, n={len(self.tokens)})"
+        other = f", another router's until update {self.taken}" if self.foreign else ""
+        return f"Slot({self.worker}/{self.index}, {self.phase.value}, n={len(self.tokens)}{other})"
 
 
 SavedKey = tuple[str, int]  # (tier, id): "ram" or "disk", and the entry's id in it
@@ -217,7 +218,8 @@ class Mirror:
                 continue
             if len(tokens) != e.n_tokens or token_hash(tokens) != e.hash:
                 self.mismatches += 1
-                problems.append(f"saved state {e.id} ({e.n_tokens} tokens, from slot {e.slot}) differs from the mirror")
+                held = "its tokens" if e.tokens else f"{len(tokens)} tokens from {slots[e.slot]!r}"
+                problems.append(f"saved state {e.id} ({e.n_tokens} tokens, from slot {e.slot}) differs from the mirror's {held}")
                 continue
             exact = bool(slots) and slots[0].exact
             s = Saved(worker, (e.tier, e.id), tokens, e.nbytes, e.n_exact, e.min_keep, exact, e.salt)

@@ -2,10 +2,10 @@
 
 Each router places jobs on this worker's slots from its own mirror. The worker is the truth and keeps every mirror
 exact: a job's messages go to the router that sent it; when a job of one router takes a slot, every other router is
-told (`SlotTaken`), and when the slot's last job of that router ends, every other router gets what the slot holds
-now and the saved states that changed (`SlotUpdate`). A job naming a slot that another router's job holds is refused
-at once with `slot_busy` (the router places it again, elsewhere or later): the worker never runs a job on contents
-its router did not expect. With one router (the usual case) nothing of this is sent.
+told (`SlotTaken`, with the job's number on that slot: its epoch), and when the job ends, every other router gets what
+the slot holds now and the saved states that changed (`SlotUpdate`, same epoch). A job naming a slot that another
+router's jobs hold is refused at once with `slot_busy` (the router places it again, elsewhere or later): the worker
+never runs a job on contents its router did not expect. With one router (the usual case) nothing of this is sent.
 """
 
 from __future__ import annotations
@@ -74,50 +74,44 @@ class RouterLink:
         return restarted
 
 
-@dataclass
-class Claim:
-    link: int  # the router whose jobs own the slot
-    epoch: int  # this claim's number for the slot (SlotTaken and the SlotUpdate that ends it carry it)
-    jobs: set[str] = field(default_factory=set)
-
-
 class SlotClaims:
-    """Which router's jobs own each slot (taken on the I/O thread, released on the compute thread)."""
+    """Which router's jobs own each slot (taken on the I/O thread, released on the compute thread). Every job has its
+    own claim number (epoch) on its slot, so the other routers hear of each job's end, also of a job that waited
+    behind another job of its router on the same slot."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._claims: dict[int, Claim] = {}
+        self._owner: dict[int, tuple[int, set[str]]] = {}  # slot -> (link, its jobs there)
         self._epochs: dict[int, int] = {}
-        self._slot_of: dict[str, int] = {}
+        self._of_job: dict[str, tuple[int, int]] = {}  # job -> (slot, epoch)
 
-    def claim(self, link: int, job: str, slot: int) -> tuple[bool, int | None]:
-        """(taken, epoch of a new claim or None). Not taken: another router's jobs own the slot."""
+    def claim(self, link: int, job: str, slot: int) -> int | None:
+        """The job's epoch on the slot; None when another router's jobs own the slot."""
         with self._lock:
-            c = self._claims.get(slot)
-            if c is not None and c.link != link:
-                return False, None
-            self._slot_of[job] = slot
-            if c is not None:
-                c.jobs.add(job)
-                return True, None
+            owner = self._owner.get(slot)
+            if owner is not None and owner[0] != link:
+                return None
+            if owner is None:
+                owner = self._owner[slot] = (link, set())
+            owner[1].add(job)
             epoch = self._epochs[slot] = self._epochs.get(slot, 0) + 1
-            self._claims[slot] = Claim(link, epoch, {job})
-            return True, epoch
+            self._of_job[job] = (slot, epoch)
+            return epoch
 
     def release(self, job: str) -> tuple[int, int, int] | None:
-        """The job ended: (slot, epoch, owning link) when it was its claim's last job, else None."""
+        """The job ended: (slot, epoch, owning link), or None for a job that claimed nothing."""
         with self._lock:
-            slot = self._slot_of.pop(job, None)
-            c = self._claims.get(slot) if slot is not None else None
-            if c is None or slot is None:
+            claimed = self._of_job.pop(job, None)
+            if claimed is None:
                 return None
-            c.jobs.discard(job)
-            if c.jobs:
-                return None
-            del self._claims[slot]
-            return slot, c.epoch, c.link
+            slot, epoch = claimed
+            link, jobs = self._owner[slot]
+            jobs.discard(job)
+            if not jobs:
+                del self._owner[slot]
+            return slot, epoch, link
 
     def claimed(self) -> set[int]:
         """The slots some router's jobs hold now."""
         with self._lock:
-            return set(self._claims)
+            return set(self._owner)

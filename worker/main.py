@@ -183,27 +183,26 @@ class WorkerServer:
                 link.deltas.append(msg)
             return
         self.flush_deltas()  # a job's deltas go before its JobDone or JobError
-        self._push_out(link, encode(msg))
         if isinstance(msg, JobDone | JobError):
             link.jobs.discard(msg.id)
-            if self.side_by_side:
-                self._tell_others(msg)
+            if self.side_by_side:  # (before its router hears of the end: the slot is free for its next job then)
+                self._tell_others(link, msg)
+        self._push_out(link, encode(msg))
 
-    def _tell_others(self, end: JobDone | JobError) -> None:
-        """A job ended (on the compute thread, so its slot is as the job left it): when it was the last job of its
-        router's claim on the slot, every other router learns what the slot holds and which saved states changed."""
+    def _tell_others(self, link: RouterLink, end: JobDone | JobError) -> None:
+        """A job ended (on the compute thread, so its slot is as the job left it): every other router learns what the
+        slot holds and which saved states changed, and the slot is free for any router's jobs."""
         released = self.claims.release(end.id)
         if released is not None:
             update = self.slot_update(*released[:2])
-            owner = released[2]
         elif end.cache_added or end.cache_dropped or end.disk_dropped:
-            update, owner = SlotUpdate(slot=-1, epoch=0, tokens=b""), -1  # (only the saved states changed)
+            update = SlotUpdate(slot=-1, epoch=0, tokens=b"")  # (only the saved states changed)
         else:
             return
         update.cache_added, update.cache_dropped, update.disk_dropped = end.cache_added, end.cache_dropped, end.disk_dropped
         frame = encode(update)
         for other in self.links:
-            if other.index != owner and other.notices:
+            if other is not link and other.notices:
                 self._push_out(other, frame)
 
     def slot_update(self, slot_id: int, epoch: int) -> SlotUpdate:
@@ -438,17 +437,16 @@ class WorkerServer:
                 link.send(encode(JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=reason)), may_drop=True)
                 return
             if job.slot >= 0:
-                taken, epoch = self.claims.claim(link.index, job.id, job.slot)
-                if not taken:
+                epoch = self.claims.claim(link.index, job.id, job.slot)
+                if epoch is None:
                     log.info("slot_conflict", job=job.id, slot=job.slot, endpoint=link.endpoint)
                     reason = f"slot {job.slot} runs another router's job"
                     link.send(encode(JobError(id=job.id, code=ErrorCode.SLOT_BUSY, message=reason)), may_drop=True)
                     return
-                if epoch is not None:
-                    taken_msg = encode(SlotTaken(slot=job.slot, epoch=epoch))
-                    for other in self.links:
-                        if other is not link and other.accepted and other.notices:
-                            other.send(taken_msg, may_drop=True)
+                taken = encode(SlotTaken(slot=job.slot, epoch=epoch))
+                for other in self.links:
+                    if other is not link and other.accepted and other.notices:
+                        other.send(taken, may_drop=True)
         link.jobs.add(job.id)
         self.engine.submit(job, self.sink_for(link))
 

@@ -103,3 +103,49 @@ def test_two_routers_each_get_their_jobs_and_hear_of_the_others_changes() -> Non
             r.close(0)
         server.pull.close(0)
         ctx.destroy(linger=0)
+
+
+def test_each_job_on_a_slot_has_its_own_epoch_and_frees_the_slot_before_its_router_hears_it_ended() -> None:
+    ctx = zmq.Context()
+    rb = ctx.socket(zmq.ROUTER)
+    rb.bind("inproc://router-b2")
+    slots = [SimpleNamespace(tokens=[5, 6], n_exact=0, salt="")]
+    engine = SimpleNamespace(
+        vocab=SimpleNamespace(path="/nonexistent.gguf"),
+        after_step=None,
+        submit=lambda j, sink: None,
+        core=SimpleNamespace(table=slots, prefixes=SimpleNamespace(min_keep=lambda s: 0)),
+    )
+    cfg = WorkerConfig(model="/nonexistent.gguf", connect="inproc://router-a2,inproc://router-b2")
+    server = WorkerServer(cfg, engine, ctx)  # type: ignore[arg-type]
+    server.ready_sent = True
+    a, b = server.links
+    try:
+        for link in (a, b):
+            server.on_frame(link, encode(Accept(worker_id="w0", router_id=f"r{link.index}", features=["slot_notices"])))
+        server.take_job(a, job("x.ra.1", 0))
+        server.take_job(a, job("x.ra.2", 0))  # router a's second job waits behind its first on the slot
+        assert received(rb) == [SlotTaken(slot=0, epoch=1), SlotTaken(slot=0, epoch=2)]
+        claimed_when_pushed = []
+        push = server._push_out
+
+        def push_noting(link: Any, frame: bytes) -> None:
+            if link is a:  # what is claimed when router a is told of its job's end
+                claimed_when_pushed.append(server.claims.claimed())
+            push(link, frame)
+
+        server._push_out = push_noting  # type: ignore[method-assign]
+        server.sink_for(a)(end("x.ra.1", 0))
+        server._forward()
+        (update,) = received(rb)
+        assert isinstance(update, SlotUpdate) and (update.slot, update.epoch) == (0, 1)  # the slot as the first left it
+        server.sink_for(a)(end("x.ra.2", 0))
+        server._forward()
+        assert [u.epoch for u in received(rb)] == [2]
+        assert claimed_when_pushed == [{0}, set()]  # freed before router a hears its job ended (it may send the next)
+    finally:
+        for link in server.links:
+            link.dealer.close(0)
+        rb.close(0)
+        server.pull.close(0)
+        ctx.destroy(linger=0)
