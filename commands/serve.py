@@ -232,7 +232,7 @@ async def serve_http_processes(http: HttpConfig) -> None:
     """The HTTP API in this loop, and `--processes` - 1 more processes on its port (gateway/processes.py)."""
     from gateway.processes import HttpProcesses
 
-    await HttpProcesses(http, http.processes - 1).beside(lambda ready: serve_http(http, ready=ready))
+    await HttpProcesses(http, http.processes - 1).beside(lambda ready: serve_http(http, ready=ready, signals=False))
 
 
 def guard_zmq_clients(router_cfg: RouterConfig, http: HttpConfig | None) -> tuple[RouterConfig, HttpConfig | None]:

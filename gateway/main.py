@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import socket
 from dataclasses import dataclass
@@ -128,8 +129,9 @@ def parse_host_port(value: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None) -> None:
-    """Run the HTTP API until cancelled."""
+async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None, signals: bool = True) -> None:
+    """Run the HTTP API until cancelled. `signals`: SIGTERM/SIGINT stop it (uvicorn's graceful stop); False where
+    another part of the process owns them (`kvroute serve`: the router drains first, then the HTTP API stops)."""
     import uvicorn
 
     from gateway.app import Gateway, build_app
@@ -152,6 +154,8 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None) -> 
     )
     app = build_app(gateway)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False))
+    if not signals:  # (uvicorn would take SIGTERM, stop at once and raise it again: the router's drain was cut short)
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
     log = logs.get(__name__)
     task = asyncio.ensure_future(server.serve(sockets=[listen_socket(host, port, shared=cfg.processes > 1)]))
     while not server.started and not task.done():

@@ -374,6 +374,7 @@ class AsyncClient:
         self._sock = self._connect()
         self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._draining: list[tuple[zmq.asyncio.Socket, asyncio.Task[None] | None]] = []  # left routers, still streaming
 
     def _connect(self) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -384,7 +385,7 @@ class AsyncClient:
 
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop(self._sock))
         if len(self.endpoints) > 1 and (self._watcher is None or self._watcher.done()):
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
@@ -422,9 +423,27 @@ class AsyncClient:
                 q.put_nowait(Error(id=rid, code=ErrorCode.ROUTER_LOST, message=message))
         self._ensure_reader()
 
-    async def _read_loop(self) -> None:
+    def _leave_draining(self) -> None:
+        """The router in use is draining (a graceful restart): new requests, and those it refused, go to the next
+        router; the ones it is streaming finish there (the old connection is read until this client closes)."""
+        left = self.endpoint
+        self.endpoint = self.endpoints[(self.endpoints.index(left) + 1) % len(self.endpoints)]
+        log.info("router_draining", endpoint=left, next=self.endpoint)
+        self._draining.append((self._sock, self._reader))
+        if len(self._draining) > len(self.endpoints):  # (a router left that long ago has ended what it streamed)
+            sock, reader = self._draining.pop(0)
+            if reader is not None:
+                reader.cancel()
+            sock.close(0)
+        self._sock, self._reader = self._connect(), None
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        self._ensure_reader()
+
+    async def _read_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frame = await self._sock.recv()
+            frame = await sock.recv()
             msg = self._decoder.decode(frame)
             if isinstance(msg, Invalid):
                 log.warning("unreadable_reply", code=msg.code, reason=msg.reason)
@@ -432,9 +451,9 @@ class AsyncClient:
                 for delta in msg.items:
                     self._take(delta)
             else:
-                self._take(msg)
+                self._take(msg, sock)
 
-    def _take(self, msg: Any) -> None:
+    def _take(self, msg: Any, sock: zmq.asyncio.Socket | None = None) -> None:
         """One reply to the queue of the request it answers."""
         if msg.id is None and isinstance(msg, Error):
             if len(self._queues) != 1:  # cannot tell whose frame it was: fail none of them
@@ -442,6 +461,11 @@ class AsyncClient:
                 return
             (msg.id,) = self._queues  # the router could not read the frame of the one request waiting
         rid = msg.id or ""
+        if isinstance(msg, Error) and msg.code == ErrorCode.DRAINING and rid in self._unanswered and len(self.endpoints) > 1:
+            if sock is self._sock:
+                self._leave_draining()
+            self._send_soon_frame(self._unanswered[rid])  # to the next router (a draining one placed it nowhere)
+            return
         self._unanswered.pop(rid, None)
         q = self._queues.get(rid)
         if q is None or rid in self._cut:
@@ -468,9 +492,11 @@ class AsyncClient:
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def close(self) -> None:
-        for task in (self._reader, self._watcher):
+        for task in (self._reader, self._watcher, *(reader for _, reader in self._draining)):
             if task:
                 task.cancel()
+        for sock, _ in self._draining:
+            sock.close(0)
         self._sock.close(0)
 
     async def __aenter__(self) -> AsyncClient:

@@ -382,7 +382,7 @@ class WorkerServer:
                         if status is not None:
                             return status
                         if not link.accepted:
-                            link.send(encode(self.hello(link)), may_drop=self.side_by_side)  # Refuse(not_found): now
+                            next_beat = 0.0  # Refuse(not_found): say hello again now (once, however many refusals)
             return 0
         finally:
             for link in self.links:

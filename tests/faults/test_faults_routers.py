@@ -68,6 +68,40 @@ def test_requests_move_to_the_other_router_when_the_one_in_use_dies(tmp_path) ->
         b.stop()
 
 
+async def drain_scenario(a: Served, b: Served) -> tuple[str, Result]:
+    client = AsyncClient(f"{a.zmq},{b.zmq}", timeout_s=BOUND_S)
+    begun = asyncio.Event()
+
+    async def story() -> str:
+        async for msg in client.stream(prompt="Tell me a story.", max_tokens=64, ignore_eos=True):
+            if isinstance(msg, Delta):
+                begun.set()
+            elif isinstance(msg, Result):
+                return f"completed at {msg.worker}"
+        return "no result"
+
+    running = asyncio.create_task(story())
+    await asyncio.wait_for(begun.wait(), BOUND_S)
+    os.kill(a.proc.pid, signal.SIGTERM)  # `kvroute serve` A drains: no new request, the running one finishes
+    await asyncio.sleep(0.5)
+    after = await asyncio.wait_for(client.submit(prompt="Name a sea.", max_tokens=8, ignore_eos=True), BOUND_S)
+    ended = await asyncio.wait_for(running, BOUND_S)
+    await client.close()
+    return ended, after
+
+
+def test_a_router_that_drains_sends_new_requests_to_the_other_and_finishes_its_own(tmp_path) -> None:
+    a = Served(*FLAGS, log=tmp_path / "a.log")
+    b = Served(*FLAGS, log=tmp_path / "b.log")
+    try:
+        ended, after = asyncio.run(drain_scenario(a, b))
+        assert ended.startswith("completed")  # the request A was streaming finished there
+        assert after.usage.completion_tokens == 8  # refused by A (draining), served by B: the client never saw it
+    finally:
+        a.stop()
+        b.stop()
+
+
 # ---- routers side by side over one fleet ------------------------------------------------------------------------
 
 
