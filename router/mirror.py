@@ -17,6 +17,9 @@ first `slot_tokens` tokens of (prompt + generated tokens), and `slot_hash` is th
   `CacheEntry`: added with the slot whose previous contents it copied, or with its tokens; dropped by id). The mirror
   indexes them as owners (`Saved`) beside the slots, so selection can weigh restoring one against prefilling. An
   added entry whose hash disagrees with the tokens the mirror knows is a mismatch: counted, not indexed.
+- Routers side by side (several routers, one fleet): another router's job on a slot makes it busy here (`taken`)
+  until the worker says what it left (`updated_by_other`); the worker numbers each job on a slot (its epoch), so the
+  two reports may arrive in either order.
 """
 
 from __future__ import annotations
@@ -57,8 +60,8 @@ class Slot:
     salt: str = ""  # the tenant whose prompt it holds (a digest of the client's cache_salt; "": none)
     before_salt: str = ""
     min_keep: int = 0  # shortest prefix it can be cut to (it holds a restored state: kvroute/slots.py restore_keep)
-    # routers side by side: the latest claim of another router's jobs on this slot the worker announced (SlotTaken, or
-    # a refusal), and the latest one it said ended (SlotUpdate); while the first is ahead, the slot is theirs
+    # routers side by side: the latest epoch (job number on this slot) of another router's job the worker announced
+    # (SlotTaken, or a refusal), and the latest one it said ended (SlotUpdate); while the first is ahead, it is theirs
     taken: int = 0
     updated: int = 0
 
@@ -246,20 +249,20 @@ class Mirror:
     # ---- routers side by side: another router's jobs on this worker's slots ------------------------------------
 
     def taken(self, slot: Slot, epoch: int) -> None:
-        """Another router's job took the slot (SlotTaken): busy until the update that ends that claim."""
+        """Another router's job took the slot (SlotTaken): busy until the update of that epoch or a later one."""
         slot.taken = max(slot.taken, epoch)
         slot.rev[0] += 1
 
     def refused(self, slot: Slot) -> None:
-        """The worker refused this router's job on the slot (slot_busy): another router's job holds it, whose claim's
-        number comes with its update."""
+        """The worker refused this router's job on the slot (slot_busy): another router's job holds it, whose epoch
+        comes with its update."""
         slot.taken = max(slot.taken, slot.updated + 1)
         slot.rev[0] += 1
 
     def updated_by_other(
         self, slot: Slot, epoch: int, tokens: Tokens, n_exact: int = 0, salt: str = "", min_keep: int = 0
     ) -> None:
-        """Another router's jobs on the slot ended (SlotUpdate): it holds exactly `tokens` now."""
+        """Another router's job on the slot ended (SlotUpdate): it holds exactly `tokens` now."""
         slot.updated = max(slot.updated, epoch)
         if slot.phase is SlotPhase.BUSY:  # this router's job, sent meanwhile, starts from what they left
             slot.before, slot.before_exact, slot.before_salt = as_tokens(tokens), n_exact, salt

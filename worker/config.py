@@ -97,7 +97,11 @@ class WorkerConfig:
         None, f"GPU index to pin the model and context to (one GPU); default: ${GPU_ENV}, else CPU", metavar="I"
     )
     n_gpu_layers: int | None = n_gpu_layers_opt("--gpu")
-    connect: str = opt("tcp://127.0.0.1:5556", "router's worker endpoint to connect to")
+    connect: str = opt(
+        "tcp://127.0.0.1:5556",
+        "router's worker endpoint to connect to; several, comma-separated: routers side by side over one fleet (this "
+        "worker reports to each, and each keeps an exact mirror of its slots)",
+    )
     worker_id: str = opt("w0", "this worker's id (its ZMQ identity)")
     incarnation: int | None = opt(
         None, "this process start's number (default: the start time in ms, new on every start, systemd's included)"

@@ -409,7 +409,8 @@ class WorkerServer:
                 # the new router's mirror is empty: make it the truth (with other routers, their mirrors are; a
                 # router told nothing marks every slot unknown, and the next job on each clears it)
                 if not link.told_held and not self.side_by_side:
-                    self.engine.reset()
+                    self.engine.reset()  # (its jobs end without a word)
+                    link.jobs.clear()
             if not self.ready_sent:  # model loaded and accepted: this worker can serve
                 self.ready_sent = True
                 notify(ready=True, status=self.status_line())
