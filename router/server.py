@@ -33,7 +33,6 @@ import contextlib
 import functools
 import os
 import time
-import typing
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -112,20 +111,46 @@ def batched(out: list[Out]) -> list[Out]:
     ]
 
 
-def send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
-    """Send without waiting through the asyncio socket itself; a zmq error (EHOSTUNREACH...) raises here.
+class Inbox:
+    """A ROUTER socket read from the event loop without pyzmq's asyncio wrapper (a future per message was more than half
+    of the router's CPU per streamed token): the loop watches the socket's file descriptor, and each wake reads every
+    message waiting, a batch at a time. That descriptor is edge-triggered and any operation on the socket may take its
+    edge (a send included), so after each batch and each burst of sends (`rearm`) the socket's own events are checked
+    and a read is scheduled when messages wait: without that the loop would sleep with messages queued."""
 
-    Never through a synchronous shadow of the same socket: such a send consumes the socket's edge-triggered
-    readiness, so a recv awaiting on the asyncio socket is not woken and the loop stalls (under load every
-    worker then looked dead: no heartbeat). pyzmq's own send re-arms the pending recv.
-    """
-    fut = typing.cast("asyncio.Future[Any]", sock.send_multipart(frames, flags=zmq.NOBLOCK))
-    if not fut.done():  # another send is pending: this one completes after it
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        return
-    exc = fut.exception()
-    if exc is not None:
-        raise exc
+    BATCH = 256  # messages read before other callbacks get a turn
+
+    def __init__(self, sock: zmq.Socket[bytes], on_frames: Callable[[list[bytes]], None], after: Callable[[], None]) -> None:
+        self.sock, self.on_frames, self.after = sock, on_frames, after
+        self._scheduled = False
+        self._loop = asyncio.get_running_loop()
+        self._fd = int(sock.getsockopt(zmq.FD))
+        self._loop.add_reader(self._fd, self._read)
+        self.rearm()
+
+    def _read(self) -> None:
+        """Up to BATCH messages, each to `on_frames`, then `after` once (it sends what they produced, and rearms)."""
+        self._scheduled = False
+        try:
+            for _ in range(self.BATCH):
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.on_frames(frames)
+        finally:
+            self.after()
+        self.rearm()
+
+    def rearm(self) -> None:
+        """Read soon if messages wait (after anything that may have taken the descriptor's edge)."""
+        if not self._scheduled and int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            self._scheduled = True
+            self._loop.call_soon(self._read)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._fd)
 
 
 class Router:
@@ -164,6 +189,8 @@ class Router:
         # long texts are tokenized here, so that the event loop keeps serving (llama_tokenize releases the GIL)
         self._tokenizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvroute-tokenize")
         self.gatekeeper: Gatekeeper | None = None
+        self._raw: tuple[zmq.Socket[bytes], zmq.Socket[bytes]] | None = None
+        self._inboxes: list[Inbox] = []
 
     # the core's records, for the supervisor, status lines and tests
     @property
@@ -200,6 +227,8 @@ class Router:
             log.warning("insecure_bind", endpoint=endpoint, reason="no CURVE keys: anyone who can reach it gets in")
         self.client_sock = self._router_socket(self.cfg.client_endpoint, security, "clients")
         self.worker_sock = self._router_socket(self.cfg.worker_endpoint, security, "workers")
+        # the same sockets without the asyncio wrapper: every read and send goes through these (Inbox says why)
+        self._raw = (zmq.Socket.shadow(self.client_sock.underlying), zmq.Socket.shadow(self.worker_sock.underlying))
 
     def _router_socket(self, endpoint: str, security: Security, domain: str) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -232,15 +261,18 @@ class Router:
         )
         self.ready.set()
         notify(ready=True, status=self.core.status_line())
-        tasks = [
-            asyncio.ensure_future(self._client_loop()),
-            asyncio.ensure_future(self._worker_loop()),
-            asyncio.ensure_future(self._ticker()),
-            *(self.gatekeeper.tasks() if self.gatekeeper else []),
+        assert self._raw is not None
+        self._inboxes = [
+            Inbox(self._raw[0], self._client_frames, self._flush),
+            Inbox(self._raw[1], self._worker_frames, self._flush),
         ]
+        tasks = [asyncio.ensure_future(self._ticker()), *(self.gatekeeper.tasks() if self.gatekeeper else [])]
         try:
             await self._stop.wait()
         finally:
+            for inbox in self._inboxes:
+                inbox.close()
+            self._inboxes = []
             for t in tasks:
                 t.cancel()
             for t in tasks:
@@ -302,13 +334,15 @@ class Router:
             log.warning("worker_kill", worker=kill.worker, incarnation=kill.incarnation, pid=kill.pid, reason=kill.reason)
             if self.on_kill is not None:
                 self.on_kill(kill)
+        for inbox in self._inboxes:  # (a send may have taken a socket's readiness edge)
+            inbox.rearm()
 
     def _send(self, o: Out) -> bool:
         """Send one message; False when the peer's pipe is full (the message then waits in its backlog)."""
-        sock = self.worker_sock if o.worker else self.client_sock
-        assert sock is not None
+        assert self._raw is not None
+        sock = self._raw[1] if o.worker else self._raw[0]
         try:
-            send_now(sock, [o.to, *o.envelope, encode(o.msg)])
+            sock.send_multipart([o.to, *o.envelope, encode(o.msg)], zmq.NOBLOCK)
         except zmq.Again:
             key = (o.worker, o.to)
             self._backlog.setdefault(key, collections.deque()).appendleft(o)
@@ -353,17 +387,13 @@ class Router:
 
     # ---- client side ----------------------------------------------------------------------------
 
-    async def _client_loop(self) -> None:
-        assert self.client_sock is not None
-        while True:
-            frames = await self.client_sock.recv_multipart()
-            try:
-                self._on_client_frames(frames)
-            except Exception as exc:  # never let one request take the loop down
-                error_id = uuid.uuid4().hex[:12]
-                log.exception("client_frame_crashed", error_id=error_id, error=str(exc))
-                self.core.reply(frames[0], (), Error(code=ErrorCode.INTERNAL, message="internal error", error_id=error_id))
-            self._flush()
+    def _client_frames(self, frames: list[bytes]) -> None:
+        try:
+            self._on_client_frames(frames)
+        except Exception as exc:  # never let one request take the loop down
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("client_frame_crashed", error_id=error_id, error=str(exc))
+            self.core.reply(frames[0], (), Error(code=ErrorCode.INTERNAL, message="internal error", error_id=error_id))
 
     def _on_client_frames(self, frames: list[bytes]) -> None:
         identity, rest = frames[0], frames[1:]
@@ -437,15 +467,11 @@ class Router:
 
     # ---- worker side ----------------------------------------------------------------------------
 
-    async def _worker_loop(self) -> None:
-        assert self.worker_sock is not None
-        while True:
-            frames = await self.worker_sock.recv_multipart()
-            try:
-                self._on_worker_frames(frames)
-            except Exception as exc:
-                log.exception("worker_frame_crashed", error=str(exc))
-            self._flush()
+    def _worker_frames(self, frames: list[bytes]) -> None:
+        try:
+            self._on_worker_frames(frames)
+        except Exception as exc:
+            log.exception("worker_frame_crashed", error=str(exc))
 
     def _on_worker_frames(self, frames: list[bytes]) -> None:
         identity = frames[0]
