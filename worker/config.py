@@ -149,9 +149,19 @@ class WorkerConfig:
         metavar="FILE",
     )
 
+    @property
+    def routers(self) -> list[str]:
+        """The router endpoints of `connect` (several: routers side by side)."""
+        return [e.strip() for e in self.connect.split(",") if e.strip()]
+
     def __post_init__(self) -> None:
         if self.gpu is None and (gpu := env_gpu()) is not None:  # (read here: a bad value is a usage error, not a crash)
             object.__setattr__(self, "gpu", gpu)
+        routers = self.routers
+        if not routers:
+            raise ValueError(f"--connect names no router endpoint: {self.connect!r}")
+        if len(set(routers)) != len(routers) or len(routers) > 255:
+            raise ValueError(f"--connect must name up to 255 different router endpoints, got {self.connect!r}")
         if self.slots < 1 or self.slots > 256:
             raise ValueError(f"slots must be in 1..256, got {self.slots}")
         if self.ctx_per_slot != 0 and self.ctx_per_slot < 16:

@@ -143,9 +143,8 @@ class WorkerServer:
         self.pull = self.zctx.socket(zmq.PULL)
         self.pull.bind(self.inproc)
         self._push = threading.local()
-        endpoints = [e.strip() for e in cfg.connect.split(",") if e.strip()]
         self.links = [
-            RouterLink.open(i, e, self.zctx, cfg.worker_id, cfg.curve_key, cfg.router_key) for i, e in enumerate(endpoints)
+            RouterLink.open(i, e, self.zctx, cfg.worker_id, cfg.curve_key, cfg.router_key) for i, e in enumerate(cfg.routers)
         ]
         self.claims = SlotClaims()
         self._deltas_lock = threading.Lock()

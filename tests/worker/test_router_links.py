@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import zmq
 
 from protocol import (
@@ -149,3 +150,9 @@ def test_each_job_on_a_slot_has_its_own_epoch_and_frees_the_slot_before_its_rout
         rb.close(0)
         server.pull.close(0)
         ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("connect", ["", " , ", "tcp://a:1,tcp://a:1"])
+def test_a_connect_list_without_routers_or_with_one_twice_is_refused(connect: str) -> None:
+    with pytest.raises(ValueError, match="--connect"):
+        WorkerConfig(model="/nonexistent.gguf", connect=connect)
