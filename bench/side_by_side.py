@@ -19,15 +19,14 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.systems import free_port
-from kvroute.client import AsyncClient, Client
+from bench.fleet import TwoRouters
+from kvroute.client import AsyncClient
 
 METRICS = ("kvroute_slot_conflicts_total", "kvroute_mirror_mismatches_total", "kvroute_reuse_mispredictions_total")
 
@@ -36,53 +35,7 @@ def counter(text: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
-class Fleet:
-    """Two routers and the workers, which report to both."""
-
-    def __init__(self, args: argparse.Namespace, logs: Path) -> None:
-        self.logs = logs
-        self.zmq = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-        workers = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-        self.procs = [self._spawn(f"router{i}", "router", "--zmq", self.zmq[i], "--worker-endpoint", workers[i]) for i in (0, 1)]
-        for i in range(args.workers):
-            self.procs.append(
-                self._spawn(
-                    f"w{i}", "worker", "--connect", ",".join(workers), "--worker-id", f"w{i}", "--slots", str(args.slots),
-                    "--ctx-per-slot", str(args.ctx), "--threads", str(args.threads),
-                )
-            )  # fmt: skip
-        self.n_workers = args.workers
-
-    def _spawn(self, name: str, *argv: str) -> subprocess.Popen[bytes]:
-        with open(self.logs / f"{name}.log", "ab") as out:
-            return subprocess.Popen([sys.executable, "-m", "commands.cli", *argv], stdout=out, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout_s: float = 300) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            ready = 0
-            for ep in self.zmq:
-                try:
-                    with Client(ep, timeout_s=5) as c:
-                        ready += sum(w.state == "ready" for w in c.status().workers) == self.n_workers
-                except Exception:
-                    pass
-            if ready == 2:
-                return
-            time.sleep(1)
-        raise TimeoutError(f"the fleet did not come up in {timeout_s:g} s (logs in {self.logs})")
-
-    def stop(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-
-async def metrics(fleet: Fleet) -> dict[str, float]:
+async def metrics(fleet: TwoRouters) -> dict[str, float]:
     got = dict.fromkeys(METRICS, 0.0)
     for ep in fleet.zmq:
         async with AsyncClient(ep, timeout_s=10) as c:
@@ -92,7 +45,7 @@ async def metrics(fleet: Fleet) -> dict[str, float]:
     return got
 
 
-async def run_mode(fleet: Fleet, mode: str, args: argparse.Namespace, tag: str) -> dict[str, Any]:
+async def run_mode(fleet: TwoRouters, mode: str, args: argparse.Namespace, tag: str) -> dict[str, Any]:
     clients = [AsyncClient(ep, timeout_s=300) for ep in fleet.zmq]
     before = await metrics(fleet)
     system = "You are a careful coding agent working in a large repository. Follow the plan step by step. " * 12
@@ -143,7 +96,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, help="write the results here (JSON)")
     args = ap.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="kvroute-side-by-side-"))
-    fleet = Fleet(args, logs)
+    fleet = TwoRouters(logs, workers=args.workers, slots=args.slots, ctx=args.ctx, threads=args.threads)
     runs = []
     try:
         fleet.wait_ready()

@@ -23,7 +23,6 @@ import collections
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,66 +31,9 @@ from typing import Any
 
 import httpx
 
-from bench.systems import free_port
+from bench.fleet import TwoRouters
 
 TURN_WORDS = ("Read the file.", "Now fix the failing test.", "Explain the change.", "Run the linter.", "Continue.")
-
-
-class Fleet:
-    def __init__(self, args: argparse.Namespace, logs: Path) -> None:
-        self.logs = logs
-        self.zmq = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-        self.worker_eps = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
-        self.http_port = free_port()
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        for i in range(2):
-            self.start_router(i)
-        for w in range(args.workers):
-            self.spawn(
-                f"w{w}", "worker", "--connect", ",".join(self.worker_eps), "--worker-id", f"w{w}", "--slots", str(args.slots),
-                "--ctx-per-slot", str(args.ctx), "--threads", str(args.threads),
-            )  # fmt: skip
-        self.spawn("http", "http", "--router", ",".join(self.zmq), "--http", f"127.0.0.1:{self.http_port}")
-
-    def spawn(self, name: str, *argv: str) -> None:
-        with open(self.logs / f"{name}.log", "ab") as out:
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "commands.cli", *argv], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def start_router(self, i: int) -> None:
-        self.spawn(f"router{i}", "router", "--zmq", self.zmq[i], "--worker-endpoint", self.worker_eps[i])
-
-    def restart_router(self, i: int, sig: signal.Signals) -> float:
-        """Stop router i with `sig` and start it again; the seconds it took to stop."""
-        p = self.procs[f"router{i}"]
-        t0 = time.monotonic()
-        p.send_signal(sig)
-        p.wait(120)
-        stopped = time.monotonic() - t0
-        self.start_router(i)
-        return stopped
-
-    def rss_mb(self) -> dict[str, float]:
-        out = {}
-        for name, p in self.procs.items():
-            try:
-                for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        out[name] = int(line.split()[1]) / 1024
-            except OSError:
-                pass
-        return out
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 class Tally:
@@ -148,7 +90,7 @@ async def agent(n: int, http: httpx.AsyncClient, args: argparse.Namespace, tally
         turn += 1
 
 
-async def soak(fleet: Fleet, args: argparse.Namespace) -> dict[str, Any]:
+async def soak(fleet: TwoRouters, args: argparse.Namespace) -> dict[str, Any]:
     tally = Tally()
     memory: list[dict[str, Any]] = []
     restarts: list[dict[str, Any]] = []
@@ -211,7 +153,7 @@ def main() -> int:
     args = ap.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="kvroute-soak-"))
     os.environ.setdefault("KVROUTE_LOG_FORMAT", "json")
-    fleet = Fleet(args, logs)
+    fleet = TwoRouters(logs, workers=args.workers, slots=args.slots, ctx=args.ctx, threads=args.threads, http=True)
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:

@@ -28,20 +28,21 @@ pytestmark = pytest.mark.model
 FLAGS = ("--workers", "1", "--slots", "1", "--ctx-per-slot", "1024", "--threads", "1", "--spec", "none")
 
 
+async def long_story(client: AsyncClient, max_tokens: int, begun: asyncio.Event) -> str:
+    """Stream a story; `begun` is set at its first delta. How it ended: "completed", or the error's code."""
+    try:
+        async for msg in client.stream(prompt="Tell me a long story.", max_tokens=max_tokens, ignore_eos=True):
+            if isinstance(msg, Delta):
+                begun.set()
+        return "completed"
+    except KvrouteError as exc:
+        return exc.code
+
+
 async def scenario(a: Served, b: Served) -> tuple[str, Result, Result]:
     client = AsyncClient(f"{a.zmq},{b.zmq}", timeout_s=BOUND_S)
     begun = asyncio.Event()
-
-    async def long_story() -> str:
-        try:
-            async for msg in client.stream(prompt="Tell me a long story.", max_tokens=600, ignore_eos=True):
-                if isinstance(msg, Delta):
-                    begun.set()
-            return "completed"
-        except KvrouteError as exc:
-            return exc.code
-
-    running = asyncio.create_task(long_story())
+    running = asyncio.create_task(long_story(client, 600, begun))
     await asyncio.wait_for(begun.wait(), BOUND_S)
     waiting = asyncio.create_task(client.submit(prompt="Name a river.", max_tokens=8, ignore_eos=True))
     await asyncio.sleep(1.0)  # it reached router A, which holds it for A's one slot (busy with the story)
@@ -174,17 +175,7 @@ async def two_routers_one_fleet(fleet: Fleet) -> dict[str, object]:
     # conversations' next turns through B: conversation 1's turn before went through A
     moving = AsyncClient(f"{za},{zb}", timeout_s=BOUND_S)
     begun = asyncio.Event()
-
-    async def long_story() -> str:
-        try:
-            async for msg in moving.stream(prompt="Tell me a long story.", max_tokens=400, ignore_eos=True):
-                if isinstance(msg, Delta):
-                    begun.set()
-            return "completed"
-        except KvrouteError as exc:
-            return exc.code
-
-    story = asyncio.create_task(long_story())
+    story = asyncio.create_task(long_story(moving, 400, begun))
     await asyncio.wait_for(begun.wait(), BOUND_S)
     os.kill(fleet.routers[0].pid, signal.SIGKILL)
     story_end = await asyncio.wait_for(story, BOUND_S)
