@@ -5,11 +5,13 @@ does) answer every job by streaming its max_tokens, one token per delta and one 
 round's deltas in one JobDeltas message, as a worker sends an engine step's), as fast as they can, then a JobDone
 that keeps the router's mirror exact. A real `kvroute router` places the jobs; the clients are a process of their
 own: ZMQ clients (kvroute/client.py `AsyncClient`) on the router, or HTTP SSE clients (/v1/completions) on a
-`kvroute http` gateway. After a warm-up, the CPU time of every process over the measured
-window is read from /proc, with the tokens the clients received in it.
+`kvroute http` gateway; each either with direct replies (the workers send the output to the client or gateway, the
+router sees a job's start and end: PROTOCOL.md 4.4) or with every token through the router (the `-router` paths).
+After a warm-up, the CPU time of every process over the measured window is read from /proc, with the tokens the
+clients received in it.
 
-    .venv/bin/python -m bench.token_path [--paths zmq,http] [--workers 2] [--slots 8] [--clients 16]
-        [--tokens 200] [--seconds 20] [--warmup-s 3]
+    .venv/bin/python -m bench.token_path [--paths zmq,zmq-router,http,http-router] [--workers 2] [--slots 8]
+        [--clients 16] [--tokens 200] [--seconds 20] [--warmup-s 3] [--gateway-processes 1,2]
 
 Per path: tokens/s delivered to the clients, and CPU microseconds per delivered token of the router, the gateway,
 the workers (together) and the clients.
@@ -43,6 +45,7 @@ from protocol import (
     JobDelta,
     JobDeltas,
     JobDone,
+    JobStart,
     Refuse,
     SlotState,
     Timings,
@@ -87,27 +90,47 @@ def worker(endpoint: str, worker_id: str, slots: int, model: str) -> None:
     running: dict[str, Running] = {}
     progress, last_beat = 0, 0.0
     delta_bytes = pack_tokens([TOKEN])
+    replies: dict[str, zmq.Socket[bytes]] = {}  # a job's client reads its output itself (Job.reply_to): worker/replies.py
+
+    def reply_socket(endpoint: str) -> zmq.Socket[bytes]:
+        if endpoint not in replies:
+            replies[endpoint] = zmq.Context.instance().socket(zmq.PUSH)
+            replies[endpoint].setsockopt(zmq.SNDHWM, 0)
+            replies[endpoint].connect(endpoint)
+        return replies[endpoint]
+
     while True:
         while sock.poll(0 if running else 100):
             msg = dec.decode(sock.recv())
             if isinstance(msg, Job):
                 running[msg.id] = Running(msg, msg.sampling.max_tokens or 256)
+                if msg.reply_to:
+                    reply_socket(msg.reply_to).send(encode(JobStart(id=msg.id)))
             elif isinstance(msg, JobCancel) and msg.id in running:
                 running[msg.id].left = 0
             elif isinstance(msg, Refuse):
                 raise SystemExit(f"{worker_id}: refused: {msg.reason}")
             elif not isinstance(msg, Accept):
                 pass  # drain and the rest: not part of this benchmark
-        step = [JobDelta(id=rid, text="x", tokens=delta_bytes) for rid, run in running.items() if run.left > 0]
-        if step:  # a round's deltas in one message, as a worker sends an engine step's (worker/main.py)
-            sock.send(encode(step[0] if len(step) == 1 else JobDeltas(items=step)))
+        # a round's deltas in one message per destination, as a worker sends an engine step's (worker/main.py)
+        step: dict[str, list[JobDelta]] = {}
+        for rid, run in running.items():
+            if run.left > 0:
+                step.setdefault(run.job.reply_to, []).append(JobDelta(id=rid, text="x", tokens=delta_bytes))
+                if run.job.reply_to and run.generated == 0:  # the router hears of the first token only
+                    step.setdefault("", []).append(JobDelta(id=rid, text="", tokens=b"", reused_tokens=0))
+        for to, deltas in step.items():
+            (reply_socket(to) if to else sock).send(encode(deltas[0] if len(deltas) == 1 else JobDeltas(items=deltas)))
         for rid, run in list(running.items()):
             if run.left > 0:
                 run.left -= 1
                 run.generated += 1
             if run.left == 0:
                 del running[rid]
-                sock.send(encode(_done(run, held)))
+                done = encode(_done(run, held))
+                if run.job.reply_to:
+                    reply_socket(run.job.reply_to).send(done)
+                sock.send(done)
         progress += 1
         now = time.monotonic()
         if now - last_beat > HEARTBEAT_S:
@@ -143,10 +166,10 @@ def _done(run: Running, held: dict[int, list[int]]) -> JobDone:
 # ---- the clients ---------------------------------------------------------------------------------
 
 
-async def _zmq_clients(target: str, clients: int, tokens: int, until: float, counts: list[int]) -> None:
+async def _zmq_clients(target: str, clients: int, tokens: int, until: float, counts: list[int], direct: bool) -> None:
     from kvroute.client import AsyncClient, Delta
 
-    client = AsyncClient(target)
+    client = AsyncClient(target, reply_endpoint="auto" if direct else "off")
 
     async def one(i: int) -> None:
         n = 0
@@ -160,7 +183,7 @@ async def _zmq_clients(target: str, clients: int, tokens: int, until: float, cou
     await client.close()
 
 
-async def _http_clients(target: str, clients: int, tokens: int, until: float, counts: list[int]) -> None:
+async def _http_clients(target: str, clients: int, tokens: int, until: float, counts: list[int], direct: bool) -> None:
     import httpx
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -186,8 +209,8 @@ def clients(path: str, target: str, n: int, tokens: int, seconds: float, out: st
 
     async def main() -> None:
         until = time.monotonic() + seconds
-        run = _zmq_clients if path == "zmq" else _http_clients
-        task = asyncio.create_task(run(target, n, tokens, until, counts))
+        run = _zmq_clients if path.startswith("zmq") else _http_clients
+        task = asyncio.create_task(run(target, n, tokens, until, counts, not path.endswith("-router")))
         while not task.done():
             samples.append((time.time(), counts[0]))
             await asyncio.sleep(0.1)
@@ -260,9 +283,10 @@ def run_path(path: str, args: argparse.Namespace, model: str, gateways: int = 1)
 
         wait_for(joined, "the scripted workers to join the router")
         target = zmq_ep
-        if path == "http":
+        if path.startswith("http"):
             port = free_port()
             gateway = [*cli, "http", "--router", zmq_ep, "--http", f"127.0.0.1:{port}", "--processes", str(gateways)]
+            gateway += ["--reply-endpoint", "off" if path.endswith("-router") else "auto"]
             procs["gateway"] = subprocess.Popen(gateway, env=env)
             target = f"http://127.0.0.1:{port}"
             import httpx
@@ -327,7 +351,12 @@ def main() -> None:
             clients(a.path, a.target, a.clients, a.tokens, a.seconds, a.out)
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--paths", default="zmq,http", help="comma-separated: zmq (clients on the router), http (gateway)")
+    ap.add_argument(
+        "--paths",
+        default="zmq,zmq-router,http,http-router",
+        help="comma-separated: zmq (ZMQ clients; output straight from the workers), http (the same through the gateway);"
+        " with -router: every token through the router (--reply-endpoint off)",
+    )
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--clients", type=int, default=16)
@@ -350,12 +379,12 @@ def main() -> None:
     runs = [
         (p, n)
         for p in args.paths.split(",")
-        for n in ([int(g) for g in args.gateway_processes.split(",")] if p == "http" else [0])
+        for n in ([int(g) for g in args.gateway_processes.split(",")] if p.startswith("http") else [0])
     ]
     for path, gateways in runs:
         r = run_path(path, args, model, gateways)
         gateway = "—" if r["gateway_us"] != r["gateway_us"] else f"{r['gateway_us']:.0f}"
-        name = f"http, {gateways} gateway process{'es' if gateways > 1 else ''}" if path == "http" else path
+        name = f"{path}, {gateways} gateway process{'es' if gateways > 1 else ''}" if path.startswith("http") else path
         print(
             f"| {name} | {r['tokens_per_s']:,.0f} | {r['router_us']:.0f} | {gateway} | {r['workers_us']:.0f} | "
             f"{r['clients_us']:.0f} |",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import secrets
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +126,11 @@ class Family:
     native = True  # the template renders tools, tool calls and tool results itself
     id_alphabet = ""  # tool call ids the template accepts: "" = any (ours: call_ + 24 hex)
     id_length = 0
+
+    @property
+    def key(self) -> str:
+        """Its name on the wire (protocol ReplyFormat.family); `family_named` makes it again."""
+        return self.name
 
     def new_id(self) -> str:
         if self.id_alphabet:
@@ -238,6 +244,10 @@ class MistralArgs(Family):
 
     def __init__(self, call_ids: bool) -> None:
         self.call_ids = call_ids
+
+    @property
+    def key(self) -> str:
+        return "mistral-args+ids" if self.call_ids else "mistral-args"
 
     def calls_rules(self, tools: list[Tool], parallel: bool) -> str:
         head = "calls: call+\n" if parallel else "calls: call\n"
@@ -362,6 +372,21 @@ class Generic(Family):
         )
 
 
+def family_named(key: str) -> Family:
+    """The family whose `key` this is (what a client reading direct replies gets from the router). KeyError if none."""
+    made: dict[str, Callable[[], Family]] = {
+        "hermes": Hermes,
+        "llama3": Llama3,
+        "mistral": Mistral,
+        "mistral-args": lambda: MistralArgs(call_ids=False),
+        "mistral-args+ids": lambda: MistralArgs(call_ids=True),
+        "gemma": lambda: Gemma("gemma", "<|tool_call>", "<tool_call|>", '<|"|>'),
+        "functiongemma": lambda: Gemma("functiongemma", "<start_function_call>", "<end_function_call>", "<escape>"),
+        "generic": Generic,
+    }
+    return made[key]()
+
+
 def detect(source: str) -> Family:
     """The tool-call family of a chat template, from the markers in its source."""
     if "[TOOL_CALLS]" in source:
@@ -369,9 +394,9 @@ def detect(source: str) -> Family:
             return MistralArgs(call_ids="[CALL_ID]" in source)
         return Mistral()
     if "<|tool_call>call:" in source:
-        return Gemma("gemma", "<|tool_call>", "<tool_call|>", '<|"|>')
+        return family_named("gemma")
     if "<start_function_call>" in source:
-        return Gemma("functiongemma", "<start_function_call>", "<end_function_call>", "<escape>")
+        return family_named("functiongemma")
     if "<tool_call>" in source and "<function=" not in source:  # (Qwen3-Coder's XML calls are another syntax)
         return Hermes()
     if "<|start_header_id|>" in source and ("ipython" in source or '"parameters"' in source):

@@ -12,7 +12,8 @@ import enum
 import json
 from dataclasses import dataclass, field
 
-from chat.families import Call, Family, Generic
+from chat.families import Call, Family, Generic, family_named
+from protocol import ReplyFormat
 
 CLOSERS = "}]>"
 GENERIC_CALLS, GENERIC_RESPONSE = '{"tool_calls": [', '{"response": "'
@@ -47,6 +48,27 @@ class OutputSpec:
 
     def parser(self) -> OutputParser:
         return OutputParser(self)
+
+    def wire(self) -> ReplyFormat:
+        """As a client reading direct replies gets it (in `placed`)."""
+        return ReplyFormat(
+            family=self.family.key if self.family is not None else "",
+            tool_names=sorted(self.tool_names),
+            reasoning=list(self.reasoning or ()),
+            in_reasoning=self.in_reasoning,
+        )
+
+    @staticmethod
+    def from_wire(fmt: ReplyFormat) -> OutputSpec:
+        """The spec of a `placed` message's format. ValueError when it names what this side does not know."""
+        try:
+            family = family_named(fmt.family) if fmt.family else None
+        except KeyError:
+            raise ValueError(f"unknown tool-call family {fmt.family!r}") from None
+        if fmt.reasoning and len(fmt.reasoning) != 2:
+            raise ValueError(f"reasoning must be [open, close], got {fmt.reasoning!r}")
+        reasoning = (fmt.reasoning[0], fmt.reasoning[1]) if fmt.reasoning else None
+        return OutputSpec(family, frozenset(fmt.tool_names), reasoning, fmt.in_reasoning)
 
 
 class Mode(enum.Enum):
@@ -107,6 +129,9 @@ class OutputParser:
 
     def feed(self, text: str) -> Piece:
         out = Piece()
+        if self.mode is Mode.TEXT:  # (no call or thinking tag to look for: the common case, per token)
+            self._text(out, text)
+            return out
         self.buf += text
         self.closed = self.closed or any(c in text for c in CLOSERS)
         while self._step(out, final=False):

@@ -163,6 +163,20 @@ def auto_http_processes(cores: int, gpus: int) -> int:
     return max(1, min(8, (cores - 1 - 2 * gpus) // 4))
 
 
+def reply_endpoint_for(given: str, worker_endpoint: str) -> str:
+    """`--reply-endpoint auto` picks an address only this host reaches: with workers that may connect from other hosts
+    (a worker endpoint bound beyond loopback) the HTTP API takes its replies through the router unless told where."""
+    local = worker_endpoint.startswith(("ipc://", "tcp://127.0.0.1:", "tcp://localhost:", "tcp://[::1]:"))
+    if given != "auto" or local:
+        return given
+    logs.get(__name__).info(
+        "direct_replies_off",
+        worker_endpoint=worker_endpoint,
+        reason="workers may connect from other hosts; give --reply-endpoint tcp://THIS_HOST:* to have them stream here",
+    )
+    return "off"
+
+
 def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfig | None:
     """The HTTP API in front of this router (None with --http off); `serve` names the model once it is resolved."""
     if args.http == "off":
@@ -178,6 +192,7 @@ def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfi
         max_body_bytes=args.max_body_bytes,
         max_frame_bytes=router_cfg.max_frame_bytes,
         stream_stall_s=args.stream_stall_s,
+        reply_endpoint=reply_endpoint_for(args.reply_endpoint, router_cfg.worker_endpoint),
         processes=args.processes or auto_http_processes(os.cpu_count() or 1, len(LocalWorkers(gpus=args.gpus).gpu_list())),
         temp=args.temp,
         top_k=args.top_k,

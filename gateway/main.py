@@ -10,6 +10,7 @@ import socket
 from dataclasses import dataclass
 
 from kvroute import logs
+from kvroute.client import reply_endpoint_of
 from kvroute.config import add_args, from_args, opt
 from protocol import MAX_FRAME_BYTES
 
@@ -66,6 +67,13 @@ class HttpConfig:
     stream_stall_s: float = opt(
         30.0, "a streamed reply whose reader takes nothing for this long is cut: its generation is cancelled"
     )
+    reply_endpoint: str = opt(
+        "auto",
+        "where workers send streamed output straight to this HTTP API, past the router (PROTOCOL.md 4.4): 'auto' (an ipc "
+        "path or loopback port when the router is on this host), tcp://HOST:PORT with HOST one the workers reach (PORT "
+        "* picks one; needed with --processes above 1), or 'off' (all output through the router)",
+        metavar="ENDPOINT",
+    )
     processes: int = opt(
         1,
         "HTTP processes serving --http together (SO_REUSEPORT: the kernel spreads connections over them); each has "
@@ -91,6 +99,11 @@ class HttpConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be between {low} and {high}, got {value}")
         if not 1 <= self.processes <= MAX_PROCESSES:
             raise ValueError(f"--processes must be between 1 and {MAX_PROCESSES}, got {self.processes}")
+        reply_endpoint_of(self.reply_endpoint, self.router.split(",")[0])  # (ValueError naming what is wrong)
+        if self.processes > 1 and self.reply_endpoint not in ("auto", "off") and not self.reply_endpoint.endswith(":*"):
+            raise ValueError(
+                f"--reply-endpoint: with --processes {self.processes}, give the port as * (each process binds its own)"
+            )
         if self.stream_stall_s <= 0:
             raise ValueError(f"--stream-stall-s must be positive, got {self.stream_stall_s}")
         if self.tenant_per_key and not (self.api_key or os.environ.get("KVROUTE_API_KEY")):
@@ -138,7 +151,13 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None, sig
     from kvroute.client import AsyncClient
 
     host, port = parse_host_port(cfg.http)
-    client = AsyncClient(cfg.router, curve_key=cfg.curve_key, router_key=cfg.router_key, max_frame_bytes=cfg.max_frame_bytes)
+    client = AsyncClient(
+        cfg.router,
+        curve_key=cfg.curve_key,
+        router_key=cfg.router_key,
+        max_frame_bytes=cfg.max_frame_bytes,
+        reply_endpoint=cfg.reply_endpoint,
+    )
     api_key = cfg.api_key or os.environ.get("KVROUTE_API_KEY") or None
     gateway = Gateway(
         client,

@@ -35,6 +35,7 @@ import zmq.asyncio
 import zmq.utils.monitor
 
 from kvroute import logs
+from kvroute.direct import DirectReplies, auto_endpoint
 from protocol import (
     MAX_FRAME_BYTES,
     Cancel,
@@ -47,6 +48,7 @@ from protocol import (
     Invalid,
     MetricsReply,
     MetricsRequest,
+    Placed,
     Result,
     Sampling,
     StatusReply,
@@ -343,8 +345,26 @@ class Client:
         return msg
 
 
+def reply_endpoint_of(given: str | None, router_endpoint: str) -> str | None:
+    """The endpoint a client binds for direct replies: "auto" (kvroute/direct.py auto_endpoint), "off", or one given.
+    ValueError for one workers could not be told to reach (a wildcard host)."""
+    if given in (None, "", "off"):
+        return None
+    if given == "auto":
+        return auto_endpoint(router_endpoint)
+    if not given.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"reply endpoint {given!r}: expected tcp://HOST:PORT, ipc://PATH, 'auto' or 'off'")
+    if given.startswith(("tcp://*", "tcp://0.0.0.0", "tcp://[::]")):
+        raise ValueError(f"reply endpoint {given!r}: give an address the workers can reach, not a wildcard host")
+    return given
+
+
 class AsyncClient:
-    """asyncio client; many requests may be in flight from many tasks at once."""
+    """asyncio client; many requests may be in flight from many tasks at once.
+
+    `reply_endpoint`: where workers send this client's streamed output directly (kvroute/direct.py), so that it does
+    not pass through the router: "auto" (an ipc path or a loopback port when the router is on this host, else none),
+    an endpoint to bind (tcp://HOST:PORT, a port of * picks one; HOST must be one the workers reach), or "off"."""
 
     _ids = itertools.count()
 
@@ -358,6 +378,7 @@ class AsyncClient:
         router_key: str | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         max_buffered: int = MAX_BUFFERED,
+        reply_endpoint: str | None = "auto",
     ) -> None:
         # several routers, comma-separated: one is used; when its connection drops, the next one (see _fail_over)
         self.endpoints = [e.strip() for e in endpoint.split(",") if e.strip()] or [endpoint]
@@ -375,6 +396,11 @@ class AsyncClient:
         self._reader: asyncio.Task[None] | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._draining: list[tuple[zmq.asyncio.Socket, asyncio.Task[None] | None]] = []  # left routers, still streaming
+        self.reply_endpoint = reply_endpoint_of(reply_endpoint, self.endpoints[0])
+        self._direct: DirectReplies | None = None  # bound at the first request that uses it
+        self._submits: dict[str, Submit] = {}  # requests with direct replies, as given (sent again if those fail)
+        self._wire: dict[str, str] = {}  # request id -> the id it was sent again under (replies through the router)
+        self._alias: dict[str, str] = {}  # ... and back
 
     def _connect(self) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -416,8 +442,14 @@ class AsyncClient:
             self._reader = None
         old.close(0)
         message = f"the router at {lost} stopped answering after this request's output began; it was not sent again"
+        direct = self._direct
         for rid, q in list(self._queues.items()):
-            if rid in self._unanswered:
+            if direct is not None and direct.began(rid):
+                direct.orphan(rid, lost)  # its worker streams it here without the router, while it lives
+            elif rid in self._unanswered:
+                if direct is not None and rid in direct.sent_at:  # (a job placed at the lost router is not read)
+                    direct.forget(rid)
+                    direct.expect(rid)
                 self._send_soon_frame(self._unanswered[rid])
             else:
                 q.put_nowait(Error(id=rid, code=ErrorCode.ROUTER_LOST, message=message))
@@ -441,12 +473,53 @@ class AsyncClient:
             self._watcher = None
         self._ensure_reader()
 
+    def _direct_for(self, sub: Submit) -> DirectReplies | None:
+        """The reply endpoint this request's output comes to, if it uses one (bound now if not yet)."""
+        if self.reply_endpoint is None or sub.n > 1:
+            return None
+        if self._direct is None:
+            try:
+                self._direct = DirectReplies(
+                    self.reply_endpoint,
+                    self._take,
+                    lambda rid: self._send_soon(Cancel(id=rid)),
+                    curve=self.curve != (None, None),
+                    resend=self._resend_routed,
+                )
+            except (zmq.ZMQError, ValueError) as exc:
+                log.error(
+                    "reply_endpoint_failed",
+                    endpoint=self.reply_endpoint,
+                    error=str(exc),
+                    effect="replies come through the router",
+                )
+                self.reply_endpoint = None
+                return None
+            log.info("reply_endpoint", endpoint=self._direct.endpoint, curve=bool(self._direct.key))
+        self._direct.start()
+        return None if self._direct.broken else self._direct
+
+    def _resend_routed(self, rid: str) -> bool:
+        """A request whose worker could not reach the reply endpoint (it sent nothing): cancelled, and sent again under
+        another id with its replies through the router; they reach its reader under its own id."""
+        sub = self._submits.pop(rid, None)
+        if sub is None or rid not in self._queues:
+            return False
+        self._send_soon(Cancel(id=rid))
+        wire = f"{rid[:120]}~routed"
+        self._wire[rid], self._alias[wire] = wire, rid
+        self._send_soon(msgspec.structs.replace(sub, id=wire, reply_to=None, reply_key=None))
+        return True
+
     async def _read_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             frame = await sock.recv()
             msg = self._decoder.decode(frame)
             if isinstance(msg, Invalid):
                 log.warning("unreadable_reply", code=msg.code, reason=msg.reason)
+            elif isinstance(msg, Placed):  # its output comes from the worker now (kvroute/direct.py); until its
+                if self._direct is not None:  # first delta it may be sent to another router (_fail_over)
+                    self._direct.placed(msg)
             elif isinstance(msg, Deltas):  # several requests' deltas (this client's submits say batch_deltas)
                 for delta in msg.items:
                     self._take(delta)
@@ -461,6 +534,11 @@ class AsyncClient:
                 return
             (msg.id,) = self._queues  # the router could not read the frame of the one request waiting
         rid = msg.id or ""
+        if self._alias:  # (requests sent again under another id: _resend_routed)
+            if rid in self._wire:
+                return  # the first attempt's last words (its cancel)
+            if rid in self._alias:
+                msg.id = rid = self._alias[rid]
         if isinstance(msg, Error) and msg.code == ErrorCode.DRAINING and rid in self._unanswered and len(self.endpoints) > 1:
             if sock is self._sock:
                 self._leave_draining()
@@ -482,7 +560,7 @@ class AsyncClient:
         message = f"the reader took none of the last {self.max_buffered} replies; the request was cancelled"
         log.warning("reader_too_slow", request_id=rid, buffered=q.qsize())
         q.put_nowait(Error(id=rid, code=ErrorCode.TOO_SLOW, message=message))
-        self._send_soon(Cancel(id=rid))
+        self._send_soon(Cancel(id=self._wire.get(rid, rid)))
 
     def _send_soon(self, msg: Any) -> None:
         self._send_soon_frame(encode(msg))
@@ -498,6 +576,9 @@ class AsyncClient:
         for sock, _ in self._draining:
             sock.close(0)
         self._sock.close(0)
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -526,7 +607,13 @@ class AsyncClient:
         """Send a ready-made Submit (it must carry an id); yields each Delta, then the Result."""
         if sub.stream and not sub.batch_deltas:  # this reader takes `deltas` messages apart (_read_loop)
             sub = msgspec.structs.replace(sub, batch_deltas=True)
+        direct = self._direct_for(sub)
+        if direct is not None:
+            sub = msgspec.structs.replace(sub, reply_to=direct.endpoint, reply_key=direct.key or None)
         assert sub.id is not None
+        if direct is not None:
+            direct.expect(sub.id)
+            self._submits[sub.id] = sub
         frame = encode_checked(sub, self.max_frame_bytes)
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[sub.id] = q
@@ -549,8 +636,13 @@ class AsyncClient:
             self._queues.pop(sub.id, None)
             self._unanswered.pop(sub.id, None)
             self._cut.discard(sub.id)
+            wire = self._wire.pop(sub.id, sub.id)
+            self._alias.pop(wire, None)
+            if direct is not None:
+                direct.forget(sub.id)
+                self._submits.pop(sub.id, None)
             if not done:
-                await self._sock.send(encode(Cancel(id=sub.id)))
+                await self._sock.send(encode(Cancel(id=wire)))
 
     async def submit(self, **kwargs: Any) -> Result:
         result = None
@@ -561,7 +653,7 @@ class AsyncClient:
         return result
 
     async def cancel(self, request_id: str) -> None:
-        await self._sock.send(encode(Cancel(id=request_id)))
+        await self._sock.send(encode(Cancel(id=self._wire.get(request_id, request_id))))
 
     async def status(self, cache_salt: str | None = None) -> StatusReply:
         rid = f"status-{next(self._ids)}-{uuid.uuid4().hex[:6]}"

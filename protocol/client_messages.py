@@ -43,6 +43,9 @@ class Submit(Message, tag="submit", kw_only=True):
     # the tenant: cached prefixes are shared only between requests with the same salt (vLLM's name)
     cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     batch_deltas: bool = False  # this client reads `deltas`: its requests' deltas of one moment in one message
+    # direct replies (PROTOCOL.md 4.3): an endpoint this client bound (PULL) where the worker sends the job's output
+    reply_to: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    reply_key: Annotated[str, Meta(min_length=40, max_length=40)] | None = None  # its CURVE public key (Z85), if any
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.tokens))
@@ -51,6 +54,8 @@ class Submit(Message, tag="submit", kw_only=True):
         check_token_bytes("tokens", self.tokens, empty_ok=False)
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        if self.reply_key is not None and self.reply_to is None:
+            raise ValueError("`reply_key` needs `reply_to`")
         if self.messages is None and (self.tools is not None or self.chat_template_kwargs or self.tool_choice != "auto"):
             raise ValueError("`tools`, `tool_choice` and `chat_template_kwargs` need `messages`")
         if self.tools is not None and len(self.tools) > MAX_TOOLS:
@@ -143,6 +148,31 @@ class Deltas(Message, tag="deltas", kw_only=True):
     `submit` said `batch_deltas` (a gateway streams many requests; the cost is per message more than per token)."""
 
     items: list[Delta]
+
+
+class ReplyFormat(Struct, kw_only=True):
+    """How to read a job's raw output (chat/output.py's OutputSpec): the tool-call syntax, the thinking tags."""
+
+    family: str = ""  # tool-call syntax to look for ("": none): hermes, llama3, mistral, mistral-args, gemma ...
+    tool_names: list[str] = []
+    reasoning: list[str] = []  # the template's thinking tags, [open, close], if it has them
+    in_reasoning: bool = False  # the prompt ended inside an open thinking tag
+
+
+class Placed(Message, tag="placed", kw_only=True):
+    """To a client whose submit gave `reply_to`: the request runs as `job` on `worker`, whose output comes from that
+    worker straight to reply_to (`job_start`, `job_delta`s, `job_done`; PROTOCOL.md 4.3). A request placed again
+    (its worker died before any output) gets another `placed`."""
+
+    id: RequestId
+    job: str
+    worker: str
+    slot: int
+    format: ReplyFormat
+    prompt_tokens: NonNeg
+    queue_ms: float = 0.0  # time it waited in the router
+    dropped_messages: NonNeg = 0  # as in Result
+    dropped_tokens: NonNeg = 0
 
 
 class Choice(Struct, kw_only=True):
@@ -252,4 +282,4 @@ class MetricsReply(Message, tag="metrics_reply", kw_only=True):
     text: str
 
 
-RouterReply = Delta | Deltas | Result | Error | StatusReply | Tokens | MetricsReply
+RouterReply = Delta | Deltas | Result | Error | Placed | StatusReply | Tokens | MetricsReply

@@ -8,9 +8,11 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from protocol.client_messages import ClientRequest, RouterReply
+from protocol.client_messages import ClientRequest, Error, RouterReply
 from protocol.common import MAX_FRAME_BYTES, PROTOCOL_VERSION, ErrorCode, Message
-from protocol.worker_messages import RouterToWorker, WorkerToRouter
+from protocol.worker_messages import JobDelta, JobDeltas, JobDone, JobStart, RouterToWorker, WorkerToRouter
+
+DirectReply = JobStart | JobDelta | JobDeltas | JobDone | Error  # what a client's reply_to receives from workers
 
 M = TypeVar("M", bound=Message)
 
@@ -113,6 +115,11 @@ def client_request_decoder(max_bytes: int = MAX_FRAME_BYTES) -> Decoder[Any]:
 def router_reply_decoder(max_bytes: int = MAX_FRAME_BYTES) -> Decoder[Any]:
     """What a client receives."""
     return Decoder(RouterReply, max_bytes)
+
+
+def direct_reply_decoder(max_bytes: int = MAX_FRAME_BYTES) -> Decoder[Any]:
+    """What a client's reply_to socket receives (direct replies)."""
+    return Decoder(DirectReply, max_bytes)
 
 
 def worker_to_router_decoder(max_bytes: int = MAX_FRAME_BYTES) -> Decoder[Any]:

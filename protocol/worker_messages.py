@@ -180,7 +180,8 @@ class JobDone(Message, tag="job_done", kw_only=True):
 
 
 class JobError(Message, tag="job_error", kw_only=True):
-    """A job failed. `slot`, `slot_tokens`, `slot_hash` say what the slot holds now (slot -1: none taken)."""
+    """A job failed. `slot`, `slot_tokens`, `slot_hash` say what the slot holds now (slot -1: none taken). A job with
+    `reply_to` sent its deltas there: `tokens` has what it generated (the router saw none of it)."""
 
     id: RequestId
     code: str
@@ -194,6 +195,19 @@ class JobError(Message, tag="job_error", kw_only=True):
     cache_added: list[CacheEntry] = []  # as in JobDone
     cache_dropped: list[NonNeg] = []
     disk_dropped: list[NonNeg] = []
+    tokens: TokenBytes = b""  # a job with reply_to: the tokens it generated
+
+    def __post_init__(self) -> None:
+        check_token_bytes("tokens", self.tokens)
+
+
+class JobStart(Message, tag="job_start", kw_only=True):
+    """To a job's reply_to, when the worker takes the job: the first message there (the client knows the path works).
+    Then the job's `job_delta`s (or `job_deltas`, a step's deltas for that endpoint together) and its `job_done`, the
+    same messages the router gets without reply_to; a job that fails gets nothing more there (its router sends the
+    client an `error`), except one its router forgot (it restarted): an `error` with the job's id."""
+
+    id: RequestId
 
 
 class SlotTaken(Message, tag="slot_taken", kw_only=True):
@@ -269,6 +283,8 @@ class Job(Message, tag="job", kw_only=True):
     prefix_cache: bool = True  # False: clear the slot and compute the whole prompt
     constraint: Constraint | None = None  # a grammar the output must follow
     cache_salt: CacheSalt = ""  # the tenant: its KV is reused only by jobs with the same salt ("": no tenant)
+    reply_to: str = ""  # the client's endpoint for the job's output (Submit.reply_to); "": all to the router
+    reply_key: str = ""  # that endpoint's CURVE public key ("": none)
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens, empty_ok=False)

@@ -163,4 +163,6 @@ def job_message(req: Req, d: Dispatch, job: str, prefix_cache: bool, now: float)
         prefix_cache=prefix_cache,
         constraint=req.constraint,
         cache_salt=req.salt,
+        reply_to=req.direct,
+        reply_key=req.direct_key,
     )

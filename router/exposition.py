@@ -81,6 +81,9 @@ class _Collector:
         yield _counter(
             "kvroute_slot_conflicts", "Jobs a worker refused because another router's job held the slot", m.slot_conflicts
         )
+        yield _counter(
+            "kvroute_direct_jobs", "Jobs whose output went from the worker straight to the client (reply_to)", m.direct_jobs
+        )
         yield _counter("kvroute_worker_deaths", "Workers declared dead", m.dead_workers)
         yield _counter("kvroute_worker_restarts", "Local workers restarted by the supervisor", m.restarts)
         yield _counter("kvroute_bad_frames", "Client frames that could not be decoded", m.bad_frames)

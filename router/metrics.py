@@ -88,6 +88,7 @@ class Metrics:
     restarts: int = 0
     redispatched: int = 0
     slot_conflicts: int = 0  # jobs a worker refused: another router's job held the slot (placed again)
+    direct_jobs: int = 0  # jobs whose output went from the worker straight to the client (Submit.reply_to)
     bad_frames: int = 0
     peers_cut: int = 0  # clients (or workers) that did not read their messages for too long
     queue_depth: int = 0
@@ -125,6 +126,7 @@ class Metrics:
             "restarts": self.restarts,
             "redispatched": self.redispatched,
             "slot_conflicts": self.slot_conflicts,
+            "direct_jobs": self.direct_jobs,
             "bad_frames": self.bad_frames,
             "queue_depth": self.queue_depth,
             "worker_load": {k: dict(v) for k, v in self.worker_load.items()},

@@ -20,6 +20,17 @@ from router.tokens import tokens_from_wire, tokens_to_list
 log = logs.get(__name__)
 
 
+def output_began(conn: WorkerConn, req: Req) -> None:
+    """The attempt's first token is out: its prompt is computed (no longer this worker's queued prefill), and the
+    request can no longer be placed again."""
+    attempt = req.attempt
+    assert attempt is not None
+    attempt.delivered += 1
+    if attempt.prefill_pending:
+        attempt.prefill_pending = 0
+        conn.refresh()
+
+
 def delta_taken(conn: WorkerConn, req: Req, msg: JobDelta) -> Piece:
     """A delta of the request's running attempt: its tokens kept, its text parsed; the piece for the client."""
     attempt = req.attempt

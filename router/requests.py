@@ -86,6 +86,8 @@ class Req:
     pinned: str | None = None  # --policy round-robin: the worker it was sent to when it arrived
     salt: str = ""  # its tenant: a digest of its cache_salt (prefixes are shared only within a tenant)
     batch_deltas: bool = False  # its client reads `deltas` messages (Submit.batch_deltas)
+    direct: str = ""  # its output goes from the worker to this endpoint of its client (Submit.reply_to), not through here
+    direct_key: str = ""  # that endpoint's CURVE public key
 
     def __post_init__(self) -> None:
         self.reply_to = self.client

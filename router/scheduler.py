@@ -63,6 +63,7 @@ from protocol import (
     JobDeltas,
     JobDone,
     JobError,
+    Placed,
     Refuse,
     SlotTaken,
     SlotUpdate,
@@ -80,6 +81,7 @@ from router.prepare import Prepared
 from router.replies import choice_of, delta_of, result_of
 from router.requests import Attempt, Req, ReqState, WorkerConn, WorkerState, tenant
 from router.select import Dispatch
+from router.tokens import tokens_to_list
 from router.workers import Kill, WorkerTable
 
 WorkerReport = Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate
@@ -166,6 +168,23 @@ class Scheduler:
         kind = "guarded" if d.guarded else "restore" if d.restore else "affinity" if d.affinity else "cold"
         self.metrics.decisions[kind] += 1
         self._to_worker(conn, job_message(req, d, job, prefix_cache, now))
+        if req.direct:  # the client reads the job's output from the worker: it learns where, and how to read it
+            self.metrics.direct_jobs += 1
+            shift = req.shift
+            self._to_client(
+                req,
+                Placed(
+                    id=req.rid,
+                    job=job,
+                    worker=conn.id,
+                    slot=slot.index,
+                    format=req.output.wire(),
+                    prompt_tokens=len(req.tokens),
+                    queue_ms=req.queue_ms,
+                    dropped_messages=shift.messages if shift else 0,
+                    dropped_tokens=shift.tokens if shift else 0,
+                ),
+            )
 
     def _requeue(self, req: Req) -> None:
         """Back to the front of the queue, to be placed again (its worker died, or refused it)."""
@@ -263,6 +282,8 @@ class Scheduler:
         # REQ sockets take exactly one reply per request: no deltas for them
         req = Req(identity, list(envelope), rid, sampling, msg.stream and not envelope, deadline, msg.n)
         req.salt, req.batch_deltas = tenant(msg.cache_salt), msg.batch_deltas
+        if msg.reply_to and msg.n == 1 and not envelope:  # (n > 1: the choices' one result is made here)
+            req.direct, req.direct_key = msg.reply_to, msg.reply_key or ""
         self.requests[req.key] = req
         return req
 
@@ -365,6 +386,9 @@ class Scheduler:
         req = conn.jobs.get(msg.id)
         if req is None or req.attempt is None:
             return
+        if req.direct:  # (its worker sends the router only the job's first delta, without text: output has begun)
+            outcomes.output_began(conn, req)
+            return
         piece = outcomes.delta_taken(conn, req, msg)
         if req.stream and req.reply_to is not None:
             delta = delta_of(req, piece, msg.tokens, msg.logprobs)
@@ -383,6 +407,9 @@ class Scheduler:
         attempt = req.attempt
         timings = outcomes.settle_done(self.mirror, self.metrics, self.params.min_match, conn, req, msg)
         self._finish(req)
+        if req.direct:  # its client has the job's output and end from the worker, and makes the result
+            self._pump()
+            return
         tail = attempt.parser.finish()
         if req.stream and (tail.content or tail.reasoning or tail.calls):
             self._to_client(req, delta_of(req, tail, b"", []))
@@ -401,6 +428,8 @@ class Scheduler:
             return
         self._leave_worker(req)
         slot = req.attempt.slot
+        if req.direct:
+            req.attempt.streamed = tokens_to_list(msg.tokens)
         outcomes.settle_slot(self.mirror, self.metrics, req, msg)
         conn.refresh()
         if msg.code == ErrorCode.DRAINING and req.state is ReqState.RUNNING and not req.started:

@@ -60,6 +60,7 @@ from kvroute.model import resolve_model
 from kvroute.slots import EXACT_ROWS
 from protocol import (
     EngineCounters,
+    Error,
     ErrorCode,
     FinishReason,
     Job,
@@ -390,6 +391,8 @@ class EngineCore:
         """End a job with an error, reporting what its slot (if any) holds now."""
         slot = self.table[task.slot] if task.slot >= 0 else None
         msg = JobError(id=task.id, code=code, message=message, error_id=error_id)
+        if task.job.reply_to:  # (its router saw none of the output: the mirror needs it)
+            msg.tokens = pack_tokens(task.generated)
         if not task.silent:
             msg.cache_added, msg.cache_dropped, msg.disk_dropped = self.saved.changes()
         if slot is not None:
@@ -480,18 +483,26 @@ class EngineCore:
         for slot in running:
             self._release(slot.task, slot)  # the slot keeps the KV its job computed
         for task in reqs:
-            task.silent = True
+            self._orphaned(task)
         if reqs:
             log.info("jobs_forgotten", jobs=len(reqs), reason="the router does not know this worker any more")
         return len(reqs)
 
+    def _orphaned(self, task: Task) -> None:
+        """A job its router forgot (the router restarted) ends here without a report; a client reading its output
+        itself is told (no router will tell it)."""
+        task.silent = True
+        if task.job.reply_to:
+            message = "the router that placed this request restarted and forgot it; its output stopped here"
+            self._send(task.sink, Error(id=task.id, code=ErrorCode.ROUTER_LOST, message=message))
+
     def _reset(self) -> None:
         for task in self.admission.take_waiting():
-            task.silent = True
+            self._orphaned(task)
             self.admission.forget(task)
         for slot in self.table.slots:
             if slot.task is not None:
-                slot.task.silent = True
+                self._orphaned(slot.task)
                 self._release(slot.task, slot)
             self.prefixes.clear(slot)
         self.host.clear()

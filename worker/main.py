@@ -39,6 +39,7 @@ from protocol import (
     Accept,
     CacheEntry,
     Drain,
+    Error,
     ErrorCode,
     Heartbeat,
     Hello,
@@ -49,6 +50,7 @@ from protocol import (
     JobDeltas,
     JobDone,
     JobError,
+    JobStart,
     Message,
     Refuse,
     SlotTaken,
@@ -62,6 +64,7 @@ from worker.core import EngineCore
 from worker.engine import Engine
 from worker.faults import Faults
 from worker.links import RouterLink, SlotClaims
+from worker.replies import ReplySockets
 from worker.startcheck import first_decode, identity
 
 log = logs.get(__name__)
@@ -147,6 +150,8 @@ class WorkerServer:
             RouterLink.open(i, e, self.zctx, cfg.worker_id, cfg.curve_key, cfg.router_key) for i, e in enumerate(cfg.routers)
         ]
         self.claims = SlotClaims()
+        self.replies = ReplySockets(self.zctx)  # to clients that read their jobs' output themselves (Job.reply_to)
+        self.reply_deltas: dict[tuple[str, str], list[JobDelta]] = {}  # this step's, by reply endpoint
         self._deltas_lock = threading.Lock()
         engine.after_step = self.flush_deltas
         self.decoder = router_to_worker_decoder()
@@ -188,6 +193,30 @@ class WorkerServer:
                 self._tell_others(link, msg)
         self._push_out(link, encode(msg))
 
+    def direct_sink(self, link: RouterLink, job: Job) -> Callable[[Message], None]:
+        """The sink of a job whose client reads its output itself: the deltas go to the client's endpoint (a step's
+        together), the router gets the first one without its text (output began: the prompt is computed, the request
+        cannot be placed again) and the JobDone, which the client gets too; a JobError goes to the router only (it
+        places the request again or tells the client), an Error (its router forgot the job) to the client only."""
+        target = (job.reply_to, job.reply_key)
+
+        def sink(msg: Message) -> None:
+            if isinstance(msg, JobDelta):
+                with self._deltas_lock:
+                    self.reply_deltas.setdefault(target, []).append(msg)
+                if msg.reused_tokens is not None:
+                    self.sink(link, JobDelta(id=msg.id, text="", tokens=b"", reused_tokens=msg.reused_tokens))
+                return
+            self.flush_deltas()
+            if isinstance(msg, Error):
+                self._push_reply(target, encode(msg))
+                return
+            if isinstance(msg, JobDone):
+                self._push_reply(target, encode(msg))
+            self.sink(link, msg)
+
+        return sink
+
     def _tell_others(self, link: RouterLink, end: JobDone | JobError) -> None:
         """A job ended (on the compute thread, so its slot is as the job left it): every other router learns what the
         slot holds and which saved states changed, and the slot is free for any router's jobs."""
@@ -212,20 +241,32 @@ class WorkerServer:
         return SlotUpdate(slot=slot_id, epoch=epoch, tokens=tokens, n_exact=slot.n_exact, salt=slot.salt, min_keep=min_keep)
 
     def flush_deltas(self) -> None:
-        """The deltas of the step just made, as one message per router (one delta: a plain JobDelta)."""
+        """The deltas of the step just made, as one message per router and per reply endpoint (one delta: a plain
+        JobDelta)."""
         with self._deltas_lock:
             batches = [(link, link.deltas) for link in self.links if link.deltas]
             for link, _ in batches:
                 link.deltas = []
+            direct, self.reply_deltas = self.reply_deltas, {}
         for link, deltas in batches:
             self._push_out(link, encode(deltas[0] if len(deltas) == 1 else JobDeltas(items=deltas)))
+        for target, deltas in direct.items():
+            self._push_reply(target, encode(deltas[0] if len(deltas) == 1 else JobDeltas(items=deltas)))
+
+    def _push_reply(self, target: tuple[str, str], frame: bytes) -> None:
+        """To the I/O thread, for a client's reply endpoint."""
+        self._push_socket().send_multipart([target[0].encode(), target[1].encode(), frame])
 
     def _push_out(self, link: RouterLink, frame: bytes) -> None:
+        """To the I/O thread, for a router."""
+        self._push_socket().send_multipart([bytes([link.index]), frame])
+
+    def _push_socket(self) -> zmq.Socket:
         sock = getattr(self._push, "sock", None)
         if sock is None:
             sock = self._push.sock = self.zctx.socket(zmq.PUSH)
             sock.connect(self.inproc)
-        sock.send_multipart([bytes([link.index]), frame])
+        return sock
 
     def hello(self, link: RouterLink) -> Hello:
         llama = self.engine.llama
@@ -291,13 +332,16 @@ class WorkerServer:
         )
 
     def _forward(self) -> None:
-        """Send everything the engine produced so far, each message to its router."""
+        """Send everything the engine produced so far, each message to its router or client."""
         while True:
             try:
-                to, frame = self.pull.recv_multipart(zmq.NOBLOCK)
+                parts = self.pull.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self.links[to[0]].send(frame, may_drop=self.side_by_side)
+            if len(parts) == 3:
+                self.replies.send(parts[0].decode(), parts[1].decode(), parts[2])
+            else:
+                self.links[parts[0][0]].send(parts[1], may_drop=self.side_by_side)
 
     def _beat(self) -> None:
         """A heartbeat to every router that accepted this worker, a hello to the others."""
@@ -359,6 +403,7 @@ class WorkerServer:
                     if next_beat and now - next_beat > BEAT_S:  # a router may declare this worker dead soon
                         log.warning("heartbeat_late", late_s=round(now - next_beat, 2))
                     self._beat()
+                    self.replies.sweep(now)
                     next_beat = now + BEAT_S
                     notify(status=self.status_line())
                 if watchdog_s is not None and now >= next_watchdog:
@@ -386,6 +431,7 @@ class WorkerServer:
         finally:
             for link in self.links:
                 link.dealer.close()
+            self.replies.close()
             self.pull.close(linger=0)
 
     def on_frame(self, link: RouterLink, frame: bytes) -> int | None:
@@ -448,7 +494,11 @@ class WorkerServer:
                     if other is not link and other.accepted and other.notices:
                         other.send(taken, may_drop=True)
         link.jobs.add(job.id)
-        self.engine.submit(job, self.sink_for(link))
+        if job.reply_to:  # (sent from this thread before any output, which this thread forwards: it arrives first)
+            self.replies.send(job.reply_to, job.reply_key, encode(JobStart(id=job.id)))
+            self.engine.submit(job, self.direct_sink(link, job))
+        else:
+            self.engine.submit(job, self.sink_for(link))
 
     def forget_jobs(self, link: RouterLink) -> None:
         """End this router's jobs without a word; other routers learn what the slots those jobs held hold now."""

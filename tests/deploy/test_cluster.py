@@ -221,6 +221,7 @@ class Manifests:
     worker: list[str]
     env: dict[str, str]
     settings: dict[str, Any]
+    gateway: list[str]  # the gateway's arguments (its clients' side is this test's own)
 
     @classmethod
     def read(cls) -> Manifests | None:
@@ -234,7 +235,8 @@ class Manifests:
         router, worker = containers["kvroute-router"], containers["kvroute-worker"]
         env = {e["name"]: e["value"] for c in (router, worker) for e in c.get("env", []) if "value" in e}
         (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
-        return cls(router["args"], worker["args"], env, tomllib.loads(config["data"]["kvroute.toml"]))
+        settings = tomllib.loads(config["data"]["kvroute.toml"])
+        return cls(router["args"], worker["args"], env, settings, containers["kvroute-gateway"]["args"])
 
     def command(self, args: list[str], paths: dict[str, str]) -> list[str]:
         """The container's arguments with this test's paths: every absolute path and $(VAR) must have one."""
@@ -476,3 +478,41 @@ def test_sigterm_drains_a_worker_while_4_requests_stream(cluster: Cluster) -> No
     assert victim.wait(60) == 0
     assert cluster.notify["wa"].wait_for("STOPPING=1", 1)
     peer.close()
+
+
+def test_workers_in_namespaces_stream_straight_to_a_client_with_curve(cluster: Cluster) -> None:
+    """Direct replies (PROTOCOL.md 4.4) as a gateway pod gets them: the client's reply endpoint on its own address
+    (the manifests give the gateway `--reply-endpoint tcp://$(POD_IP):*`), CURVE on it, the workers in their
+    namespaces connecting to it over TCP; the router only places the requests."""
+    import asyncio
+
+    from kvroute.client import AsyncClient
+
+    host = cluster.netns.router_addr if cluster.netns else "127.0.0.1"
+    if cluster.manifests is not None:
+        gateway = cluster.manifests.gateway
+        assert "--reply-endpoint" in gateway and gateway[gateway.index("--reply-endpoint") + 1] == "tcp://$(POD_IP):*"
+
+    async def run() -> tuple[list[Result], str, str]:
+        client = AsyncClient(
+            cluster.client_ep,
+            curve_key=str(cluster.keys["client.key"]),
+            router_key=str(cluster.keys["router.pub"]),
+            reply_endpoint=f"tcp://{host}:*",
+            timeout_s=120,
+        )
+        asks = [client.submit(prompt=f"Item {i}: the sea is", max_tokens=6, temperature=0.0) for i in range(4)]
+        results = await asyncio.gather(*asks)
+        assert client._direct is not None and not client._direct.broken
+        endpoint, key = client._direct.endpoint, client._direct.key
+        metrics = await client.metrics()
+        await client.close()
+        return list(results), f"{endpoint} {key}", metrics
+
+    results, reply, metrics = asyncio.run(run())
+    assert reply.startswith(f"tcp://{host}:") and len(reply.split()[1]) == 40  # bound there, with a CURVE key
+    assert all(r.usage.completion_tokens == 6 for r in results)
+    direct = sum(float(v) for v in re.findall(r"^kvroute_direct_jobs_total (\S+)$", metrics, re.M))
+    assert direct >= 4
+    for wid in {r.worker for r in results}:  # (the router places them where it likes: one worker or both)
+        assert '"event": "reply_endpoint_opened"' in cluster.log(wid) and '"curve": true' in cluster.log(wid)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -156,3 +159,70 @@ def test_python_client_sync_and_async(served: Served) -> None:
 
     texts = asyncio.run(two_at_once())
     assert len(texts) == 2 and all(texts)
+
+
+def test_direct_replies_give_what_the_router_gives(served: Served) -> None:
+    """The async client takes its output straight from the worker (PROTOCOL.md 4.4; the router only places the request:
+    kvroute_direct_jobs_total counts it): the same deltas, tool calls and result as through the router."""
+    from kvroute.client import AsyncClient
+    from protocol import Delta, Result
+
+    tool = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    asks: list[dict[str, object]] = [
+        {"prompt": "One, two, three,", "max_tokens": 12, "temperature": 0, "logprobs": 2},
+        {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [tool], "tool_choice": {"name": "get_weather"},
+         "max_tokens": 40, "temperature": 0},
+    ]  # fmt: skip
+
+    async def run(reply_endpoint: str) -> tuple[list[tuple[str, list[Delta], Result]], float]:
+        async with AsyncClient(served.zmq, timeout_s=120, reply_endpoint=reply_endpoint) as ac:
+            out = []
+            for ask in asks:
+                deltas, result = [], None
+                async for msg in ac.stream(**ask):
+                    if isinstance(msg, Result):
+                        result = msg
+                    else:
+                        deltas.append(msg)
+                assert result is not None
+                out.append((reply_endpoint, deltas, result))
+            metrics = await ac.metrics()
+        (direct,) = [float(v) for v in re.findall(r"^kvroute_direct_jobs_total (\S+)$", metrics, re.M)]
+        return out, direct
+
+    routed, before = asyncio.run(run("off"))
+    direct, after = asyncio.run(run("auto"))
+    assert after - before == len(asks)  # only the direct ones
+    for (_, d_deltas, d_result), (_, r_deltas, r_result) in zip(direct, routed, strict=True):
+        assert d_result.text == r_result.text and d_result.tokens == r_result.tokens
+        assert d_result.finish_reason == r_result.finish_reason
+        assert [(c.name, c.arguments) for c in d_result.tool_calls] == [(c.name, c.arguments) for c in r_result.tool_calls]
+        assert [(d.text, d.tokens, len(d.logprobs)) for d in d_deltas] == [(d.text, d.tokens, len(d.logprobs)) for d in r_deltas]
+        assert d_deltas[0].usage is not None and d_deltas[0].usage.prompt_tokens == r_result.usage.prompt_tokens
+        assert d_result.usage.completion_tokens == r_result.usage.completion_tokens and d_result.worker == r_result.worker
+    assert direct[1][2].finish_reason == "tool_calls"
+
+
+def test_a_reply_endpoint_the_workers_cannot_reach_costs_a_delay_not_a_request(served: Served, monkeypatch) -> None:
+    """The address a client gives for direct replies is one the worker cannot connect to (as when `auto` picks a
+    loopback port and the workers are on other hosts): after kvroute/direct.py START_S without the worker's
+    `job_start`, the request is cancelled and sent again with its replies through the router, and it completes; the
+    client's later requests go through the router at once."""
+    from kvroute import direct
+    from kvroute.client import AsyncClient, build_submit
+
+    monkeypatch.setattr(direct, "START_S", 2.0)
+
+    async def run() -> tuple[list[str], bool, float]:
+        async with AsyncClient(served.zmq, timeout_s=120) as ac:
+            ac._direct_for(build_submit(prompt="x"))  # bound now: then its address is made one no worker can reach
+            assert ac._direct is not None
+            ac._direct.endpoint = "ipc:///nonexistent-kvroute-dir/reply"
+            t0 = time.monotonic()
+            texts = [(await ac.submit(prompt="One, two, three,", max_tokens=5, temperature=0)).text]
+            waited = time.monotonic() - t0
+            texts.append((await ac.submit(prompt="One, two, three,", max_tokens=5, temperature=0)).text)
+            return texts, ac._direct.broken, waited
+
+    texts, broken, waited = asyncio.run(run())
+    assert texts[0] == texts[1] and texts[0] and broken and waited >= 2.0

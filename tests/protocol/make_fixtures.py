@@ -37,12 +37,14 @@ UNIONS: dict[str, Any] = {
     "router_reply": p.RouterReply,
     "worker_to_router": p.WorkerToRouter,
     "router_to_worker": p.RouterToWorker,
+    "direct_reply": p.codec.DirectReply,
 }
 DECODERS = {
     "client_request": p.client_request_decoder,
     "router_reply": p.router_reply_decoder,
     "worker_to_router": p.worker_to_router_decoder,
     "router_to_worker": p.router_to_worker_decoder,
+    "direct_reply": p.direct_reply_decoder,
 }
 
 PROMPT_TOKENS = [2, 9259, 1902, 563]
@@ -170,7 +172,34 @@ EXAMPLES: list[Example] = [
     Example("metrics", "client_request", p.MetricsRequest(id="m-1"), {}),
     Example("detokenize", "client_request", p.Detokenize(id="tok-2", tokens=p.pack_tokens(GEN_TOKENS)), {"tokens": GEN_TOKENS}),
     Example("status", "client_request", p.StatusRequest(id="st-1"), {}),
+    Example(
+        "submit_direct",
+        "client_request",
+        p.Submit(
+            id="req-7",
+            prompt="The capital of France is",
+            sampling=p.Sampling(max_tokens=16),
+            batch_deltas=True,
+            reply_to="tcp://10.0.0.5:40123",
+            reply_key=":{PE(6/3w8!5LZ<&#h13<+m^CHuSv<y{@!ZKkmS9",
+        ),
+        {},
+    ),
     # ---- router -> client
+    Example(
+        "placed",
+        "router_reply",
+        p.Placed(
+            id="req-7",
+            job="req-7.3f9a2c1b.12",
+            worker="gpu0",
+            slot=2,
+            format=p.ReplyFormat(family="hermes", tool_names=["get_weather"], reasoning=["<think>", "</think>"]),
+            prompt_tokens=4,
+            queue_ms=0.75,
+        ),
+        {},
+    ),
     Example("delta", "router_reply", p.Delta(id="req-1", text=" Paris", tokens=p.pack_tokens(FIRST)), {"tokens": FIRST}),
     Example(
         "deltas",
@@ -431,7 +460,7 @@ EXAMPLES: list[Example] = [
             slot_tokens=0,
             slot_hash="",
         ),
-        {},
+        {"tokens": []},
     ),
     Example("slot_taken", "worker_to_router", p.SlotTaken(slot=2, epoch=7), {}),
     Example(
@@ -448,6 +477,54 @@ EXAMPLES: list[Example] = [
             cache_dropped=[12],
         ),
         {"tokens": SLOT_TOKENS},
+    ),
+    # ---- worker -> a client's reply_to (direct replies)
+    Example("direct_job_start", "direct_reply", p.JobStart(id="req-7.3f9a2c1b.12"), {}),
+    Example(
+        "direct_job_delta",
+        "direct_reply",
+        p.JobDelta(id="req-7.3f9a2c1b.12", text=" Paris", tokens=p.pack_tokens(FIRST), reused_tokens=3),
+        {"tokens": FIRST},
+    ),
+    Example(
+        "direct_job_deltas",
+        "direct_reply",
+        p.JobDeltas(
+            items=[
+                p.JobDelta(id="req-7.3f9a2c1b.12", text=" Paris", tokens=p.pack_tokens(FIRST)),
+                p.JobDelta(id="req-8.3f9a2c1b.13", text=" Rome", tokens=p.pack_tokens(FIRST)),
+            ]
+        ),
+        {},
+    ),
+    Example(
+        "direct_job_done",
+        "direct_reply",
+        p.JobDone(
+            id="req-7.3f9a2c1b.12",
+            slot=2,
+            finish_reason=p.FinishReason.STOP,
+            text=" Paris.",
+            tokens=p.pack_tokens(GEN_TOKENS),
+            prompt_tokens=4,
+            reused_tokens=3,
+            prefilled_tokens=1,
+            generated_tokens=3,
+            slot_tokens=len(SLOT_TOKENS),
+            slot_hash=p.token_hash(SLOT_TOKENS),
+            timings=TIMINGS,
+        ),
+        {"tokens": GEN_TOKENS},
+    ),
+    Example(
+        "direct_error",
+        "direct_reply",
+        p.Error(
+            id="req-7.3f9a2c1b.12",
+            code=p.ErrorCode.ROUTER_LOST,
+            message="the router that placed this request restarted and forgot it; its output stopped here",
+        ),
+        {},
     ),
     # ---- router -> worker
     Example(
@@ -533,6 +610,7 @@ def index() -> dict[str, Any]:
 ALL_STRUCTS: list[type[msgspec.Struct]] = [
     *[cls for union in UNIONS.values() for cls in typing.get_args(union)],
     p.Sampling,
+    p.ReplyFormat,
     p.Usage,
     p.Timings,
     p.ChatMessage,

@@ -29,6 +29,7 @@ DECODERS: dict[str, p.Decoder[Any]] = {
     "router_reply": p.router_reply_decoder(),
     "worker_to_router": p.worker_to_router_decoder(),
     "router_to_worker": p.router_to_worker_decoder(),
+    "direct_reply": p.direct_reply_decoder(),
 }
 UNCAPPED = {d: p.Decoder(u, max_bytes=2**40) for d, u in UNIONS.items()}
 CLASSES = {d: tuple(typing.get_args(u)) for d, u in UNIONS.items()}

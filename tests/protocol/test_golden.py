@@ -76,9 +76,10 @@ def test_codec_decodes_and_reencodes_the_fixture(ex: Example) -> None:
 
 @pytest.mark.parametrize("ex", EXAMPLES, ids=lambda ex: ex.name)
 def test_other_sockets_refuse_the_fixture(ex: Example) -> None:
-    """A message type is taken by exactly one decoder; the others name the type."""
+    """A message type is taken by the decoders whose socket takes it (a client's reply_to takes some of the worker's
+    messages to the router); the others name the type."""
     for direction, make in DECODERS.items():
-        if direction == ex.direction:
+        if type(ex.msg) in typing.get_args(UNIONS[direction]):
             continue
         got = make().decode(fixture_bytes(ex))
         assert isinstance(got, p.Invalid)
