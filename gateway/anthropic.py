@@ -163,6 +163,7 @@ ERROR_TYPES: dict[str, tuple[int, str]] = {
     "no_workers": (529, "overloaded_error"),
     "worker_lost": (529, "overloaded_error"),
     "router_lost": (529, "overloaded_error"),
+    "reply_unreachable": (529, "overloaded_error"),
     "draining": (529, "overloaded_error"),
     "deadline_exceeded": (504, "timeout_error"),
     "too_slow": (408, "timeout_error"),

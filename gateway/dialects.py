@@ -29,6 +29,7 @@ OPENAI_STATUS: dict[str, tuple[int, str]] = {
     ErrorCode.NO_WORKERS: (503, "service_unavailable"),
     ErrorCode.WORKER_LOST: (503, "service_unavailable"),
     ErrorCode.ROUTER_LOST: (503, "service_unavailable"),
+    ErrorCode.REPLY_UNREACHABLE: (503, "service_unavailable"),
     ErrorCode.DRAINING: (503, "service_unavailable"),
     ErrorCode.DEADLINE_EXCEEDED: (504, "timeout"),
     ErrorCode.CANCELLED: (499, "cancelled"),

@@ -25,7 +25,8 @@ class HttpConfig:
     router: str = opt(
         "tcp://127.0.0.1:5555",
         "the router's client endpoint; several, comma-separated: when the connection to the one in use drops, the next "
-        "(a request whose output had not begun is sent there again; one whose output had begun fails, router_lost)",
+        "(a request whose output had not begun is sent there again; one whose output had begun finishes from its worker, "
+        "or fails with router_lost when that worker is gone too)",
         metavar="ENDPOINT",
     )
     model_name: str = opt("default", "model name listed by /v1/models (kvroute serve sets it from the GGUF)")

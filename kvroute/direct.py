@@ -118,6 +118,7 @@ class DirectReplies:
         self.sent_at: dict[str, float] = {}  # request id -> when it was submitted
         self.early: dict[str, list[Any]] = {}  # job id -> messages that came before its `placed`
         self.early_at: dict[str, float] = {}
+        self.early_kept = 0  # messages in `early`
         self.broken = False  # a worker could not reach this endpoint: later requests' replies come through the router
         self._checker: asyncio.Task[None] | None = None
         self._inbox: Inbox | None = None
@@ -182,8 +183,10 @@ class DirectReplies:
         self.jobs[msg.job] = DirectJob(rid, msg, spec.parser(), time.monotonic())
         self.current[rid] = msg.job
         self.early_at.pop(msg.job, None)
-        for early in self.early.pop(msg.job, []):
-            self._take(early)
+        early = self.early.pop(msg.job, [])
+        self.early_kept -= len(early)
+        for m in early:
+            self._take(m)
 
     def _fail(self, rid: str, error: Error) -> None:
         self.forget(rid)
@@ -248,8 +251,9 @@ class DirectReplies:
     def _keep_early(self, job_id: str, msg: Any) -> None:
         """A message of a job not placed here yet (the worker's path was faster than the router's), or of one that
         ended (a cancelled request's last deltas): kept a while in case it is the first."""
-        if sum(map(len, self.early.values())) >= EARLY_MAX:
+        if self.early_kept >= EARLY_MAX:
             return
+        self.early_kept += 1
         self.early.setdefault(job_id, []).append(msg)
         self.early_at.setdefault(job_id, time.monotonic())
 
@@ -264,7 +268,7 @@ class DirectReplies:
         """Fail the requests whose worker has not reached this endpoint in START_S; drop stale early messages."""
         for job_id in [j for j, at in self.early_at.items() if now - at > EARLY_S]:
             self.early_at.pop(job_id, None)
-            self.early.pop(job_id, None)
+            self.early_kept -= len(self.early.pop(job_id, []))
         for job in [j for j in self.jobs.values() if j.orphan and now - j.heard > ORPHAN_STALL_S]:
             message = (
                 f"the router at {job.orphan} stopped answering after this request's output began, and its worker"

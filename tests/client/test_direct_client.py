@@ -181,3 +181,13 @@ def test_reply_endpoints() -> None:
     for bad in ("tcp://0.0.0.0:5600", "tcp://*:5600", "udp://x"):
         with pytest.raises(ValueError, match="reply endpoint"):
             reply_endpoint_of(bad, "tcp://10.0.0.1:5555")
+
+
+def test_what_waits_for_a_placed_is_bounded_and_dropped_in_time(replies: Any, monkeypatch: Any) -> None:
+    d, got, _ = replies
+    monkeypatch.setattr(direct, "EARLY_MAX", 3)
+    for i in range(5):  # (a cancelled request's last deltas, or a job placed by a router that died)
+        d._take(JobDelta(id=f"gone.{i % 2}", text="x", tokens=pack_tokens([1])))
+    assert d.early_kept == 3 and not got
+    d.check(max(d.early_at.values()) + direct.EARLY_S + 1)
+    assert d.early_kept == 0 and not d.early
