@@ -193,6 +193,7 @@ def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfi
         max_frame_bytes=router_cfg.max_frame_bytes,
         stream_stall_s=args.stream_stall_s,
         reply_endpoint=reply_endpoint_for(args.reply_endpoint, router_cfg.worker_endpoint),
+        pooling=args.pooling,
         processes=args.processes or auto_http_processes(os.cpu_count() or 1, len(LocalWorkers(gpus=args.gpus).gpu_list())),
         temp=args.temp,
         top_k=args.top_k,

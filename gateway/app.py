@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from gateway import anthropic, helpers
 from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect, Errors, errors_for
+from gateway.embeddings import embed_message, embeddings_reply
 from gateway.fields import Policy
 from gateway.limits import BoundedStream, StalledReader, declared_length, limited, too_large_message
 from gateway.openai_schema import RequestError, chat_submit
@@ -80,12 +81,14 @@ class Gateway:
         sampling_defaults: dict[str, float | int] | None = None,
         max_body_bytes: int = MAX_FRAME_BYTES,
         stall_s: float = STALL_S,
+        pooling: str = "mean",
     ) -> None:
         """`api_key`: one key, or several comma-separated; `tenant_per_key`: each key is a tenant (its `cache_salt`);
         `aliases`: more names /v1/models lists; `strict_model_name`: a request naming another model gets 404;
         `strict_api`: a field no API knows is a 400 rather than a hint (gateway/fields.py); `sampling_defaults`: the
         sampling fields (`temperature`, `top_k`, `top_p`, `min_p`, `seed`) of a request that leaves them out."""
         self.client = client
+        self.pooling = pooling  # of /v1/embeddings (gateway/embeddings.py)
         self.model_name = model_name
         self.names = (model_name, *(a for a in aliases if a != model_name))
         self.strict_model_name = strict_model_name
@@ -190,6 +193,20 @@ class Gateway:
         policy = Policy("messages", strict=self.strict_api)
         tokens = await self.client.tokens(anthropic.count_tokens_request(await self.body(request), policy))
         return JSONResponse({"input_tokens": len(tokens.tokens) // 4})
+
+    async def embeddings(self, request: Request) -> Response:
+        rid = uuid.uuid4().hex[:24]
+        policy = Policy("embeddings", strict=self.strict_api)
+        msg, body = embed_message(await self.body(request), policy, self.pooling)
+        policy.report(rid)
+        msg.id = rid
+        try:
+            got = await self.client.embed(msg)
+        except KvrouteError as exc:
+            if exc.code == ErrorCode.BAD_REQUEST:  # (about an input: the body's field is `input`)
+                raise RequestError(exc.message, param="input") from None
+            raise
+        return JSONResponse(embeddings_reply(got, body, body.model or self.model_name))
 
     async def tokenize(self, request: Request) -> Response:
         body = helpers.TokenizeBody.decode(await self.body(request))
@@ -342,6 +359,8 @@ def build_app(gateway: Gateway) -> Starlette:
         Route("/v1/responses", gateway.responses, methods=["POST"]),
         Route("/v1/messages", gateway.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", gateway.count_tokens, methods=["POST"]),
+        Route("/v1/embeddings", gateway.embeddings, methods=["POST"]),
+        Route("/embeddings", gateway.embeddings, methods=["POST"]),
         Route("/tokenize", gateway.tokenize, methods=["POST"]),
         Route("/detokenize", gateway.detokenize, methods=["POST"]),
         Route("/apply-template", gateway.apply_template, methods=["POST"]),

@@ -90,6 +90,7 @@ HINTS: dict[str, tuple[str, ...]] = {
         "tools[].eager_input_streaming",
         "tools[].allowed_callers",
     ),
+    "embeddings": ("user",),
 }
 
 # llama-server's samplers kvroute does not have: refused when set to anything but their neutral value
@@ -120,6 +121,7 @@ REFUSED: dict[str, dict[str, str]] = {
         "prompt": "stored prompt templates are not supported: send the prompt in `input`",
     },
     "messages": {},
+    "embeddings": {},
 }
 
 _MAX_UNKNOWN = 256  # distinct unknown field names counted by name; more are counted as "(other)"

@@ -75,6 +75,12 @@ class HttpConfig:
         "* picks one; needed with --processes above 1), or 'off' (all output through the router)",
         metavar="ENDPOINT",
     )
+    pooling: str = opt(
+        "mean",
+        "how /v1/embeddings pools an input's token vectors into one: mean, last (causal models' usual choice for "
+        "retrieval) or cls",
+        choices=["mean", "last", "cls"],
+    )
     processes: int = opt(
         1,
         "HTTP processes serving --http together (SO_REUSEPORT: the kernel spreads connections over them); each has "
@@ -168,6 +174,7 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None, sig
         aliases=tuple(a.strip() for a in cfg.alias.split(",") if a.strip()),
         strict_model_name=cfg.strict_model_name,
         strict_api=cfg.strict_api,
+        pooling=cfg.pooling,
         sampling_defaults=cfg.sampling_defaults(),
         max_body_bytes=cfg.max_body_bytes,
         stall_s=cfg.stream_stall_s,

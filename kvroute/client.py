@@ -43,6 +43,8 @@ from protocol import (
     Delta,
     Deltas,
     Detokenize,
+    Embed,
+    Embeddings,
     Error,
     ErrorCode,
     Invalid,
@@ -664,6 +666,12 @@ class AsyncClient:
         """The router's and its workers' metrics, in Prometheus' text format."""
         reply: MetricsReply = await self._ask(MetricsRequest(id=f"metrics-{next(self._ids)}-{uuid.uuid4().hex[:6]}"))
         return reply.text
+
+    async def embed(self, msg: Embed) -> Embeddings:
+        """Send an `embed` (its id is set here when it has none) and wait for the vectors."""
+        msg.id = msg.id or f"emb-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+        reply: Embeddings = await self._ask(msg)
+        return reply
 
     async def tokens(self, msg: Tokenize | Detokenize) -> Tokens:
         """Send a `tokenize` or `detokenize` (its id is set here) and wait for the `tokens` reply."""

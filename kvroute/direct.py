@@ -197,13 +197,16 @@ class DirectReplies:
 
     def _frames(self, frames: list[bytes]) -> None:
         msg = self.decoder.decode(frames[-1])
-        if isinstance(msg, Invalid):
-            log.warning("unreadable_direct_reply", code=msg.code, reason=msg.reason)
-        elif isinstance(msg, JobDeltas):
-            for delta in msg.items:
-                self._take(delta)
-        else:
-            self._take(msg)
+        try:
+            if isinstance(msg, Invalid):
+                log.warning("unreadable_direct_reply", code=msg.code, reason=msg.reason)
+            elif isinstance(msg, JobDeltas):
+                for delta in msg.items:
+                    self._take(delta)
+            else:
+                self._take(msg)
+        except Exception:  # (a bug here must not stop the reading of everyone else's output)
+            log.exception("direct_reply_failed", message=type(msg).__name__)
 
     def _take(self, msg: JobStart | JobDelta | JobDone | Error) -> None:
         job_id = msg.id or ""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -119,7 +119,34 @@ class MetricsRequest(Message, tag="metrics", kw_only=True):
     id: RequestId | None = None
 
 
-ClientRequest = Submit | Cancel | StatusRequest | Tokenize | Detokenize | MetricsRequest
+MAX_EMBED_INPUTS = 2048
+Pooling = Literal["mean", "last", "cls"]
+
+
+class Embed(Message, tag="embed", kw_only=True):
+    """The vectors of whole inputs (an embeddings API): exactly one of `input` (texts, tokenized as a prompt is) and
+    `tokens`. Computed by a worker in a context of its own, with `pooling` over each input's tokens."""
+
+    id: RequestId | None = None
+    input: list[str] | None = None
+    tokens: list[TokenBytes] | None = None
+    pooling: Pooling = "mean"
+    normalize: bool = True  # each vector to unit length (Euclidean), as OpenAI's and llama-server's are
+
+    def __post_init__(self) -> None:
+        if (self.input is None) == (self.tokens is None):
+            raise ValueError("exactly one of `input`, `tokens` must be set")
+        name, given = ("input", self.input) if self.input is not None else ("tokens", self.tokens)
+        assert given is not None
+        if not 1 <= len(given) <= MAX_EMBED_INPUTS:
+            raise ValueError(f"`{name}` must hold between 1 and {MAX_EMBED_INPUTS} inputs, got {len(given)}")
+        for i, t in enumerate(self.tokens or []):
+            check_token_bytes(f"`tokens[{i}]`", t, empty_ok=False)
+        if self.input is not None and any(not text for text in self.input):
+            raise ValueError("an `input` text must not be empty")
+
+
+ClientRequest = Submit | Cancel | StatusRequest | Tokenize | Detokenize | MetricsRequest | Embed
 
 
 # ---- router -> client -------------------------------------------------------------------------
@@ -282,4 +309,14 @@ class MetricsReply(Message, tag="metrics_reply", kw_only=True):
     text: str
 
 
-RouterReply = Delta | Deltas | Result | Error | Placed | StatusReply | Tokens | MetricsReply
+class Embeddings(Message, tag="embeddings", kw_only=True):
+    """The answer to `embed`: one vector per input, in order."""
+
+    id: str | None = None
+    vectors: list[bytes]  # each `dims` float32, little-endian
+    dims: NonNeg
+    prompt_tokens: NonNeg  # the inputs' tokens, all together
+    worker: str = ""
+
+
+RouterReply = Delta | Deltas | Result | Error | Placed | StatusReply | Tokens | MetricsReply | Embeddings

@@ -201,6 +201,15 @@ class JobError(Message, tag="job_error", kw_only=True):
         check_token_bytes("tokens", self.tokens)
 
 
+class EmbedDone(Message, tag="embed_done", kw_only=True):
+    """An `embed_job`'s vectors, one per input in order (a failed one gets a `job_error` instead)."""
+
+    id: RequestId
+    vectors: list[bytes]  # each `dims` float32, little-endian
+    dims: NonNeg
+    ms: float = 0.0  # time it took on the worker
+
+
 class JobStart(Message, tag="job_start", kw_only=True):
     """To a job's reply_to, when the worker takes the job: the first message there (the client knows the path works).
     Then the job's `job_delta`s (or `job_deltas`, a step's deltas for that endpoint together) and its `job_done`, the
@@ -238,7 +247,7 @@ class SlotUpdate(Message, tag="slot_update", kw_only=True):
         check_token_bytes("tokens", self.tokens)
 
 
-WorkerToRouter = Hello | Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate
+WorkerToRouter = Hello | Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate | EmbedDone
 
 
 # ---- router -> worker -------------------------------------------------------------------------
@@ -290,6 +299,22 @@ class Job(Message, tag="job", kw_only=True):
         check_token_bytes("tokens", self.tokens, empty_ok=False)
 
 
+class EmbedJob(Message, tag="embed_job", kw_only=True):
+    """Compute the vectors of whole inputs (`embed`), in a context of the worker's model kept for this, with pooling;
+    the slots and their KV are not touched. Answered with `embed_done` or `job_error`."""
+
+    id: RequestId
+    inputs: list[TokenBytes]
+    pooling: Literal["mean", "last", "cls"] = "mean"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise ValueError("`inputs` must not be empty")
+        for i, t in enumerate(self.inputs):
+            check_token_bytes(f"`inputs[{i}]`", t, empty_ok=False)
+
+
 class JobCancel(Message, tag="job_cancel", kw_only=True):
     id: RequestId
 
@@ -298,4 +323,4 @@ class Drain(Message, tag="drain", kw_only=True):
     """Stop taking jobs; finish the running ones."""
 
 
-RouterToWorker = Accept | Refuse | Job | JobCancel | Drain
+RouterToWorker = Accept | Refuse | Job | JobCancel | Drain | EmbedJob

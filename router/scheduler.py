@@ -53,6 +53,8 @@ from protocol import (
     Accept,
     Choice,
     Delta,
+    Embed,
+    EmbedDone,
     Error,
     ErrorCode,
     FailedWorker,
@@ -75,6 +77,7 @@ from protocol import (
 from router import admission, handshake, outcomes, views
 from router.config import RouterConfig
 from router.dispatch_queue import DispatchQueue, job_message
+from router.embeds import Embeds
 from router.metrics import Metrics
 from router.mirror import Mirror
 from router.prepare import Prepared
@@ -84,7 +87,7 @@ from router.select import Dispatch
 from router.tokens import tokens_to_list
 from router.workers import Kill, WorkerTable
 
-WorkerReport = Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate
+WorkerReport = Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate | EmbedDone
 
 log = logs.get(__name__)
 
@@ -118,6 +121,7 @@ class Scheduler:
         self.params = self.queue.params
         self.requests: dict[tuple[bytes, str, int], Req] = {}  # by (client, request id, choice)
         self.jobs: dict[str, Req] = {}
+        self.embeds = Embeds(router_id)
         self.draining = False
         self.outbox: list[Out] = []
         self._job_ids = itertools.count(1)
@@ -317,6 +321,24 @@ class Scheduler:
         log.info("request_queued", request_id=req.rid, prompt_tokens=len(req.tokens), n=req.n, queued=len(self.queue))
         self._pump()
 
+    def embed(self, identity: bytes, envelope: tuple[bytes, ...], msg: Embed, inputs: list[list[int]]) -> None:
+        """An embed request, tokenized: to the ready worker with the least work (router/embeds.py), or refused."""
+        rid = msg.id or f"e{next(self._rid)}-{uuid.uuid4().hex[:8]}"
+        conn = None if self.draining else self.embeds.place(list(self.workers.values()))
+        if conn is None:
+            code = ErrorCode.DRAINING if self.draining else ErrorCode.NO_WORKERS
+            text = "the router is draining" if self.draining else "no ready worker to compute embeddings"
+            self.reply(identity, envelope, Error(id=rid, code=code, message=text))
+            return
+        job = self.embeds.start(conn, identity, envelope, rid, inputs, msg.pooling, msg.normalize)
+        log.info("embed_placed", request_id=rid, job=job.id, worker=conn.id, inputs=len(inputs))
+        self._to_worker(conn, job)
+
+    def _embed_reply(self, answer: tuple[Any, Any] | None) -> None:
+        if answer is not None and answer[0].client:
+            req, msg = answer
+            self.reply(req.client, req.envelope, msg)
+
     def cancel(self, identity: bytes, rid: str) -> None:
         lead = self.requests.get((identity, rid, 0))
         if lead is None:
@@ -327,6 +349,7 @@ class Scheduler:
 
     def client_gone(self, identity: bytes) -> None:
         """The client's connection is gone: its requests end, silently."""
+        self.embeds.client_gone(identity)
         for req in [r for r in self.requests.values() if r.client == identity]:
             log.info("client_gone", request_id=req.rid, job=req.job)
             req.reply_to = None
@@ -376,6 +399,8 @@ class Scheduler:
             self._job_done(conn, msg)
         elif isinstance(msg, JobError):
             self._job_error(conn, msg)
+        elif isinstance(msg, EmbedDone):
+            self._embed_reply(self.embeds.done(msg))
         elif isinstance(msg, SlotTaken):  # (another router's job: routers side by side over one fleet)
             self.table.slot_taken(conn, msg)
         else:
@@ -423,6 +448,9 @@ class Scheduler:
 
     def _job_error(self, conn: WorkerConn, msg: JobError) -> None:
         self.table.cache_changed(conn, msg)
+        if msg.id in self.embeds.running:
+            self._embed_reply(self.embeds.failed(msg.id, msg.code, msg.message, msg.error_id))
+            return
         req = conn.jobs.get(msg.id)
         if req is None or req.attempt is None:
             return
@@ -452,6 +480,8 @@ class Scheduler:
         conn = self.table.remove(worker, reason)
         if conn is None:
             return
+        for answer in self.embeds.lost(worker, reason):
+            self._embed_reply(answer)
         for req in list(conn.jobs.values()):
             self._to_worker(conn, JobCancel(id=req.job or ""))  # in case it is only slow
             del conn.jobs[req.job or ""]

@@ -52,6 +52,7 @@ from protocol import (
     Delta,
     Deltas,
     Detokenize,
+    Embed,
     Error,
     ErrorCode,
     Hello,
@@ -64,6 +65,7 @@ from protocol import (
     Tokens,
     client_request_decoder,
     encode,
+    unpack_tokens,
     worker_to_router_decoder,
 )
 from router import exposition
@@ -381,6 +383,37 @@ class Router:
             self._on_tokenize(identity, envelope, msg)
         elif isinstance(msg, MetricsRequest):
             self.core.reply(identity, envelope, MetricsReply(id=msg.id, text=exposition.text(self.core)))
+        elif isinstance(msg, Embed):
+            self._on_embed(identity, envelope, msg)
+
+    def _on_embed(self, identity: bytes, envelope: tuple[bytes, ...], msg: Embed) -> None:
+        """Texts tokenized as a prompt is (BOS by the model's rule, special-token text read as such; a long one on the
+        tokenizing thread), then placed."""
+        if msg.tokens is not None:
+            inputs = [unpack_tokens(t) for t in msg.tokens]
+            n_vocab = self.vocab.n_vocab
+            bad = next(((i, t) for i, ids in enumerate(inputs) for t in ids if not 0 <= t < n_vocab), None)
+            if bad is not None:
+                text = f"token id {bad[1]} of input {bad[0]} is outside the vocabulary (0..{n_vocab - 1})"
+                self.core.reply(identity, envelope, Error(id=msg.id, code=ErrorCode.BAD_REQUEST, message=text, param="tokens"))
+                return
+            self.core.embed(identity, envelope, msg, inputs)
+            return
+        texts = msg.input or []
+
+        def work() -> list[list[int]]:
+            return [self.vocab.tokenize(t, add_special=True, parse_special=True) for t in texts]
+
+        if sum(map(len, texts)) <= TOKENIZE_INLINE_CHARS:
+            self.core.embed(identity, envelope, msg, work())
+            return
+
+        def done(fut: asyncio.Future[list[list[int]]]) -> None:
+            if not fut.cancelled() and fut.exception() is None:
+                self.core.embed(identity, envelope, msg, fut.result())
+                self._flush()
+
+        asyncio.get_running_loop().run_in_executor(self._tokenizer, work).add_done_callback(done)
 
     def _on_submit(self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit) -> None:
         req = self.core.accept(identity, envelope, msg)

@@ -39,6 +39,8 @@ from protocol import (
     Accept,
     CacheEntry,
     Drain,
+    EmbedDone,
+    EmbedJob,
     Error,
     ErrorCode,
     Heartbeat,
@@ -58,9 +60,11 @@ from protocol import (
     encode,
     pack_tokens,
     router_to_worker_decoder,
+    unpack_tokens,
 )
 from worker.config import WorkerConfig
 from worker.core import EngineCore
+from worker.embedder import Embedder, InputTooLong
 from worker.engine import Engine
 from worker.faults import Faults
 from worker.links import RouterLink, SlotClaims
@@ -152,6 +156,7 @@ class WorkerServer:
         self.claims = SlotClaims()
         self.replies = ReplySockets(self.zctx)  # to clients that read their jobs' output themselves (Job.reply_to)
         self.reply_deltas: dict[tuple[str, str], list[JobDelta]] = {}  # this step's, by reply endpoint
+        self.embedders: dict[str, Embedder] = {}  # by pooling, made at first use (on the compute thread)
         self._deltas_lock = threading.Lock()
         engine.after_step = self.flush_deltas
         self.decoder = router_to_worker_decoder()
@@ -187,7 +192,9 @@ class WorkerServer:
                 link.deltas.append(msg)
             return
         self.flush_deltas()  # a job's deltas go before its JobDone or JobError
-        if isinstance(msg, JobDone | JobError):
+        if isinstance(msg, EmbedDone):
+            link.jobs.discard(msg.id)
+        elif isinstance(msg, JobDone | JobError):
             link.jobs.discard(msg.id)
             if self.side_by_side:  # (before its router hears of the end: the slot is free for its next job then)
                 self._tell_others(link, msg)
@@ -443,6 +450,9 @@ class WorkerServer:
             return None
         if isinstance(msg, Job):
             self.take_job(link, msg)
+        elif isinstance(msg, EmbedJob):
+            link.jobs.add(msg.id)
+            self.engine.call(lambda core: self.embed(link, msg))
         elif isinstance(msg, JobCancel):
             if msg.id in link.jobs:
                 self.engine.cancel(msg.id)
@@ -499,6 +509,26 @@ class WorkerServer:
             self.engine.submit(job, self.direct_sink(link, job))
         else:
             self.engine.submit(job, self.sink_for(link))
+
+    def embed(self, link: RouterLink, job: EmbedJob) -> None:
+        """An embed job, on the compute thread between two steps (the slots wait for it, as llama-server's do)."""
+        t0 = time.monotonic()
+        msg: EmbedDone | JobError
+        try:
+            embedder = self.embedders.get(job.pooling)
+            if embedder is None:
+                llama = self.engine.llama
+                embedder = self.embedders[job.pooling] = Embedder(llama.model, job.pooling, self.cfg.threads, llama.n_ctx_train)
+            vectors = embedder.embed([unpack_tokens(t) for t in job.inputs], job.normalize)
+            ms = (time.monotonic() - t0) * 1000
+            msg = EmbedDone(id=job.id, vectors=[v.astype("<f4").tobytes() for v in vectors], dims=embedder.dims, ms=ms)
+        except InputTooLong as exc:
+            msg = JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=str(exc))
+        except Exception as exc:  # a failure of this job's, not the worker's: its router gets the reason
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("embed_failed", job=job.id, error_id=error_id)
+            msg = JobError(id=job.id, code=ErrorCode.INTERNAL, message=f"embeddings failed: {exc}", error_id=error_id)
+        self.sink(link, msg)
 
     def forget_jobs(self, link: RouterLink) -> None:
         """End this router's jobs without a word; other routers learn what the slots those jobs held hold now."""

@@ -149,3 +149,37 @@ def test_sse_wire_format(served: Served) -> None:
     assert events[-1] == "data: [DONE]"
     last = json.loads(events[-2][6:])
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 3
+
+
+def test_embeddings_with_the_official_client(served: Served) -> None:
+    """/v1/embeddings (gateway/embeddings.py): the openai package's `embeddings.create`, batched inputs equal to one by
+    one, base64 equal to floats, token ids as input, and the fields it cannot serve refused by name."""
+    import base64
+
+    import numpy as np
+
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key=served.api_key, max_retries=0, timeout=120)
+    texts = ["The sea is calm tonight.", "A lighthouse keeper writes in his log."]
+    both = client.embeddings.create(model="any", input=texts)
+    assert [d.index for d in both.data] == [0, 1] and both.usage.prompt_tokens > 0
+    dims = len(both.data[0].embedding)
+    assert dims > 0 and abs(float(np.linalg.norm(both.data[0].embedding)) - 1.0) < 1e-5
+    alone = [client.embeddings.create(model="any", input=t).data[0].embedding for t in texts]
+    assert [d.embedding for d in both.data] == alone
+    raw = httpx.post(
+        f"{served.url}/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"}, headers=served.headers, timeout=60
+    ).json()
+    assert np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4").tolist() == alone[0]
+    ids = httpx.post(f"{served.url}/tokenize", json={"content": texts[0], "add_special": True}, headers=served.headers).json()[
+        "tokens"
+    ]
+    by_ids = httpx.post(f"{served.url}/v1/embeddings", json={"input": ids}, headers=served.headers, timeout=60).json()
+    assert by_ids["data"][0]["embedding"] == alone[0]
+    for body, param in (
+        ({"input": texts[0], "dimensions": dims // 2}, "dimensions"),
+        ({"input": []}, "input"),
+        ({"input": [2, 10**9]}, "input"),  # outside the vocabulary
+        ({"input": [1.5]}, "input"),
+    ):
+        bad = httpx.post(f"{served.url}/v1/embeddings", json=body, headers=served.headers, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text

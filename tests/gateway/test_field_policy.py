@@ -27,7 +27,25 @@ def test_pattern_drops_indices() -> None:
 
 
 def test_every_api_has_a_policy() -> None:
-    assert set(HINTS) == set(REFUSED) == {"chat", "completions", "responses", "messages"}
+    assert set(HINTS) == set(REFUSED) == {"chat", "completions", "responses", "messages", "embeddings"}
+
+
+def test_embeddings_fields_are_honoured_hinted_or_refused() -> None:
+    from gateway.embeddings import embed_message
+    from gateway.openai_schema import RequestError
+
+    policy = Policy("embeddings")
+    msg, body = embed_message({"input": ["a", "b"], "user": "u1", "x_new_field": 1, "encoding_format": "base64"}, policy, "last")
+    assert msg.input == ["a", "b"] and msg.pooling == "last" and body.encoding_format == "base64"
+    assert policy.ignored == ["user", "x_new_field"]  # served, and counted as hints
+    msg, _ = embed_message({"input": [2, 10, 11]}, Policy("embeddings"), "mean")
+    assert msg.tokens is not None and len(msg.tokens) == 1  # one input as token ids
+    with pytest.raises(RequestError, match="x_new_field"):
+        embed_message({"input": "a", "x_new_field": 1}, Policy("embeddings", strict=True), "mean")
+    for bad in ({"input": [["a"]]}, {"input": [[]]}, {"input": ""}, {"input": "a", "encoding_format": "int8"}):
+        with pytest.raises(RequestError) as err:
+            embed_message(bad, Policy("embeddings"), "mean")
+        assert err.value.param in ("input", "encoding_format"), bad
 
 
 @pytest.mark.parametrize(

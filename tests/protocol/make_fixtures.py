@@ -185,7 +185,20 @@ EXAMPLES: list[Example] = [
         ),
         {},
     ),
+    Example("embed", "client_request", p.Embed(id="emb-1", input=["The sea is calm.", "A lighthouse."]), {}),
+    Example(
+        "embed_tokens",
+        "client_request",
+        p.Embed(id="emb-2", tokens=[p.pack_tokens(PROMPT_TOKENS)], pooling="last", normalize=False),
+        {},
+    ),
     # ---- router -> client
+    Example(
+        "embeddings",
+        "router_reply",
+        p.Embeddings(id="emb-1", vectors=[bytes(16), bytes(16)], dims=4, prompt_tokens=9, worker="cpu0"),
+        {},
+    ),
     Example(
         "placed",
         "router_reply",
@@ -478,6 +491,7 @@ EXAMPLES: list[Example] = [
         ),
         {"tokens": SLOT_TOKENS},
     ),
+    Example("embed_done", "worker_to_router", p.EmbedDone(id="emb-1.3f9a2c1b.e1", vectors=[bytes(16)], dims=4, ms=12.5), {}),
     # ---- worker -> a client's reply_to (direct replies)
     Example("direct_job_start", "direct_reply", p.JobStart(id="req-7.3f9a2c1b.12"), {}),
     Example(
@@ -527,6 +541,12 @@ EXAMPLES: list[Example] = [
         {},
     ),
     # ---- router -> worker
+    Example(
+        "embed_job",
+        "router_to_worker",
+        p.EmbedJob(id="emb-1.3f9a2c1b.e1", inputs=[p.pack_tokens(PROMPT_TOKENS)], pooling="mean"),
+        {},
+    ),
     Example(
         "accept",
         "router_to_worker",

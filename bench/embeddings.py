@@ -1,0 +1,131 @@
+"""Embeddings throughput (issue 34): inputs per second of /v1/embeddings, kvroute against llama-server `--embedding`
+on the same model and pooling, the same threads, in one run, interleaved.
+
+    .venv/bin/python -m bench.embeddings [--tokens 512] [--batch 32] [--requests 4] [--repeats 3] [--pooling mean]
+
+llama-server runs with 4 slots (`--parallel 4`: up to four inputs in one decode, its best here) and a batch as large
+as its context; kvroute's worker computes each input alone (worker/embedder.py says why). Each request carries
+`--batch` inputs of `--tokens` token ids (distinct, so that no system can reuse anything); per
+repeat, each system answers `--requests` such requests one after another; the figure is inputs/s. Also checked: both
+give the same vector for the same input (cosine), so the comparison is of the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench.llama_server import binary
+from bench.systems import free_port
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{url}: exited; log tail:\n{log.read_text()[-2000:]}")
+        try:
+            r = httpx.post(f"{url}/v1/embeddings", json={"input": [[2, 100, 200]]}, timeout=30)
+            if r.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url}: not ready in 300 s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--pooling", default="mean", choices=["mean", "last", "cls"])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = ap.parse_args()
+    from kvroute.model import resolve_model
+
+    model = str(resolve_model(None))
+    tmp = Path(tempfile.mkdtemp(prefix="bench-embeddings-"))
+    kv_port, ls_port = free_port(), free_port()
+    ctx = max(8192, args.tokens)
+    kv = start(
+        [sys.executable, "-m", "commands.cli", "serve", "--http", f"127.0.0.1:{kv_port}", "--workers", "1", "--slots", "1",
+         "--ctx-per-slot", "1024", "--threads", str(args.threads), "--pooling", args.pooling,
+         "--zmq", f"ipc://{tmp}/zmq", "--worker-endpoint", f"ipc://{tmp}/workers"],
+        tmp / "kvroute.log",
+    )  # fmt: skip
+    ls = start(
+        [str(binary()), "-m", model, "--port", str(ls_port), "--embedding", "--pooling", args.pooling, "-c", str(ctx),
+         "-b", str(ctx), "-ub", str(ctx), "-t", str(args.threads), "--parallel", "4"],
+        tmp / "llama-server.log",
+    )  # fmt: skip
+    urls = {"kvroute": f"http://127.0.0.1:{kv_port}", "llama-server": f"http://127.0.0.1:{ls_port}"}
+    try:
+        for name, proc in (("kvroute", kv), ("llama-server", ls)):
+            wait_ready(urls[name], proc, tmp / f"{name}.log")
+        rng = random.Random(7)
+
+        def body() -> dict[str, object]:
+            return {"input": [[2, *(rng.randrange(1000, 200000) for _ in range(args.tokens - 1))] for _ in range(args.batch)]}
+
+        probe = body()
+        vecs = {
+            n: np.asarray(httpx.post(f"{u}/v1/embeddings", json=probe, timeout=600).json()["data"][0]["embedding"])
+            for n, u in urls.items()
+        }
+        a, b = vecs["kvroute"], vecs["llama-server"]
+        cos = float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+        rates: dict[str, list[float]] = {n: [] for n in urls}
+        for _ in range(args.repeats):
+            bodies = [body() for _ in range(args.requests)]
+            for name, url in urls.items():
+                t0 = time.monotonic()
+                for bd in bodies:
+                    r = httpx.post(f"{url}/v1/embeddings", json=bd, timeout=600)
+                    r.raise_for_status()
+                rates[name].append(args.requests * args.batch / (time.monotonic() - t0))
+        ratios = [k / s for k, s in zip(rates["kvroute"], rates["llama-server"], strict=True)]
+        print(
+            f"{args.batch} inputs x {args.tokens} tokens a request, {args.requests} requests a repeat, {args.pooling} "
+            f"pooling, {args.threads} threads; cosine of the same input's vectors: {cos:.6f}"
+        )
+        print("| system | inputs/s per repeat | median |")
+        print("| --- | --- | --- |")
+        for name in urls:
+            print(f"| {name} | {', '.join(f'{x:.1f}' for x in rates[name])} | {statistics.median(rates[name]):.1f} |")
+        print(
+            f"kvroute / llama-server: median {statistics.median(ratios):.3f} (per repeat {', '.join(f'{r:.3f}' for r in ratios)})"
+        )
+        if args.out:
+            Path(args.out).write_text(json.dumps({"args": vars(args), "rates": rates, "ratios": ratios, "cosine": cos}, indent=1))
+    finally:
+        for proc in (kv, ls):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in (kv, ls):
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Embeddings on a worker (worker/embedder.py): a context of their own on the worker's model, each input alone, so that
+its vector is llama.cpp's own for it with the same pooling, whatever else the request holds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from worker.embedder import MAX_CTX, Embedder, InputTooLong
+from worker.engine import Engine
+
+TEXTS = ["The sea is calm tonight.", "A lighthouse keeper writes in his log every night.", "hello"]
+POOLING = {"mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN, "last": llama_cpp.LLAMA_POOLING_TYPE_LAST}
+
+
+@pytest.fixture(scope="module")
+def reference(fast_engine: Engine) -> Iterator[dict[str, llama_cpp.Llama]]:
+    """llama.cpp alone (llama-cpp-python's high-level Llama) with each pooling, on the same file."""
+    path = str(fast_engine.llama.path)
+    refs = {
+        p: llama_cpp.Llama(path, embedding=True, pooling_type=t, n_ctx=2048, n_threads=2, verbose=False)
+        for p, t in POOLING.items()
+    }
+    yield refs
+    for r in refs.values():
+        r.close()
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_vectors_are_llama_cpps_and_batched_equals_one_by_one(
+    fast_engine: Engine, reference: dict[str, llama_cpp.Llama], pooling: str
+) -> None:
+    llama = fast_engine.llama
+    tokens = [llama.vocab.tokenize(t, add_special=True, parse_special=True) for t in TEXTS]
+
+    def run(core: object) -> tuple[list[np.ndarray], list[np.ndarray], int]:
+        e = Embedder(llama.model, pooling, 2, llama.n_ctx_train)
+        try:
+            return e.embed(tokens, True), [e.embed([t], True)[0] for t in tokens], e.dims
+        finally:
+            e.close()
+
+    together, alone, dims = fast_engine.call(run).result(timeout=120)
+    assert dims == llama_cpp.llama_model_n_embd(llama.model) and all(v.shape == (dims,) for v in together)
+    for a, b in zip(together, alone, strict=True):
+        assert np.array_equal(a, b)  # an input's vector does not depend on the others in its request
+    for text, v in zip(TEXTS, together, strict=True):
+        ref = np.asarray(reference[pooling].embed(text, normalize=True), dtype=np.float32)
+        assert cosine(v, ref) >= 0.9999, (pooling, text, cosine(v, ref))
+        assert abs(float(np.linalg.norm(v)) - 1.0) < 1e-5
+
+
+def test_an_input_over_the_context_is_refused_by_name(fast_engine: Engine) -> None:
+    llama = fast_engine.llama
+
+    def run(core: object) -> str:
+        e = Embedder(llama.model, "mean", 2, llama.n_ctx_train)
+        try:
+            e.embed([[2, 100], [5] * (min(MAX_CTX, llama.n_ctx_train) + 1)], True)
+        except InputTooLong as exc:
+            return str(exc)
+        finally:
+            e.close()
+        return "accepted"
+
+    assert "input 1 has" in fast_engine.call(run).result(timeout=60)

@@ -1,0 +1,89 @@
+"""Embeddings: the vectors of whole inputs, computed in a llama context of their own on the worker's model (the
+slots' context and its KV are not touched), with llama.cpp's pooling over each input's tokens.
+
+One context per pooling kind, made at the first request that asks for it: `n_ctx` cells and a batch as large, since
+llama.cpp pools a sequence only when all its tokens are in one ubatch. An input longer than that is refused
+(`bad_request`, naming it). Each input is decoded alone, on cleared memory: its vector is the one llama.cpp alone gives
+it (tested), whatever else the request holds. Used on the compute thread only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import llama_cpp
+import numpy as np
+
+from kvroute import logs
+from worker.llama import Batch
+
+log = logs.get(__name__)
+
+POOLING = {
+    "mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN,
+    "last": llama_cpp.LLAMA_POOLING_TYPE_LAST,
+    "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
+}
+MAX_CTX = 8192  # cells of an embedding context (the longest input it takes), at most the trained length
+
+
+class InputTooLong(ValueError):
+    pass
+
+
+class Embedder:
+    """A context with pooling on `model`; `embed` gives one float32 vector per input."""
+
+    def __init__(self, model: object, pooling: str, threads: int, n_ctx_train: int) -> None:
+        self.pooling = pooling
+        self.n_ctx = min(MAX_CTX, n_ctx_train) if n_ctx_train > 0 else MAX_CTX
+        cp = llama_cpp.llama_context_default_params()
+        cp.embeddings = True
+        cp.pooling_type = POOLING[pooling]
+        cp.n_ctx = self.n_ctx
+        cp.n_batch = cp.n_ubatch = self.n_ctx  # (a sequence is pooled only when it is whole in one ubatch)
+        cp.n_seq_max = 1
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.no_perf = True
+        # without flash attention: on CPU it accumulates in f16, which moved vectors to a cosine of 0.998 of the same
+        # input's without (the reference this is tested against: llama.cpp's defaults, llama-cpp-python's `embed`)
+        cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.ctx = llama_cpp.llama_init_from_model(model, cp)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not make an embedding context of {self.n_ctx} tokens ({pooling} pooling)")
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.dims = llama_cpp.llama_model_n_embd(model)
+        self.batch = Batch(self.n_ctx)
+        log.info("embedding_context", pooling=pooling, n_ctx=self.n_ctx, dims=self.dims)
+
+    def embed(self, inputs: list[list[int]], normalize: bool) -> list[np.ndarray]:
+        """One vector per input, in order. InputTooLong for an input over the context."""
+        for i, toks in enumerate(inputs):
+            if len(toks) > self.n_ctx:
+                raise InputTooLong(f"input {i} has {len(toks)} tokens; an embedding holds at most {self.n_ctx}")
+        out = [self._decode(toks) for toks in inputs]
+        if normalize:
+            out = [v / n if (n := float(np.linalg.norm(v))) > 0 else v for v in out]
+        return out
+
+    def _decode(self, toks: list[int]) -> np.ndarray:
+        """One input alone in a decode: packing several moved each one's vector (cosine 0.999 to its own alone, the
+        batch's shape choosing other CPU kernels), and an input's vector should not depend on its neighbours."""
+        llama_cpp.llama_memory_clear(self.mem, True)
+        self.batch.clear()
+        self.batch.add_run(toks, 0, 0, True)
+        self.batch.logits[: len(toks)] = b"\x01" * len(toks)  # (every row is pooled)
+        self.batch.raw.n_tokens = self.batch.n
+        rc = llama_cpp.llama_decode(self.ctx, self.batch.raw)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode of a {len(toks)}-token input for embeddings returned {rc}")
+        ptr = llama_cpp.llama_get_embeddings_seq(self.ctx, 0)
+        if not ptr:
+            raise RuntimeError("llama.cpp gave no pooled embedding")
+        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (self.dims,)).copy()
+
+    def close(self) -> None:
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+        self.batch.free()
