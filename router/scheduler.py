@@ -575,6 +575,8 @@ class Scheduler:
                 self._finish_empty(req, "cancelled")  # what a cancelled request gets, a little early
             else:  # (a running choice's job is cancelled)
                 self._fail(req, ErrorCode.DRAINING, "the router stopped before this request finished (drain timeout)")
+        for job in list(self.embeds.running):
+            self._embed_reply(self.embeds.failed(job, ErrorCode.DRAINING, "the router stopped before these embeddings", None))
 
     # ---- views ------------------------------------------------------------------------------------
 

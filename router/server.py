@@ -273,7 +273,7 @@ class Router:
     def _check_drained(self, now: float) -> None:
         if not self.core.draining:
             return
-        if self.core.requests and now < self._drain_deadline:
+        if (self.core.requests or self.core.embeds.running) and now < self._drain_deadline:
             return
         self.core.drain_expired()
         self._flush()

@@ -58,13 +58,17 @@ class Embedder:
 
     def embed(self, inputs: list[list[int]], normalize: bool) -> list[np.ndarray]:
         """One vector per input, in order. InputTooLong for an input over the context."""
-        for i, toks in enumerate(inputs):
-            if len(toks) > self.n_ctx:
-                raise InputTooLong(f"input {i} has {len(toks)} tokens; an embedding holds at most {self.n_ctx}")
+        self.check([len(t) for t in inputs])
         out = [self._decode(toks) for toks in inputs]
         if normalize:
             out = [v / n if (n := float(np.linalg.norm(v))) > 0 else v for v in out]
         return out
+
+    def check(self, lengths: list[int]) -> None:
+        """InputTooLong naming the first input over the context."""
+        for i, n in enumerate(lengths):
+            if n > self.n_ctx:
+                raise InputTooLong(f"input {i} has {n} tokens; an embedding holds at most {self.n_ctx}")
 
     def _decode(self, toks: list[int]) -> np.ndarray:
         """One input alone in a decode: packing several moved each one's vector (cosine 0.999 to its own alone, the

@@ -203,7 +203,7 @@ class WorkerServer:
     def direct_sink(self, link: RouterLink, job: Job) -> Callable[[Message], None]:
         """The sink of a job whose client reads its output itself: the deltas go to the client's endpoint (a step's
         together), the router gets the first one without its text (output began: the prompt is computed, the request
-        cannot be placed again) and the JobDone, which the client gets too; a JobError goes to the router only (it
+        cannot be placed again) and the JobDone, which the client gets after it; a JobError goes to the router only (it
         places the request again or tells the client), an Error (its router forgot the job) to the client only."""
         target = (job.reply_to, job.reply_key)
 
@@ -218,9 +218,11 @@ class WorkerServer:
             if isinstance(msg, Error):
                 self._push_reply(target, encode(msg))
                 return
+            # the routers first (other routers' slot_update, then the job's router): the client's next turn may go to
+            # any of them at once, and each must know what the slot holds by then
+            self.sink(link, msg)
             if isinstance(msg, JobDone):
                 self._push_reply(target, encode(msg))
-            self.sink(link, msg)
 
         return sink
 
@@ -510,18 +512,25 @@ class WorkerServer:
         else:
             self.engine.submit(job, self.sink_for(link))
 
-    def embed(self, link: RouterLink, job: EmbedJob) -> None:
-        """An embed job, on the compute thread between two steps (the slots wait for it, as llama-server's do)."""
-        t0 = time.monotonic()
+    def embed(self, link: RouterLink, job: EmbedJob, done: list[bytes] | None = None, t0: float = 0.0) -> None:
+        """An embed job, on the compute thread, one input per turn between two engine steps (the slots' jobs go on
+        between inputs: a request of many long inputs does not stall them for all of it)."""
+        done = done if done is not None else []
+        t0 = t0 or time.monotonic()
         msg: EmbedDone | JobError
         try:
             embedder = self.embedders.get(job.pooling)
             if embedder is None:
                 llama = self.engine.llama
                 embedder = self.embedders[job.pooling] = Embedder(llama.model, job.pooling, self.cfg.threads, llama.n_ctx_train)
-            vectors = embedder.embed([unpack_tokens(t) for t in job.inputs], job.normalize)
-            ms = (time.monotonic() - t0) * 1000
-            msg = EmbedDone(id=job.id, vectors=[v.astype("<f4").tobytes() for v in vectors], dims=embedder.dims, ms=ms)
+            if not done:
+                embedder.check([len(t) // 4 for t in job.inputs])  # (4 bytes a token id)
+            (vector,) = embedder.embed([unpack_tokens(job.inputs[len(done)])], job.normalize)
+            done.append(vector.astype("<f4").tobytes())
+            if len(done) < len(job.inputs):
+                self.engine.call(lambda core: self.embed(link, job, done, t0))
+                return
+            msg = EmbedDone(id=job.id, vectors=done, dims=embedder.dims, ms=(time.monotonic() - t0) * 1000)
         except InputTooLong as exc:
             msg = JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=str(exc))
         except Exception as exc:  # a failure of this job's, not the worker's: its router gets the reason

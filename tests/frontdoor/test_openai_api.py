@@ -180,6 +180,8 @@ def test_embeddings_with_the_official_client(served: Served) -> None:
         ({"input": []}, "input"),
         ({"input": [2, 10**9]}, "input"),  # outside the vocabulary
         ({"input": [1.5]}, "input"),
+        ({"input": [[2, 100], [2] + [100] * 8192]}, "input"),  # over the embedding context (worker/embedder.py)
     ):
         bad = httpx.post(f"{served.url}/v1/embeddings", json=body, headers=served.headers, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    assert "input 1 has 8193 tokens" in bad.text
