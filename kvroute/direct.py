@@ -265,7 +265,10 @@ class DirectReplies:
     async def _check_loop(self) -> None:
         while True:
             await asyncio.sleep(CHECK_S)
-            self.check(time.monotonic())
+            try:
+                self.check(time.monotonic())
+            except Exception:  # (the next look must still come)
+                log.exception("direct_reply_check_failed")
 
     def check(self, now: float) -> None:
         """Fail the requests whose worker has not reached this endpoint in START_S; drop stale early messages."""
