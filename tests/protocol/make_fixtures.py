@@ -72,6 +72,25 @@ LOGPROB = p.TokenLogprob(
 )
 
 
+def job_done(job: str, **more: Any) -> p.JobDone:
+    """The worked job_done: the prompt's 4 tokens (3 reused), 3 generated, the slot holding all but the last."""
+    return p.JobDone(
+        id=job,
+        slot=2,
+        finish_reason=p.FinishReason.STOP,
+        text=" Paris.",
+        tokens=p.pack_tokens(GEN_TOKENS),
+        prompt_tokens=4,
+        reused_tokens=3,
+        prefilled_tokens=1,
+        generated_tokens=3,
+        slot_tokens=len(SLOT_TOKENS),
+        slot_hash=p.token_hash(SLOT_TOKENS),
+        timings=TIMINGS,
+        **more,
+    )
+
+
 @dataclass(frozen=True)
 class Example:
     name: str  # file stem
@@ -441,19 +460,8 @@ EXAMPLES: list[Example] = [
     Example(
         "job_done",
         "worker_to_router",
-        p.JobDone(
-            id="req-1",
-            slot=2,
-            finish_reason=p.FinishReason.STOP,
-            text=" Paris.",
-            tokens=p.pack_tokens(GEN_TOKENS),
-            prompt_tokens=4,
-            reused_tokens=3,
-            prefilled_tokens=1,
-            generated_tokens=3,
-            slot_tokens=len(SLOT_TOKENS),
-            slot_hash=p.token_hash(SLOT_TOKENS),
-            timings=TIMINGS,
+        job_done(
+            "req-1",
             stop="\n\n",
             cache_added=[p.CacheEntry(id=12, n_tokens=5, hash=p.token_hash([2, 9259, 5, 6, 7]), nbytes=92160, slot=2)],
             cache_dropped=[11],
@@ -514,20 +522,7 @@ EXAMPLES: list[Example] = [
     Example(
         "direct_job_done",
         "direct_reply",
-        p.JobDone(
-            id="req-7.3f9a2c1b.12",
-            slot=2,
-            finish_reason=p.FinishReason.STOP,
-            text=" Paris.",
-            tokens=p.pack_tokens(GEN_TOKENS),
-            prompt_tokens=4,
-            reused_tokens=3,
-            prefilled_tokens=1,
-            generated_tokens=3,
-            slot_tokens=len(SLOT_TOKENS),
-            slot_hash=p.token_hash(SLOT_TOKENS),
-            timings=TIMINGS,
-        ),
+        job_done("req-7.3f9a2c1b.12"),
         {"tokens": GEN_TOKENS},
     ),
     Example(
