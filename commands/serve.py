@@ -24,10 +24,12 @@ from typing import Any
 
 import zmq.asyncio
 
+from commands.models_config import ModelEntry, from_file, from_flags, seconds, worker_prefix
 from gateway.main import HttpConfig, parse_host_port, serve_http
 from kvroute import logs
-from kvroute.config import UsageError, add_args, from_args, opt, to_flags
+from kvroute.config import ConfigFileError, UsageError, add_args, from_args, opt, to_flags
 from router.config import DEFAULT_CLIENT_ENDPOINT, RouterConfig
+from router.models import ServedModel
 from router.server import Router
 from router.supervisor import Supervisor, SupervisorConfig, WorkerSpec
 from worker.config import (
@@ -110,9 +112,13 @@ class LocalWorkers:
         )
 
 
-def worker_specs(local: LocalWorkers, model: str) -> list[WorkerSpec]:
-    """Each local worker's flags, written from its WorkerConfig (id, incarnation and endpoint are the supervisor's)."""
+def worker_specs(local: LocalWorkers, model: str, served_as: str | None = None) -> list[WorkerSpec]:
+    """Each local worker's flags, written from its WorkerConfig (id, incarnation and endpoint are the supervisor's).
+    `served_as`: the router's name of the model, when it serves several (ids start with it: `coder-cpu0`)."""
     base = local.worker_config(model)
+    if served_as is not None:
+        base = dataclasses.replace(base, model_name=served_as)
+    start = "" if served_as is None else worker_prefix(served_as) + "-"
     own = ("worker_id", "incarnation", "connect", "curve_key", "router_key")
 
     def flags(**fields: Any) -> tuple[str, ...]:
@@ -125,13 +131,15 @@ def worker_specs(local: LocalWorkers, model: str) -> list[WorkerSpec]:
     if gpus:
         gpu_flags = {"threads": local.threads or 2, "n_gpu_layers": local.n_gpu_layers}
         # a GPU named twice gets two workers (each a share of its memory): gpu0, gpu0.1
-        names = [f"gpu{g}" + (f".{gpus[:i].count(g)}" if g in gpus[:i] else "") for i, g in enumerate(gpus)]
-        return [WorkerSpec(n, flags(gpu=g, cache_dir=own_dir(n), **gpu_flags)) for n, g in zip(names, gpus, strict=True)]
+        names = [f"{start}gpu{g}" + (f".{gpus[:i].count(g)}" if g in gpus[:i] else "") for i, g in enumerate(gpus)]
+        return [
+            WorkerSpec(n, flags(gpu=g, cache_dir=own_dir(n), **gpu_flags), served_as) for n, g in zip(names, gpus, strict=True)
+        ]
     n = local.cpu_workers
     cpu_flags: dict[str, Any] = {"threads": local.threads or max(1, (os.cpu_count() or 1) // max(1, n))}
     if n > 1 and local.ctx_per_slot == 0 and local.kv_budget_mb == 0:  # the auto budget is the machine's, not each one's
         cpu_flags["kv_budget_mb"] = cpu_budget_bytes(n) >> 20
-    return [WorkerSpec(f"cpu{i}", flags(cache_dir=own_dir(f"cpu{i}"), **cpu_flags)) for i in range(n)]
+    return [WorkerSpec(f"{start}cpu{i}", flags(cache_dir=own_dir(f"{start}cpu{i}"), **cpu_flags), served_as) for i in range(n)]
 
 
 def connect_endpoint(bound: str) -> str:
@@ -139,8 +147,45 @@ def connect_endpoint(bound: str) -> str:
     return bound.replace("://0.0.0.0:", "://127.0.0.1:").replace("://*:", "://127.0.0.1:")
 
 
+@dataclass(frozen=True)
+class ServeModels:
+    """The models besides `--model`: how many are loaded at once, which one unknown names go to, keep-alive."""
+
+    models: str | None = opt(None, "a models file (TOML, one [models.NAME] table each: commands/models_config.py)",
+                             metavar="FILE")  # fmt: skip
+    models_max: int = opt(0, "most models loaded at once; a request for another unloads the least recently used idle "
+                          "one (0: no bound)")  # fmt: skip
+    default_model: str | None = opt(None, "the model requests naming an unknown model go to (default: none, they get "
+                                    "404, unless one model is served)", metavar="NAME")  # fmt: skip
+    keep_alive: str = opt("-1", "how long a model stays loaded unused, as seconds or a duration (5m, 1h); -1: kept "
+                          "(a models file's keep_alive and a request's keep_alive win)", metavar="DURATION")  # fmt: skip
+
+
+def served_models(args: argparse.Namespace) -> list[ModelEntry] | None:
+    """The models `--model` and `--models` name; None for the one model of old (`--model PATH` or the default)."""
+    picked = from_args(ServeModels, args)
+    keep = seconds(picked.keep_alive, "--keep-alive")
+    given = list(args.model or [])
+    entries = from_flags(given, keep)
+    if picked.models:
+        entries += from_file(picked.models, keep)
+    if len(entries) <= 1 and "=" not in "".join(given) and not picked.models and not picked.models_max and keep < 0:
+        return None
+    if not entries:
+        entries = [ModelEntry(ServedModel(name="", path="", keep_alive_s=keep))]
+    return entries
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_args(parser, RouterConfig)
+    add_args(parser, RouterConfig, skip=("model",))
+    parser.add_argument(
+        "--model",
+        action="append",
+        metavar="[NAME=]PATH",
+        help="a GGUF model (default: bundled Gemma 3 270M); NAME=PATH, repeated, serves several, each by its NAME in "
+        "the API's `model` field",
+    )
+    add_args(parser, ServeModels)
     add_args(parser, LocalWorkers)
     add_args(parser, SupervisorConfig)
     add_args(parser, HttpConfig, skip=("router", "model_name", "curve_key", "router_key", "max_frame_bytes", "processes"))
@@ -211,15 +256,38 @@ async def serve(
     signals: bool = True,
     started: Callable[[Router, Supervisor], None] | None = None,
     http: HttpConfig | None = None,
+    models: list[ModelEntry] | None = None,
+    models_cfg: ServeModels = ServeModels(),
 ) -> None:
     """Run the router and its supervised workers until the router stops (SIGINT/SIGTERM).
-    `started(router, supervisor)` is called once both exist (tests and benchmarks hold on to them)."""
+    `started(router, supervisor)` is called once both exist (tests and benchmarks hold on to them).
+    `models`: several models (commands/models_config.py), each with its own workers; None: `router_cfg.model`."""
     from kvroute.model import resolve_model
     from router.main import handle_signals, load_router
 
-    model = str(resolve_model(router_cfg.model))
-    router = load_router(dataclasses.replace(router_cfg, model=model))
-    specs = worker_specs(local, model)
+    if models is None:
+        model = str(resolve_model(router_cfg.model))
+        router = load_router(dataclasses.replace(router_cfg, model=model))
+        specs = worker_specs(local, model)
+        names = [Path(model).stem]
+    else:
+        defaults = [e.served.name for e in models if e.default]
+        router = load_router(
+            dataclasses.replace(router_cfg, model=None),
+            [e.served for e in models],
+            default_model=models_cfg.default_model or (defaults[0] if defaults else None),
+            models_max=models_cfg.models_max,
+        )
+        several = len(models) > 1
+        specs = []
+        for entry, m in zip(models, router.models, strict=True):
+            try:
+                own = dataclasses.replace(local, **entry.workers)
+            except (TypeError, ValueError) as exc:
+                raise UsageError(f"model {m.name}: {exc}") from None
+            specs += worker_specs(own, m.spec.path, m.name if several else None)
+        model = router.models.cores[0].spec.path
+        names = [name for m in router.models for name in (m.name, *m.spec.aliases)]
     if router_cfg.worker_keys and router_cfg.curve_key:  # local workers hold the router's own key
         keys = ("--curve-key", router_cfg.curve_key, "--router-key", router_cfg.curve_key)
         specs = [dataclasses.replace(s, flags=(*s.flags, *keys)) for s in specs]
@@ -231,7 +299,8 @@ async def serve(
         started(router, sup)
     http_task = None
     if http is not None:
-        http = dataclasses.replace(http, model_name=Path(model).stem)
+        more = [n for n in [*http.alias.split(","), *names[1:]] if n]
+        http = dataclasses.replace(http, model_name=names[0], alias=",".join(dict.fromkeys(more)))
         http_task = asyncio.ensure_future(serve_http_processes(http))
     _say_where(router_cfg, http, model)
     try:
@@ -300,18 +369,20 @@ def run(args: argparse.Namespace) -> int:
 
     logs.setup(process="serve")
     try:
-        router_cfg = from_args(RouterConfig, args)
+        models = served_models(args)
+        models_cfg = from_args(ServeModels, args)
+        router_cfg = from_args(RouterConfig, args, model=args.model[0] if args.model and models is None else None)
         local = from_args(LocalWorkers, args)
         local.gpu_list()
         local.worker_config(None)  # a bad worker flag stops start-up here, before any process starts
         sup_cfg = from_args(SupervisorConfig, args)
-    except ValueError as exc:
+    except (ValueError, ConfigFileError) as exc:
         raise UsageError(str(exc)) from None
     try:
         http = http_config(args, router_cfg)
     except ValueError as exc:  # (each message names its flag)
         raise UsageError(str(exc)) from None
     router_cfg, http = guard_zmq_clients(router_cfg, http)
-    run_loop(serve(router_cfg, local, sup_cfg, http=http))
+    run_loop(serve(router_cfg, local, sup_cfg, http=http, models=models, models_cfg=models_cfg))
     zmq.asyncio.Context.instance().destroy(linger=1000)  # the last replies leave before the process does
     return 0

@@ -9,6 +9,7 @@ translates, and answers errors in its own shape (Anthropic's under /v1/messages)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -28,6 +29,7 @@ from gateway import anthropic, helpers
 from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect, Errors, errors_for
 from gateway.embeddings import embed_message, embeddings_reply
 from gateway.fields import Policy
+from gateway.helpers import keep_alive_s
 from gateway.limits import BoundedStream, StalledReader, declared_length, limited, too_large_message
 from gateway.openai_schema import RequestError, chat_submit
 from gateway.openapi import OPENAPI
@@ -155,13 +157,26 @@ class Gateway:
             return JSONResponse({"status": "loading", "workers": 0}, status_code=503)
         return JSONResponse({"status": "ok", "workers": len(ready), **({"failed": failed} if failed else {})})
 
+    def asked_model(self, body: Any) -> str | None:
+        """The model a request names, for the router to pick (one model served: any name is it, unless
+        --strict-model-name); None when it names none."""
+        model = body.get("model") if isinstance(body, dict) else getattr(body, "model", None)
+        return model if isinstance(model, str) and model and model != "default" else None
+
     async def models(self, request: Request) -> Response:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [{"id": name, "object": "model", "created": 0, "owned_by": "kvroute"} for name in self.names],
-            }
-        )
+        """Every model and alias the router serves, each with where it stands (llama-server's router mode's `status`);
+        this front's own names when the router serves one model."""
+        with contextlib.suppress(TimeoutError, KvrouteError):
+            status = await asyncio.wait_for(self.client.status(), 2.0)
+            if len(status.models) > 1:
+                data = [
+                    {"id": name, "object": "model", "created": 0, "owned_by": "kvroute", "status": {"value": m.state}}
+                    for m in status.models
+                    for name in (m.name, *m.aliases)
+                ]
+                return JSONResponse({"object": "list", "data": data})
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvroute"} for name in self.names]
+        return JSONResponse({"object": "list", "data": data})
 
     async def metrics(self, request: Request) -> Response:
         """This front's HTTP figures, then the router's and its workers' (asked over the protocol)."""
@@ -199,7 +214,7 @@ class Gateway:
         policy = Policy("embeddings", strict=self.strict_api)
         msg, body = embed_message(await self.body(request), policy, self.pooling)
         policy.report(rid)
-        msg.id = rid
+        msg.id, msg.model = rid, self.asked_model(body)
         try:
             got = await self.client.embed(msg)
         except KvrouteError as exc:
@@ -209,11 +224,16 @@ class Gateway:
         return JSONResponse(embeddings_reply(got, body, body.model or self.model_name))
 
     async def tokenize(self, request: Request) -> Response:
-        body = helpers.TokenizeBody.decode(await self.body(request))
-        return JSONResponse(helpers.tokenize_reply(await self.client.tokens(body.message()), body.with_pieces))
+        raw = await self.body(request)
+        body = helpers.TokenizeBody.decode(raw)
+        msg = body.message()
+        msg.model = self.asked_model(raw)
+        return JSONResponse(helpers.tokenize_reply(await self.client.tokens(msg), body.with_pieces))
 
     async def detokenize(self, request: Request) -> Response:
-        msg = helpers.detokenize_message(await self.body(request))
+        raw = await self.body(request)
+        msg = helpers.detokenize_message(raw)
+        msg.model = self.asked_model(raw)
         return JSONResponse({"content": (await self.client.tokens(msg)).text})
 
     async def apply_template(self, request: Request) -> Response:
@@ -234,9 +254,11 @@ class Gateway:
                 policy.hint(f"header:{header}")
         raw = await self.body(request)
         unset = {k: v for k, v in self.sampling_defaults.items() if k not in raw}  # (decoding strips hints from raw)
-        call = dialect.decode(raw, rid, policy, self.model_name)
+        asked, keep_alive = self.asked_model(raw), keep_alive_s(raw.pop("keep_alive", None))
+        call = dialect.decode(raw, rid, policy, asked if asked in self.names else self.model_name)  # (the model serving it)
         policy.report(rid)
         sub = call.sub
+        sub.model, sub.keep_alive_s = asked, keep_alive
         if unset:
             sub.sampling = msgspec.structs.replace(sub.sampling, **unset)
         sub.cache_salt = self.salt_of(request, sub.cache_salt)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -70,3 +71,25 @@ def slots_body(status: StatusReply) -> dict[str, Any]:
     out.pop("v", None)
     out.pop("id", None)
     return out
+
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_s(value: Any) -> float | None:
+    """Ollama's `keep_alive` (honoured in every generating API): how long the model stays loaded after this request,
+    as seconds or a duration ("5m", "1h30m", "300ms"); 0 unloads it once idle, a negative value keeps it. None: not
+    given."""
+    if value is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (parts := re.fullmatch(r"\s*(-?)((?:\d+(?:\.\d+)?(?:ms|s|m|h)?)+)\s*", value)):
+        sign, body = parts.groups()
+        pieces = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)?", body)
+        if len(pieces) > 1 and any(unit == "" for _, unit in pieces):
+            raise RequestError(f"`keep_alive` {value!r} is not a duration", param="keep_alive")
+        seconds = sum(float(n) * _UNITS[unit or "s"] for n, unit in pieces) * (-1 if sign else 1)
+    else:
+        raise RequestError(f'`keep_alive` must be seconds or a duration such as "5m", got {value!r}', param="keep_alive")
+    return -1.0 if seconds < 0 else seconds

@@ -182,6 +182,8 @@ SUBMIT_FIELDS = (
     "chat_template_kwargs",
     "n",
     "cache_salt",
+    "model",
+    "keep_alive_s",
 )
 
 

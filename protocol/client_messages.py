@@ -11,6 +11,7 @@ from protocol.chat import MAX_TOOLS, ChatMessage, ResponseFormat, TokenLogprob, 
 from protocol.common import DeadlineMs, Message, NonNeg, Sampling, Struct, Timings, TokenBytes, Usage, check_token_bytes
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
+ModelName = Annotated[str, Meta(min_length=1, max_length=256)]
 MAX_CHOICES = 16
 MAX_GRAMMAR_CHARS = 256 * 1024
 
@@ -46,6 +47,10 @@ class Submit(Message, tag="submit", kw_only=True):
     # direct replies (PROTOCOL.md 4.3): an endpoint this client bound (PULL) where the worker sends the job's output
     reply_to: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     reply_key: Annotated[str, Meta(min_length=40, max_length=40)] | None = None  # its CURVE public key (Z85), if any
+    # which served model (a name or alias, PROTOCOL.md 3.8); None: the router's default model
+    model: ModelName | None = None
+    # how long the model stays loaded after this request (Ollama's keep_alive): 0 unloads it once idle, -1 keeps it
+    keep_alive_s: Annotated[float, Meta(ge=-1)] | None = None
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.tokens))
@@ -93,6 +98,8 @@ class Tokenize(Message, tag="tokenize", kw_only=True):
     add_special: bool = True  # add BOS as the model's vocabulary says (for messages: unless the template wrote it)
     parse_special: bool = True  # text such as `<start_of_turn>` becomes its special token
     with_pieces: bool = False  # also each token's bytes
+    # which served model (a name or alias, PROTOCOL.md 3.8); None: the router's default model
+    model: ModelName | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -108,6 +115,8 @@ class Detokenize(Message, tag="detokenize", kw_only=True):
 
     id: RequestId | None = None
     tokens: TokenBytes
+    # which served model (a name or alias, PROTOCOL.md 3.8); None: the router's default model
+    model: ModelName | None = None
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens)
@@ -132,6 +141,8 @@ class Embed(Message, tag="embed", kw_only=True):
     tokens: list[TokenBytes] | None = None
     pooling: Pooling = "mean"
     normalize: bool = True  # each vector to unit length (Euclidean), as OpenAI's and llama-server's are
+    # which served model (a name or alias, PROTOCOL.md 3.8); None: the router's default model
+    model: ModelName | None = None
 
     def __post_init__(self) -> None:
         if (self.input is None) == (self.tokens is None):
@@ -281,13 +292,26 @@ class FailedWorker(Struct, kw_only=True):
     reason: str
 
 
+class ModelStatus(Struct, kw_only=True):
+    """A model the router serves, and where it is loaded."""
+
+    name: str
+    aliases: list[str] = []
+    state: str  # "loaded" (a worker is ready), "loading", "unloaded" (started on demand), "failed"
+    workers: list[str] = []  # the workers connected for it
+    pinned: bool = False  # never unloaded to make room
+    keep_alive_s: float = -1.0  # unloaded after this long unused (-1: never)
+    reason: str = ""  # why it failed to load
+
+
 class StatusReply(Message, tag="status_reply", kw_only=True):
     id: str | None = None
-    model: str
+    model: str  # the default model's name
     policy: str
     queued: int
     workers: list[WorkerStatus]
     failed: list[FailedWorker] = []
+    models: list[ModelStatus] = []  # every served model (one with a single model)
 
 
 class Tokens(Message, tag="tokens", kw_only=True):

@@ -70,6 +70,7 @@ class Hello(Message, tag="hello", kw_only=True):
     weights_fingerprint: str = ""  # of the model file's tensors; must equal the router's when both are given
     held: list[SlotHeld] | None = None  # what the slots hold (a worker that outlived its router); None: unknown
     cached: list[CacheEntry] = []  # its cache of saved states, tokens included (none when `held` is None)
+    model: str = ""  # the router's name of the model it serves (several served); "": the one its fingerprint names
 
 
 class SlotState(Struct, kw_only=True):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import signal
 
 import zmq
@@ -16,6 +17,7 @@ from kvroute import logs
 from kvroute.config import add_args, from_args
 from kvroute.model import resolve_model
 from router.config import RouterConfig
+from router.models import ServedModel, model_name
 from router.server import Router
 
 
@@ -23,17 +25,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_args(parser, RouterConfig)
 
 
-def load_router(cfg: RouterConfig) -> Router:
-    """Load the vocabulary and bind both sockets; user errors raise kvroute.config.UsageError."""
+def load_router(
+    cfg: RouterConfig, served: list[ServedModel] | None = None, *, default_model: str | None = None, models_max: int = 0
+) -> Router:
+    """Load the vocabularies and bind both sockets; user errors raise kvroute.config.UsageError. `served`: the models
+    (several: one core each, router/models.py); None: `cfg.model` alone, named by its file."""
     from kvroute.config import UsageError
     from kvroute.vocab import Vocab, VocabError
 
-    path = resolve_model(cfg.model)
+    models: list[tuple[ServedModel, Vocab]] = []
+    for spec in served or [ServedModel(name="", path=cfg.model or "")]:
+        path = resolve_model(spec.path or None)
+        try:
+            vocab = Vocab.load(path)
+        except VocabError as exc:
+            raise UsageError(f"model {spec.name}: {exc}" if spec.name else str(exc)) from None
+        models.append((dataclasses.replace(spec, name=spec.name or model_name(vocab), path=str(path)), vocab))
     try:
-        vocab = Vocab.load(path)
-    except VocabError as exc:
+        (first, vocab), *more = models
+        router = Router(cfg, vocab, served=first, more=more, default_model=default_model, models_max=models_max)
+    except ValueError as exc:
         raise UsageError(str(exc)) from None
-    router = Router(cfg, vocab)
     try:
         router.bind()
     except ValueError as exc:

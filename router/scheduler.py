@@ -108,12 +108,21 @@ class Out:
 class Scheduler:
     """The router's state and the life cycle of its requests. Owned by one thread (the shell's event loop)."""
 
-    def __init__(self, cfg: RouterConfig, *, fingerprint: str, model: str, router_id: str, weights: str = "") -> None:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        *,
+        fingerprint: str,
+        model: str,
+        router_id: str,
+        weights: str = "",
+        metrics: Metrics | None = None,
+    ) -> None:
         self.cfg = cfg
         self.fingerprint, self.model, self.router_id = fingerprint, model, router_id
         self.weights = weights  # the model file's weights fingerprint ("" : not checked)
         self.mirror = Mirror()
-        self.metrics = Metrics()
+        self.metrics = metrics or Metrics()  # (several models' cores share the router's)
         self.table = WorkerTable(cfg, self.mirror, self.metrics)
         self.workers = self.table.workers  # by id (the same dict: the views, the shell and the tests read it)
         self.restarts, self.expected, self.failed = self.table.restarts, self.table.expected, self.table.failed

@@ -72,6 +72,7 @@ from router import exposition
 from router.config import RouterConfig
 from router.metrics import Metrics
 from router.mirror import Mirror
+from router.models import ModelCore, Models, ServedModel, model_name, status
 from router.prepare import PrepareError, prepare, text_chars, tokens_reply
 from router.prompt_tokens import PromptTokenizer
 from router.requests import Req, WorkerConn
@@ -115,24 +116,31 @@ def batched(out: list[Out]) -> list[Out]:
 
 
 class Router:
-    """The router process: sockets and loops around `core`. `await run()` serves until `stop()`."""
+    """The router process: sockets and loops around one core per served model (router/models.py). `await run()`
+    serves until `stop()`. `vocab`, `chat`, `prompts` and `core` are the default (or first) model's."""
 
-    def __init__(self, cfg: RouterConfig, vocab: Vocab, *, context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        vocab: Vocab,
+        *,
+        context: zmq.asyncio.Context | None = None,
+        more: list[tuple[ServedModel, Vocab]] | None = None,
+        served: ServedModel | None = None,
+        default_model: str | None = None,
+        models_max: int = 0,
+    ) -> None:
         self.cfg = cfg
-        self.vocab = vocab
         self.router_id = uuid.uuid4().hex[:12]
         self.ctx = context or zmq.asyncio.Context.instance()
-        bos = vocab.piece(vocab.bos).decode("utf-8", "replace") if vocab.bos is not None else ""
-        eos = vocab.piece(vocab.eos).decode("utf-8", "replace") if vocab.eos is not None else ""
-        template = ChatTemplate.choose(vocab.chat_template, cfg.chat_template, cfg.chat_format, bos_text=bos, eos_text=eos)
-        self.chat = ChatFormat(template)
-        self.prompts = PromptTokenizer(vocab)  # a conversation's next prompt: only its new part is tokenized
-        try:
-            weights = weights_fingerprint(vocab.path)
-        except (GGUFError, OSError) as exc:
-            log.warning("no_weights_fingerprint", reason=str(exc), effect="workers' weights are not compared")
-            weights = ""
-        self.core = Scheduler(cfg, fingerprint=vocab.fingerprint, model=vocab.name, router_id=self.router_id, weights=weights)
+        first = served or ServedModel(name=model_name(vocab), path=str(vocab.path))
+        metrics = Metrics()  # one for every model's core: counters are the router's
+        cores = [self._model_core(spec, v, metrics) for spec, v in [(first, vocab), *(more or [])]]
+        self.models = Models(cores, default=default_model, models_max=models_max)
+        main = self.models.default or cores[0]
+        self.vocab, self.chat, self.prompts, self.core = main.vocab, main.chat, main.prompts, main.core
+        for m in cores:  # (the supervisor counts restarts in one table)
+            m.core.restarts = m.core.table.restarts = self.core.restarts
         self.on_kill: Callable[[Kill], None] | None = None  # set by the supervisor of local workers
         # per peer (worker?, identity): messages waiting while its pipe is full, and since when
         self._backlog: dict[tuple[bool, bytes], collections.deque[Out]] = {}
@@ -152,6 +160,30 @@ class Router:
         self.gatekeeper: Gatekeeper | None = None
         self._raw: tuple[zmq.Socket[bytes], zmq.Socket[bytes]] | None = None
         self._inboxes: list[Inbox] = []
+
+    def _model_core(self, spec: ServedModel, vocab: Vocab, metrics: Metrics) -> ModelCore:
+        cfg = self.cfg
+        bos = vocab.piece(vocab.bos).decode("utf-8", "replace") if vocab.bos is not None else ""
+        eos = vocab.piece(vocab.eos).decode("utf-8", "replace") if vocab.eos is not None else ""
+        template = ChatTemplate.choose(vocab.chat_template, cfg.chat_template, cfg.chat_format, bos_text=bos, eos_text=eos)
+        try:
+            weights = weights_fingerprint(vocab.path)
+        except (GGUFError, OSError) as exc:
+            log.warning("no_weights_fingerprint", model=spec.name, reason=str(exc), effect="workers' weights are not compared")
+            weights = ""
+        core = Scheduler(
+            cfg, fingerprint=vocab.fingerprint, model=spec.name, router_id=self.router_id, weights=weights, metrics=metrics
+        )
+        # (PromptTokenizer: a conversation's next prompt, only its new part tokenized)
+        return ModelCore(spec, vocab, ChatFormat(template), PromptTokenizer(vocab), core)
+
+    @property
+    def cores(self) -> list[Scheduler]:
+        return [m.core for m in self.models]
+
+    def _core_of_worker(self, worker: str) -> Scheduler:
+        m = self.models.by_worker.get(worker)
+        return m.core if m is not None else self.core
 
     # the core's records, for the supervisor, status lines and tests
     @property
@@ -218,10 +250,11 @@ class Router:
             chat_template=self.chat.name,
             tool_calls=self.chat.family.name,
             model=self.vocab.name,
+            models=self.models.names(),
             curve=sorted(self.gatekeeper.security.allowed) if self.gatekeeper else [],
         )
         self.ready.set()
-        notify(ready=True, status=self.core.status_line())
+        notify(ready=True, status=self.status_line())
         assert self._raw is not None
         self._inboxes = [
             Inbox(self._raw[0], self._client_frames, self._flush),
@@ -254,28 +287,36 @@ class Router:
     def shutdown(self) -> None:
         """Graceful stop (SIGTERM): refuse new requests, let accepted ones finish within drain_timeout_s."""
         now = time.monotonic()
+        in_flight = sum(len(c.requests) for c in self.cores)
         if self.core.draining:
-            log.info("router_drain_cut_short", in_flight=len(self.core.requests))
+            log.info("router_drain_cut_short", in_flight=in_flight)
             self._drain_deadline = now  # a second signal: give up waiting
         else:
-            self.core.draining = True
+            for core in self.cores:
+                core.draining = True
             self._drain_deadline = now + self.cfg.drain_timeout_s
-            log.info("router_draining", in_flight=len(self.core.requests), timeout_s=self.cfg.drain_timeout_s)
-            notify(stopping=True, status=self.core.status_line())
+            log.info("router_draining", in_flight=in_flight, timeout_s=self.cfg.drain_timeout_s)
+            notify(stopping=True, status=self.status_line())
         self._check_drained(now)
 
     def hangup(self) -> None:
         """SIGHUP: nothing is reloaded (settings are read at start; `systemctl restart` drains first)."""
-        status = self.core.status_line()
+        status = self.status_line()
         log.info("sighup", action="none", reason="settings are read at start; restart to change them", status=status)
         notify(status=status)
+
+    def status_line(self) -> str:
+        if len(self.cores) == 1:
+            return self.core.status_line()
+        return "; ".join(f"{m.name}: {m.core.status_line()}" for m in self.models)
 
     def _check_drained(self, now: float) -> None:
         if not self.core.draining:
             return
-        if (self.core.requests or self.core.embeds.running) and now < self._drain_deadline:
+        if any(c.requests or c.embeds.running for c in self.cores) and now < self._drain_deadline:
             return
-        self.core.drain_expired()
+        for core in self.cores:
+            core.drain_expired()
         self._flush()
         log.info("router_drained", timeout_s=self.cfg.drain_timeout_s)
         self.stop()
@@ -284,17 +325,18 @@ class Router:
 
     def _flush(self) -> None:
         """Send what the core produced; a send that fails becomes the core's next event (and is flushed too)."""
-        while out := self.core.take():
-            for o in batched(out):
-                key = (o.worker, o.to)
-                if key in self._backlog:
-                    self._backlog[key].append(o)  # behind what already waits for this peer, in order
-                else:
-                    self._send(o)
-        for kill in self.core.take_kills():
-            log.warning("worker_kill", worker=kill.worker, incarnation=kill.incarnation, pid=kill.pid, reason=kill.reason)
-            if self.on_kill is not None:
-                self.on_kill(kill)
+        for core in self.cores:
+            while out := core.take():
+                for o in batched(out):
+                    key = (o.worker, o.to)
+                    if key in self._backlog:
+                        self._backlog[key].append(o)  # behind what already waits for this peer, in order
+                    else:
+                        self._send(o)
+            for kill in core.take_kills():
+                log.warning("worker_kill", worker=kill.worker, incarnation=kill.incarnation, pid=kill.pid, reason=kill.reason)
+                if self.on_kill is not None:
+                    self.on_kill(kill)
         for inbox in self._inboxes:  # (a send may have taken a socket's readiness edge)
             inbox.rearm()
 
@@ -313,9 +355,10 @@ class Router:
             if exc.errno != zmq.EHOSTUNREACH:
                 log.warning("send_failed", worker=o.worker, error=str(exc), message=type(o.msg).__name__)
             elif o.worker:
-                self.core.worker_dead(o.to.decode("utf-8", "replace"), "unreachable")
+                worker = o.to.decode("utf-8", "replace")
+                self._core_of_worker(worker).worker_dead(worker, "unreachable")
             else:
-                self.core.client_gone(o.to)
+                self._client_gone(o.to)
         return True
 
     def _catch_up(self, now: float) -> None:
@@ -342,9 +385,13 @@ class Router:
                     reason="it did not read its messages")  # fmt: skip
         self.core.metrics.peers_cut += 1
         if worker:
-            self.core.worker_dead(peer, f"did not read its messages for {behind_s:.0f} s")
+            self._core_of_worker(peer).worker_dead(peer, f"did not read its messages for {behind_s:.0f} s")
         else:
-            self.core.client_gone(identity)
+            self._client_gone(identity)
+
+    def _client_gone(self, identity: bytes) -> None:
+        for core in self.cores:
+            core.client_gone(identity)
 
     # ---- client side ----------------------------------------------------------------------------
 
@@ -373,71 +420,90 @@ class Router:
             self.core.metrics.bad_frames += 1
             log.info("bad_client_frame", code=msg.code, reason=msg.reason, request_id=msg.id)
             self.core.reply(identity, envelope, Error(id=msg.id, code=msg.code, message=msg.reason))
-        elif isinstance(msg, Submit):
-            self._on_submit(identity, envelope, msg)
         elif isinstance(msg, Cancel):
-            self.core.cancel(identity, msg.id)
+            for core in self.cores:
+                core.cancel(identity, msg.id)
         elif isinstance(msg, StatusRequest):
-            self.core.reply(identity, envelope, self.core.status(msg.id, msg.cache_salt))
-        elif isinstance(msg, Tokenize | Detokenize):
-            self._on_tokenize(identity, envelope, msg)
+            self.core.reply(identity, envelope, status(self.models, msg.id, msg.cache_salt))
         elif isinstance(msg, MetricsRequest):
-            self.core.reply(identity, envelope, MetricsReply(id=msg.id, text=exposition.text(self.core)))
-        elif isinstance(msg, Embed):
-            self._on_embed(identity, envelope, msg)
+            text = exposition.text(self.cores, self.models)
+            self.core.reply(identity, envelope, MetricsReply(id=msg.id, text=text))
+        elif (model := self._model(identity, envelope, msg)) is None:
+            return  # (the client was told which models there are)
+        elif isinstance(msg, Submit):
+            self._on_submit(identity, envelope, msg, model)
+        elif isinstance(msg, Tokenize | Detokenize):
+            self._on_tokenize(identity, envelope, msg, model)
+        else:
+            self._on_embed(identity, envelope, msg, model)
 
-    def _on_embed(self, identity: bytes, envelope: tuple[bytes, ...], msg: Embed) -> None:
+    def _model(
+        self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit | Tokenize | Detokenize | Embed
+    ) -> ModelCore | None:
+        """The model a request names, or None after telling the client that no model answers to that name."""
+        m = self.models.find(msg.model)
+        if m is None:
+            self.core.metrics.requests[ErrorCode.NOT_FOUND] += 1
+            error = Error(id=msg.id, code=ErrorCode.NOT_FOUND, message=self.models.unknown(msg.model), param="model")
+            self.core.reply(identity, envelope, error)
+        return m
+
+    def _on_embed(self, identity: bytes, envelope: tuple[bytes, ...], msg: Embed, model: ModelCore) -> None:
         """Texts tokenized as a prompt is (BOS by the model's rule, special-token text read as such; a long one on the
         tokenizing thread), then placed."""
+        core, vocab = model.core, model.vocab
+        self.models.used(model, None)
         if msg.tokens is not None:
             inputs = [unpack_tokens(t) for t in msg.tokens]
-            n_vocab = self.vocab.n_vocab
+            n_vocab = vocab.n_vocab
             bad = next(((i, t) for i, ids in enumerate(inputs) for t in ids if not 0 <= t < n_vocab), None)
             if bad is not None:
                 text = f"token id {bad[1]} of input {bad[0]} is outside the vocabulary (0..{n_vocab - 1})"
-                self.core.reply(identity, envelope, Error(id=msg.id, code=ErrorCode.BAD_REQUEST, message=text, param="tokens"))
+                core.reply(identity, envelope, Error(id=msg.id, code=ErrorCode.BAD_REQUEST, message=text, param="tokens"))
                 return
-            self.core.embed(identity, envelope, msg, inputs)
+            core.embed(identity, envelope, msg, inputs)
             return
         texts = msg.input or []
 
         def work() -> list[list[int]]:
-            return [self.vocab.tokenize(t, add_special=True, parse_special=True) for t in texts]
+            return [vocab.tokenize(t, add_special=True, parse_special=True) for t in texts]
 
         if sum(map(len, texts)) <= TOKENIZE_INLINE_CHARS:
-            self.core.embed(identity, envelope, msg, work())
+            core.embed(identity, envelope, msg, work())
             return
 
         def done(fut: asyncio.Future[list[list[int]]]) -> None:
             if not fut.cancelled() and fut.exception() is None:
-                self.core.embed(identity, envelope, msg, fut.result())
+                core.embed(identity, envelope, msg, fut.result())
                 self._flush()
 
         asyncio.get_running_loop().run_in_executor(self._tokenizer, work).add_done_callback(done)
 
-    def _on_submit(self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit) -> None:
-        req = self.core.accept(identity, envelope, msg)
+    def _on_submit(self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit, model: ModelCore) -> None:
+        core = model.core
+        req = core.accept(identity, envelope, msg)
         if req is None:
             return
-        shift_to = self.core.slot_context() if self.cfg.context_shift else None  # (no ready worker: not shifted)
-        work = functools.partial(prepare, msg, self.vocab, self.chat, self.prompts, shift_to=shift_to)
+        self.models.used(model, msg.keep_alive_s)
+        shift_to = core.slot_context() if self.cfg.context_shift else None  # (no ready worker: not shifted)
+        work = functools.partial(prepare, msg, model.vocab, model.chat, model.prompts, shift_to=shift_to)
         if text_chars(msg) <= TOKENIZE_INLINE_CHARS:
             try:
-                self.core.prepared(req, work())
+                core.prepared(req, work())
             except PrepareError as exc:
-                self.core.prepared(req, exc)
+                core.prepared(req, exc)
             return
 
         def done(fut: asyncio.Future[Any]) -> None:
             if not fut.cancelled():
-                self.core.prepared(req, fut.exception() or fut.result())
+                core.prepared(req, fut.exception() or fut.result())
                 self._flush()
 
         asyncio.get_running_loop().run_in_executor(self._tokenizer, work).add_done_callback(done)
 
-    def _on_tokenize(self, identity: bytes, envelope: tuple[bytes, ...], msg: Tokenize | Detokenize) -> None:
+    def _on_tokenize(self, identity: bytes, envelope: tuple[bytes, ...], msg: Tokenize | Detokenize, model: ModelCore) -> None:
         """Tokens or text, nothing generated; a long text is tokenized on the tokenizing thread."""
-        work = functools.partial(tokens_reply, msg, self.vocab, self.chat)
+        work = functools.partial(tokens_reply, msg, model.vocab, model.chat)
 
         def reply(fut: asyncio.Future[Tokens] | None) -> None:
             try:
@@ -474,22 +540,34 @@ class Router:
         if isinstance(msg, Invalid):
             log.warning("bad_worker_frame", identity=identity.decode("utf-8", "replace"), code=msg.code, reason=msg.reason)
         elif isinstance(msg, Hello):
-            self.core.hello(identity, msg)
+            m = self.models.for_hello(msg.model, msg.model_fingerprint, msg.weights_fingerprint)
+            expected = self.models.by_worker.get(msg.worker_id)
+            if expected is not None and expected is not m:  # (a worker id belongs to one model's core)
+                expected.core.worker_dead(msg.worker_id, f"it said hello for model {m.name}")
+            self.models.by_worker[msg.worker_id] = m
+            m.core.hello(identity, msg)
         else:
-            self.core.worker_message(identity, msg)
+            self._core_of_worker(identity.decode("utf-8", "replace")).worker_message(identity, msg)
 
     def worker_exited(self, worker: str, incarnation: int, returncode: int | None) -> None:
         """From the supervisor: the process of this worker incarnation exited."""
-        self.core.worker_exited(worker, incarnation, returncode)
+        self._core_of_worker(worker).worker_exited(worker, incarnation, returncode)
         self._flush()
 
-    def expect_workers(self, workers: set[str]) -> None:
-        """From the supervisor: the local workers it runs."""
-        self.core.expected |= workers
+    def expect_workers(self, workers: set[str], model: str | None = None) -> None:
+        """From the supervisor: the local workers it runs (for `model`, or the default model)."""
+        m = self.models.by_name[model] if model is not None else (self.models.default or self.models.cores[0])
+        m.core.expected |= workers
+        for w in workers:
+            self.models.by_worker[w] = m
 
     def worker_failed(self, worker: str, reason: str) -> None:
         """From the supervisor: this worker will not be started again (it crashed at start too often)."""
-        self.core.worker_failed(worker, reason)
+        core = self._core_of_worker(worker)
+        core.worker_failed(worker, reason)
+        m = self.models.by_worker.get(worker)
+        if m is not None:
+            self.models.failed(m)
         self._flush()
 
     # ---- time -----------------------------------------------------------------------------------
@@ -503,14 +581,16 @@ class Router:
                 log.exception("tick_crashed", error=str(exc))
 
     def tick(self, now: float) -> None:
-        self.core.tick(now)
+        for core in self.cores:
+            core.tick(now)
+        self.models.tick(now)
         self._flush()
         if self._backlog:
             self._catch_up(now)
         self._check_drained(now)
         if now >= self._next_status:
             self._next_status = now + STATUS_EVERY_S
-            notify(status=self.core.status_line())
+            notify(status=self.status_line())
         if self._watchdog_s is not None and now >= self._next_watchdog:
             self._next_watchdog = now + self._watchdog_s
             alive(self.cfg.alive_file)  # (from a tick of the event loop: a stuck loop says nothing)

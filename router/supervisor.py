@@ -63,6 +63,7 @@ class WorkerSpec:
 
     worker_id: str
     flags: tuple[str, ...] = ()
+    model: str | None = None  # the router's model it serves (None: the default)
 
 
 @dataclass
@@ -72,6 +73,8 @@ class _Child:
     proc: asyncio.subprocess.Process | None = None
     restarts: deque[float] = field(default_factory=deque)
     given_up: bool = False
+    task: asyncio.Task[None] | None = None
+    unloading: bool = False  # stopped on purpose (its model unloaded): not restarted
 
 
 class Supervisor:
@@ -84,13 +87,46 @@ class Supervisor:
         self.connect = connect
         self.children = {s.worker_id: _Child(s) for s in specs}
         self.records = Path(tempfile.mkdtemp(prefix="kvroute-starts-"))  # each worker's start record (fresh per run)
-        self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         router.on_kill = self.kill
-        router.expect_workers(set(self.children))
+        for model in {s.model for s in specs}:
+            router.expect_workers({s.worker_id for s in specs if s.model == model}, model)
+        if router.models.dynamic():  # models loaded on demand and unloaded when idle (router/models.py decides)
+            router.models.on_load, router.models.on_unload = self.load, self.unload
 
     def start(self) -> None:
-        self._tasks = [asyncio.ensure_future(self._keep(c)) for c in self.children.values()]
+        """Start the workers of every model loaded at start."""
+        models = self.router.models
+        loaded = 0
+        for m in models:
+            if not m.spec.load_at_start or (models.models_max and loaded >= models.models_max):
+                continue  # (loaded by its first request)
+            if self.load(m.name if len(models.cores) > 1 else None):
+                models.started(m.name)
+                loaded += 1
+
+    def _of(self, model: str | None) -> list[_Child]:
+        single = len(self.router.models.cores) == 1
+        return [c for c in self.children.values() if single or c.spec.model == model]
+
+    def load(self, model: str | None) -> bool:
+        """Start the workers of `model` that are not running (False: it has none here)."""
+        children = self._of(model)
+        for child in children:
+            child.unloading = False
+            if child.task is None or child.task.done():
+                child.given_up = False
+                child.restarts.clear()
+                child.task = asyncio.ensure_future(self._keep(child))
+        return bool(children)
+
+    def unload(self, model: str | None) -> None:
+        """Stop the workers of `model` (SIGTERM: each drains and writes its slots to its disk tier, then exits)."""
+        for child in self._of(model):
+            child.unloading = True
+            if child.proc is not None and child.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.terminate()
 
     def pid(self, worker_id: str) -> int | None:
         proc = self.children[worker_id].proc
@@ -118,7 +154,7 @@ class Supervisor:
     async def _keep(self, child: _Child) -> None:
         wid = child.spec.worker_id
         delay = self.cfg.restart_backoff_s
-        while not self._stopping:
+        while not self._stopping and not child.unloading:
             child.incarnation += 1
             started = time.monotonic()
             extra = {"preexec_fn": _die_with_parent} if sys.platform.startswith("linux") else {}
@@ -126,7 +162,9 @@ class Supervisor:
             log.info("worker_spawned", worker=wid, incarnation=child.incarnation, pid=child.proc.pid)
             rc = await child.proc.wait()
             self.router.worker_exited(wid, child.incarnation, rc)
-            if self._stopping:
+            if child.unloading:
+                log.info("worker_stopped", worker=wid, incarnation=child.incarnation, returncode=rc, reason="model unloaded")
+            if self._stopping or child.unloading:
                 return
             log.warning("worker_exited", worker=wid, incarnation=child.incarnation, returncode=rc)
             if rc == START_FAILED_EXIT:
@@ -182,9 +220,10 @@ class Supervisor:
                         p.kill()
             for p in procs:
                 await p.wait()
-        for t in self._tasks:
+        tasks = [c.task for c in self.children.values() if c.task is not None]
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         shutil.rmtree(self.records, ignore_errors=True)

@@ -55,6 +55,7 @@ class WorkerTable:
         self.silent: dict[tuple[str, int], tuple[float, int]] = {}  # declared dead for silence: (when, pid)
         self.kills: list[Kill] = []  # taken by the shell
         self.no_workers_since: float | None = time.monotonic()
+        self.starting_until = 0.0  # workers are being started (a model loaded on demand): none missing before then
 
     def __iter__(self) -> Iterator[WorkerConn]:
         return iter(self.workers.values())
@@ -145,8 +146,14 @@ class WorkerTable:
         return "; ".join(f"worker {w}: {r}" for w, r in sorted(self.failed.items()))
 
     def none_for(self, grace_s: float) -> bool:
-        """Whether no worker has been ready for `grace_s`."""
-        return self.no_workers_since is not None and time.monotonic() - self.no_workers_since >= grace_s
+        """Whether no worker has been ready for `grace_s` (and none is being started)."""
+        now = time.monotonic()
+        return self.no_workers_since is not None and now - self.no_workers_since >= grace_s and now >= self.starting_until
+
+    def starting(self, within_s: float) -> None:
+        """Workers are being started and should say hello within `within_s`: until then none is missing."""
+        self.starting_until = time.monotonic() + within_s
+        self.failed.clear()
 
     # ---- what workers report ----------------------------------------------------------------------
 

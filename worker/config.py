@@ -103,6 +103,9 @@ class WorkerConfig:
         "worker reports to each, and each keeps an exact mirror of its slots)",
     )
     worker_id: str = opt("w0", "this worker's id (its ZMQ identity)")
+    model_name: str = opt(
+        "", "the router's name for the model this worker serves, when the router serves several (default: found by the GGUF)"
+    )
     incarnation: int | None = opt(
         None, "this process start's number (default: the start time in ms, new on every start, systemd's included)"
     )

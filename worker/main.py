@@ -303,6 +303,7 @@ class WorkerServer:
             weights_fingerprint=self.weights,
             held=held,
             cached=cached,
+            model=self.cfg.model_name,
         )
 
     def heartbeat(self) -> Heartbeat:

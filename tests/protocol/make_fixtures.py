@@ -105,7 +105,15 @@ EXAMPLES: list[Example] = [
     Example(
         "submit",
         "client_request",
-        p.Submit(id="req-1", prompt="The capital of France is", sampling=SAMPLING, stream=True, deadline_ms=30000),
+        p.Submit(
+            id="req-1",
+            prompt="The capital of France is",
+            sampling=SAMPLING,
+            stream=True,
+            deadline_ms=30000,
+            model="gemma-3-270m",
+            keep_alive_s=300.0,
+        ),
         {},
     ),
     Example(
@@ -204,7 +212,7 @@ EXAMPLES: list[Example] = [
         ),
         {},
     ),
-    Example("embed", "client_request", p.Embed(id="emb-1", input=["The sea is calm.", "A lighthouse."]), {}),
+    Example("embed", "client_request", p.Embed(id="emb-1", input=["The sea is calm.", "A lighthouse."], model="embedder"), {}),
     Example(
         "embed_tokens",
         "client_request",
@@ -384,6 +392,10 @@ EXAMPLES: list[Example] = [
                     reason="the worker's llama.cpp crashed (signal 11) in its first decode on this CPU; it crashed at"
                     " start 3 times, so it is not started again. What to try: rebuild it for this CPU",
                 )
+            ],
+            models=[
+                p.ModelStatus(name="gemma-3-270m", aliases=["small"], state="loaded", workers=["w0"], pinned=True),
+                p.ModelStatus(name="coder", state="unloaded", keep_alive_s=600.0),
             ],
         ),
         {},
@@ -641,6 +653,7 @@ ALL_STRUCTS: list[type[msgspec.Struct]] = [
     p.SlotStatus,
     p.WorkerStatus,
     p.FailedWorker,
+    p.ModelStatus,
     p.SlotState,
     p.EngineCounters,
     p.SlotHeld,

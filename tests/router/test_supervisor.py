@@ -10,16 +10,36 @@ from types import SimpleNamespace
 from router.supervisor import Supervisor, SupervisorConfig, WorkerSpec
 
 
+class StubModels:
+    """One model loaded at start, or two loaded on demand (`dynamic`)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.cores = [SimpleNamespace(name=n, spec=SimpleNamespace(load_at_start=len(names) == 1)) for n in names]
+        self.on_load = self.on_unload = None
+        self.models_max = 0
+        self.started_names: list[str] = []
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.cores)
+
+    def dynamic(self) -> bool:
+        return len(self.cores) > 1
+
+    def started(self, name: str) -> None:
+        self.started_names.append(name)
+
+
 class StubRouter:
-    def __init__(self) -> None:
+    def __init__(self, models: list[str] | None = None) -> None:
         self.exits: list[tuple[str, int, int | None]] = []
         self.restarts: dict[str, int] = {}
         self.metrics = SimpleNamespace(restarts=0)
+        self.models = StubModels(models or ["m"])
 
     def worker_exited(self, worker: str, incarnation: int, rc: int | None) -> None:
         self.exits.append((worker, incarnation, rc))
 
-    def expect_workers(self, workers: set[str]) -> None:
+    def expect_workers(self, workers: set[str], model: str | None = None) -> None:
         self.expected = workers
 
     def worker_failed(self, worker: str, reason: str) -> None:
@@ -33,7 +53,7 @@ def run_supervisor(code: int, cfg: SupervisorConfig) -> tuple[StubRouter, Superv
 
     async def main() -> None:
         sup.start()
-        await asyncio.wait_for(asyncio.gather(*sup._tasks), timeout=30)
+        await asyncio.wait_for(asyncio.gather(*(c.task for c in sup.children.values() if c.task)), timeout=30)
 
     asyncio.run(main())
     return router, sup
@@ -56,3 +76,31 @@ def test_refused_worker_is_not_restarted():
     router, sup = run_supervisor(3, SupervisorConfig(restart_backoff_s=0.01))
     assert sup.children["w0"].given_up and Counter(rc for *_, rc in router.exits) == {3: 1}
     assert router.failed[0] == "w0" and "refused" in router.failed[1]
+
+
+def test_a_model_unloaded_is_stopped_and_not_restarted_and_loads_again_as_a_new_incarnation():
+    router = StubRouter(["a", "b"])
+    program = [sys.executable, "-c", "import time; time.sleep(60)"]
+    specs = [WorkerSpec("a-cpu0", model="a"), WorkerSpec("b-cpu0", model="b")]
+    sup = Supervisor(router, specs, SupervisorConfig(restart_backoff_s=0.01), "tcp://127.0.0.1:1", program=program)  # type: ignore[arg-type]
+    assert router.models.on_load == sup.load and router.models.on_unload == sup.unload
+
+    async def main() -> None:
+        sup.start()  # both are loaded on demand: nothing starts
+        assert all(c.task is None for c in sup.children.values())
+        assert sup.load("a") and not sup.load("nothing-here")
+        while sup.pid("a-cpu0") is None:
+            await asyncio.sleep(0.01)
+        assert sup.pid("b-cpu0") is None
+        sup.unload("a")
+        task = sup.children["a-cpu0"].task
+        assert task is not None
+        await asyncio.wait_for(task, timeout=10)  # it ends instead of restarting the worker
+        assert router.exits == [("a-cpu0", 1, -15)] and router.restarts == {}
+        sup.load("a")
+        while sup.pid("a-cpu0") is None:
+            await asyncio.sleep(0.01)
+        assert sup.children["a-cpu0"].incarnation == 2
+        await sup.stop()
+
+    asyncio.run(main())

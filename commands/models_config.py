@@ -1,0 +1,124 @@
+"""`kvroute serve`'s models: `--model [NAME=]PATH` (repeatable) and a models file (`--models FILE`), read into one
+list of models, each with the flags of its local workers.
+
+The models file is TOML, one table per model:
+
+    [models.coder]                      # its name (what the API's `model` field picks)
+    path = "/models/qwen2.5-coder-7b-q4_k_m.gguf"
+    aliases = ["gpt-4o", "claude-sonnet-4-5"]
+    workers = 2                         # replicas on CPU (or gpus = "0,1": one worker per GPU)
+    slots = 8
+    ctx_per_slot = 16384
+    pinned = true                       # never unloaded
+    default = true                      # requests naming an unknown model go here
+
+    [models.small]
+    path = "gemma-3-270m"
+    keep_alive = "10m"                  # unloaded after 10 minutes unused ("-1": kept; 0: at once)
+    load = "on_demand"                  # started by its first request ("start", the default: at start)
+
+A key a model does not give is the `serve` flag's value (`--slots`, `--workers`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from dataclasses import dataclass
+from typing import Any
+
+from kvroute.config import ConfigFileError
+from router.models import ServedModel
+
+# per-model keys that set a LocalWorkers field of the same name
+WORKER_KEYS = {"workers": "cpu_workers", "gpus": "gpus", "slots": "slots", "ctx_per_slot": "ctx_per_slot",
+               "kv_budget_mb": "kv_budget_mb", "threads": "threads", "n_gpu_layers": "n_gpu_layers",
+               "host_cache_mb": "host_cache_mb", "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
+               "flash_attn": "flash_attn"}  # fmt: skip
+MODEL_KEYS = {"path", "aliases", "pinned", "keep_alive", "load", "default"}
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model to serve: what the router knows of it, and its workers' flags (LocalWorkers fields to override)."""
+
+    served: ServedModel
+    workers: dict[str, Any] = dataclasses.field(default_factory=dict)
+    default: bool = False
+
+
+def worker_prefix(name: str) -> str:
+    """A model's name as the start of its workers' ids (and their disk-tier directories): no path separators."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def from_flags(values: list[str], keep_alive: float) -> list[ModelEntry]:
+    """`--model [NAME=]PATH`, each given once or more: a PATH alone is named by its file."""
+    out = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep:
+            name, path = "", value
+        elif not name or not path:
+            raise ValueError(f"--model takes PATH or NAME=PATH, got {value!r}")
+        out.append(ModelEntry(ServedModel(name=name, path=path, keep_alive_s=keep_alive)))
+    return out
+
+
+def seconds(value: Any, where: str) -> float:
+    """A keep-alive: seconds, or a duration such as "5m", "1h", "90s"; negative keeps the model loaded."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return -1.0 if value < 0 else float(value)
+    if isinstance(value, str) and (m := re.fullmatch(r"(-?\d+(?:\.\d+)?)(s|m|h)?", value.strip())):
+        n = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
+        return -1.0 if n < 0 else n
+    raise ConfigFileError(f'{where}: expected seconds or a duration such as "10m", got {value!r}')
+
+
+def from_file(path: str, keep_alive: float) -> list[ModelEntry]:
+    """The `[models.NAME]` tables of a TOML file; a wrong key or value raises ConfigFileError naming it."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigFileError(f"cannot read models file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigFileError(f"{path}: not valid TOML: {exc}") from None
+    tables = data.get("models")
+    if not isinstance(tables, dict) or not tables:
+        raise ConfigFileError(f"{path}: no [models.NAME] table")
+    out = []
+    for name, table in tables.items():
+        where = f"{path}: [models.{name}]"
+        if not isinstance(table, dict):
+            raise ConfigFileError(f"{where} must be a table")
+        unknown = set(table) - MODEL_KEYS - set(WORKER_KEYS)
+        if unknown:
+            known = ", ".join(sorted(MODEL_KEYS | set(WORKER_KEYS)))
+            raise ConfigFileError(f"{where}: unknown key {sorted(unknown)[0]!r} (known: {known})")
+        if not isinstance(table.get("path"), str) or not table["path"]:
+            raise ConfigFileError(f"{where}: `path` (a GGUF file or a model name) is required")
+        aliases = table.get("aliases", [])
+        if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+            raise ConfigFileError(f"{where}: `aliases` must be a list of names")
+        load = table.get("load", "start")
+        if load not in ("start", "on_demand"):
+            raise ConfigFileError(f'{where}: `load` must be "start" or "on_demand", got {load!r}')
+        for key in ("pinned", "default"):
+            if not isinstance(table.get(key, False), bool):
+                raise ConfigFileError(f"{where}: `{key}` must be true or false")
+        served = ServedModel(
+            name=name,
+            path=table["path"],
+            aliases=tuple(aliases),
+            pinned=table.get("pinned", False),
+            keep_alive_s=seconds(table["keep_alive"], f"{where} keep_alive") if "keep_alive" in table else keep_alive,
+            load_at_start=load == "start",
+        )
+        workers = {WORKER_KEYS[k]: v for k, v in table.items() if k in WORKER_KEYS}
+        if "gpus" in workers:  # (gpus = 0, gpus = [0, 1] or gpus = "0,1")
+            gpus = workers["gpus"]
+            workers["gpus"] = ",".join(map(str, gpus)) if isinstance(gpus, list) else str(gpus)
+        out.append(ModelEntry(served, workers, default=table.get("default", False)))
+    return out

@@ -1,0 +1,266 @@
+"""The models one router serves: per model its vocabulary, chat format and core (router/scheduler.py: its own
+requests, workers, mirror and index, so a prefix is reused only within its model), and which are loaded.
+
+A request names its model (`model`: a name or an alias); one that names none, or, when a default is set, a name
+the router does not know, goes to the default model. With one model served that model is the default, so any name
+is served as llama-server serves it (coding agents ask for a second model by another name for background work).
+
+Loading is the supervisor's (`on_load`, `on_unload`, set by router/supervisor.py); this module decides when:
+- a request for a model with no worker, none starting, loads it (its requests wait for the workers' hello, for
+  `LOAD_WAIT_S` at most); with `models_max` loaded already, the least recently used model that is unpinned and idle
+  is unloaded first; when none is idle the load waits for one to become so (each tick looks again);
+- a model whose workers all failed to start is not loaded again for `RETRY_FAILED_S`: its requests get the reason;
+- an unpinned model idle for its keep-alive (per model, or the last request's `keep_alive_s`) is unloaded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from chat.request import ChatFormat
+from kvroute import logs
+from kvroute.vocab import Vocab
+from protocol import FailedWorker, ModelStatus, StatusReply
+from router import views
+from router.prompt_tokens import PromptTokenizer
+from router.requests import WorkerState, tenant
+from router.scheduler import Scheduler
+
+log = logs.get(__name__)
+
+LOAD_WAIT_S = 120.0  # a model's workers must say hello this long after they are started
+RETRY_FAILED_S = 60.0  # a model that failed to load is not started again before this
+
+
+def model_name(vocab: Vocab) -> str:
+    """A model's name when the operator gives none: its file's, without `.gguf` (what /v1/models lists)."""
+    return Path(vocab.path).stem
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model as the operator declared it (`kvroute serve --model NAME=PATH`, or a models file)."""
+
+    name: str
+    path: str
+    aliases: tuple[str, ...] = ()
+    pinned: bool = False  # never unloaded to make room or for idleness
+    keep_alive_s: float = -1.0  # unloaded after this long without a request (-1: kept)
+    load_at_start: bool = True  # False: started by its first request
+
+
+class LoadState(Enum):
+    LOADED = "loaded"
+    LOADING = "loading"
+    UNLOADED = "unloaded"
+    FAILED = "failed"
+
+
+@dataclass
+class ModelCore:
+    """One served model at run time."""
+
+    spec: ServedModel
+    vocab: Vocab
+    chat: ChatFormat
+    prompts: PromptTokenizer
+    core: Scheduler
+    last_used: float = field(default_factory=time.monotonic)
+    keep_alive_s: float = -1.0  # the last request's keep_alive_s, else the model's
+    loading_since: float | None = None  # a load was asked for and no worker is ready yet
+    load_wanted: bool = False  # a request waits for a load that waits for room
+    failed_at: float | None = None
+    unloading: bool = False  # its workers were told to stop
+
+    def __post_init__(self) -> None:
+        self.keep_alive_s = self.spec.keep_alive_s
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def ready(self) -> bool:
+        return any(w.state is WorkerState.READY for w in self.core.workers.values())
+
+    def busy(self) -> bool:
+        return bool(self.core.requests or self.core.embeds.running)
+
+    def state(self) -> LoadState:
+        if self.ready():
+            return LoadState.LOADED
+        if self.loading_since is not None:
+            return LoadState.LOADING
+        if self.failed_at is not None:
+            return LoadState.FAILED
+        return LoadState.UNLOADED if not self.core.workers else LoadState.LOADING
+
+
+class Models:
+    """Every served model, found by name or alias; the load and unload decisions."""
+
+    def __init__(self, cores: list[ModelCore], *, default: str | None, models_max: int = 0) -> None:
+        self.cores = cores
+        self.models_max = models_max  # most models loaded at once (0: no bound)
+        self.by_name: dict[str, ModelCore] = {}
+        for m in cores:
+            for name in (m.name, *m.spec.aliases):
+                if name in self.by_name:
+                    raise ValueError(f"model name {name!r} is given twice")
+                self.by_name[name] = m
+        if default is not None and default not in self.by_name:
+            raise ValueError(f"--default-model {default!r} is not a served model ({', '.join(self.names())})")
+        self.default = self.by_name[default] if default is not None else (cores[0] if len(cores) == 1 else None)
+        self.on_load: Callable[[str], bool] | None = None  # start this model's workers (False: none to start)
+        self.on_unload: Callable[[str], None] | None = None  # stop them
+        self.by_worker: dict[str, ModelCore] = {}  # worker id -> its model (said hello, or expected)
+        self.loads: dict[str, int] = {}  # by model, for /metrics
+        self.unloads: dict[str, int] = {}
+
+    def __iter__(self) -> Iterator[ModelCore]:
+        return iter(self.cores)
+
+    def dynamic(self) -> bool:
+        """Whether any model is loaded or unloaded while serving (several models, a budget, keep-alives, on demand)."""
+        return (
+            len(self.cores) > 1 or self.models_max > 0 or any(m.spec.keep_alive_s >= 0 or not m.spec.load_at_start for m in self)
+        )
+
+    def names(self) -> list[str]:
+        return [m.name for m in self.cores]
+
+    def find(self, name: str | None) -> ModelCore | None:
+        """The model a request names (None: the default, when there is one)."""
+        if name:
+            found = self.by_name.get(name)
+            if found is not None:
+                return found
+        return self.default
+
+    def unknown(self, name: str | None) -> str:
+        """The message for a name no model answers to."""
+        served = ", ".join(f"{m.name!r}" + (f" (aliases {', '.join(m.spec.aliases)})" if m.spec.aliases else "") for m in self)
+        if not name:
+            return f"`model` is required: this router serves several models: {served}"
+        return f"model {name!r} is not served here; served: {served}"
+
+    def for_hello(self, name: str, fingerprint: str, weights: str) -> ModelCore:
+        """The model a worker's hello is for: the one it names, else the first whose vocabulary (and weights, when
+        both say) it has, else the default or first model (whose core refuses it, naming the mismatch)."""
+        if name and name in self.by_name:
+            return self.by_name[name]
+        for m in self:
+            if m.core.fingerprint == fingerprint and (not weights or not m.core.weights or m.core.weights == weights):
+                return m
+        return self.default or self.cores[0]
+
+    # ---- use, loads and unloads --------------------------------------------------------------------------------
+
+    def used(self, m: ModelCore, keep_alive_s: float | None) -> None:
+        """A request for `m` arrived: it is the most recently used, and it is loaded if it is not."""
+        m.last_used = time.monotonic()
+        if keep_alive_s is not None:
+            m.keep_alive_s = keep_alive_s
+        if (not m.core.workers or m.unloading) and m.loading_since is None:
+            self._load(m)
+
+    def started(self, name: str) -> None:
+        """The supervisor started this model's workers at start-up: it counts as loading."""
+        m = self.by_name[name]
+        m.loading_since = time.monotonic()
+        m.core.table.starting(LOAD_WAIT_S)
+        self.loads[m.name] = self.loads.get(m.name, 0) + 1
+
+    def _loaded(self) -> list[ModelCore]:
+        return [m for m in self if m.core.workers or m.loading_since is not None]
+
+    def _load(self, m: ModelCore) -> None:
+        now = time.monotonic()
+        if self.on_load is None:
+            return  # workers join on their own (`kvroute worker`): nothing to start
+        if m.failed_at is not None and now - m.failed_at < RETRY_FAILED_S:
+            return  # its requests get the failure's reason (the core's none_can_come)
+        loaded = self._loaded()
+        if self.models_max and len(loaded) >= self.models_max:
+            # room first: the least recently used idle model stops (its slots go to its disk tier), then this loads
+            if not any(x.unloading for x in loaded):
+                victim = self._least_recently_used(but=m)
+                if victim is not None:
+                    self.unload(victim, "room for " + m.name)
+            m.load_wanted = True  # (each tick looks again; every loaded model pinned or busy: it waits for one)
+            m.core.table.starting(LOAD_WAIT_S)
+            return
+        m.load_wanted = False
+        if m.core.workers and m.unloading:
+            m.load_wanted = True  # its stopping workers leave first (their exits would end the new ones' wait)
+            return
+        if not self.on_load(m.name):
+            return
+        m.failed_at, m.loading_since = None, now
+        m.core.table.starting(LOAD_WAIT_S)
+        self.loads[m.name] = self.loads.get(m.name, 0) + 1
+        log.info("model_loading", model=m.name, loaded=[x.name for x in self._loaded()])
+
+    def _least_recently_used(self, but: ModelCore) -> ModelCore | None:
+        idle = [x for x in self._loaded() if x is not but and not x.spec.pinned and not x.busy() and not x.unloading]
+        return min(idle, key=lambda x: x.last_used) if idle else None
+
+    def unload(self, m: ModelCore, why: str) -> None:
+        if self.on_unload is None:
+            return
+        log.info("model_unloading", model=m.name, reason=why, idle_s=round(time.monotonic() - m.last_used, 1))
+        m.loading_since, m.unloading = None, True
+        self.unloads[m.name] = self.unloads.get(m.name, 0) + 1
+        self.on_unload(m.name)
+
+    def failed(self, m: ModelCore) -> None:
+        """Every worker of `m` failed to start: no load again for RETRY_FAILED_S."""
+        if m.core.none_can_come() is not None:
+            m.failed_at, m.loading_since = time.monotonic(), None
+            log.error("model_load_failed", model=m.name, reason=m.core.none_can_come())
+
+    def tick(self, now: float) -> None:
+        for m in self:
+            if m.loading_since is not None and m.ready():
+                log.info("model_loaded", model=m.name, load_s=round(now - m.loading_since, 2))
+                m.loading_since = None
+            elif m.loading_since is not None and now - m.loading_since > LOAD_WAIT_S:
+                m.loading_since = None  # its queued requests have had their no_workers error
+            if m.unloading and not m.core.workers:
+                m.unloading = False
+            if (m.load_wanted or m.core.queue) and not m.core.workers and m.loading_since is None:
+                self._load(m)
+            keep = m.keep_alive_s
+            if m.ready() and not m.unloading and keep >= 0 and not m.spec.pinned and not m.busy() and now - m.last_used > keep:
+                self.unload(m, f"idle for {now - m.last_used:.0f} s (keep-alive {keep:g} s)")
+
+
+def status(models: Models, rid: str | None, cache_salt: str | None) -> StatusReply:
+    """Every model's workers and slots in one reply (a slot of another tenant than the asker's shows only whether it
+    is busy), and where each model is loaded."""
+    salt = tenant(cache_salt)
+    workers, failed, queued = [], [], 0
+    for m in models:
+        c = m.core
+        workers += views.worker_statuses(c.workers.values(), c.jobs, c.restarts, salt)
+        failed += [FailedWorker(worker=w, reason=r) for w, r in sorted(c.failed.items())]
+        queued += len(c.queue)
+    main = models.default or models.cores[0]
+    listing = [
+        ModelStatus(
+            name=m.name,
+            aliases=list(m.spec.aliases),
+            state=m.state().value,
+            workers=sorted(m.core.workers),
+            pinned=m.spec.pinned,
+            keep_alive_s=m.keep_alive_s,
+            reason=(m.core.none_can_come() or "") if m.failed_at is not None else "",
+        )
+        for m in models
+    ]
+    return StatusReply(
+        id=rid, model=main.name, policy=main.core.cfg.policy, queued=queued, workers=workers, failed=failed, models=listing
+    )
