@@ -161,11 +161,16 @@ class ServeModels:
                           "(a models file's keep_alive and a request's keep_alive win)", metavar="DURATION")  # fmt: skip
 
 
+def given_models(args: argparse.Namespace) -> list[str]:
+    """The `--model` values (a config file's `model = "..."` is one)."""
+    return [args.model] if isinstance(args.model, str) else list(args.model or [])
+
+
 def served_models(args: argparse.Namespace) -> list[ModelEntry] | None:
     """The models `--model` and `--models` name; None for the one model of old (`--model PATH` or the default)."""
     picked = from_args(ServeModels, args)
     keep = seconds(picked.keep_alive, "--keep-alive")
-    given = list(args.model or [])
+    given = given_models(args)
     entries = from_flags(given, keep)
     if picked.models:
         entries += from_file(picked.models, keep)
@@ -371,7 +376,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         models = served_models(args)
         models_cfg = from_args(ServeModels, args)
-        router_cfg = from_args(RouterConfig, args, model=args.model[0] if args.model and models is None else None)
+        given = given_models(args)
+        router_cfg = from_args(RouterConfig, args, model=given[0] if given and models is None else None)
         local = from_args(LocalWorkers, args)
         local.gpu_list()
         local.worker_config(None)  # a bad worker flag stops start-up here, before any process starts

@@ -158,6 +158,13 @@ def run_chat(args: argparse.Namespace) -> int:
 
 def format_status(st: StatusReply) -> str:
     lines = [f"model {st.model}   policy {st.policy}   queued {st.queued}   workers {len(st.workers)}", ""]
+    if len(st.models) > 1:  # several models: where each is loaded
+        for m in st.models:
+            keep = "kept" if m.keep_alive_s < 0 else f"keep-alive {m.keep_alive_s:g} s"
+            names = m.name + (f" ({', '.join(m.aliases)})" if m.aliases else "")
+            lines.append(f"  {names:<28} {m.state:<9} {'pinned' if m.pinned else keep:<18} {' '.join(m.workers) or '-'}")
+            lines += [f"    failed: {m.reason}"] if m.reason else []
+        lines.append("")
     header = (
         f"{'worker':<10} {'inc':>3} {'device':<8} {'state':<9} {'slot':>4} {'busy':<4} {'tokens':>7} {'reused':>8} {'idle s':>7}"
         "  request"

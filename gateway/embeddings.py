@@ -2,7 +2,7 @@
 vector per input out, as floats or base64 of float32. Computed by a worker in a context of its own with the pooling
 this HTTP API was started with (`--pooling`, mean by default; worker/embedder.py).
 
-Fields: `input` and `encoding_format` are honoured; `model` picks nothing yet (one model is served); `user` is a hint;
+Fields: `input`, `encoding_format` and `model` (which served model, with several) are honoured; `user` is a hint;
 `dimensions` is refused unless it is the model's own (this model has no shortened vectors), which is only known once
 computed, so such a request is answered 400 after the work."""
 

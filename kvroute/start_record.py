@@ -141,14 +141,20 @@ class StartRecord:
                     self.fault_path.unlink()
             self._write(count, reason, stage=None)
 
+    def refuse(self, reason: str) -> None:
+        """This start cannot succeed for `reason` (its model does not load): the supervisor reads it (read_refusal)
+        and does not restart the worker. The next start tries again (a file put right loads)."""
+        count, last = self.crashes()
+        self._write(count, last, stage=None, refused=reason)
+
     def passed(self) -> None:
         """The engine ran: crashes before this one no longer count."""
         with contextlib.suppress(OSError):
             self.path.unlink()
 
-    def _write(self, crashes: int, reason: str | None, stage: str | None) -> None:
+    def _write(self, crashes: int, reason: str | None, stage: str | None, refused: str | None = None) -> None:
         data = {"identity": self.identity, "pid": os.getpid(), "stage": stage, "crashes": crashes, "reason": reason}
-        data["refused"] = refusal(crashes, reason)
+        data["refused"] = refused or refusal(crashes, reason)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")

@@ -31,7 +31,7 @@ import zmq
 from kvroute import logs
 from kvroute.client import secure_client_socket
 from kvroute.config import UsageError, add_args, from_args
-from kvroute.model import resolve_model
+from kvroute.model import ModelError, resolve_model
 from kvroute.notify import alive, notify, watchdog_interval_s
 from kvroute.start_record import START_FAILED_EXIT, StartRecord, default_path
 from kvroute.weights import GGUFError, weights_fingerprint
@@ -117,8 +117,15 @@ def run(args: argparse.Namespace) -> int:
 def checked_engine(cfg: WorkerConfig) -> Engine | None:
     """Load the model and decode a few tokens before saying hello (worker/startcheck.py); None: this worker crashed
     at start too often with this build and model, and says so instead of trying again."""
-    model = resolve_model(cfg.model)
+    missing: ModelError | None = None
+    try:
+        model = resolve_model(cfg.model)
+    except ModelError as exc:
+        model, missing = Path(cfg.model or ""), exc
     record = StartRecord(Path(cfg.start_record) if cfg.start_record else default_path(cfg.worker_id), identity(str(model)))
+    if missing is not None:
+        refused(record, cfg, str(missing))
+        return None
     count, reason = record.crashes()
     if count and (frames := record.fault_frames()):
         log.error("previous_start_crashed", reason=reason, python_stack=frames)
@@ -127,8 +134,12 @@ def checked_engine(cfg: WorkerConfig) -> Engine | None:
         log.error("worker_start_refused", reason=refusal, start_record=str(record.path))
         print(f"kvroute worker {cfg.worker_id}: {refusal} (start record: {record.path})", file=sys.stderr)
         return None
-    with record.stage("load"):
-        engine = Engine(cfg)
+    try:
+        with record.stage("load"):
+            engine = Engine(cfg)
+    except ModelError as exc:  # a file llama.cpp cannot load, or no memory for it: starting again changes nothing
+        refused(record, cfg, str(exc))
+        return None
     t0 = time.monotonic()
     with record.stage("first_decode"):
         Faults.from_env().at_start("first-decode", cfg.worker_id)
@@ -137,6 +148,14 @@ def checked_engine(cfg: WorkerConfig) -> Engine | None:
     record.passed()
     log.info("first_decode_ok", ms=round((time.monotonic() - t0) * 1000, 1))
     return engine
+
+
+def refused(record: StartRecord, cfg: WorkerConfig, reason: str) -> None:
+    """This start cannot succeed (its model does not load): said once, in the log and the start record, whose
+    supervisor then gives up on this worker with the reason instead of restarting it in a loop."""
+    record.refuse(reason)
+    log.error("model_not_loaded", reason=reason, start_record=str(record.path))
+    print(f"kvroute worker {cfg.worker_id}: {reason}", file=sys.stderr)
 
 
 class WorkerServer:

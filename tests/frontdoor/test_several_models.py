@@ -150,3 +150,30 @@ def test_one_loaded_model_at_a_time_loads_on_demand_and_comes_back_warm_from_dis
         assert 'kvroute_model_unloads_total{model="beta"} 2.0' in text  # for alpha, then keep_alive 0
     finally:
         assert s.stop() == 0
+
+
+def test_a_model_that_fails_to_load_says_why_once_and_the_others_are_served_on(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(default_model_path().read_bytes())
+    models = tmp_path / "models.toml"
+    models.write_text(
+        f'[models.alpha]\npath = "{default_model_path()}"\n\n[models.broken]\npath = "{broken}"\nload = "on_demand"\n'
+    )
+    log = tmp_path / "serve.log"
+    s = Served("--models", str(models), "--slots", "1", "--ctx-per-slot", "1024", "--threads", "2", log=log)
+    try:
+        with broken.open("r+b") as f:  # the file goes bad after start (the router read its vocabulary already)
+            f.truncate(30_000_000)
+        with Client(s.zmq, timeout_s=120) as c:
+            for _ in range(2):  # the second request gets the reason at once: no new start
+                with pytest.raises(KvrouteError) as info:
+                    turn(c, "broken", "hi")
+                assert info.value.code == "no_workers" and "could not load the model" in info.value.message
+            status = c.status()
+            (listed,) = [m for m in status.models if m.name == "broken"]
+            assert listed.state == "failed" and "could not load the model" in listed.reason
+            assert turn(c, "alpha", "hi").worker == "alpha-cpu0"
+        spawned = [line for line in log.read_text().splitlines() if '"worker_spawned"' in line and "broken-cpu0" in line]
+        assert len(spawned) == 1, spawned  # started once, not restarted in a loop
+    finally:
+        assert s.stop() == 0

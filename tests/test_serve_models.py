@@ -1,0 +1,92 @@
+"""`kvroute serve`'s models: `--model [NAME=]PATH` repeated, a models file, and each model's worker flags; the HTTP
+API's `keep_alive` durations."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from commands.cli import build_parser
+from commands.models_config import from_file, from_flags
+from commands.serve import LocalWorkers, served_models, worker_specs
+from gateway.helpers import keep_alive_s
+from gateway.openai_schema import RequestError
+from kvroute.config import ConfigFileError, add_args, from_args
+from worker.config import WorkerConfig
+
+
+def serve_args(*flags: str) -> argparse.Namespace:
+    parser, _, _ = build_parser()
+    return parser.parse_args(["serve", *flags])
+
+
+def test_one_model_of_old_and_several_named() -> None:
+    assert served_models(serve_args()) is None
+    assert served_models(serve_args("--model", "/m/a.gguf")) is None  # one unnamed model: as before
+    entries = served_models(serve_args("--model", "coder=/m/a.gguf", "--model", "/m/b.gguf", "--keep-alive", "5m"))
+    assert entries is not None
+    assert [(e.served.name, e.served.path, e.served.keep_alive_s) for e in entries] == [
+        ("coder", "/m/a.gguf", 300.0),
+        ("", "/m/b.gguf", 300.0),  # named by its file when loaded
+    ]
+    named = served_models(serve_args("--model", "small=/m/a.gguf"))
+    assert named is not None and named[0].served.name == "small"
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        from_flags(["=x.gguf"], -1)
+
+
+def test_a_models_file_gives_each_model_its_workers_and_keep_alive(tmp_path: Path) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text(
+        '[models.coder]\npath = "/m/coder.gguf"\naliases = ["gpt-4o"]\ngpus = [0, 1]\nslots = 8\npinned = true\n'
+        'default = true\n\n[models.small]\npath = "/m/small.gguf"\nkeep_alive = "10m"\nload = "on_demand"\n'
+    )
+    coder, small = from_file(str(path), -1.0)
+    assert coder.served.aliases == ("gpt-4o",) and coder.served.pinned and coder.default
+    assert coder.workers == {"gpus": "0,1", "slots": 8} and coder.served.keep_alive_s == -1.0
+    assert small.served.keep_alive_s == 600.0 and not small.served.load_at_start and small.workers == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[models.a]\npath = "x"\nslot = 2\n', "unknown key 'slot'"),
+        ("[models.a]\nslots = 2\n", "`path`"),
+        ('[models.a]\npath = "x"\nload = "later"\n', "`load` must be"),
+        ('[models.a]\npath = "x"\nkeep_alive = "soon"\n', "keep_alive: expected seconds"),
+        ('[models.a]\npath = "x"\naliases = "b"\n', "`aliases` must be a list"),
+        ("[serve]\nslots = 2\n", "no [models.NAME] table"),
+    ],
+)
+def test_a_bad_models_file_names_the_problem(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigFileError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        from_file(str(path), -1.0)
+
+
+def test_workers_of_a_named_model_carry_its_name() -> None:
+    specs = worker_specs(LocalWorkers(cpu_workers=2, cache_dir="/c"), "/m/a.gguf", "qwen2.5:7b")
+    assert [s.worker_id for s in specs] == ["qwen2.5_7b-cpu0", "qwen2.5_7b-cpu1"]
+    assert all(s.model == "qwen2.5:7b" for s in specs)
+    parser = argparse.ArgumentParser()
+    add_args(parser, WorkerConfig)
+    cfg = from_args(WorkerConfig, parser.parse_args(list(specs[1].flags)))
+    assert cfg.model_name == "qwen2.5:7b" and cfg.cache_dir == "/c/qwen2.5_7b-cpu1"
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [(None, None), (10, 10.0), (0, 0.0), (-1, -1.0), ("5m", 300.0), ("1h30m", 5400.0), ("300ms", 0.3), ("-5m", -1.0)],
+)
+def test_keep_alive_takes_seconds_or_durations(value: object, seconds: float | None) -> None:
+    assert keep_alive_s(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "5m10", True, [5]])
+def test_a_bad_keep_alive_is_refused_naming_it(value: object) -> None:
+    with pytest.raises(RequestError) as info:
+        keep_alive_s(value)
+    assert info.value.param == "keep_alive"
