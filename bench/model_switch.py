@@ -25,10 +25,14 @@ temperature 0, `--max-tokens` tokens:
 A conversation is a ~`--system-tokens` system prompt (its own per round and conversation) and a
 ~`--user-tokens` user message per turn. Per request: the time to the first streamed content chunk (TTFT),
 whether its model was loaded just before (GET /v1/models), prompt and cached tokens (usage; llama-server's
-timings.cache_n where usage has none). The systems take turns within a repeat, never at the same time, in an
-order that rotates from repeat to repeat. A case's figure is the median over all its requests of all repeats,
-with their min-max and each repeat's median. For kvroute, also from its log: the unload (unload decision to the
-worker's exit) and load (spawn to ready) times.
+timings.cache_n where usage has none). From each server's log: per unload, the decision to the old process's exit
+(kvroute: its worker's drain and disk writes), per load, the new process's start to its being ready.
+
+The systems take turns within a repeat, never at the same time, in an order that rotates from repeat to repeat.
+On a shared machine: a round starts once other processes leave the CPUs (under 0.1 cores over 5 s,
+`--quiet-wait-s` at most), and one during which they took over `--max-others` cores (the machine's busy time,
+/proc/stat, less this process's and the server's session's) is run again, `--retries` times at most. A case's
+figure is the median over all its requests of all repeats, with their min-max and each repeat's median.
 
 Prints the tables; `--out FILE` writes every request as JSON.
 """
@@ -169,7 +173,7 @@ def one_round(system: str, setup: Setup, texts: dict[str, Any], log: Path, a: ar
     talks = {(c, m): [{"role": "system", "content": texts[c]["system"]}] for _, m, c, _ in plan}
     requests: list[Request] = []
     quiet = wait_quiet(a.quiet_wait_s)
-    t0, busy0, own0 = time.monotonic(), busy_s(), own_s()
+    t0, busy0, self0 = time.monotonic(), busy_s(), self_s()
     with tempfile.TemporaryDirectory(prefix="bench-model-switch-") as tmp:
         server = Switching(system, setup, Path(tmp), log)
         with server, httpx.Client(base_url=server.url, timeout=600) as http:
@@ -188,8 +192,9 @@ def one_round(system: str, setup: Setup, texts: dict[str, Any], log: Path, a: ar
                 r = requests[-1]
                 print(f"    {phase} {model} turn {t + 1}: {'loaded' if was_loaded else 'SWITCH'}, TTFT {_ms(r.ttft)} ms,"
                       f" cached {r.cached_tokens}/{r.prompt_tokens} {r.error or ''}", file=sys.stderr, flush=True)  # fmt: skip
-    wall = time.monotonic() - t0
-    others = (busy_s() - busy0 - (own_s() - own0)) / wall  # cores that other processes used meanwhile
+            # the cores that other processes than this one and the server's took meanwhile (a shared machine)
+            mine = session_s(server._procs[0].pid) + self_s() - self0
+            others = (busy_s() - busy0 - mine) / (time.monotonic() - t0)
     return {
         "system": system,
         "command": server.command_line,
@@ -204,7 +209,7 @@ def one_round(system: str, setup: Setup, texts: dict[str, Any], log: Path, a: ar
 def switch_times(system: str, log: Path) -> dict[str, list[float]]:
     """From the server's log, per unload: the decision to the old server's exit (kvroute: model_unloading to
     worker_stopped, its worker's drain and disk writes included; llama-server: `evicting idle LRU` to `instance
-    ... exited`); per load: the start of the new one to its being ready (kvroute: model_loaded's load_s, spawn to
+    ... exited`); per load after the first: the start of the new one to its being ready (kvroute: model_loaded's load_s, spawn to
     hello; llama-server: `loading queued model` to the first `proxying request`)."""
     out: dict[str, list[float]] = {"unload_s": [], "load_s": []}
     since: dict[str, float] = {}
@@ -230,6 +235,7 @@ def switch_times(system: str, log: Path) -> dict[str, list[float]]:
                 since["load"] = ts
             elif "proxying request" in line and "load" in since:
                 out["load_s"].append(round(ts - since.pop("load"), 3))
+    out["load_s"] = out["load_s"][1:]  # the first is alpha's at the start, not a switch's
     return out
 
 
@@ -239,23 +245,33 @@ def busy_s() -> float:
     return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def own_s() -> float:
-    """CPU seconds of this process and of its children it has waited for (the servers, their workers)."""
+def session_s(sid: int) -> float:
+    """CPU seconds of the live processes of session `sid` (a server started in a session of its own) and of the
+    children they reaped (kvroute's stopped workers, llama-server's stopped model servers)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid:  # fields from the state on: state ppid pgrp session ... utime stime cutime cstime
+                total += sum(int(x) for x in fields[11:15])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def self_s() -> float:
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system
 
 
-def wait_quiet(max_s: float, cores: float = 0.2) -> float:
-    """Wait (up to `max_s`) until other processes use less than `cores` cores over 2 s; returns their last use."""
+def wait_quiet(max_s: float, cores: float = 0.1, window_s: float = 5.0) -> float:
+    """Wait (up to `max_s`) until other processes use less than `cores` cores over `window_s`; returns their use."""
     deadline = time.monotonic() + max_s
     while True:
-        b, o = busy_s(), own_s()
-        time.sleep(2)
-        others = (busy_s() - b - (own_s() - o)) / 2
+        b, o = busy_s(), self_s()
+        time.sleep(window_s)
+        others = (busy_s() - b - (self_s() - o)) / window_s
         if others < cores or time.monotonic() > deadline:
             return round(others, 2)
         print(f"  other processes use {others:.1f} cores: waiting", file=sys.stderr, flush=True)
-        time.sleep(8)
 
 
 # --- figures -------------------------------------------------------------------------------------------------
@@ -340,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--quiet-wait-s", type=float, default=300, help="longest wait, before a round, for other processes to leave the CPUs"
     )
+    p.add_argument("--max-others", type=float, default=0.1, help="cores other processes may take during a round")
+    p.add_argument("--retries", type=int, default=2, help="times a round is run again when they took more")
     p.add_argument("--out", type=Path, default=None, help="write every request as JSON here")
     a = p.parse_args(argv)
     systems = [s.strip() for s in a.systems.split(",") if s.strip()]
@@ -352,19 +370,28 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="bench-model-switch-logs-"))
     started = time.time()
     rounds: list[dict[str, Any]] = []
+    discarded: list[dict[str, Any]] = []  # rounds run again: other processes took too much of the CPUs
     for rep in range(a.repeats):
         texts = {
             k: conversation(f"{a.seed}:{rep}:{k}", a.turns, a.system_tokens, a.user_tokens, tokenize) for k in ("ref", "switch")
         }
         for system in systems[rep % len(systems) :] + systems[: rep % len(systems)]:
-            print(f"repeat {rep + 1}/{a.repeats}: {system} ...", file=sys.stderr, flush=True)
-            rounds.append(one_round(system, setup, texts, logs / f"repeat{rep + 1}-{system}.log", a) | {"repeat": rep + 1})
+            for attempt in range(1 + a.retries):
+                print(f"repeat {rep + 1}/{a.repeats}: {system} ...", file=sys.stderr, flush=True)
+                log = logs / f"repeat{rep + 1}-{system}-{attempt + 1}.log"
+                run = one_round(system, setup, texts, log, a) | {"repeat": rep + 1}
+                if run["others_during"] <= a.max_others or attempt == a.retries:
+                    break
+                print(f"  other processes took {run['others_during']} cores: again", file=sys.stderr, flush=True)
+                discarded.append(run)
+            rounds.append(run)
     table = figures(rounds, systems)
     cpu = next(
         (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "?"
     )
     head = (
-        f"`python -m bench.model_switch {' '.join(argv if argv is not None else sys.argv[1:])}`: {len(rounds)} rounds in"
+        f"`python -m bench.model_switch {' '.join(argv if argv is not None else sys.argv[1:])}`: {len(rounds)} rounds"
+        f" ({len(discarded)} more run again: other processes took over {a.max_others} cores) in"
         f" {time.time() - started:.0f} s on {os.cpu_count()} cores ({cpu}); {a.turns} turns, {a.system_tokens}-token system"
         f" prompts, {a.user_tokens}-token user messages, max_tokens {a.max_tokens}, {a.slots} slots x {a.ctx_per_slot}"
         f" tokens, {a.threads} threads."
@@ -374,7 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"logs: {logs}", file=sys.stderr)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"head": head, "args": {**vars(a), "out": str(a.out)}, "rounds": rounds}, indent=1) + "\n")
+        a.out.write_text(
+            json.dumps({"head": head, "args": {**vars(a), "out": str(a.out)}, "rounds": rounds, "discarded": discarded}, indent=1)
+            + "\n"
+        )
     return 0
 
 

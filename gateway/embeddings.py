@@ -69,5 +69,7 @@ def embeddings_reply(got: Embeddings, body: EmbeddingsBody, model: str) -> dict[
         else:
             vector = np.frombuffer(raw, dtype="<f4").tolist()
         data.append({"object": "embedding", "index": i, "embedding": vector})
-    usage = {"prompt_tokens": got.prompt_tokens, "total_tokens": got.prompt_tokens}
+    usage: dict[str, Any] = {"prompt_tokens": got.prompt_tokens, "total_tokens": got.prompt_tokens}
+    if got.cached_tokens:  # (as chat's usage says it; OpenAI's embeddings usage has no such field)
+        usage["prompt_tokens_details"] = {"cached_tokens": got.cached_tokens}
     return {"object": "list", "data": data, "model": model, "usage": usage}

@@ -341,6 +341,7 @@ class Embeddings(Message, tag="embeddings", kw_only=True):
     dims: NonNeg
     prompt_tokens: NonNeg  # the inputs' tokens, all together
     worker: str = ""
+    cached_tokens: NonNeg = 0  # of those, tokens whose KV was reused, not computed (last-token pooling)
 
 
 RouterReply = Delta | Deltas | Result | Error | Placed | StatusReply | Tokens | MetricsReply | Embeddings

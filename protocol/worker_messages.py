@@ -209,6 +209,7 @@ class EmbedDone(Message, tag="embed_done", kw_only=True):
     vectors: list[bytes]  # each `dims` float32, little-endian
     dims: NonNeg
     ms: float = 0.0  # time it took on the worker
+    reused_tokens: NonNeg = 0  # input tokens whose KV was kept from the input before (last pooling), not computed
 
 
 class JobStart(Message, tag="job_start", kw_only=True):

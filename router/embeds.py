@@ -51,7 +51,14 @@ class Embeds:
         req = self.running.pop(msg.id, None)
         if req is None:
             return None
-        return req, Embeddings(id=req.rid, vectors=msg.vectors, dims=msg.dims, prompt_tokens=req.prompt_tokens, worker=req.worker)
+        return req, Embeddings(
+            id=req.rid,
+            vectors=msg.vectors,
+            dims=msg.dims,
+            prompt_tokens=req.prompt_tokens,
+            worker=req.worker,
+            cached_tokens=msg.reused_tokens,
+        )
 
     def failed(self, job: str, code: str, message: str, error_id: str | None) -> tuple[EmbedReq, Error] | None:
         req = self.running.pop(job, None)

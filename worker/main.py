@@ -532,7 +532,7 @@ class WorkerServer:
         else:
             self.engine.submit(job, self.sink_for(link))
 
-    def embed(self, link: RouterLink, job: EmbedJob, done: list[bytes] | None = None, t0: float = 0.0) -> None:
+    def embed(self, link: RouterLink, job: EmbedJob, done: list[bytes] | None = None, t0: float = 0.0, reused: int = 0) -> None:
         """An embed job, on the compute thread, one input per turn between two engine steps (the slots' jobs go on
         between inputs: a request of many long inputs does not stall them for all of it)."""
         done = done if done is not None else []
@@ -545,12 +545,15 @@ class WorkerServer:
                 embedder = self.embedders[job.pooling] = Embedder(llama.model, job.pooling, self.cfg.threads, llama.n_ctx_train)
             if not done:
                 embedder.check([len(t) // 4 for t in job.inputs])  # (4 bytes a token id)
+            before = embedder.reused_tokens
             (vector,) = embedder.embed([unpack_tokens(job.inputs[len(done)])], job.normalize)
             done.append(vector.astype("<f4").tobytes())
+            reused += embedder.reused_tokens - before
             if len(done) < len(job.inputs):
-                self.engine.call(lambda core: self.embed(link, job, done, t0))
+                self.engine.call(lambda core: self.embed(link, job, done, t0, reused))
                 return
-            msg = EmbedDone(id=job.id, vectors=done, dims=embedder.dims, ms=(time.monotonic() - t0) * 1000)
+            ms = (time.monotonic() - t0) * 1000
+            msg = EmbedDone(id=job.id, vectors=done, dims=embedder.dims, ms=ms, reused_tokens=reused)
         except InputTooLong as exc:
             msg = JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=str(exc))
         except Exception as exc:  # a failure of this job's, not the worker's: its router gets the reason

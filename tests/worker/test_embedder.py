@@ -71,3 +71,33 @@ def test_an_input_over_the_context_is_refused_by_name(fast_engine: Engine) -> No
         return "accepted"
 
     assert "input 1 has" in fast_engine.call(run).result(timeout=60)
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_last_pooling_keeps_a_shared_prefix_and_gives_the_same_vector(
+    fast_engine: Engine, reference: dict[str, llama_cpp.Llama], pooling: str
+) -> None:
+    llama = fast_engine.llama
+    doc = "The lighthouse keeper wrote in his log every night about the ships that passed. " * 8
+    texts = [doc + "Who wrote the log?", doc + "What passed by at night?"]
+    tokens = [llama.vocab.tokenize(t, add_special=True, parse_special=True) for t in texts]
+
+    def run(core: object) -> tuple[list[np.ndarray], np.ndarray, int]:
+        e = Embedder(llama.model, pooling, 2, llama.n_ctx_train)
+        try:
+            together = e.embed(tokens, True)
+            reused = e.reused_tokens
+            e.embed([[2, 100, 200]], True)  # something else between: the second input alone, computed whole
+            return together, e.embed([tokens[1]], True)[0], reused
+        finally:
+            e.close()
+
+    together, alone, reused = fast_engine.call(run).result(timeout=120)
+    if pooling == "mean":
+        assert reused == 0 and np.array_equal(together[1], alone)  # every row is read: nothing is kept
+        return
+    assert reused >= len(tokens[0]) - 8  # the document's tokens were not computed again
+    # not bit for bit (worker/embedder.py says why: CPU kernels by batch size), as near as flash attention's choice
+    assert cosine(together[1], alone) >= 0.995, cosine(together[1], alone)
+    ref = np.asarray(reference["last"].embed(texts[1], normalize=True), dtype=np.float32)
+    assert cosine(alone, ref) >= 0.9999 and cosine(together[1], ref) >= 0.995
