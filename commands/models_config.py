@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvroute.config import ConfigFileError
-from router.models import ServedModel
+from router.models import ServedModel, from_flag
 
 # per-model keys that set a LocalWorkers field of the same name
 WORKER_KEYS = {"workers": "cpu_workers", "gpus": "gpus", "slots": "slots", "ctx_per_slot": "ctx_per_slot",
@@ -55,15 +55,7 @@ def worker_prefix(name: str) -> str:
 
 def from_flags(values: list[str], keep_alive: float) -> list[ModelEntry]:
     """`--model [NAME=]PATH`, each given once or more: a PATH alone is named by its file."""
-    out = []
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep:
-            name, path = "", value
-        elif not name or not path:
-            raise ValueError(f"--model takes PATH or NAME=PATH, got {value!r}")
-        out.append(ModelEntry(ServedModel(name=name, path=path, keep_alive_s=keep_alive)))
-    return out
+    return [ModelEntry(from_flag(value, keep_alive)) for value in values]
 
 
 def seconds(value: Any, where: str) -> float:

@@ -17,12 +17,30 @@ from kvroute import logs
 from kvroute.config import add_args, from_args
 from kvroute.model import resolve_model
 from router.config import RouterConfig
-from router.models import ServedModel, model_name
+from router.models import ServedModel, from_flag, model_name
 from router.server import Router
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_args(parser, RouterConfig)
+    add_args(parser, RouterConfig, skip=("model",))
+    parser.add_argument(
+        "--model",
+        action="append",
+        metavar="[NAME=]PATH",
+        help="GGUF model whose vocabulary the router tokenizes with (default: bundled Gemma 3 270M); NAME=PATH, repeated: "
+        "several models, each served by the workers that say its NAME (`kvroute worker --model-name NAME`)",
+    )
+    parser.add_argument(
+        "--default-model", metavar="NAME", help="with several models: the one requests naming an unknown model go to"
+    )
+
+
+def models_given(args: argparse.Namespace) -> list[ServedModel] | None:
+    """`--model` repeated or named: the models to serve; None: one model, `cfg.model` (a config file's `model`)."""
+    given = [args.model] if isinstance(args.model, str) else list(args.model or [])
+    if len(given) <= 1 and not any("=" in g for g in given):
+        return None
+    return [from_flag(g) for g in given]
 
 
 def load_router(
@@ -79,13 +97,15 @@ def run_loop(coro: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logs.setup(process="router")
-    try:
-        cfg = from_args(RouterConfig, args)
-    except ValueError as exc:
-        from kvroute.config import UsageError
+    from kvroute.config import UsageError
 
+    try:
+        served = models_given(args)
+        plain = args.model if isinstance(args.model, str) else (args.model or [None])[0]
+        cfg = from_args(RouterConfig, args, model=None if served else plain)
+    except ValueError as exc:
         raise UsageError(str(exc)) from None
-    router = load_router(cfg)
+    router = load_router(cfg, served, default_model=getattr(args, "default_model", None))
     run_loop(serve_router(router))
     router.ctx.destroy(linger=1000)  # the last replies (drain errors) leave before the process does
     return 0

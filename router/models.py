@@ -1,8 +1,8 @@
 """The models one router serves: per model its vocabulary, chat format and core (router/scheduler.py: its own
 requests, workers, mirror and index, so a prefix is reused only within its model), and which are loaded.
 
-A request names its model (`model`: a name or an alias); one that names none, or, when a default is set, a name
-the router does not know, goes to the default model. With one model served that model is the default, so any name
+A request names its model (`model`: a name or an alias); one that names none goes to the default model (else the
+first), and so does, when a default is set, one naming a model the router does not know. With one model served that model is the default, so any name
 is served as llama-server serves it (coding agents ask for a second model by another name for background work).
 
 Loading is the supervisor's (`on_load`, `on_unload`, set by router/supervisor.py); this module decides when:
@@ -51,6 +51,16 @@ class ServedModel:
     pinned: bool = False  # never unloaded to make room or for idleness
     keep_alive_s: float = -1.0  # unloaded after this long without a request (-1: kept)
     load_at_start: bool = True  # False: started by its first request
+
+
+def from_flag(value: str, keep_alive_s: float = -1.0) -> ServedModel:
+    """`--model [NAME=]PATH`: a PATH alone is named by its file once loaded (name "")."""
+    name, sep, path = value.partition("=")
+    if not sep:
+        return ServedModel(name="", path=value, keep_alive_s=keep_alive_s)
+    if not name or not path:
+        raise ValueError(f"--model takes PATH or NAME=PATH, got {value!r}")
+    return ServedModel(name=name, path=path, keep_alive_s=keep_alive_s)
 
 
 class LoadState(Enum):
@@ -133,18 +143,14 @@ class Models:
         return [m.name for m in self.cores]
 
     def find(self, name: str | None) -> ModelCore | None:
-        """The model a request names (None: the default, when there is one)."""
-        if name:
-            found = self.by_name.get(name)
-            if found is not None:
-                return found
-        return self.default
+        """The model a request names; no name: the default, else the first; an unknown name: the default or None."""
+        if not name:
+            return self.default or self.cores[0]
+        return self.by_name.get(name) or self.default
 
-    def unknown(self, name: str | None) -> str:
+    def unknown(self, name: str) -> str:
         """The message for a name no model answers to."""
         served = ", ".join(f"{m.name!r}" + (f" (aliases {', '.join(m.spec.aliases)})" if m.spec.aliases else "") for m in self)
-        if not name:
-            return f"`model` is required: this router serves several models: {served}"
         return f"model {name!r} is not served here; served: {served}"
 
     def for_hello(self, name: str, fingerprint: str, weights: str) -> ModelCore:

@@ -444,7 +444,7 @@ class Router:
         m = self.models.find(msg.model)
         if m is None:
             self.core.metrics.requests[ErrorCode.NOT_FOUND] += 1
-            error = Error(id=msg.id, code=ErrorCode.NOT_FOUND, message=self.models.unknown(msg.model), param="model")
+            error = Error(id=msg.id, code=ErrorCode.NOT_FOUND, message=self.models.unknown(msg.model or ""), param="model")
             self.core.reply(identity, envelope, error)
         return m
 

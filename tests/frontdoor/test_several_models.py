@@ -6,6 +6,8 @@ same weights, so only the router's bookkeeping keeps them apart."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,7 +23,7 @@ from protocol import Result, StatusReply
 SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly and check every fact twice." for i in range(30))
 
 
-def turn(c: Client, model: str, *users: str, system: str = SYSTEM, **extra: object) -> Result:
+def turn(c: Client, model: str | None, *users: str, system: str = SYSTEM, **extra: object) -> Result:
     """A conversation's next request: the system prompt, then its user messages (answers left out: the prefix is
     what matters)."""
     messages = [{"role": "system", "content": system}, *({"role": "user", "content": u} for u in users)]
@@ -177,3 +179,35 @@ def test_a_model_that_fails_to_load_says_why_once_and_the_others_are_served_on(t
         assert len(spawned) == 1, spawned  # started once, not restarted in a loop
     finally:
         assert s.stop() == 0
+
+
+def test_a_router_alone_serves_several_models_to_workers_started_elsewhere(tmp_path: Path) -> None:
+    """`kvroute router --model NAME=PATH ...` and `kvroute worker`s as on other hosts: a worker says which model it
+    serves (`--model-name`), or is matched by its vocabulary (the first model with it)."""
+    from served import free_port
+
+    path = str(default_model_path())
+    zmq_ep, worker_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    cli = [sys.executable, "-m", "commands.cli"]
+    common = ["--connect", worker_ep, "--slots", "1", "--ctx-per-slot", "1024", "--threads", "1"]
+    procs = [
+        subprocess.Popen([*cli, "router", "--model", f"alpha={path}", "--model", f"beta={path}", "--zmq", zmq_ep,
+                          "--worker-endpoint", worker_ep], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        subprocess.Popen([*cli, "worker", "--model", path, "--worker-id", "host-b", "--model-name", "beta", *common],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        subprocess.Popen([*cli, "worker", "--model", path, "--worker-id", "host-a", *common],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+    ]  # fmt: skip
+    try:
+        with Client(zmq_ep, timeout_s=60) as c:
+            wait_for(lambda: states(c) == {"alpha": "loaded", "beta": "loaded"}, "both models' workers")
+            assert turn(c, "beta", "hi").worker == "host-b" and turn(c, "alpha", "hi").worker == "host-a"
+            assert turn(c, None, "hi").worker == "host-a"  # (no model named: the first)
+            with pytest.raises(KvrouteError) as info:
+                turn(c, "gamma", "hi")
+            assert info.value.code == "not_found"
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=60)

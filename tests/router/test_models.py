@@ -72,7 +72,7 @@ def test_names_aliases_and_the_default() -> None:
     assert ms.find("gpt-7") is None and "'gpt-7' is not served here; served: 'a' (aliases claude-haiku-4-5), 'b'" in ms.unknown(
         "gpt-7"
     )
-    assert ms.find(None) is None and "`model` is required" in ms.unknown(None)
+    assert ms.find(None) is a and ms.find("") is a  # no name: the first (no default set)
     assert Models([a, b], default="b").find("gpt-7") is b
     single = model("only")
     assert Models([single], default=None).find("anything") is single  # one model: any name is it
