@@ -83,6 +83,7 @@ class ModelCore:
     keep_alive_s: float = -1.0  # the last request's keep_alive_s, else the model's
     loading_since: float | None = None  # a load was asked for and no worker is ready yet
     load_wanted: bool = False  # a request waits for a load that waits for room
+    wanted_since: float = 0.0
     failed_at: float | None = None
     unloading: bool = False  # its workers were told to stop
 
@@ -189,6 +190,9 @@ class Models:
             return  # workers join on their own (`kvroute worker`): nothing to start
         if m.failed_at is not None and now - m.failed_at < RETRY_FAILED_S:
             return  # its requests get the failure's reason (the core's none_can_come)
+        if m.core.workers and m.unloading:
+            self._wait(m)  # its stopping workers leave first (their exits would end the new ones' wait)
+            return
         loaded = self._loaded()
         if self.models_max and len(loaded) >= self.models_max:
             # room first: the least recently used idle model stops (its slots go to its disk tier), then this loads
@@ -196,19 +200,22 @@ class Models:
                 victim = self._least_recently_used(but=m)
                 if victim is not None:
                     self.unload(victim, "room for " + m.name)
-            m.load_wanted = True  # (each tick looks again; every loaded model pinned or busy: it waits for one)
-            m.core.table.starting(LOAD_WAIT_S)
+            self._wait(m)  # (each tick looks again; with every loaded model pinned or busy, until one is idle)
             return
         m.load_wanted = False
-        if m.core.workers and m.unloading:
-            m.load_wanted = True  # its stopping workers leave first (their exits would end the new ones' wait)
-            return
         if not self.on_load(m.name):
             return
         m.failed_at, m.loading_since = None, now
         m.core.table.starting(LOAD_WAIT_S)
         self.loads[m.name] = self.loads.get(m.name, 0) + 1
         log.info("model_loading", model=m.name, loaded=[x.name for x in self._loaded()])
+
+    @staticmethod
+    def _wait(m: ModelCore) -> None:
+        """`m` loads when it can (the tick tries again); its requests wait LOAD_WAIT_S from the first try at most."""
+        if not m.load_wanted:
+            m.load_wanted, m.wanted_since = True, time.monotonic()
+            m.core.table.starting(LOAD_WAIT_S)
 
     def _least_recently_used(self, but: ModelCore) -> ModelCore | None:
         idle = [x for x in self._loaded() if x is not but and not x.spec.pinned and not x.busy() and not x.unloading]
@@ -237,6 +244,8 @@ class Models:
                 m.loading_since = None  # its queued requests have had their no_workers error
             if m.unloading and not m.core.workers:
                 m.unloading = False
+            if m.load_wanted and not m.core.queue and now - m.wanted_since > LOAD_WAIT_S:
+                m.load_wanted = False  # its requests gave up waiting
             if (m.load_wanted or m.core.queue) and not m.core.workers and m.loading_since is None:
                 self._load(m)
             keep = m.keep_alive_s
