@@ -112,12 +112,16 @@ class Switching(Server):
             raise SystemError_(f"llama-server renders a conversation as {prompt!r}: its chat template flags are wrong")
 
 
-def loaded_models(http: httpx.Client) -> set[str]:
-    models = http.get("/v1/models").json()["data"]
+# Each request on a connection of its own: llama-server's router can close a kept-alive one after a proxied stream
+# (the next request on it then fails with "Server disconnected without sending a response").
+
+
+def loaded_models(url: str) -> set[str]:
+    models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
     return {m["id"] for m in models if (m.get("status") or {}).get("value") == "loaded"}
 
 
-def stream(http: httpx.Client, model: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[float | None, str, int, int]:
+def stream(url: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[float | None, str, int, int]:
     """One streamed chat request: seconds to the first content chunk, the reply, prompt and cached tokens (usage, or
     llama-server's timings)."""
     body = {
@@ -132,7 +136,7 @@ def stream(http: httpx.Client, model: str, messages: list[dict[str, str]], max_t
     ttft, text = None, ""
     usage: dict[str, Any] = {}
     timings: dict[str, Any] = {}
-    with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {resp.read()[:300]!r}")
         for line in resp.iter_lines():
@@ -176,14 +180,14 @@ def one_round(system: str, setup: Setup, texts: dict[str, Any], log: Path, a: ar
     t0, busy0, self0 = time.monotonic(), busy_s(), self_s()
     with tempfile.TemporaryDirectory(prefix="bench-model-switch-") as tmp:
         server = Switching(system, setup, Path(tmp), log)
-        with server, httpx.Client(base_url=server.url, timeout=600) as http:
-            stream(http, "alpha", [{"role": "user", "content": "Hello."}], 1)  # alpha loaded, the process warm
+        with server:
+            stream(server.url, "alpha", [{"role": "user", "content": "Hello."}], 1)  # alpha loaded, the process warm
             for phase, model, conv, t in plan:
                 messages = talks[conv, model]
                 messages.append({"role": "user", "content": texts[conv]["users"][t]})
-                was_loaded = model in loaded_models(http)
+                was_loaded = model in loaded_models(server.url)
                 try:
-                    ttft, reply, prompt, cached = stream(http, model, messages, a.max_tokens)
+                    ttft, reply, prompt, cached = stream(server.url, model, messages, a.max_tokens)
                     requests.append(Request(phase, model, t + 1, was_loaded, ttft, prompt, cached))
                 except (RuntimeError, httpx.HTTPError, ValueError) as exc:
                     reply = ""

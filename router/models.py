@@ -2,13 +2,16 @@
 requests, workers, mirror and index, so a prefix is reused only within its model), and which are loaded.
 
 A request names its model (`model`: a name or an alias); one that names none goes to the default model (else the
-first), and so does, when a default is set, one naming a model the router does not know. With one model served that model is the default, so any name
-is served as llama-server serves it (coding agents ask for a second model by another name for background work).
+first), and so does, when a default is set, one naming a model the router does not know. With one model served that
+model is the default, so any name is served as llama-server serves it (coding agents ask for a second model by another
+name for background work).
 
 Loading is the supervisor's (`on_load`, `on_unload`, set by router/supervisor.py); this module decides when:
 - a request for a model with no worker, none starting, loads it (its requests wait for the workers' hello, for
   `LOAD_WAIT_S` at most); with `models_max` loaded already, the least recently used model that is unpinned and idle
-  is unloaded first; when none is idle the load waits for one to become so (each tick looks again);
+  is unloaded first; when none is idle the load waits for one to become so (each tick looks again), and after
+  STARVE_S takes the least recently used unpinned one though it is busy (its worker drains: running jobs finish,
+  waiting ones go back to the router's queue), so that steady traffic on one model does not starve another;
 - a model whose workers all failed to start is not loaded again for `RETRY_FAILED_S`: its requests get the reason;
 - an unpinned model idle for its keep-alive (per model, or the last request's `keep_alive_s`) is unloaded.
 """
@@ -33,6 +36,7 @@ from router.scheduler import Scheduler
 log = logs.get(__name__)
 
 LOAD_WAIT_S = 120.0  # a model's workers must say hello this long after they are started
+STARVE_S = 10.0  # a load waiting this long for room may unload a busy model (its running jobs finish first)
 RETRY_FAILED_S = 60.0  # a model that failed to load is not started again before this
 
 
@@ -197,7 +201,8 @@ class Models:
         if self.models_max and len(loaded) >= self.models_max:
             # room first: the least recently used idle model stops (its slots go to its disk tier), then this loads
             if not any(x.unloading for x in loaded):
-                victim = self._least_recently_used(but=m)
+                starved = m.load_wanted and time.monotonic() - m.wanted_since >= STARVE_S
+                victim = self._least_recently_used(but=m, busy_too=starved)
                 if victim is not None:
                     self.unload(victim, "room for " + m.name)
             self._wait(m)  # (each tick looks again; with every loaded model pinned or busy, until one is idle)
@@ -217,8 +222,9 @@ class Models:
             m.load_wanted, m.wanted_since = True, time.monotonic()
             m.core.table.starting(LOAD_WAIT_S)
 
-    def _least_recently_used(self, but: ModelCore) -> ModelCore | None:
-        idle = [x for x in self._loaded() if x is not but and not x.spec.pinned and not x.busy() and not x.unloading]
+    def _least_recently_used(self, but: ModelCore, busy_too: bool = False) -> ModelCore | None:
+        idle = [x for x in self._loaded() if x is not but and not x.spec.pinned and (busy_too or not x.busy())]
+        idle = [x for x in idle if not x.unloading]
         return min(idle, key=lambda x: x.last_used) if idle else None
 
     def unload(self, m: ModelCore, why: str) -> None:

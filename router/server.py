@@ -552,6 +552,7 @@ class Router:
     def worker_exited(self, worker: str, incarnation: int, returncode: int | None) -> None:
         """From the supervisor: the process of this worker incarnation exited."""
         self._core_of_worker(worker).worker_exited(worker, incarnation, returncode)
+        self.models.tick(time.monotonic())  # (a load waiting for this one's room starts now, not at the next tick)
         self._flush()
 
     def expect_workers(self, workers: set[str], model: str | None = None) -> None:

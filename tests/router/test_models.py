@@ -158,3 +158,20 @@ def test_a_model_that_failed_to_load_is_not_started_again_for_a_while(monkeypatc
     a.failed_at -= models_module.RETRY_FAILED_S + 1  # type: ignore[operator]
     ms.used(a, None)
     assert starts == ["a", "a"]
+
+
+def test_a_load_starved_by_steady_traffic_unloads_a_busy_model_after_a_while() -> None:
+    a, b = model("a"), model("b")
+    ms = Models([a, b], default=None, models_max=1)
+    fleet = Fleet(ms)
+    ms.used(a, None)
+    a.core.requests["r"] = object()  # a never idles
+    ms.used(b, None)
+    ms.tick(0)
+    assert ("unload", "a") not in fleet.log and b.load_wanted
+    b.wanted_since -= models_module.STARVE_S
+    ms.tick(0)
+    assert fleet.log[-1] == ("unload", "a")  # its running jobs finish; b loads once a's worker is gone
+    fleet.exit("a")
+    ms.tick(0)
+    assert loaded(ms) == ["b"]
