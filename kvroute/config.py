@@ -96,6 +96,11 @@ class ConfigFileError(Exception):
 
 def _check_value(path: str, section: str, key: str, value: Any, action: argparse.Action) -> Any:
     where = f"{path}: [{section}] {key}"
+    if isinstance(action, argparse._AppendAction):  # a repeatable flag (`--model`): a string or a list of them
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, str) for v in values):
+            raise ConfigFileError(f"{where}: expected a string or a list of strings, got {value!r}")
+        return values
     if isinstance(action, argparse.BooleanOptionalAction):
         if not isinstance(value, bool):
             raise ConfigFileError(f"{where}: expected true or false, got {value!r}")

@@ -90,3 +90,16 @@ def test_a_bad_keep_alive_is_refused_naming_it(value: object) -> None:
     with pytest.raises(RequestError) as info:
         keep_alive_s(value)
     assert info.value.param == "keep_alive"
+
+
+def test_a_config_file_gives_one_model_or_several(tmp_path: Path) -> None:
+    from kvroute.config import load_config_file
+
+    parser, _, subs = build_parser()
+    path = tmp_path / "kvroute.toml"
+    path.write_text('[router]\nmodel = ["alpha=/m/a.gguf", "beta=/m/b.gguf"]\n[serve]\nmodel = "/m/a.gguf"\n')
+    assert load_config_file(str(path), "router", subs["router"]) == {"model": ["alpha=/m/a.gguf", "beta=/m/b.gguf"]}
+    subs["serve"].set_defaults(**load_config_file(str(path), "serve", subs["serve"]))
+    assert served_models(parser.parse_args(["serve", "--config", str(path)])) is None  # one model, as before
+    both = served_models(parser.parse_args(["serve", "--config", str(path), "--model", "b=/m/b.gguf"]))
+    assert both is not None and [e.served.name for e in both] == ["", "b"]
