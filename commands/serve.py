@@ -307,7 +307,8 @@ async def serve(
         more = [n for n in [*http.alias.split(","), *names[1:]] if n]
         http = dataclasses.replace(http, model_name=names[0], alias=",".join(dict.fromkeys(more)))
         http_task = asyncio.ensure_future(serve_http_processes(http))
-    _say_where(router_cfg, http, model)
+    listed = [f"{m.name} ({Path(m.spec.path).name})" for m in router.models] if models else [Path(model).name]
+    _say_where(router_cfg, http, ", ".join(listed))
     try:
         await router.run()
     finally:
@@ -358,9 +359,9 @@ def private_dir() -> Path:
     return path
 
 
-def _say_where(router_cfg: RouterConfig, http: HttpConfig | None, model: str) -> None:
+def _say_where(router_cfg: RouterConfig, http: HttpConfig | None, served: str) -> None:
     """One short block on stdout saying what is served where (logs go to stderr)."""
-    lines = [f"kvroute serving {Path(model).name}"]
+    lines = [f"kvroute serving {served}"]
     if http is not None:
         host, port = parse_host_port(http.http)
         lines.append(f"  OpenAI API  http://{host}:{port}/v1   (health: /health, metrics: /metrics)")
