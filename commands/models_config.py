@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import tomllib
 from dataclasses import dataclass
 from typing import Any
 
-from kvroute.config import ConfigFileError
+from kvroute.config import ConfigFileError, keep_alive_seconds, read_toml
 from router.models import ServedModel, from_flag
 
 # per-model keys that set a LocalWorkers field of the same name
@@ -59,25 +58,16 @@ def from_flags(values: list[str], keep_alive: float) -> list[ModelEntry]:
 
 
 def seconds(value: Any, where: str) -> float:
-    """A keep-alive: seconds, or a duration such as "5m", "1h", "90s"; negative keeps the model loaded."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return -1.0 if value < 0 else float(value)
-    if isinstance(value, str) and (m := re.fullmatch(r"(-?\d+(?:\.\d+)?)(s|m|h)?", value.strip())):
-        n = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
-        return -1.0 if n < 0 else n
-    raise ConfigFileError(f'{where}: expected seconds or a duration such as "10m", got {value!r}')
+    """A keep-alive (kvroute.config.keep_alive_seconds); ConfigFileError naming `where`."""
+    try:
+        return keep_alive_seconds(value)
+    except ValueError as exc:
+        raise ConfigFileError(f"{where}: {exc}") from None
 
 
 def from_file(path: str, keep_alive: float) -> list[ModelEntry]:
     """The `[models.NAME]` tables of a TOML file; a wrong key or value raises ConfigFileError naming it."""
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigFileError(f"cannot read models file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigFileError(f"{path}: not valid TOML: {exc}") from None
-    tables = data.get("models")
+    tables = read_toml(path, "models file").get("models")
     if not isinstance(tables, dict) or not tables:
         raise ConfigFileError(f"{path}: no [models.NAME] table")
     out = []

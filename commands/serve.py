@@ -29,6 +29,7 @@ from gateway.main import HttpConfig, parse_host_port, serve_http
 from kvroute import logs
 from kvroute.config import ConfigFileError, UsageError, add_args, from_args, opt, to_flags
 from router.config import DEFAULT_CLIENT_ENDPOINT, RouterConfig
+from router.main import add_model_argument, model_values
 from router.models import ServedModel
 from router.server import Router
 from router.supervisor import Supervisor, SupervisorConfig, WorkerSpec
@@ -161,16 +162,11 @@ class ServeModels:
                           "(a models file's keep_alive and a request's keep_alive win)", metavar="DURATION")  # fmt: skip
 
 
-def given_models(args: argparse.Namespace) -> list[str]:
-    """The `--model` values (a config file's `model = "..."` is one)."""
-    return [args.model] if isinstance(args.model, str) else list(args.model or [])
-
-
 def served_models(args: argparse.Namespace) -> list[ModelEntry] | None:
     """The models `--model` and `--models` name; None for the one model of old (`--model PATH` or the default)."""
     picked = from_args(ServeModels, args)
     keep = seconds(picked.keep_alive, "--keep-alive")
-    given = given_models(args)
+    given = model_values(args)
     entries = from_flags(given, keep)
     if picked.models:
         entries += from_file(picked.models, keep)
@@ -183,12 +179,10 @@ def served_models(args: argparse.Namespace) -> list[ModelEntry] | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_args(parser, RouterConfig, skip=("model",))
-    parser.add_argument(
-        "--model",
-        action="append",
-        metavar="[NAME=]PATH",
-        help="a GGUF model (default: bundled Gemma 3 270M); NAME=PATH, repeated, serves several, each by its NAME in "
-        "the API's `model` field",
+    add_model_argument(
+        parser,
+        "a GGUF model (default: bundled Gemma 3 270M); NAME=PATH, repeated, serves several, each by its NAME in the "
+        "API's `model` field",
     )
     add_args(parser, ServeModels)
     add_args(parser, LocalWorkers)
@@ -377,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         models = served_models(args)
         models_cfg = from_args(ServeModels, args)
-        given = given_models(args)
+        given = model_values(args)
         router_cfg = from_args(RouterConfig, args, model=given[0] if given and models is None else None)
         local = from_args(LocalWorkers, args)
         local.gpu_list()

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import msgspec
 
 from gateway.openai_schema import RequestError, Strict, validation_problem
+from kvroute.config import keep_alive_seconds
 from protocol import Detokenize, StatusReply, Submit, Tokenize, Tokens, pack_tokens, unpack_tokens
 
 
@@ -73,23 +73,13 @@ def slots_body(status: StatusReply) -> dict[str, Any]:
     return out
 
 
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
 def keep_alive_s(value: Any) -> float | None:
     """Ollama's `keep_alive` (honoured in every generating API): how long the model stays loaded after this request,
     as seconds or a duration ("5m", "1h30m", "300ms"); 0 unloads it once idle, a negative value keeps it. None: not
     given."""
     if value is None:
         return None
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, str) and (parts := re.fullmatch(r"\s*(-?)((?:\d+(?:\.\d+)?(?:ms|s|m|h)?)+)\s*", value)):
-        sign, body = parts.groups()
-        pieces = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)?", body)
-        if len(pieces) > 1 and any(unit == "" for _, unit in pieces):
-            raise RequestError(f"`keep_alive` {value!r} is not a duration", param="keep_alive")
-        seconds = sum(float(n) * _UNITS[unit or "s"] for n, unit in pieces) * (-1 if sign else 1)
-    else:
-        raise RequestError(f'`keep_alive` must be seconds or a duration such as "5m", got {value!r}', param="keep_alive")
-    return -1.0 if seconds < 0 else seconds
+    try:
+        return keep_alive_seconds(value)
+    except ValueError as exc:
+        raise RequestError(f"`keep_alive`: {exc}", param="keep_alive") from None

@@ -86,6 +86,40 @@ def from_args(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
     return cls(**values)
 
 
+def read_toml(path: str, what: str) -> dict[str, Any]:
+    """A TOML file's tables; one that cannot be read or parsed raises ConfigFileError naming it (`what`: its kind)."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigFileError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigFileError(f"{path}: not valid TOML: {exc}") from None
+
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: Any) -> float:
+    """A keep-alive as Ollama takes it: seconds, or a duration ("5m", "1h30m", "300ms"); any negative value is -1
+    (kept). ValueError for anything else."""
+    import re
+
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (parts := re.fullmatch(r"\s*(-?)((?:\d+(?:\.\d+)?(?:ms|s|m|h)?)+)\s*", value)):
+        sign, body = parts.groups()
+        pieces = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)?", body)
+        if len(pieces) > 1 and any(unit == "" for _, unit in pieces):
+            raise ValueError(f"{value!r} is not a duration")
+        seconds = sum(float(n) * _UNITS[unit or "s"] for n, unit in pieces) * (-1 if sign else 1)
+    else:
+        raise ValueError(f'expected seconds or a duration such as "5m", got {value!r}')
+    return -1.0 if seconds < 0 else seconds
+
+
 class UsageError(Exception):
     """A problem the user can fix (a flag, a key file, an endpoint): the command prints it as one line."""
 
@@ -122,15 +156,7 @@ def load_config_file(path: str, section: str, parser: argparse.ArgumentParser) -
     Keys are flag names without the dashes, with `-` or `_` (`ctx-per-slot` or `ctx_per_slot`). An unknown
     section or key, or a value of the wrong type, raises ConfigFileError naming it.
     """
-    import tomllib
-
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigFileError(f"cannot read config file {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigFileError(f"{path}: not valid TOML: {exc}") from None
+    data = read_toml(path, "config file")
     table = data.get(section, {})
     if not isinstance(table, dict):
         raise ConfigFileError(f"{path}: [{section}] must be a table")

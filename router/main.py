@@ -23,11 +23,9 @@ from router.server import Router
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_args(parser, RouterConfig, skip=("model",))
-    parser.add_argument(
-        "--model",
-        action="append",
-        metavar="[NAME=]PATH",
-        help="GGUF model whose vocabulary the router tokenizes with (default: bundled Gemma 3 270M); NAME=PATH, repeated: "
+    add_model_argument(
+        parser,
+        "GGUF model whose vocabulary the router tokenizes with (default: bundled Gemma 3 270M); NAME=PATH, repeated: "
         "several models, each served by the workers that say its NAME (`kvroute worker --model-name NAME`)",
     )
     parser.add_argument(
@@ -35,9 +33,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_model_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """`--model [NAME=]PATH`, repeatable (`kvroute router` and `kvroute serve`)."""
+    parser.add_argument("--model", action="append", metavar="[NAME=]PATH", help=help)
+
+
+def model_values(args: argparse.Namespace) -> list[str]:
+    """The `--model` values given (a config file's `model = "..."` is one)."""
+    return [args.model] if isinstance(args.model, str) else list(args.model or [])
+
+
 def models_given(args: argparse.Namespace) -> list[ServedModel] | None:
     """`--model` repeated or named: the models to serve; None: one model, `cfg.model` (a config file's `model`)."""
-    given = [args.model] if isinstance(args.model, str) else list(args.model or [])
+    given = model_values(args)
     if len(given) <= 1 and not any("=" in g for g in given):
         return None
     return [from_flag(g) for g in given]
@@ -101,8 +109,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         served = models_given(args)
-        plain = args.model if isinstance(args.model, str) else (args.model or [None])[0]
-        cfg = from_args(RouterConfig, args, model=None if served else plain)
+        given = model_values(args)
+        cfg = from_args(RouterConfig, args, model=None if served or not given else given[0])
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     router = load_router(cfg, served, default_model=getattr(args, "default_model", None))
