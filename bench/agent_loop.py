@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from bench.client import sse_events
 from bench.systems import Server, Setup
 from bench.workloads import TextGen, grow, model_tokenizer
 from kvroute.model import resolve_model
@@ -80,14 +81,7 @@ def stream_step(http: httpx.Client, messages: list[dict[str, Any]], tools: bool,
     ttft = None
     content, calls, usage, finish = "", {}, {}, ""
     with http.stream("POST", "/v1/chat/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {resp.read()[:300]!r}")
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"stream error: {event['error']}")
+        for event in sse_events(resp):
             if ttft is None and event.get("choices"):
                 ttft = time.perf_counter() - sent  # the first chunk goes out with the first token
             for choice in event.get("choices") or ():

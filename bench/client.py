@@ -14,6 +14,7 @@ import json
 import re
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -188,6 +189,20 @@ async def run_workload(client: CompletionClient, workload: Workload, on_sample: 
 Series = dict[str, dict[tuple[tuple[str, str], ...], float]]  # metric -> its labels (sorted pairs) -> value
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def sse_events(resp: httpx.Response) -> Iterator[dict[str, Any]]:
+    """The JSON events of a streamed OpenAI response (`httpx.stream`); an HTTP status other than 200 or an error
+    event raises RuntimeError."""
+    if resp.status_code != 200:
+        raise RuntimeError(f"HTTP {resp.status_code}: {resp.read()[:300]!r}")
+    for line in resp.iter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            raise RuntimeError(f"stream error: {event['error']}")
+        yield event
 
 
 def parse_metrics(text: str) -> Series:

@@ -54,6 +54,7 @@ from typing import Any
 
 import httpx
 
+from bench.client import sse_events
 from bench.systems import Server, Setup, SystemError_, commands
 from bench.workloads import TextGen, grow, model_tokenizer
 from kvroute.model import resolve_model
@@ -137,14 +138,7 @@ def stream(url: str, model: str, messages: list[dict[str, str]], max_tokens: int
     usage: dict[str, Any] = {}
     timings: dict[str, Any] = {}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {resp.read()[:300]!r}")
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"stream error: {event['error']}")
+        for event in sse_events(resp):
             for choice in event.get("choices") or ():
                 piece = (choice.get("delta") or {}).get("content")
                 if piece and ttft is None:
