@@ -17,7 +17,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,27 +26,8 @@ import httpx
 import numpy as np
 
 from bench.llama_server import binary
+from bench.procs import start, stop, wait_ready
 from bench.systems import free_port
-
-
-def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url}: exited; log tail:\n{log.read_text()[-2000:]}")
-        try:
-            r = httpx.post(f"{url}/v1/embeddings", json={"input": [[2, 100, 200]]}, timeout=30)
-            if r.status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url}: not ready in 300 s")
 
 
 def main() -> None:
@@ -80,7 +60,7 @@ def main() -> None:
     urls = {"kvroute": f"http://127.0.0.1:{kv_port}", "llama-server": f"http://127.0.0.1:{ls_port}"}
     try:
         for name, proc in (("kvroute", kv), ("llama-server", ls)):
-            wait_ready(urls[name], proc, tmp / f"{name}.log")
+            wait_ready(urls[name], proc, tmp / f"{name}.log", "/v1/embeddings", {"input": [[2, 100, 200]]})
         rng = random.Random(7)
 
         def body() -> dict[str, object]:
@@ -117,14 +97,7 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text(json.dumps({"args": vars(args), "rates": rates, "ratios": ratios, "cosine": cos}, indent=1))
     finally:
-        for proc in (kv, ls):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in (kv, ls):
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(kv, ls)
 
 
 if __name__ == "__main__":

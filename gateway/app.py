@@ -33,6 +33,7 @@ from gateway.helpers import keep_alive_s
 from gateway.limits import BoundedStream, StalledReader, declared_length, limited, too_large_message
 from gateway.openai_schema import RequestError, chat_submit
 from gateway.openapi import OPENAPI
+from gateway.rerank import RERANK_PATHS, rerank_message, rerank_reply
 from kvroute import logs
 from kvroute.client import AsyncClient, KvrouteError
 from protocol import MAX_FRAME_BYTES, Delta, ErrorCode, FinishReason, Result, Submit
@@ -83,7 +84,7 @@ class Gateway:
         sampling_defaults: dict[str, float | int] | None = None,
         max_body_bytes: int = MAX_FRAME_BYTES,
         stall_s: float = STALL_S,
-        pooling: str = "mean",
+        pooling: str = "auto",
     ) -> None:
         """`api_key`: one key, or several comma-separated; `tenant_per_key`: each key is a tenant (its `cache_salt`);
         `aliases`: more names /v1/models lists; `strict_model_name`: a request naming another model gets 404;
@@ -222,6 +223,20 @@ class Gateway:
                 raise RequestError(exc.message, param="input") from None
             raise
         return JSONResponse(embeddings_reply(got, body, body.model or self.model_name))
+
+    async def rerank(self, request: Request) -> Response:
+        rid = uuid.uuid4().hex[:24]
+        policy = Policy("rerank", strict=self.strict_api)
+        msg, body = rerank_message(await self.body(request), policy)
+        policy.report(rid)
+        msg.id, msg.model = rid, self.asked_model(body)
+        try:
+            got = await self.client.rerank(msg)
+        except KvrouteError as exc:
+            if exc.code == ErrorCode.BAD_REQUEST and exc.param is None:  # (about an input: a document's pair)
+                raise RequestError(exc.message, param="texts" if body.texts is not None else "documents") from None
+            raise
+        return JSONResponse(rerank_reply(got, msg, body, body.model or self.model_name))
 
     async def tokenize(self, request: Request) -> Response:
         raw = await self.body(request)
@@ -383,6 +398,7 @@ def build_app(gateway: Gateway) -> Starlette:
         Route("/v1/messages/count_tokens", gateway.count_tokens, methods=["POST"]),
         Route("/v1/embeddings", gateway.embeddings, methods=["POST"]),
         Route("/embeddings", gateway.embeddings, methods=["POST"]),
+        *(Route(path, gateway.rerank, methods=["POST"]) for path in RERANK_PATHS),
         Route("/tokenize", gateway.tokenize, methods=["POST"]),
         Route("/detokenize", gateway.detokenize, methods=["POST"]),
         Route("/apply-template", gateway.apply_template, methods=["POST"]),

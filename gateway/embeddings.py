@@ -1,6 +1,6 @@
 """`/v1/embeddings` (OpenAI's shape; llama-server serves the same at `/embeddings` too): texts or token ids in, one
 vector per input out, as floats or base64 of float32. Computed by a worker in a context of its own with the pooling
-this HTTP API was started with (`--pooling`, mean by default; worker/embedder.py).
+this HTTP API was started with (`--pooling`; by default the model's own, else mean; worker/embedder.py).
 
 Fields: `input`, `encoding_format` and `model` (which served model, with several) are honoured; `user` is a hint;
 `dimensions` is refused unless it is the model's own (this model has no shortened vectors), which is only known once
@@ -42,13 +42,14 @@ def embed_message(raw: dict[str, Any], policy: Policy, pooling: str) -> tuple[Em
         raise RequestError("`dimensions` must be at least 1", param="dimensions")
     if is_ids(given):  # one input as token ids
         given = [given]
+    pool = None if pooling == "auto" else pooling  # (auto: the router picks the model's own)
     try:
         if all(isinstance(t, str) for t in given):
             if any(not t for t in given):
                 raise RequestError("an input text must not be empty", param="input")
-            return Embed(input=given, pooling=pooling), body  # type: ignore[arg-type]
+            return Embed(input=given, pooling=pool), body  # type: ignore[arg-type]
         if all(is_ids(t) and t for t in given):
-            return Embed(tokens=[pack_tokens(t) for t in given], pooling=pooling), body  # type: ignore[arg-type]
+            return Embed(tokens=[pack_tokens(t) for t in given], pooling=pool), body  # type: ignore[arg-type]
     except ValueError as exc:
         raise RequestError(str(exc), param="input") from None
     raise RequestError(

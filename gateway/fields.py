@@ -91,6 +91,15 @@ HINTS: dict[str, tuple[str, ...]] = {
         "tools[].allowed_callers",
     ),
     "embeddings": ("user",),
+    "rerank": (
+        "user",
+        "raw_scores",  # TEI's: scores are the model's raw output, as llama-server's (a sigmoid keeps the order)
+        "truncate",  # TEI's: an input over the context is refused, naming it
+        "truncation_direction",
+        "rank_fields",  # Cohere's: a document is its `text`
+        "max_chunks_per_doc",
+        "max_tokens_per_doc",
+    ),
 }
 
 # llama-server's samplers kvroute does not have: refused when set to anything but their neutral value
@@ -122,6 +131,7 @@ REFUSED: dict[str, dict[str, str]] = {
     },
     "messages": {},
     "embeddings": {},
+    "rerank": {},
 }
 
 _MAX_UNKNOWN = 256  # distinct unknown field names counted by name; more are counted as "(other)"

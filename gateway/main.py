@@ -76,10 +76,10 @@ class HttpConfig:
         metavar="ENDPOINT",
     )
     pooling: str = opt(
-        "mean",
-        "how /v1/embeddings pools an input's token vectors into one: mean, last (causal models' usual choice for "
-        "retrieval) or cls",
-        choices=["mean", "last", "cls"],
+        "auto",
+        "how /v1/embeddings pools an input's token vectors into one: auto (the model's own: the pooling its GGUF "
+        "declares, else mean, as llama-server), mean, last (causal models' usual choice for retrieval) or cls",
+        choices=["auto", "mean", "last", "cls"],
     )
     processes: int = opt(
         1,

@@ -51,6 +51,8 @@ from protocol import (
     MetricsReply,
     MetricsRequest,
     Placed,
+    Ranked,
+    Rerank,
     Result,
     Sampling,
     StatusReply,
@@ -673,6 +675,12 @@ class AsyncClient:
         """Send an `embed` (its id is set here when it has none) and wait for the vectors."""
         msg.id = msg.id or f"emb-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
         reply: Embeddings = await self._ask(msg)
+        return reply
+
+    async def rerank(self, msg: Rerank) -> Ranked:
+        """Send a `rerank` (its id is set here when it has none) and wait for the scores."""
+        msg.id = msg.id or f"rr-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+        reply: Ranked = await self._ask(msg)
         return reply
 
     async def tokens(self, msg: Tokenize | Detokenize) -> Tokens:

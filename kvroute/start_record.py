@@ -31,8 +31,10 @@ log = logs.get(__name__)
 START_FAILED_EXIT = 78  # EX_CONFIG: this machine cannot run this build; restarting will not change that
 CRASH_LIMIT = 3
 ADVICE = (
-    "rebuild llama-cpp-python for this machine with ./scripts/setup (README, 'The llama.cpp build'); if that does not "
-    "help, run `kvroute doctor` and paste its report into a bug report"
+    "if other models run on this machine, this model file is the likely cause (llama.cpp aborts on a tensor or "
+    "operation it cannot run: the worker's last log lines name it); else rebuild llama-cpp-python for this machine "
+    "with ./scripts/setup (README, 'The llama.cpp build'); if that does not help, run `kvroute doctor` and paste its "
+    "report into a bug report"
 )
 STAGES = {"load": "while loading the model", "first_decode": "in its first decode"}
 FAULT_SIGNALS = {  # the first line Python's fault handler writes, per signal it catches

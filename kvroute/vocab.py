@@ -12,12 +12,15 @@ import contextlib
 import ctypes
 import hashlib
 import os
+import re
 import struct
 import threading
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
+
+POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's enum llama_pooling_type
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -62,6 +65,8 @@ class Vocab:
     name: str
     chat_template: str | None
     fingerprint: str
+    pooling: str | None  # the pooling the GGUF declares (`rank`: a reranker), None when it declares none
+    causal: bool  # False for an encoder (bidirectional attention): it embeds and ranks, it cannot generate
 
     def __init__(self, model: Any, path: str | os.PathLike[str], *, owned: bool) -> None:
         self._model = model  # keeps the llama_model alive as long as the vocab pointer is used
@@ -82,6 +87,16 @@ class Vocab:
         self.name = _meta_str(model, "general.name") or Path(path).stem
         tmpl = llama_cpp.llama_model_chat_template(model, None)
         self.chat_template = tmpl.decode("utf-8", "replace") if tmpl else None
+        arch = _meta_str(model, "general.architecture") or ""
+        declared = _meta_str(model, f"{arch}.pooling_type")
+        self.pooling = POOLING_TYPES.get(int(declared)) if declared and declared.isdigit() else None
+        self.causal = _meta_str(model, f"{arch}.attention.causal") != "false"  # an encoder (BERT) cannot generate
+        rerank = llama_cpp.llama_model_chat_template(model, b"rerank")
+        self.rerank_template = rerank.decode("utf-8", "replace") if rerank else None
+        sep = llama_cpp.llama_vocab_sep(v)
+        self.sep = sep if sep >= 0 else None
+        self.add_eos = bool(llama_cpp.llama_vocab_get_add_eos(v))
+        self.add_sep = bool(llama_cpp.llama_vocab_get_add_sep(v))
         self._eog = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(v, t))
         self._pieces: dict[int, bytes] = {}
         self._piece_buf = ctypes.create_string_buffer(256)
@@ -143,6 +158,25 @@ class Vocab:
             if n >= 0:
                 return out[:n]
             cap = -n
+
+    def rerank_prompt(self, query: str, document: str) -> list[int]:
+        """A reranker's input for one (query, document) pair, as llama-server makes it (format_prompt_rerank): the
+        GGUF's `rerank` template with {query} and {document} filled in (its special-token text read as such; the
+        two are filled in one pass, so a query holding "{document}" stays as written), else [BOS] query [EOS] [SEP]
+        document [EOS], each special token where the vocabulary asks for it (EOS falls back to SEP). Special-token
+        text inside the query or the document is text."""
+        if self.rerank_template is not None:
+            fill = {"{query}": query, "{document}": document}
+            text = re.sub(r"\{query\}|\{document\}", lambda m: fill[m.group(0)], self.rerank_template)
+            return self.tokenize(text, add_special=False, parse_special=True)
+        end = self.eos if self.eos is not None else self.sep
+        out = [self.bos] if self.add_bos and self.bos is not None else []
+        out += self.tokenize(query, add_special=False, parse_special=False)
+        out += [end] if self.add_eos and end is not None else []
+        out += [self.sep] if self.add_sep and self.sep is not None else []
+        out += self.tokenize(document, add_special=False, parse_special=False)
+        out += [end] if self.add_eos and end is not None else []
+        return out
 
     def piece(self, token: int) -> bytes:
         """Raw bytes of one token (special tokens rendered); may be part of a UTF-8 sequence."""

@@ -139,7 +139,7 @@ class Embed(Message, tag="embed", kw_only=True):
     id: RequestId | None = None
     input: list[str] | None = None
     tokens: list[TokenBytes] | None = None
-    pooling: Pooling = "mean"
+    pooling: Pooling | None = None  # None: the model's own (the pooling its GGUF declares, if one of these), else mean
     normalize: bool = True  # each vector to unit length (Euclidean), as OpenAI's and llama-server's are
     # which served model (a name or alias, PROTOCOL.md 3.8); None: the router's default model
     model: ModelName | None = None
@@ -157,7 +157,24 @@ class Embed(Message, tag="embed", kw_only=True):
             raise ValueError("an `input` text must not be empty")
 
 
-ClientRequest = Submit | Cancel | StatusRequest | Tokenize | Detokenize | MetricsRequest | Embed
+class Rerank(Message, tag="rerank", kw_only=True):
+    """Score each document's relevance to `query` with a reranker: a model whose GGUF declares `rank` pooling (a
+    cross-encoder such as bge-reranker or jina-reranker, or Qwen3-Reranker); any other model answers `bad_request`
+    naming `model`. Each (query, document) pair is one input, made as llama-server makes it (the GGUF's `rerank`
+    template, else [BOS] query [EOS] [SEP] document [EOS]) and computed like an `embed` input."""
+
+    id: RequestId | None = None
+    query: str
+    documents: list[str]
+    # which served model (a name or alias, PROTOCOL.md 3.8); None: the router's default model
+    model: ModelName | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.documents) <= MAX_EMBED_INPUTS:
+            raise ValueError(f"`documents` must hold between 1 and {MAX_EMBED_INPUTS} documents, got {len(self.documents)}")
+
+
+ClientRequest = Submit | Cancel | StatusRequest | Tokenize | Detokenize | MetricsRequest | Embed | Rerank
 
 
 # ---- router -> client -------------------------------------------------------------------------
@@ -344,4 +361,16 @@ class Embeddings(Message, tag="embeddings", kw_only=True):
     cached_tokens: NonNeg = 0  # of those, tokens whose KV was reused, not computed (last-token pooling)
 
 
-RouterReply = Delta | Deltas | Result | Error | Placed | StatusReply | Tokens | MetricsReply | Embeddings
+class Ranked(Message, tag="ranked", kw_only=True):
+    """The answer to `rerank`: one score per document, in the documents' order, higher for more relevant, on the
+    model's own scale (llama.cpp's rank output: a logit for a cross-encoder, the probability of "yes" for
+    Qwen3-Reranker), as llama-server answers."""
+
+    id: str | None = None
+    scores: list[float]
+    prompt_tokens: NonNeg  # the inputs' tokens, all together
+    worker: str = ""
+    cached_tokens: NonNeg = 0  # of those, tokens whose KV was reused, not computed (a causal reranker's shared head)
+
+
+RouterReply = Delta | Deltas | Result | Error | Placed | StatusReply | Tokens | MetricsReply | Embeddings | Ranked

@@ -307,7 +307,7 @@ class EmbedJob(Message, tag="embed_job", kw_only=True):
 
     id: RequestId
     inputs: list[TokenBytes]
-    pooling: Literal["mean", "last", "cls"] = "mean"
+    pooling: Literal["mean", "last", "cls", "rank"] = "mean"  # rank: a reranker's scores (`rerank`), not normalized
     normalize: bool = True
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Embed requests (PROTOCOL.md `embed`): tokenized by the shell, computed by a worker in a context of its own
+"""Embed and rerank requests (PROTOCOL.md `embed`, `rerank`): tokenized by the shell, computed by a worker in a context of its own
 (worker/embedder.py), answered to the client. They take no slot and leave the mirror alone: a worker's slots wait
 while it embeds, as llama-server's do, so an embed job goes to the ready worker with the least work (busy slots and
 prefill still to compute, then embed jobs already there). A worker that dies with one ends it with `worker_lost`."""
@@ -6,10 +6,11 @@ prefill still to compute, then embed jobs already there). A worker that dies wit
 from __future__ import annotations
 
 import itertools
+import struct
 import time
 from dataclasses import dataclass, field
 
-from protocol import Embeddings, EmbedDone, EmbedJob, Error, ErrorCode, pack_tokens
+from protocol import Embeddings, EmbedDone, EmbedJob, Error, ErrorCode, Ranked, pack_tokens
 from router.requests import WorkerConn, WorkerState
 
 
@@ -20,6 +21,7 @@ class EmbedReq:
     rid: str
     worker: str
     prompt_tokens: int
+    rerank: bool = False  # answered with the scores (`ranked`), not the vectors
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -43,14 +45,20 @@ class Embeds:
 
     def start(self, conn: WorkerConn, client: bytes, envelope: tuple[bytes, ...], rid: str, inputs: list[list[int]], pooling: str,
               normalize: bool) -> EmbedJob:  # fmt: skip
+        """The job for a request's inputs; `rank` pooling: a rerank request's (query, document) inputs."""
         job = f"{rid[:100]}.{self.router_id[:8]}.e{next(self._ids)}"
-        self.running[job] = EmbedReq(client, envelope, rid, conn.id, sum(map(len, inputs)))
+        self.running[job] = EmbedReq(client, envelope, rid, conn.id, sum(map(len, inputs)), rerank=pooling == "rank")
         return EmbedJob(id=job, inputs=[pack_tokens(t) for t in inputs], pooling=pooling, normalize=normalize)  # type: ignore[arg-type]
 
-    def done(self, msg: EmbedDone) -> tuple[EmbedReq, Embeddings] | None:
+    def done(self, msg: EmbedDone) -> tuple[EmbedReq, Embeddings | Ranked] | None:
         req = self.running.pop(msg.id, None)
         if req is None:
             return None
+        if req.rerank:  # each input's score is its rank output's first value, as llama-server reads it
+            scores = [struct.unpack_from("<f", v)[0] for v in msg.vectors]
+            return req, Ranked(
+                id=req.rid, scores=scores, prompt_tokens=req.prompt_tokens, worker=req.worker, cached_tokens=msg.reused_tokens
+            )
         return req, Embeddings(
             id=req.rid,
             vectors=msg.vectors,
@@ -71,7 +79,8 @@ class Embeds:
         out = []
         for job in [j for j, r in self.running.items() if r.worker == worker]:
             req = self.running.pop(job)
-            message = f"worker {worker} died ({reason}) while computing these embeddings"
+            what = "scores" if req.rerank else "embeddings"
+            message = f"worker {worker} died ({reason}) while computing these {what}"
             out.append((req, Error(id=req.rid, code=ErrorCode.WORKER_LOST, message=message)))
         return out
 

@@ -67,6 +67,7 @@ from protocol import (
     JobError,
     Placed,
     Refuse,
+    Rerank,
     SlotTaken,
     SlotUpdate,
     StatusReply,
@@ -330,16 +331,19 @@ class Scheduler:
         log.info("request_queued", request_id=req.rid, prompt_tokens=len(req.tokens), n=req.n, queued=len(self.queue))
         self._pump()
 
-    def embed(self, identity: bytes, envelope: tuple[bytes, ...], msg: Embed, inputs: list[list[int]]) -> None:
-        """An embed request, tokenized: to the ready worker with the least work (router/embeds.py), or refused."""
+    def embed(self, identity: bytes, envelope: tuple[bytes, ...], msg: Embed | Rerank, inputs: list[list[int]]) -> None:
+        """An embed or rerank request, tokenized: to the ready worker with the least work (router/embeds.py), or
+        refused."""
         rid = msg.id or f"e{next(self._rid)}-{uuid.uuid4().hex[:8]}"
         conn = None if self.draining else self.embeds.place(list(self.workers.values()))
         if conn is None:
             code = ErrorCode.DRAINING if self.draining else ErrorCode.NO_WORKERS
-            text = "the router is draining" if self.draining else "no ready worker to compute embeddings"
+            what = "scores" if isinstance(msg, Rerank) else "embeddings"
+            text = "the router is draining" if self.draining else f"no ready worker to compute {what}"
             self.reply(identity, envelope, Error(id=rid, code=code, message=text))
             return
-        job = self.embeds.start(conn, identity, envelope, rid, inputs, msg.pooling, msg.normalize)
+        pooling, normalize = ("rank", False) if isinstance(msg, Rerank) else (msg.pooling or "mean", msg.normalize)
+        job = self.embeds.start(conn, identity, envelope, rid, inputs, pooling, normalize)
         log.info("embed_placed", request_id=rid, job=job.id, worker=conn.id, inputs=len(inputs))
         self._to_worker(conn, job)
 

@@ -59,6 +59,7 @@ from protocol import (
     Invalid,
     MetricsReply,
     MetricsRequest,
+    Rerank,
     StatusRequest,
     Submit,
     Tokenize,
@@ -434,11 +435,13 @@ class Router:
             self._on_submit(identity, envelope, msg, model)
         elif isinstance(msg, Tokenize | Detokenize):
             self._on_tokenize(identity, envelope, msg, model)
-        else:
+        elif isinstance(msg, Embed):
             self._on_embed(identity, envelope, msg, model)
+        else:
+            self._on_rerank(identity, envelope, msg, model)
 
     def _model(
-        self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit | Tokenize | Detokenize | Embed
+        self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit | Tokenize | Detokenize | Embed | Rerank
     ) -> ModelCore | None:
         """The model a request names, or None after telling the client that no model answers to that name."""
         m = self.models.find(msg.model)
@@ -453,6 +456,8 @@ class Router:
         tokenizing thread), then placed."""
         core, vocab = model.core, model.vocab
         self.models.used(model, None)
+        if msg.pooling is None:  # (an embedding model's GGUF says how it was trained to pool: bge cls, e5 mean ...)
+            msg.pooling = vocab.pooling if vocab.pooling in ("mean", "last", "cls") else "mean"  # type: ignore[assignment]
         if msg.tokens is not None:
             inputs = [unpack_tokens(t) for t in msg.tokens]
             n_vocab = vocab.n_vocab
@@ -468,19 +473,52 @@ class Router:
         def work() -> list[list[int]]:
             return [vocab.tokenize(t, add_special=True, parse_special=True) for t in texts]
 
-        if sum(map(len, texts)) <= TOKENIZE_INLINE_CHARS:
-            core.embed(identity, envelope, msg, work())
+        self._tokenized(sum(map(len, texts)), work, lambda inputs: core.embed(identity, envelope, msg, inputs))
+
+    def _tokenized(self, chars: int, work: Callable[[], list[list[int]]], then: Callable[[list[list[int]]], None]) -> None:
+        """`then(work())`: at once for short texts, else `work` on the tokenizing thread and `then` back on the loop."""
+        if chars <= TOKENIZE_INLINE_CHARS:
+            then(work())
             return
 
         def done(fut: asyncio.Future[list[list[int]]]) -> None:
             if not fut.cancelled() and fut.exception() is None:
-                core.embed(identity, envelope, msg, fut.result())
+                then(fut.result())
                 self._flush()
 
         asyncio.get_running_loop().run_in_executor(self._tokenizer, work).add_done_callback(done)
 
+    def _on_rerank(self, identity: bytes, envelope: tuple[bytes, ...], msg: Rerank, model: ModelCore) -> None:
+        """A reranker's (query, document) inputs made as llama-server makes them (kvroute/vocab.py), then placed like
+        embed inputs; a model that is not a reranker is refused, naming what it is."""
+        core, vocab = model.core, model.vocab
+        if vocab.pooling != "rank":
+            declared = f"declares {vocab.pooling} pooling" if vocab.pooling else "declares no pooling"
+            text = (
+                f"model {model.name!r} is not a reranker: its GGUF {declared}, and reranking needs a model with rank "
+                "pooling (a cross-encoder such as bge-reranker or jina-reranker, or Qwen3-Reranker)"
+            )
+            core.reply(identity, envelope, Error(id=msg.id, code=ErrorCode.BAD_REQUEST, message=text, param="model"))
+            return
+        self.models.used(model, None)
+        query, documents = msg.query, msg.documents
+
+        def work() -> list[list[int]]:
+            return [vocab.rerank_prompt(query, d) for d in documents]
+
+        chars = len(query) * len(documents) + sum(map(len, documents))
+        self._tokenized(chars, work, lambda inputs: core.embed(identity, envelope, msg, inputs))
+
     def _on_submit(self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit, model: ModelCore) -> None:
         core = model.core
+        if not model.vocab.causal:  # (its slots would hold no KV to generate from)
+            core.metrics.requests[ErrorCode.BAD_REQUEST] += 1
+            text = (
+                f"model {model.name!r} cannot generate text: it is an encoder (its attention is bidirectional); "
+                "it serves embeddings" + (" and reranking" if model.vocab.pooling == "rank" else "")
+            )
+            core.reply(identity, envelope, Error(id=msg.id, code=ErrorCode.BAD_REQUEST, message=text, param="model"))
+            return
         req = core.accept(identity, envelope, msg)
         if req is None:
             return

@@ -6,13 +6,17 @@ llama.cpp pools a sequence only when all its tokens are in one ubatch. An input 
 (`bad_request`, naming it). Each input is decoded alone, on cleared memory: its vector is the one llama.cpp alone gives
 it (tested), whatever else the request holds. Used on the compute thread only.
 
-Last-token pooling on a causal model reads one row, which attends to the tokens before it: there, an input that
-starts with at least MIN_REUSE tokens of the previous input (an instruction, a document's head) keeps their KV and
-computes only the rest. Its vector then is not bit for bit the one computed alone: llama.cpp's CPU kernels group a
+Rank pooling is a reranker's (a `rerank` request's inputs): llama.cpp's classification head over one row, its
+outputs (one score, or Qwen3-Reranker's "yes" and "no" probabilities) the "vector".
+
+Last-token pooling, and rank pooling on a causal model (Qwen3-Reranker: the row read is the last), read one row,
+which attends to the tokens before it: there, an input that starts with at least MIN_REUSE tokens of the previous
+input (an instruction, a document's head; a reranker's template and query, shared by all its documents) keeps their
+KV and computes only the rest. Its vector then is not bit for bit the one computed alone: llama.cpp's CPU kernels group a
 batch's rows by its size, so the same row computed in another batch differs in its last bits, which the model's
 layers grow; measured here, a cosine between 0.997 and 1 to the vector computed alone, as near as llama.cpp's own
 flash-attention choice moves it (0.998). Inputs sharing less are computed alone, as every input is with mean and cls
-pooling, which read every row of one decode.
+pooling and non-causal rerankers, which read every row of one decode (or attend to all of them).
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ POOLING = {
     "mean": llama_cpp.LLAMA_POOLING_TYPE_MEAN,
     "last": llama_cpp.LLAMA_POOLING_TYPE_LAST,
     "cls": llama_cpp.LLAMA_POOLING_TYPE_CLS,
+    "rank": llama_cpp.LLAMA_POOLING_TYPE_RANK,
 }
 MAX_CTX = 8192  # cells of an embedding context (the longest input it takes), at most the trained length
-MIN_REUSE = 32  # last pooling: fewest tokens shared with the previous input before their KV is kept
+MIN_REUSE = 32  # last (and causal rank) pooling: fewest tokens shared with the previous input before their KV is kept
 
 
 def shared_prefix(a: list[int], b: list[int]) -> int:
@@ -66,10 +71,13 @@ class Embedder:
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make an embedding context of {self.n_ctx} tokens ({pooling} pooling)")
         self.mem = llama_cpp.llama_get_memory(self.ctx)
-        self.dims = llama_cpp.llama_model_n_embd(model)
+        rank = pooling == "rank"
+        self.dims = llama_cpp.llama_model_n_cls_out(model) if rank else llama_cpp.llama_model_n_embd(model)
+        # one row read, attending to those before it: a shared head's KV can be kept (the module's docstring)
+        self.reuses = pooling == "last" or (rank and bool(llama_cpp.llama_get_causal_attn(self.ctx)))
         self.batch = Batch(self.n_ctx)
-        self.held: list[int] = []  # last pooling: the tokens whose KV the context holds
-        self.reused_tokens = 0  # input tokens whose KV was kept, not computed (last pooling)
+        self.held: list[int] = []  # when it reuses: the tokens whose KV the context holds
+        self.reused_tokens = 0  # input tokens whose KV was kept, not computed
         log.info("embedding_context", pooling=pooling, n_ctx=self.n_ctx, dims=self.dims)
 
     def embed(self, inputs: list[list[int]], normalize: bool) -> list[np.ndarray]:
@@ -89,16 +97,16 @@ class Embedder:
     def _decode(self, toks: list[int]) -> np.ndarray:
         """One input alone in a decode: packing several moved each one's vector (cosine 0.999 to its own alone, the
         batch's shape choosing other CPU kernels), and an input's vector should not depend on its neighbours. With last
-        pooling, the part it shares with the previous input is kept when long enough (the module's docstring)."""
+        (or causal rank) pooling, the part it shares with the previous input is kept when long enough (the module's docstring)."""
         keep = 0
-        if self.pooling == "last":
+        if self.reuses:
             keep = min(shared_prefix(self.held, toks), len(toks) - 1)  # (its last token is computed: its row is read)
             keep = keep if keep >= MIN_REUSE else 0
         if keep:
             llama_cpp.llama_memory_seq_rm(self.mem, 0, keep, -1)
         else:
             llama_cpp.llama_memory_clear(self.mem, True)
-        self.held = list(toks) if self.pooling == "last" else []
+        self.held = list(toks) if self.reuses else []
         self.reused_tokens += keep
         rest = toks[keep:]
         self.batch.clear()

@@ -54,6 +54,8 @@ class GuideTokenizer:
     def _build(self) -> None:
         try:
             v = self.vocab
+            if not v.causal:  # an encoder generates nothing (the router refuses it): no grammar to guide
+                raise GuideError("the model is an encoder: it generates no text")
             pieces = []
             for t in range(v.n_vocab):
                 if self._closing.is_set():
@@ -66,6 +68,9 @@ class GuideTokenizer:
             self._tok = llguidance.LLTokenizer.from_llamacpp(  # type: ignore[attr-defined]
                 tokens=pieces, vocab_ptr=v.pointer, tokenize_fptr=fn, eos_token=sorted(v.eog_tokens), slices=None
             )
+        except GuideError as exc:
+            self._error = exc
+            log.info("guide_tokenizer_skipped", reason=str(exc))
         except BaseException as exc:  # reported to every constrained job rather than lost on this thread
             self._error = exc
             log.error("guide_tokenizer_failed", error=repr(exc))

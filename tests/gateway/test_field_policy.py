@@ -27,7 +27,7 @@ def test_pattern_drops_indices() -> None:
 
 
 def test_every_api_has_a_policy() -> None:
-    assert set(HINTS) == set(REFUSED) == {"chat", "completions", "responses", "messages", "embeddings"}
+    assert set(HINTS) == set(REFUSED) == {"chat", "completions", "responses", "messages", "embeddings", "rerank"}
 
 
 def test_embeddings_fields_are_honoured_hinted_or_refused() -> None:
@@ -46,6 +46,51 @@ def test_embeddings_fields_are_honoured_hinted_or_refused() -> None:
         with pytest.raises(RequestError) as err:
             embed_message(bad, Policy("embeddings"), "mean")
         assert err.value.param in ("input", "encoding_format"), bad
+
+
+def test_embeddings_pooling_auto_leaves_it_to_the_router() -> None:
+    from gateway.embeddings import embed_message
+
+    msg, _ = embed_message({"input": "a"}, Policy("embeddings"), "auto")
+    assert msg.pooling is None  # the router picks the model's own (router/server.py)
+
+
+def test_rerank_fields_are_honoured_hinted_or_refused() -> None:
+    from gateway.rerank import rerank_message, rerank_reply
+    from protocol import Ranked
+
+    policy = Policy("rerank")
+    raw = {"query": "q", "documents": ["a", {"text": "b"}], "top_n": 1, "return_documents": True, "raw_scores": False, "x": 1}
+    msg, body = rerank_message(raw, policy)
+    assert msg.query == "q" and msg.documents == ["a", "b"] and msg.model is None
+    assert policy.ignored == ["raw_scores", "x"]  # served, and counted as hints
+    got = Ranked(id="r", scores=[0.1, 0.9], prompt_tokens=12, cached_tokens=4)
+    assert rerank_reply(got, msg, body, "m") == {  # Jina's shape (Cohere's clients read it too), best first, top_n
+        "model": "m",
+        "object": "list",
+        "usage": {"prompt_tokens": 12, "total_tokens": 12, "prompt_tokens_details": {"cached_tokens": 4}},
+        "results": [{"index": 1, "relevance_score": 0.9, "document": {"text": "b"}}],
+    }
+    msg, body = rerank_message({"query": "q", "texts": ["a", "b"], "return_text": True}, Policy("rerank"))
+    assert rerank_reply(got, msg, body, "m") == [  # TEI's shape: a bare list
+        {"index": 1, "score": 0.9, "text": "b"},
+        {"index": 0, "score": 0.1, "text": "a"},
+    ]
+    for bad, param in (
+        ({"documents": ["a"]}, "query"),
+        ({"query": 1, "documents": ["a"]}, "query"),
+        ({"query": "q", "documents": []}, "documents"),
+        ({"query": "q"}, "documents"),
+        ({"query": "q", "documents": [1, 2]}, "documents[0]"),
+        ({"query": "q", "documents": [{"image": "x"}]}, "documents[0]"),
+        ({"query": "q", "texts": []}, "texts"),
+        ({"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+    ):
+        with pytest.raises(RequestError) as err:
+            rerank_message(bad, Policy("rerank"))
+        assert err.value.param == param, (bad, err.value.param, err.value)
+    with pytest.raises(RequestError, match="x_new"):
+        rerank_message({"query": "q", "documents": ["a"], "x_new": 1}, Policy("rerank", strict=True))
 
 
 @pytest.mark.parametrize(

@@ -219,7 +219,19 @@ EXAMPLES: list[Example] = [
         p.Embed(id="emb-2", tokens=[p.pack_tokens(PROMPT_TOKENS)], pooling="last", normalize=False),
         {},
     ),
+    Example(
+        "rerank",
+        "client_request",
+        p.Rerank(id="rr-1", query="Which city is the capital of France?", documents=["Paris is.", "Bananas are yellow."]),
+        {},
+    ),
     # ---- router -> client
+    Example(
+        "ranked",
+        "router_reply",
+        p.Ranked(id="rr-1", scores=[0.97, 0.02], prompt_tokens=180, worker="cpu0", cached_tokens=66),
+        {},
+    ),
     Example(
         "embeddings",
         "router_reply",
@@ -764,7 +776,8 @@ def table(cls: type[msgspec.Struct], meanings: dict[str, str]) -> str:
     return "\n".join(rows)
 
 
-BLOCK = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(\n<!-- /table -->)", re.S)
+# (an empty block, a new struct's, is matched too: the body never runs past another table's markers)
+BLOCK = re.compile(r"(<!-- table:(\w+) -->\n)((?:(?!<!-- /?table).)*?)(\n?<!-- /table -->)", re.S)
 
 
 def existing_meanings(block: str) -> dict[str, str]:
@@ -782,7 +795,7 @@ def render_spec(text: str) -> str:
 
     def sub(m: re.Match[str]) -> str:
         cls = by_name[m.group(2)]
-        return m.group(1) + table(cls, existing_meanings(m.group(3))) + m.group(4)
+        return m.group(1) + table(cls, existing_meanings(m.group(3))) + "\n<!-- /table -->"
 
     return BLOCK.sub(sub, text)
 
