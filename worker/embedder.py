@@ -64,14 +64,17 @@ class Embedder:
         cp.n_seq_max = 1
         cp.n_threads = cp.n_threads_batch = threads
         cp.no_perf = True
-        # without flash attention: on CPU it accumulates in f16, which moved vectors to a cosine of 0.998 of the same
-        # input's without (the reference this is tested against: llama.cpp's defaults, llama-cpp-python's `embed`)
-        cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        # embeddings without flash attention: on CPU it accumulates in f16, which moved vectors to a cosine of 0.998 of
+        # the same input's without (the reference they are tested against: llama-cpp-python's `embed`, which has it
+        # off). A reranker's scores with llama-server's default (auto: on where the device has it; 5 % faster here),
+        # so that they are the ones llama-server gives.
+        rank = pooling == "rank"
+        off, auto = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED, llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
+        cp.flash_attn_type = auto if rank else off
         self.ctx = llama_cpp.llama_init_from_model(model, cp)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make an embedding context of {self.n_ctx} tokens ({pooling} pooling)")
         self.mem = llama_cpp.llama_get_memory(self.ctx)
-        rank = pooling == "rank"
         self.dims = llama_cpp.llama_model_n_cls_out(model) if rank else llama_cpp.llama_model_n_embd(model)
         # one row read, attending to those before it: a shared head's KV can be kept (the module's docstring)
         self.reuses = pooling == "last" or (rank and bool(llama_cpp.llama_get_causal_attn(self.ctx)))

@@ -5,9 +5,9 @@ and a model that is not a reranker (or cannot generate) is refused naming `model
 
 The tiny models have seeded random weights (no reranker can be downloaded here), so what they rank first is noise;
 the figures below are llama-server's answers on the same GGUFs, measured with the llama-server built from the pinned
-llama-cpp-python's llama.cpp (`llama-server -m F --reranking -fa off -np 1`, POST /v1/rerank with QUERY and DOCS;
-kvroute's embedding contexts run without flash attention, and llama-server with -np 1 computes each document alone).
-Its default flash attention moves the cross-encoder's scores by up to 4e-3."""
+llama-cpp-python's llama.cpp (`llama-server -m F --reranking -np 1`, POST /v1/rerank with QUERY and DOCS: its default
+flash attention, as kvroute's reranking context has, and each document computed alone, as kvroute computes it; with
+its default 4 slots it packs documents into one decode, which moves these scores by up to 1e-5)."""
 
 from __future__ import annotations
 
@@ -29,10 +29,13 @@ from protocol import Rerank
 QUERY = "what is the capital of france?"
 DOCS = ["paris is the capital of france.", "bananas are yellow.", "the river", ""]
 LLAMA_SERVER = {  # name: (usage.prompt_tokens, each document's relevance_score), measured as the docstring says
-    "qwen": (381, [0.018287351354956627, 0.024486035108566284, 0.021417705342173576, 0.02373749203979969]),
-    "bert": (52, [2.4188809394836426, -1.8291445970535278, 0.08622486144304276, 1.1331390142440796]),
+    "qwen": (381, [0.018288208171725273, 0.024486463516950607, 0.02141624502837658, 0.023736566305160522]),
+    "bert": (52, [2.4174089431762695, -1.831227421760559, 0.08967859297990799, 1.1366993188858032]),
 }
-TOLERANCE = {"qwen": 1e-5, "bert": 1e-3}  # another CPU's kernels move the last digits (this one's: equal)
+# the cross-encoder's scores are llama-server's bit for bit on this CPU (another CPU's kernels move the last digits);
+# the causal reranker's later documents are computed after a kept head, in other batches, which flash attention's
+# f16 sums feel: 3e-5 here
+TOLERANCE = {"qwen": 1e-4, "bert": 1e-3}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +76,7 @@ def test_scores_are_llama_servers_best_first(served: Served, model: str) -> None
 def test_a_causal_rerankers_template_and_query_are_computed_once(served: Served) -> None:
     body = rerank(served, model="qwen", documents=DOCS).json()
     cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached >= (len(DOCS) - 1) * 60  # each later document reused the ~75 tokens before it (llama-server: 0)
+    assert cached >= (len(DOCS) - 1) * 60  # each later document reused the ~75 tokens before it
     body = rerank(served, model="bert", documents=DOCS).json()
     assert "prompt_tokens_details" not in body["usage"]  # a cross-encoder attends both ways: nothing to keep
 
