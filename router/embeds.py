@@ -1,13 +1,16 @@
-"""Embed and rerank requests (PROTOCOL.md `embed`, `rerank`): tokenized by the shell, computed by a worker in a context of its own
-(worker/embedder.py), answered to the client. They take no slot and leave the mirror alone: a worker's slots wait
-while it embeds, as llama-server's do, so an embed job goes to the ready worker with the least work (busy slots and
-prefill still to compute, then embed jobs already there). A worker that dies with one ends it with `worker_lost`."""
+"""Embed and rerank requests (PROTOCOL.md `embed`, `rerank`): tokenized by the shell, computed by a worker in a
+context of its own (worker/embedder.py), answered to the client. They take no slot and leave the mirror alone: a
+worker's slots wait while it embeds, as llama-server's do, so an embed job goes to the ready worker with the least
+work (busy slots and prefill still to compute, then embed jobs already there). With no ready worker (a model loading
+on demand) a request waits, as a queued `submit` does, and fails when that would. A worker that dies with one ends it
+with `worker_lost`."""
 
 from __future__ import annotations
 
 import itertools
 import struct
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from protocol import Embeddings, EmbedDone, EmbedJob, Error, ErrorCode, Ranked, pack_tokens
@@ -25,12 +28,25 @@ class EmbedReq:
     arrived: float = field(default_factory=time.monotonic)
 
 
+@dataclass(eq=False)
+class EmbedWait:
+    """A request no ready worker could take yet."""
+
+    client: bytes
+    envelope: tuple[bytes, ...]
+    rid: str
+    inputs: list[list[int]]
+    pooling: str
+    normalize: bool
+
+
 class Embeds:
-    """The embed jobs in flight, by job id."""
+    """The embed jobs in flight, by job id, and the requests waiting for a worker, in arrival order."""
 
     def __init__(self, router_id: str) -> None:
         self.router_id = router_id
         self.running: dict[str, EmbedReq] = {}
+        self.waiting: deque[EmbedWait] = deque()
         self._ids = itertools.count(1)
 
     def place(self, workers: list[WorkerConn]) -> WorkerConn | None:
@@ -84,8 +100,15 @@ class Embeds:
             out.append((req, Error(id=req.rid, code=ErrorCode.WORKER_LOST, message=message)))
         return out
 
+    def fail_waiting(self, code: str, message: str) -> list[tuple[EmbedWait, Error]]:
+        """Every waiting request, each with its error."""
+        out = [(w, Error(id=w.rid, code=code, message=message)) for w in self.waiting]
+        self.waiting.clear()
+        return out
+
     def client_gone(self, client: bytes) -> None:
-        """Its answers are not sent (the worker's work is not stopped: it is short)."""
+        """Its answers are not sent (the worker's work is not stopped: it is short); its waiting requests go."""
         for r in self.running.values():
             if r.client == client:
                 r.client = b""
+        self.waiting = deque(w for w in self.waiting if w.client != client)

@@ -102,7 +102,7 @@ class ModelCore:
         return any(w.state is WorkerState.READY for w in self.core.workers.values())
 
     def busy(self) -> bool:
-        return bool(self.core.requests or self.core.embeds.running)
+        return bool(self.core.requests or self.core.embeds.running or self.core.embeds.waiting)
 
     def state(self) -> LoadState:
         if self.ready():

@@ -78,7 +78,7 @@ from protocol import (
 from router import admission, handshake, outcomes, views
 from router.config import RouterConfig
 from router.dispatch_queue import DispatchQueue, job_message
-from router.embeds import Embeds
+from router.embeds import Embeds, EmbedWait
 from router.metrics import Metrics
 from router.mirror import Mirror
 from router.prepare import Prepared
@@ -332,25 +332,43 @@ class Scheduler:
         self._pump()
 
     def embed(self, identity: bytes, envelope: tuple[bytes, ...], msg: Embed | Rerank, inputs: list[list[int]]) -> None:
-        """An embed or rerank request, tokenized: to the ready worker with the least work (router/embeds.py), or
-        refused."""
+        """An embed or rerank request, tokenized: to the ready worker with the least work (router/embeds.py); with
+        none ready it waits as a queued request does (`_place_embeds`); refused while draining."""
         rid = msg.id or f"e{next(self._rid)}-{uuid.uuid4().hex[:8]}"
-        conn = None if self.draining else self.embeds.place(list(self.workers.values()))
-        if conn is None:
-            code = ErrorCode.DRAINING if self.draining else ErrorCode.NO_WORKERS
-            what = "scores" if isinstance(msg, Rerank) else "embeddings"
-            text = "the router is draining" if self.draining else f"no ready worker to compute {what}"
-            self.reply(identity, envelope, Error(id=rid, code=code, message=text))
+        if self.draining:
+            self.reply(identity, envelope, Error(id=rid, code=ErrorCode.DRAINING, message="the router is draining"))
             return
         pooling, normalize = ("rank", False) if isinstance(msg, Rerank) else (msg.pooling or "mean", msg.normalize)
-        job = self.embeds.start(conn, identity, envelope, rid, inputs, pooling, normalize)
-        log.info("embed_placed", request_id=rid, job=job.id, worker=conn.id, inputs=len(inputs))
-        self._to_worker(conn, job)
+        self.embeds.waiting.append(EmbedWait(identity, envelope, rid, inputs, pooling, normalize))
+        self._place_embeds()
+
+    def _place_embeds(self) -> None:
+        """The waiting embed and rerank requests to ready workers, in order; with none ready they fail when a queued
+        request would: no worker will come (each failed at start), or none was connected for `no_workers_grace_s`."""
+        while self.embeds.waiting and (conn := self.embeds.place(list(self.workers.values()))) is not None:
+            w = self.embeds.waiting.popleft()
+            job = self.embeds.start(conn, w.client, w.envelope, w.rid, w.inputs, w.pooling, w.normalize)
+            log.info("embed_placed", request_id=w.rid, job=job.id, worker=conn.id, inputs=len(w.inputs))
+            self._to_worker(conn, job)
+        if not self.embeds.waiting:
+            return
+        failed = self.none_can_come()
+        if failed is not None:
+            why = f"no worker can serve this request: {failed}"
+        elif not self.workers and self.table.none_for(self.cfg.no_workers_grace_s):
+            why = f"no worker connected for {self.cfg.no_workers_grace_s:g} s"
+        else:
+            return
+        self._embed_replies(self.embeds.fail_waiting(ErrorCode.NO_WORKERS, why))
 
     def _embed_reply(self, answer: tuple[Any, Any] | None) -> None:
         if answer is not None and answer[0].client:
             req, msg = answer
             self.reply(req.client, req.envelope, msg)
+
+    def _embed_replies(self, answers: list[tuple[Any, Any]]) -> None:
+        for answer in answers:
+            self._embed_reply(answer)
 
     def cancel(self, identity: bytes, rid: str) -> None:
         lead = self.requests.get((identity, rid, 0))
@@ -371,9 +389,11 @@ class Scheduler:
     # ---- dispatch ---------------------------------------------------------------------------------
 
     def _pump(self) -> None:
-        """Dispatch the queued requests that have a slot now (router/dispatch_queue.py)."""
+        """Dispatch the queued requests that have a slot now (router/dispatch_queue.py), and waiting embeds."""
         for req, d in self.queue.placements():
             self._dispatch(req, d)
+        if self.embeds.waiting:
+            self._place_embeds()
 
     # ---- worker events ----------------------------------------------------------------------------
 
@@ -518,6 +538,8 @@ class Scheduler:
     def worker_failed(self, worker: str, reason: str) -> None:
         self.failed[worker] = reason
         self._fail_hopeless()
+        if self.embeds.waiting:
+            self._place_embeds()
 
     def _fail_hopeless(self) -> bool:
         """Queued requests fail at once, with the reason, when no worker will come to serve them."""
@@ -555,6 +577,8 @@ class Scheduler:
                 self._fail(req, ErrorCode.NO_WORKERS, f"no worker connected for {self.cfg.no_workers_grace_s:g} s")
         if any(r.wait_since is not None for r in self.queue):
             self._pump()
+        if self.embeds.waiting:
+            self._place_embeds()
 
     def _unfit(self, now: float) -> None:
         """Queued requests that no ready worker can hold (the one that could left) wait `no_workers_grace_s` for
@@ -590,6 +614,7 @@ class Scheduler:
                 self._fail(req, ErrorCode.DRAINING, "the router stopped before this request finished (drain timeout)")
         for job in list(self.embeds.running):
             self._embed_reply(self.embeds.failed(job, ErrorCode.DRAINING, "the router stopped before these embeddings", None))
+        self._embed_replies(self.embeds.fail_waiting(ErrorCode.DRAINING, "the router stopped before these embeddings"))
 
     # ---- views ------------------------------------------------------------------------------------
 

@@ -314,7 +314,7 @@ class Router:
     def _check_drained(self, now: float) -> None:
         if not self.core.draining:
             return
-        if any(c.requests or c.embeds.running for c in self.cores) and now < self._drain_deadline:
+        if any(c.requests or c.embeds.running or c.embeds.waiting for c in self.cores) and now < self._drain_deadline:
             return
         for core in self.cores:
             core.drain_expired()

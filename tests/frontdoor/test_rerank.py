@@ -143,6 +143,23 @@ def test_bad_requests_name_the_field_and_others_are_served(served: Served) -> No
     assert rerank(served, model="bert", documents=DOCS).status_code == 200
 
 
+def test_a_rerank_for_a_model_not_loaded_loads_it_and_waits(tmp_path: Path) -> None:
+    qwen, bert = qwen3_reranker(tmp_path / "qwen.gguf"), bert_reranker(tmp_path / "bert.gguf")
+    flags = ("--model", f"qwen={qwen}", "--model", f"bert={bert}", "--models-max", "1", "--slots", "1", "--threads", "1")
+    s = Served(*flags, log=tmp_path / "serve.log")
+    try:
+        with Client(s.zmq, timeout_s=60) as c:
+            wait_for(lambda: states(c) == {"qwen": "loaded", "bert": "unloaded"}, "qwen loaded alone")
+            got = rerank(s, model="bert", documents=DOCS)  # (before: no_workers at once)
+            assert got.status_code == 200, got.text
+            best = got.json()["results"][0]["relevance_score"]
+            assert best == pytest.approx(max(LLAMA_SERVER["bert"][1]), abs=TOLERANCE["bert"])
+            got = httpx.post(f"{s.url}/v1/embeddings", json={"model": "qwen", "input": "hello"}, timeout=60)
+            assert got.status_code == 200 and states(c) == {"qwen": "loaded", "bert": "unloaded"}, got.text
+    finally:
+        s.stop()
+
+
 REAL = os.environ.get("KVROUTE_TEST_RERANKER", "")  # a real reranker GGUF (bge-reranker-v2-m3, Qwen3-Reranker, ...)
 ML_DOCUMENTS = [  # llama.cpp's own rerank test (tools/server/tests/unit/test_rerank.py): its known easy case
     "A machine is a physical system that uses power to apply forces and control movement to perform an action. The term "

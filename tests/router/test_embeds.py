@@ -3,6 +3,8 @@ from the worker's vectors, failed with a reason when the worker fails or dies; t
 
 from __future__ import annotations
 
+import time
+
 from scheduler_helpers import CLIENT, core, hello, jobs, submit, to_client
 
 from protocol import Embed, Embeddings, EmbedDone, EmbedJob, Error, ErrorCode, JobError, unpack_tokens
@@ -43,11 +45,26 @@ def test_a_failed_or_lost_embed_ends_with_the_reason() -> None:
     assert (err.id, err.code) == ("e2", ErrorCode.WORKER_LOST)
 
 
-def test_no_worker_or_draining_is_refused_at_once() -> None:
+def test_with_no_worker_an_embed_waits_as_a_queued_request_does() -> None:
     s = core()
-    (err,) = to_client(embed(s), Error)
-    assert err.code == ErrorCode.NO_WORKERS
-    hello(s, "w0")
+    assert not embed(s, "e1") and len(s.embeds.waiting) == 1  # (a model loading on demand: its worker is coming)
+    (job,) = [o.msg for o in hello(s, "w0") if isinstance(o.msg, EmbedJob)]  # placed when one says hello
+    assert job.id.startswith("e1.") and not s.embeds.waiting
     s.draining = True
-    (err,) = to_client(embed(s), Error)
-    assert err.code == ErrorCode.DRAINING
+    (err,) = to_client(embed(s, "e2"), Error)
+    assert err.code == ErrorCode.DRAINING  # refused at once
+
+
+def test_a_waiting_embed_fails_when_a_queued_request_would() -> None:
+    s = core()
+    s.table.expected = {"w0"}
+    assert not embed(s, "e1")
+    s.worker_failed("w0", "its model file is bad")  # no worker will come
+    (err,) = to_client(s.take(), Error)
+    assert (err.id, err.code) == ("e1", ErrorCode.NO_WORKERS) and "its model file is bad" in err.message
+    s = core(no_workers_grace_s=0.05)
+    assert not embed(s, "e2")
+    time.sleep(0.06)
+    s.tick(time.monotonic())  # none connected for the grace
+    (err,) = to_client(s.take(), Error)
+    assert (err.id, err.code) == ("e2", ErrorCode.NO_WORKERS) and "no worker connected" in err.message

@@ -26,7 +26,7 @@ class FakeCore:
     def __init__(self, fingerprint: str = "fp") -> None:
         self.workers: dict[str, Any] = {}
         self.requests: dict[Any, Any] = {}
-        self.embeds = SimpleNamespace(running={})
+        self.embeds = SimpleNamespace(running={}, waiting=[])
         self.queue: list[Any] = []
         self.table = FakeTable()
         self.fingerprint, self.weights = fingerprint, ""
