@@ -10,7 +10,7 @@ Fields: `query`, `documents` (texts, or objects with a `text`, as Jina and Coher
 `return_documents`, `return_text` and `model` are honoured. Hints: `raw_scores` (scores are the model's raw output,
 as llama-server gives them whatever it says: a monotonic sigmoid would not change the order), `truncate`,
 `truncation_direction` (an input over the context is refused, naming it), Cohere's `rank_fields`,
-`max_chunks_per_doc`, `max_tokens_per_doc`, and `user`."""
+`max_chunks_per_doc`, `max_tokens_per_doc`, a document object's other fields, and `user`."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from protocol import MAX_EMBED_INPUTS, Ranked, Rerank
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/reranking", "/v1/reranking", "/v2/rerank")  # llama-server's four, Cohere's
 
 
-class Document(msgspec.Struct):
+class Document(msgspec.Struct, forbid_unknown_fields=True):  # (its other fields: hints, counted)
     text: str
 
 

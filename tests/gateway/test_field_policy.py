@@ -60,10 +60,11 @@ def test_rerank_fields_are_honoured_hinted_or_refused() -> None:
     from protocol import Ranked
 
     policy = Policy("rerank")
-    raw = {"query": "q", "documents": ["a", {"text": "b"}], "top_n": 1, "return_documents": True, "raw_scores": False, "x": 1}
+    documents = ["a", {"text": "b", "title": "B"}]
+    raw = {"query": "q", "documents": documents, "top_n": 1, "return_documents": True, "raw_scores": False, "x": 1}
     msg, body = rerank_message(raw, policy)
     assert msg.query == "q" and msg.documents == ["a", "b"] and msg.model is None
-    assert policy.ignored == ["raw_scores", "x"]  # served, and counted as hints
+    assert policy.ignored == ["raw_scores", "documents[].title", "x"]  # served, and counted as hints
     got = Ranked(id="r", scores=[0.1, 0.9], prompt_tokens=12, cached_tokens=4)
     assert rerank_reply(got, msg, body, "m") == {  # Jina's shape (Cohere's clients read it too), best first, top_n
         "model": "m",
