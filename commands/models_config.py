@@ -16,6 +16,7 @@ The models file is TOML, one table per model:
     path = "gemma-3-270m"
     keep_alive = "10m"                  # unloaded after 10 minutes unused ("-1": kept; 0: at once)
     load = "on_demand"                  # started by its first request ("start", the default: at start)
+    memory_mb = 900                     # what one worker takes, weights and KV (else estimated: --models-memory-mb)
 
 A key a model does not give is the `serve` flag's value (`--slots`, `--workers`, ...).
 """
@@ -35,7 +36,7 @@ WORKER_KEYS = {"workers": "cpu_workers", "gpus": "gpus", "slots": "slots", "ctx_
                "kv_budget_mb": "kv_budget_mb", "threads": "threads", "n_gpu_layers": "n_gpu_layers",
                "host_cache_mb": "host_cache_mb", "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
                "flash_attn": "flash_attn"}  # fmt: skip
-MODEL_KEYS = {"path", "aliases", "pinned", "keep_alive", "load", "default"}
+MODEL_KEYS = {"path", "aliases", "pinned", "keep_alive", "load", "default", "memory_mb"}
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,9 @@ def from_file(path: str, keep_alive: float) -> list[ModelEntry]:
         for key in ("pinned", "default"):
             if not isinstance(table.get(key, False), bool):
                 raise ConfigFileError(f"{where}: `{key}` must be true or false")
+        memory = table.get("memory_mb", 0)
+        if isinstance(memory, bool) or not isinstance(memory, int | float) or memory < 0:
+            raise ConfigFileError(f"{where}: `memory_mb` must be a number of MiB, got {memory!r}")
         served = ServedModel(
             name=name,
             path=table["path"],
@@ -97,6 +101,8 @@ def from_file(path: str, keep_alive: float) -> list[ModelEntry]:
             pinned=table.get("pinned", False),
             keep_alive_s=seconds(table["keep_alive"], f"{where} keep_alive") if "keep_alive" in table else keep_alive,
             load_at_start=load == "start",
+            memory_mb=float(memory),
+            memory_given=memory > 0,
         )
         workers = {WORKER_KEYS[k]: v for k, v in table.items() if k in WORKER_KEYS}
         if "gpus" in workers:  # (gpus = 0, gpus = [0, 1] or gpus = "0,1")

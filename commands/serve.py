@@ -28,6 +28,7 @@ from commands.models_config import ModelEntry, from_file, from_flags, seconds, w
 from gateway.main import HttpConfig, parse_host_port, serve_http
 from kvroute import logs
 from kvroute.config import ConfigFileError, UsageError, add_args, from_args, opt, to_flags
+from kvroute.vocab import Vocab
 from router.config import DEFAULT_CLIENT_ENDPOINT, RouterConfig
 from router.main import add_model_argument, model_values
 from router.models import ServedModel
@@ -143,6 +144,24 @@ def worker_specs(local: LocalWorkers, model: str, served_as: str | None = None) 
     return [WorkerSpec(f"{start}cpu{i}", flags(cache_dir=own_dir(f"{start}cpu{i}"), **cpu_flags), served_as) for i in range(n)]
 
 
+def footprint(spec: ServedModel, vocab: Vocab, local: LocalWorkers) -> ServedModel:
+    """`spec` with where its workers run and what one takes (router/models.py's memory budget): the file's size and
+    its KV as the worker will size it (`--kv-budget-mb`; else its slots x `--ctx-per-slot`, or x the trained length
+    within the CPU's auto budget), unless the operator gave `memory_mb`."""
+    gpus = local.gpu_list()
+    devices = tuple(f"gpu{g}" for g in gpus) if gpus else ("cpu",) * local.cpu_workers
+    weights = Path(spec.path).stat().st_size / 2**20
+    if local.kv_budget_mb:
+        kv = float(local.kv_budget_mb) / (1 if gpus else max(1, local.cpu_workers))
+    else:
+        ctx = local.ctx_per_slot or vocab.arch_meta_int("context_length") or 4096
+        kv = local.slots * ctx * vocab.kv_bytes_per_token() / 2**20
+        if not local.ctx_per_slot and not gpus:
+            kv = min(kv, cpu_budget_bytes(local.cpu_workers) / 2**20)
+    memory = spec.memory_mb if spec.memory_given else weights + kv
+    return dataclasses.replace(spec, devices=devices, weights_mb=weights, memory_mb=memory)
+
+
 def connect_endpoint(bound: str) -> str:
     """Where local workers connect for a bound endpoint (a wildcard bind is reached on loopback)."""
     return bound.replace("://0.0.0.0:", "://127.0.0.1:").replace("://*:", "://127.0.0.1:")
@@ -160,6 +179,11 @@ class ServeModels:
                                     "404, unless one model is served)", metavar="NAME")  # fmt: skip
     keep_alive: str = opt("-1", "how long a model stays loaded unused, as seconds or a duration (5m, 1h); -1: kept "
                           "(a models file's keep_alive and a request's keep_alive win)", metavar="DURATION")  # fmt: skip
+    models_memory_mb: int = opt(0, "memory (MiB) the loaded models' workers may take on each device: RAM for the CPU "
+                                "workers together, each GPU's own for GPU workers; a model that does not fit beside "
+                                "the loaded ones unloads the least recently used idle one there first (0: no bound). "
+                                "A worker's need: a models file's memory_mb, else its file and KV estimated, then "
+                                "what it said it took")  # fmt: skip
 
 
 def served_models(args: argparse.Namespace) -> list[ModelEntry] | None:
@@ -170,7 +194,8 @@ def served_models(args: argparse.Namespace) -> list[ModelEntry] | None:
     entries = from_flags(given, keep)
     if picked.models:
         entries += from_file(picked.models, keep)
-    if len(entries) <= 1 and "=" not in "".join(given) and not picked.models and not picked.models_max and keep < 0:
+    several = picked.models or picked.models_max or picked.models_memory_mb
+    if len(entries) <= 1 and "=" not in "".join(given) and not several and keep < 0:
         return None
     if not entries:
         entries = [ModelEntry(ServedModel(name="", path="", keep_alive_s=keep))]
@@ -276,6 +301,7 @@ async def serve(
             [e.served for e in models],
             default_model=models_cfg.default_model or (defaults[0] if defaults else None),
             models_max=models_cfg.models_max,
+            memory_mb=models_cfg.models_memory_mb,
         )
         several = len(models) > 1
         specs = []
@@ -285,6 +311,7 @@ async def serve(
             except (TypeError, ValueError) as exc:
                 raise UsageError(f"model {m.name}: {exc}") from None
             specs += worker_specs(own, m.spec.path, m.name if several else None)
+            m.spec = footprint(m.spec, m.vocab, own)
         model = router.models.cores[0].spec.path
         names = [name for m in router.models for name in (m.name, *m.spec.aliases)]
     if router_cfg.worker_keys and router_cfg.curve_key:  # local workers hold the router's own key

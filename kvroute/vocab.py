@@ -159,6 +159,25 @@ class Vocab:
                 return out[:n]
             cap = -n
 
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as text; None when the file has no such key."""
+        return _meta_str(self._model, key)
+
+    def arch_meta_int(self, key: str) -> int | None:
+        """An architecture's integer hyperparameter (`block_count`, `context_length`...); None: absent or a list."""
+        value = self.meta(f"{self.meta('general.architecture') or ''}.{key}")
+        return int(value) if value is not None and value.isdigit() else None
+
+    def kv_bytes_per_token(self) -> float:
+        """An estimate, from the GGUF's hyperparameters, of the KV bytes one token takes in one slot (every layer, f16;
+        the worker computes the exact figure from the loaded model, and says it in its hello)."""
+        n_layer, n_embd = self.arch_meta_int("block_count") or 0, self.arch_meta_int("embedding_length") or 0
+        n_head = self.arch_meta_int("attention.head_count") or 1
+        n_head_kv = self.arch_meta_int("attention.head_count_kv") or n_head
+        k = self.arch_meta_int("attention.key_length") or n_embd // n_head
+        v = self.arch_meta_int("attention.value_length") or n_embd // n_head
+        return float(n_layer * n_head_kv * (k + v) * 2)
+
     def rerank_prompt(self, query: str, document: str) -> list[int]:
         """A reranker's input for one (query, document) pair, as llama-server makes it (format_prompt_rerank): the
         GGUF's `rerank` template with {query} and {document} filled in (its special-token text read as such; the

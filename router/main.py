@@ -52,7 +52,12 @@ def models_given(args: argparse.Namespace) -> list[ServedModel] | None:
 
 
 def load_router(
-    cfg: RouterConfig, served: list[ServedModel] | None = None, *, default_model: str | None = None, models_max: int = 0
+    cfg: RouterConfig,
+    served: list[ServedModel] | None = None,
+    *,
+    default_model: str | None = None,
+    models_max: int = 0,
+    memory_mb: float = 0,
 ) -> Router:
     """Load the vocabularies and bind both sockets; user errors raise kvroute.config.UsageError. `served`: the models
     (several: one core each, router/models.py); None: `cfg.model` alone, named by its file."""
@@ -69,7 +74,9 @@ def load_router(
         models.append((dataclasses.replace(spec, name=spec.name or model_name(vocab), path=str(path)), vocab))
     try:
         (first, vocab), *more = models
-        router = Router(cfg, vocab, served=first, more=more, default_model=default_model, models_max=models_max)
+        router = Router(
+            cfg, vocab, served=first, more=more, default_model=default_model, models_max=models_max, memory_mb=memory_mb
+        )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     try:

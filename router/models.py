@@ -8,10 +8,14 @@ name for background work).
 
 Loading is the supervisor's (`on_load`, `on_unload`, set by router/supervisor.py); this module decides when:
 - a request for a model with no worker, none starting, loads it (its requests wait for the workers' hello, for
-  `LOAD_WAIT_S` at most); with `models_max` loaded already, the least recently used model that is unpinned and idle
-  is unloaded first; when none is idle the load waits for one to become so (each tick looks again), and after
-  STARVE_S takes the least recently used unpinned one though it is busy (its worker drains: running jobs finish,
-  waiting ones go back to the router's queue), so that steady traffic on one model does not starve another;
+  `LOAD_WAIT_S` at most); with `models_max` loaded already, or without room on one of its devices (`memory_mb`: the
+  memory the loaded models' workers may take on each device, RAM for CPU workers, each GPU's for GPU workers), the
+  least recently used model that is unpinned and idle (and, for room, on that device) is unloaded first; when none
+  is idle the load waits for one to become so (each tick looks again), and after STARVE_S takes the least recently
+  used unpinned one though it is busy (its worker drains: running jobs finish, waiting ones go back to the router's
+  queue), so that steady traffic on one model does not starve another. A model's need on a device is what one of
+  its workers takes (weights and KV: the operator's figure, else estimated, then what its workers said in their
+  hello), times its workers there; one that alone needs more than a device has loads once nothing else is there;
 - a model whose workers all failed to start is not loaded again for `RETRY_FAILED_S`: its requests get the reason;
 - an unpinned model idle for its keep-alive (per model, or the last request's `keep_alive_s`) is unloaded.
 """
@@ -55,6 +59,10 @@ class ServedModel:
     pinned: bool = False  # never unloaded to make room or for idleness
     keep_alive_s: float = -1.0  # unloaded after this long without a request (-1: kept)
     load_at_start: bool = True  # False: started by its first request
+    devices: tuple[str, ...] = ()  # where its workers run, one entry a worker ("cpu", "gpu0"...); () not known
+    memory_mb: float = 0.0  # what one worker takes (weights and KV), estimated or the operator's; 0: not known
+    weights_mb: float = 0.0  # of that, the weights (the file's size)
+    memory_given: bool = False  # memory_mb is the operator's: what its workers say does not replace it
 
 
 def from_flag(value: str, keep_alive_s: float = -1.0) -> ServedModel:
@@ -90,6 +98,7 @@ class ModelCore:
     wanted_since: float = 0.0
     failed_at: float | None = None
     unloading: bool = False  # its workers were told to stop
+    said_mb: float = 0.0  # what one worker took, by its hello (weights and KV), once one has said
 
     def __post_init__(self) -> None:
         self.keep_alive_s = self.spec.keep_alive_s
@@ -104,6 +113,10 @@ class ModelCore:
     def busy(self) -> bool:
         return bool(self.core.requests or self.core.embeds.running or self.core.embeds.waiting)
 
+    def need_mb(self) -> float:
+        """What one worker of it takes: the operator's figure, else what its workers said, else the estimate."""
+        return self.spec.memory_mb if self.spec.memory_given else (self.said_mb or self.spec.memory_mb)
+
     def state(self) -> LoadState:
         if self.ready():
             return LoadState.LOADED
@@ -117,9 +130,10 @@ class ModelCore:
 class Models:
     """Every served model, found by name or alias; the load and unload decisions."""
 
-    def __init__(self, cores: list[ModelCore], *, default: str | None, models_max: int = 0) -> None:
+    def __init__(self, cores: list[ModelCore], *, default: str | None, models_max: int = 0, memory_mb: float = 0) -> None:
         self.cores = cores
         self.models_max = models_max  # most models loaded at once (0: no bound)
+        self.memory_mb = memory_mb  # what the loaded models' workers may take on each device (0: no bound)
         self.by_name: dict[str, ModelCore] = {}
         for m in cores:
             for name in (m.name, *m.spec.aliases):
@@ -141,7 +155,10 @@ class Models:
     def dynamic(self) -> bool:
         """Whether any model is loaded or unloaded while serving (several models, a budget, keep-alives, on demand)."""
         return (
-            len(self.cores) > 1 or self.models_max > 0 or any(m.spec.keep_alive_s >= 0 or not m.spec.load_at_start for m in self)
+            len(self.cores) > 1
+            or self.models_max > 0
+            or self.memory_mb > 0
+            or any(m.spec.keep_alive_s >= 0 or not m.spec.load_at_start for m in self)
         )
 
     def names(self) -> list[str]:
@@ -185,7 +202,7 @@ class Models:
         m.core.table.starting(LOAD_WAIT_S)
         self.loads[m.name] = self.loads.get(m.name, 0) + 1
 
-    def _loaded(self) -> list[ModelCore]:
+    def loaded(self) -> list[ModelCore]:
         return [m for m in self if m.core.workers or m.loading_since is not None]
 
     def _load(self, m: ModelCore) -> None:
@@ -197,12 +214,13 @@ class Models:
         if m.core.workers and m.unloading:
             self._wait(m)  # its stopping workers leave first (their exits would end the new ones' wait)
             return
-        loaded = self._loaded()
-        if self.models_max and len(loaded) >= self.models_max:
+        loaded = self.loaded()
+        short = self.short(m, loaded)
+        if short is not None:
             # room first: the least recently used idle model stops (its slots go to its disk tier), then this loads
             if not any(x.unloading for x in loaded):
                 starved = m.load_wanted and time.monotonic() - m.wanted_since >= STARVE_S
-                victim = self._least_recently_used(but=m, busy_too=starved)
+                victim = self._least_recently_used(but=m, busy_too=starved, on=short or None)
                 if victim is not None:
                     self.unload(victim, "room for " + m.name)
             self._wait(m)  # (each tick looks again; with every loaded model pinned or busy, until one is idle)
@@ -213,7 +231,26 @@ class Models:
         m.failed_at, m.loading_since = None, now
         m.core.table.starting(LOAD_WAIT_S)
         self.loads[m.name] = self.loads.get(m.name, 0) + 1
-        log.info("model_loading", model=m.name, loaded=[x.name for x in self._loaded()])
+        log.info("model_loading", model=m.name, loaded=[x.name for x in self.loaded()])
+
+    def short(self, m: ModelCore, loaded: list[ModelCore]) -> set[str] | None:
+        """Why `m` cannot load beside `loaded` now: the devices without room for it (an empty set: `models_max` is
+        reached), or None: it can. A device where nothing else is loaded always has room (`m` alone too big loads
+        and llama.cpp says whether it fits)."""
+        others = [x for x in loaded if x is not m]
+        if self.models_max and len(others) >= self.models_max:
+            return set()
+        short = set()
+        for device in set(m.spec.devices) if self.memory_mb else ():
+            used = sum(x.spec.devices.count(device) * x.need_mb() for x in others)
+            need = m.spec.devices.count(device) * m.need_mb()
+            if used and used + need > self.memory_mb:
+                short.add(device)
+            elif not used and need > self.memory_mb:
+                log.warning(
+                    "model_over_memory_budget", model=m.name, device=device, need_mb=round(need), budget_mb=self.memory_mb
+                )
+        return short or None
 
     @staticmethod
     def _wait(m: ModelCore) -> None:
@@ -222,9 +259,10 @@ class Models:
             m.load_wanted, m.wanted_since = True, time.monotonic()
             m.core.table.starting(LOAD_WAIT_S)
 
-    def _least_recently_used(self, but: ModelCore, busy_too: bool = False) -> ModelCore | None:
-        idle = [x for x in self._loaded() if x is not but and not x.spec.pinned and (busy_too or not x.busy())]
-        idle = [x for x in idle if not x.unloading]
+    def _least_recently_used(self, but: ModelCore, busy_too: bool = False, on: set[str] | None = None) -> ModelCore | None:
+        """The unpinned loaded model used longest ago, idle unless `busy_too`, with a worker on one of `on` (None: any)."""
+        idle = [x for x in self.loaded() if x is not but and not x.spec.pinned and (busy_too or not x.busy())]
+        idle = [x for x in idle if not x.unloading and (on is None or on & set(x.spec.devices))]
         return min(idle, key=lambda x: x.last_used) if idle else None
 
     def unload(self, m: ModelCore, why: str) -> None:
@@ -243,6 +281,9 @@ class Models:
 
     def tick(self, now: float) -> None:
         for m in self:
+            if m.core.workers and m.spec.memory_mb:  # (what a worker said it took replaces the KV estimate)
+                kv = max(w.hello.kv_bytes for w in m.core.workers.values())
+                m.said_mb = m.spec.weights_mb + kv / 2**20 if kv else 0.0
             if m.loading_since is not None and m.ready():
                 log.info("model_loaded", model=m.name, load_s=round(now - m.loading_since, 2))
                 m.loading_since = None

@@ -130,6 +130,7 @@ class Router:
         served: ServedModel | None = None,
         default_model: str | None = None,
         models_max: int = 0,
+        memory_mb: float = 0,
     ) -> None:
         self.cfg = cfg
         self.router_id = uuid.uuid4().hex[:12]
@@ -137,7 +138,7 @@ class Router:
         first = served or ServedModel(name=model_name(vocab), path=str(vocab.path))
         metrics = Metrics()  # one for every model's core: counters are the router's
         cores = [self._model_core(spec, v, metrics) for spec, v in [(first, vocab), *(more or [])]]
-        self.models = Models(cores, default=default_model, models_max=models_max)
+        self.models = Models(cores, default=default_model, models_max=models_max, memory_mb=memory_mb)
         main = self.models.default or cores[0]
         self.vocab, self.chat, self.prompts, self.core = main.vocab, main.chat, main.prompts, main.core
         for m in cores:  # (the supervisor counts restarts in one table)

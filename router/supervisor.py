@@ -95,15 +95,14 @@ class Supervisor:
             router.models.on_load, router.models.on_unload = self.load, self.unload
 
     def start(self) -> None:
-        """Start the workers of every model loaded at start."""
+        """Start the workers of every model loaded at start, in order while there is room (`--models-max`, the memory
+        budget); the others load at their first request."""
         models = self.router.models
-        loaded = 0
         for m in models:
-            if not m.spec.load_at_start or (models.models_max and loaded >= models.models_max):
-                continue  # (loaded by its first request)
+            if not m.spec.load_at_start or models.short(m, models.loaded()) is not None:
+                continue
             if self.load(m.name if len(models.cores) > 1 else None):
                 models.started(m.name)
-                loaded += 1
 
     def _of(self, model: str | None) -> list[_Child]:
         single = len(self.router.models.cores) == 1

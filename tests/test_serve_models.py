@@ -41,12 +41,32 @@ def test_a_models_file_gives_each_model_its_workers_and_keep_alive(tmp_path: Pat
     path = tmp_path / "models.toml"
     path.write_text(
         '[models.coder]\npath = "/m/coder.gguf"\naliases = ["gpt-4o"]\ngpus = [0, 1]\nslots = 8\npinned = true\n'
-        'default = true\n\n[models.small]\npath = "/m/small.gguf"\nkeep_alive = "10m"\nload = "on_demand"\n'
+        'default = true\nmemory_mb = 9000\n\n[models.small]\npath = "/m/small.gguf"\nkeep_alive = "10m"\n'
+        'load = "on_demand"\n'
     )
     coder, small = from_file(str(path), -1.0)
     assert coder.served.aliases == ("gpt-4o",) and coder.served.pinned and coder.default
     assert coder.workers == {"gpus": "0,1", "slots": 8} and coder.served.keep_alive_s == -1.0
+    assert coder.served.memory_mb == 9000 and coder.served.memory_given and not small.served.memory_given
     assert small.served.keep_alive_s == 600.0 and not small.served.load_at_start and small.workers == {}
+
+
+def test_a_workers_footprint_is_its_file_and_its_kv() -> None:
+    from commands.serve import footprint
+    from kvroute.model import default_model_path
+    from kvroute.vocab import Vocab
+    from router.models import ServedModel
+
+    path = str(default_model_path())
+    vocab, spec = Vocab.load(path), ServedModel(name="m", path=path)
+    weights = Path(path).stat().st_size / 2**20
+    cpu = footprint(spec, vocab, LocalWorkers(cpu_workers=2, slots=2, ctx_per_slot=1024))
+    per_token = 18 * 1 * (256 + 256) * 2  # Gemma 3 270M: 18 layers, one KV head of 256, f16
+    assert cpu.devices == ("cpu", "cpu") and cpu.memory_mb == pytest.approx(weights + 2 * 1024 * per_token / 2**20)
+    gpu = footprint(spec, vocab, LocalWorkers(gpus="0,1", slots=4, kv_budget_mb=512))
+    assert gpu.devices == ("gpu0", "gpu1") and gpu.memory_mb == pytest.approx(weights + 512)
+    given = footprint(ServedModel(name="m", path=path, memory_mb=100.0, memory_given=True), vocab, LocalWorkers())
+    assert given.memory_mb == 100 and given.weights_mb == pytest.approx(weights)
 
 
 @pytest.mark.parametrize(
@@ -57,6 +77,7 @@ def test_a_models_file_gives_each_model_its_workers_and_keep_alive(tmp_path: Pat
         ('[models.a]\npath = "x"\nload = "later"\n', "`load` must be"),
         ('[models.a]\npath = "x"\nkeep_alive = "soon"\n', "keep_alive: expected seconds"),
         ('[models.a]\npath = "x"\naliases = "b"\n', "`aliases` must be a list"),
+        ('[models.a]\npath = "x"\nmemory_mb = "lots"\n', "`memory_mb` must be a number of MiB"),
         ("[serve]\nslots = 2\n", "no [models.NAME] table"),
     ],
 )

@@ -154,6 +154,30 @@ def test_one_loaded_model_at_a_time_loads_on_demand_and_comes_back_warm_from_dis
         assert s.stop() == 0
 
 
+def test_a_memory_budget_keeps_what_fits_loaded(tmp_path: Path) -> None:
+    """Each worker of the default model takes ~290 MiB (its 253 MiB file, 2 slots x 1024 tokens of KV): a budget of
+    450 MiB holds one at a time, so beta's request unloads alpha first; gamma, which its operator says takes 100 MiB,
+    fits beside either."""
+    path = default_model_path()
+    models = tmp_path / "models.toml"
+    models.write_text(
+        f'[models.alpha]\npath = "{path}"\n\n[models.beta]\npath = "{path}"\n\n'
+        f'[models.gamma]\npath = "{path}"\nmemory_mb = 100\n'  # (an operator's figure: it fits beside either)
+    )
+    flags = ("--models", str(models), "--models-memory-mb", "450", "--slots", "2", "--ctx-per-slot", "1024")
+    s = Served(*flags, "--threads", "1", log=tmp_path / "serve.log")
+    try:
+        with Client(s.zmq, timeout_s=120) as c:
+            wait_for(lambda: states(c) == {"alpha": "loaded", "beta": "unloaded", "gamma": "loaded"}, "alpha and gamma")
+            assert turn(c, "beta", "What is a harbour?").worker == "beta-cpu0"  # beta waits for alpha's room
+            assert states(c) == {"alpha": "unloaded", "beta": "loaded", "gamma": "loaded"}
+            assert turn(c, "gamma", "Hi.").worker == "gamma-cpu0"
+    finally:
+        assert s.stop() == 0
+    log = (tmp_path / "serve.log").read_text()
+    assert '"model": "alpha", "reason": "room for beta"' in log
+
+
 def test_a_model_that_fails_to_load_says_why_once_and_the_others_are_served_on(tmp_path: Path) -> None:
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(default_model_path().read_bytes())

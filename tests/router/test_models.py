@@ -43,13 +43,15 @@ def model(name: str, **spec: Any) -> ModelCore:
 class Fleet:
     """The supervisor's side: loads start a ready worker at once; unloads stop it when `exit` is called."""
 
-    def __init__(self, ms: Models) -> None:
+    def __init__(self, ms: Models, kv_mb: dict[str, float] | None = None) -> None:
         self.ms, self.log = ms, []  # type: ignore[var-annotated]
+        self.kv_mb = kv_mb or {}  # what a model's worker says its KV takes
         ms.on_load, ms.on_unload = self.load, self.unload
 
     def load(self, name: str) -> bool:
         self.log.append(("load", name))
-        self.ms.by_name[name].core.workers[f"{name}-w"] = SimpleNamespace(state=WorkerState.READY)
+        hello = SimpleNamespace(kv_bytes=int(self.kv_mb.get(name, 0) * 2**20))
+        self.ms.by_name[name].core.workers[f"{name}-w"] = SimpleNamespace(state=WorkerState.READY, hello=hello)
         return True
 
     def unload(self, name: str) -> None:
@@ -106,6 +108,53 @@ def test_past_the_budget_the_least_recently_used_idle_model_makes_room_first() -
     fleet.exit("a")
     ms.tick(0)
     assert loaded(ms) == ["b", "c"] and ms.loads == {"a": 1, "b": 1, "c": 1} and ms.unloads == {"a": 1}
+
+
+def test_a_model_loads_where_its_devices_have_room_unloading_there_first() -> None:
+    a, b = model("a", devices=("cpu",), memory_mb=600), model("b", devices=("cpu",), memory_mb=600)
+    g = model("g", devices=("gpu0", "gpu1"), memory_mb=900)  # two workers, one on each GPU
+    ms = Models([a, b, g], default=None, memory_mb=1000)
+    fleet = Fleet(ms)
+    ms.used(a, None)
+    ms.used(g, None)  # other devices: no room needed from a
+    assert loaded(ms) == ["a", "g"]
+    ms.used(b, None)  # 600 + 600 > 1000 on the CPU: a (there, least recently used) goes first; g stays
+    assert fleet.log[-1] == ("unload", "a") and not b.core.workers
+    fleet.exit("a")
+    ms.tick(0)
+    assert loaded(ms) == ["b", "g"]
+
+
+def test_the_need_is_what_a_worker_said_it_took_unless_the_operator_gave_it() -> None:
+    # estimated 300 MB each (250 of weights), but a's worker says its KV takes 600 MB: 850 + 300 > 1000
+    spec = {"devices": ("cpu",), "memory_mb": 300.0, "weights_mb": 250.0}
+    a, b = model("a", **spec), model("b", **spec)
+    ms = Models([a, b], default=None, memory_mb=1000)
+    fleet = Fleet(ms, kv_mb={"a": 600})
+    ms.used(a, None)
+    ms.tick(0)
+    assert a.need_mb() == 850
+    ms.used(b, None)
+    assert fleet.log[-1] == ("unload", "a")
+    given = model("c", **{**spec, "memory_given": True})  # the operator's figure stands
+    ms = Models([given, model("d", **spec)], default=None, memory_mb=1000)
+    fleet = Fleet(ms, kv_mb={"c": 600})
+    ms.used(given, None)
+    ms.tick(0)
+    ms.used(ms.by_name["d"], None)
+    assert given.need_mb() == 300 and loaded(ms) == ["c", "d"]
+
+
+def test_a_model_bigger_than_its_device_loads_alone() -> None:
+    a, big = model("a", devices=("cpu",), memory_mb=400), model("big", devices=("cpu",), memory_mb=2000)
+    ms = Models([a, big], default=None, memory_mb=1000)
+    fleet = Fleet(ms)
+    ms.used(a, None)
+    ms.used(big, None)  # a goes, then big loads alone (llama.cpp says whether it fits)
+    assert fleet.log[-1] == ("unload", "a")
+    fleet.exit("a")
+    ms.tick(0)
+    assert loaded(ms) == ["big"]
 
 
 def test_pinned_and_busy_models_are_not_unloaded_the_load_waits_for_one_to_be_idle() -> None:

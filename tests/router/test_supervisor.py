@@ -25,6 +25,12 @@ class StubModels:
     def dynamic(self) -> bool:
         return len(self.cores) > 1
 
+    def loaded(self) -> list[SimpleNamespace]:
+        return []
+
+    def short(self, m: SimpleNamespace, loaded: list[SimpleNamespace]) -> set[str] | None:
+        return None  # (room for every model)
+
     def started(self, name: str) -> None:
         self.started_names.append(name)
 
