@@ -162,7 +162,10 @@ def format_status(st: StatusReply) -> str:
         for m in st.models:
             keep = "kept" if m.keep_alive_s < 0 else f"keep-alive {m.keep_alive_s:g} s"
             names = m.name + (f" ({', '.join(m.aliases)})" if m.aliases else "")
-            lines.append(f"  {names:<28} {m.state:<9} {'pinned' if m.pinned else keep:<18} {' '.join(m.workers) or '-'}")
+            memory = f"{m.memory_mb:.0f} MiB" if m.memory_mb else "-"
+            lines.append(
+                f"  {names:<28} {m.state:<9} {'pinned' if m.pinned else keep:<18} {memory:>9}  {' '.join(m.workers) or '-'}"
+            )
             lines += [f"    failed: {m.reason}"] if m.reason else []
         lines.append("")
     header = (

@@ -319,6 +319,7 @@ class ModelStatus(Struct, kw_only=True):
     pinned: bool = False  # never unloaded to make room
     keep_alive_s: float = -1.0  # unloaded after this long unused (-1: never)
     reason: str = ""  # why it failed to load
+    memory_mb: float = 0.0  # what one of its workers takes, as the memory budget counts it (0: not known)
 
 
 class StatusReply(Message, tag="status_reply", kw_only=True):

@@ -123,12 +123,16 @@ def _per_model(models: Models) -> Iterator[Metric]:
     workers = GaugeMetricFamily("kvroute_model_workers", "Workers connected for each model", labels=["model"])
     loads = CounterMetricFamily("kvroute_model_loads", "Models started on demand (or at start), by model", labels=["model"])
     unloads = CounterMetricFamily("kvroute_model_unloads", "Models stopped (idle past keep-alive, or for room)", labels=["model"])
+    memory = GaugeMetricFamily(
+        "kvroute_model_worker_memory_mib", "What one worker of each model takes, as the memory budget counts it", labels=["model"]
+    )
     for mc in models:
         state.add_metric([mc.name], 1.0 if mc.ready() else 0.0)
         workers.add_metric([mc.name], len(mc.core.workers))
         loads.add_metric([mc.name], models.loads.get(mc.name, 0))
         unloads.add_metric([mc.name], models.unloads.get(mc.name, 0))
-    yield from (state, workers, loads, unloads)
+        memory.add_metric([mc.name], mc.need_mb())
+    yield from (state, workers, loads, unloads, memory)
 
 
 def _counter(name: str, doc: str, value: Any, label: str | None = None) -> Metric:

@@ -320,6 +320,7 @@ def status(models: Models, rid: str | None, cache_salt: str | None) -> StatusRep
             pinned=m.spec.pinned,
             keep_alive_s=m.keep_alive_s,
             reason=(m.core.none_can_come() or "") if m.failed_at is not None else "",
+            memory_mb=round(m.need_mb(), 1),
         )
         for m in models
     ]

@@ -172,6 +172,9 @@ def test_a_memory_budget_keeps_what_fits_loaded(tmp_path: Path) -> None:
             assert turn(c, "beta", "What is a harbour?").worker == "beta-cpu0"  # beta waits for alpha's room
             assert states(c) == {"alpha": "unloaded", "beta": "loaded", "gamma": "loaded"}
             assert turn(c, "gamma", "Hi.").worker == "gamma-cpu0"
+            memory = {m.name: m.memory_mb for m in c.status().models}  # (kvroute status shows it)
+            assert memory["gamma"] == 100 and 260 < memory["alpha"] < 330 and 260 < memory["beta"] < 330, memory
+        assert 'kvroute_model_worker_memory_mib{model="gamma"} 100.0' in httpx.get(f"{s.url}/metrics", timeout=10).text
     finally:
         assert s.stop() == 0
     log = (tmp_path / "serve.log").read_text()

@@ -406,7 +406,9 @@ EXAMPLES: list[Example] = [
                 )
             ],
             models=[
-                p.ModelStatus(name="gemma-3-270m", aliases=["small"], state="loaded", workers=["w0"], pinned=True),
+                p.ModelStatus(
+                    name="gemma-3-270m", aliases=["small"], state="loaded", workers=["w0"], pinned=True, memory_mb=291.5
+                ),
                 p.ModelStatus(name="coder", state="unloaded", keep_alive_s=600.0),
             ],
         ),
