@@ -1,9 +1,11 @@
-"""Tiny reranker GGUFs with seeded random weights, written for the tests: no reranker can be downloaded here, and the
-rerank path (prompt format, rank pooling, the score) is tested against llama-server on the same file. What such a
-model says is noise; how it is computed is not.
+"""Reranker GGUFs with seeded random weights: tiny ones for the tests (no reranker can be downloaded here, and the
+rerank path, prompt format, rank pooling and score, is tested against llama-server on the same file), and ones of a
+real reranker's shape for bench.rerank (QWEN3_RERANKER_0_6B, BGE_RERANKER_BASE: a step's time does not depend on the
+weights). What such a model says is noise; how it is computed is not.
 
 - `qwen3_reranker`: Qwen3-Reranker's layout (causal, `rank` pooling read at the last token, a two-label head "yes"
-  and "no" with a softmax, the `rerank` chat template llama.cpp's converter writes), a byte-level BPE vocabulary.
+  and "no" with a softmax, the `rerank` chat template llama.cpp's converter writes), a byte-level BPE vocabulary
+  with a token for each word of the template and of WORDS.
 - `bert_reranker`: a cross-encoder's layout (BERT, bidirectional, `rank` pooling read at [CLS], a classification
   head), a WordPiece vocabulary of letters, punctuation and a few words; its prompt is llama.cpp's "[CLS] query [SEP] doc".
 
