@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,29 @@ def _word_merges(alphabet: list[str], words: list[str]) -> tuple[list[str], list
     return tokens, [f"{a} {b}" for a, b in ranks]
 
 
+def _writer(path: Path, arch: str, name: str, n_ctx: int, n_embd: int, n_layer: int, n_ff: int, n_head: int) -> GGUFWriter:
+    """A GGUF writer with the hyperparameters both layouts have."""
+    w = GGUFWriter(str(path), arch)
+    w.add_name(name)
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    return w
+
+
+def _random(w: GGUFWriter, rng: np.random.Generator, dtype: type) -> Callable[..., None]:
+    """`t(name, *shape, scale=0.1)`: a tensor of seeded normal draws; matrices in `dtype`, the rest f32."""
+
+    def t(name: str, *shape: int, scale: float = 0.1) -> None:
+        # (norms, biases and the token-type rows, which are added, stay f32, as llama.cpp's converter keeps them)
+        kind = dtype if len(shape) == 2 and name != "token_types.weight" else np.float32
+        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(kind))
+
+    return t
+
+
 def qwen3_reranker(
     path: Path,
     seed: int = 0,
@@ -102,13 +126,7 @@ def qwen3_reranker(
     types = [TokenType.NORMAL] * (len(alphabet) + len(merged)) + [TokenType.CONTROL] * len(special)
     n_vocab = len(tokens)
 
-    w = GGUFWriter(str(path), "qwen3")
-    w.add_name("tiny-qwen3-reranker")
-    w.add_context_length(n_ctx)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
+    w = _writer(path, "qwen3", "tiny-qwen3-reranker", n_ctx, n_embd, n_layer, n_ff, n_head)
     w.add_head_count_kv(n_head_kv)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
@@ -126,10 +144,7 @@ def qwen3_reranker(
     w.add_add_bos_token(False)
     w.add_chat_template([{"name": "default", "template": CHATML}, {"name": "rerank", "template": RERANK_TEMPLATE}])
 
-    def t(name: str, *shape: int, scale: float = 0.1) -> None:
-        # (norms, biases and the token-type rows, which are added, stay f32, as llama.cpp's converter keeps them)
-        kind = dtype if len(shape) == 2 and name != "token_types.weight" else np.float32
-        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(kind))
+    t = _random(w, rng, dtype)
 
     def ones(name: str, n: int) -> None:
         w.add_tensor(name, np.ones(n, dtype=np.float32))
@@ -194,13 +209,7 @@ def bert_reranker(
     types = [TokenType.CONTROL] * len(special) + [TokenType.NORMAL] * (len(tokens) - len(special))
     n_vocab = len(tokens)
 
-    w = GGUFWriter(str(path), "bert")
-    w.add_name("tiny-bert-reranker")
-    w.add_context_length(n_ctx)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
+    w = _writer(path, "bert", "tiny-bert-reranker", n_ctx, n_embd, n_layer, n_ff, n_head)
     w.add_layer_norm_eps(1e-12)
     w.add_causal_attention(False)
     w.add_pooling_type(PoolingType.RANK)
@@ -216,10 +225,7 @@ def bert_reranker(
     w.add_add_bos_token(True)
     w.add_add_sep_token(True)
 
-    def t(name: str, *shape: int, scale: float = 0.1) -> None:
-        # (norms, biases and the token-type rows, which are added, stay f32, as llama.cpp's converter keeps them)
-        kind = dtype if len(shape) == 2 and name != "token_types.weight" else np.float32
-        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(kind))
+    t = _random(w, rng, dtype)
 
     def norm(name: str) -> None:
         w.add_tensor(f"{name}.weight", np.ones(n_embd, dtype=np.float32))
