@@ -16,17 +16,15 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 from bench.llama_server import binary
-from bench.procs import start, stop, wait_ready
+from bench.procs import interleaved_rates, print_rates, start, stop, wait_ready
 from bench.systems import free_port
 
 
@@ -73,27 +71,14 @@ def main() -> None:
         }
         a, b = vecs["kvroute"], vecs["llama-server"]
         cos = float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
-        rates: dict[str, list[float]] = {n: [] for n in urls}
-        for _ in range(args.repeats):
-            bodies = [body() for _ in range(args.requests)]
-            for name, url in urls.items():
-                t0 = time.monotonic()
-                for bd in bodies:
-                    r = httpx.post(f"{url}/v1/embeddings", json=bd, timeout=600)
-                    r.raise_for_status()
-                rates[name].append(args.requests * args.batch / (time.monotonic() - t0))
-        ratios = [k / s for k, s in zip(rates["kvroute"], rates["llama-server"], strict=True)]
+        rates = interleaved_rates(
+            urls, "/v1/embeddings", lambda: [body() for _ in range(args.requests)], args.batch, args.repeats
+        )
         print(
             f"{args.batch} inputs x {args.tokens} tokens a request, {args.requests} requests a repeat, {args.pooling} "
             f"pooling, {args.threads} threads; cosine of the same input's vectors: {cos:.6f}"
         )
-        print("| system | inputs/s per repeat | median |")
-        print("| --- | --- | --- |")
-        for name in urls:
-            print(f"| {name} | {', '.join(f'{x:.1f}' for x in rates[name])} | {statistics.median(rates[name]):.1f} |")
-        print(
-            f"kvroute / llama-server: median {statistics.median(ratios):.3f} (per repeat {', '.join(f'{r:.3f}' for r in ratios)})"
-        )
+        ratios = print_rates(rates, "inputs", 1)
         if args.out:
             Path(args.out).write_text(json.dumps({"args": vars(args), "rates": rates, "ratios": ratios, "cosine": cos}, indent=1))
     finally:

@@ -1,9 +1,12 @@
-"""Servers a bench starts itself: start one with its log, wait until a request of its own is answered, stop them all."""
+"""Servers a bench starts itself: start one with its log, wait until a request of its own is answered, stop them all;
+and the interleaved timing of the same requests on each, with its report."""
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +44,31 @@ def stop(*procs: subprocess.Popen[bytes]) -> None:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def interleaved_rates(
+    urls: dict[str, str], path: str, bodies: Callable[[], list[dict[str, Any]]], items: int, repeats: int
+) -> dict[str, list[float]]:
+    """Items per second of each system, per repeat: each repeat's requests (`bodies()`, each of `items` items) sent to
+    every system in turn, one at a time, so the systems meet the same machine's moods."""
+    rates: dict[str, list[float]] = {n: [] for n in urls}
+    for _ in range(repeats):
+        batch = bodies()
+        for name, url in urls.items():
+            t0 = time.monotonic()
+            for body in batch:
+                httpx.post(f"{url}{path}", json=body, timeout=600).raise_for_status()
+            rates[name].append(len(batch) * items / (time.monotonic() - t0))
+    return rates
+
+
+def print_rates(rates: dict[str, list[float]], unit: str, digits: int) -> list[float]:
+    """The table of rates per repeat and the kvroute / llama-server ratios (returned)."""
+    ratios = [k / s for k, s in zip(rates["kvroute"], rates["llama-server"], strict=True)]
+    print(f"| system | {unit}/s per repeat | median |")
+    print("| --- | --- | --- |")
+    for name, got in rates.items():
+        print(f"| {name} | {', '.join(f'{x:.{digits}f}' for x in got)} | {statistics.median(got):.{digits}f} |")
+    per = ", ".join(f"{r:.3f}" for r in ratios)
+    print(f"kvroute / llama-server: median {statistics.median(ratios):.3f} (per repeat {per})")
+    return ratios

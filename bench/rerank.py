@@ -22,10 +22,8 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +31,7 @@ import httpx
 import numpy as np
 
 from bench.llama_server import binary
-from bench.procs import start, stop, wait_ready
+from bench.procs import interleaved_rates, print_rates, start, stop, wait_ready
 from bench.systems import free_port
 from bench.tiny_models import BGE_RERANKER_BASE, QWEN3_RERANKER_0_6B, WORDS, bert_reranker, qwen3_reranker
 
@@ -96,27 +94,13 @@ def main() -> None:
         diff = max(abs(scores["kvroute"][i] - scores["llama-server"][i]) for i in range(args.docs))
         tokens = got["llama-server"]["usage"]["prompt_tokens"]
         cached = got["kvroute"]["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
-        rates: dict[str, list[float]] = {n: [] for n in urls}
-        for _ in range(args.repeats):
-            bodies = [body() for _ in range(args.requests)]
-            for name, url in urls.items():
-                t0 = time.monotonic()
-                for bd in bodies:
-                    httpx.post(f"{url}/v1/rerank", json=bd, timeout=600).raise_for_status()
-                rates[name].append(args.requests * args.docs / (time.monotonic() - t0))
-        ratios = [k / s for k, s in zip(rates["kvroute"], rates["llama-server"], strict=True)]
+        rates = interleaved_rates(urls, "/v1/rerank", lambda: [body() for _ in range(args.requests)], args.docs, args.repeats)
         print(
             f"{args.shape}-shaped reranker, {args.docs} documents a request ({tokens} prompt tokens in all, kvroute "
             f"computing {tokens - cached} of them), {args.requests} requests a repeat, {args.threads} threads; largest "
             f"score difference between the two: {diff:.2g}"
         )
-        print("| system | documents/s per repeat | median |")
-        print("| --- | --- | --- |")
-        for name in urls:
-            print(f"| {name} | {', '.join(f'{x:.2f}' for x in rates[name])} | {statistics.median(rates[name]):.2f} |")
-        print(
-            f"kvroute / llama-server: median {statistics.median(ratios):.3f} (per repeat {', '.join(f'{r:.3f}' for r in ratios)})"
-        )
+        ratios = print_rates(rates, "documents", 2)
         if args.out:
             figures = {
                 "args": vars(args),
