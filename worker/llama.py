@@ -53,23 +53,6 @@ class ModelInfo:
     kv_bytes: int
 
 
-def _meta_int(model: object, key: str) -> int | None:
-    buf = ctypes.create_string_buffer(64)
-    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
-    if n < 0:
-        return None
-    try:
-        return int(buf.value)
-    except ValueError:
-        return None
-
-
-def _meta_str(model: object, key: str) -> str | None:
-    buf = ctypes.create_string_buffer(128)
-    n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
-    return buf.value.decode() if n >= 0 else None
-
-
 class Batch:
     """One reusable llama_batch with direct views on its arrays (no per-step allocation)."""
 
@@ -229,11 +212,10 @@ class Llama:
         m = self.model
         if llama_cpp.llama_model_is_recurrent(m):
             return 0.0
-        arch = _meta_str(m, "general.architecture") or ""
         n_head = max(llama_cpp.llama_model_n_head(m), 1)
         head = llama_cpp.llama_model_n_embd(m) // n_head
-        k = _meta_int(m, f"{arch}.attention.key_length") or head
-        v = _meta_int(m, f"{arch}.attention.value_length") or head
+        k = self.vocab.arch_meta_int("attention.key_length") or head
+        v = self.vocab.arch_meta_int("attention.value_length") or head
         k_bytes, v_bytes = (KV_BYTES_PER_VALUE[t] for t in kv_types)
         return llama_cpp.llama_model_n_layer(m) * llama_cpp.llama_model_n_head_kv(m) * (k * k_bytes + v * v_bytes)
 
