@@ -85,6 +85,10 @@ CLIENTS = {
         Client("codex", "@openai/codex", "0.169.0", "codex", "/v1/responses"),
         Client("opencode", "opencode-ai", "1.18.33", "opencode", "/v1/chat/completions"),
         Client("qwen-code", "@qwen-code/qwen-code", "0.24.4", "qwen", "/v1/chat/completions"),
+        Client("pi", "@mariozechner/pi-coding-agent", "0.73.1", "pi", "/v1/chat/completions"),
+        Client("copilot", "@github/copilot", "1.0.102", "copilot", "/v1/chat/completions"),
+        # Copilot CLI's other wire: OpenAI Responses (COPILOT_PROVIDER_WIRE_API=responses)
+        Client("copilot-responses", "@github/copilot", "1.0.102", "copilot", "/v1/responses"),
     )
 }
 
@@ -304,6 +308,39 @@ class Conversation:
         # a positional prompt is one-shot; default approval mode refuses edits and shell commands headless
         return [str(self.client.exe), *(["--continue"] if n == 2 else []), "--output-format", "json", prompt]
 
+    # --- pi: OpenAI Chat Completions through a provider in ~/.pi/agent/models.json (its docs' minimal example) -----
+    def _setup_pi(self) -> None:
+        provider = {"baseUrl": f"{self.base_url}/v1", "api": "openai-completions", "apiKey": "KVROUTE_API_KEY"}
+        models = {"providers": {"kvroute": {**provider, "models": [{"id": self.model}]}}}
+        self.config[".pi/agent/models.json"] = json.dumps(models, indent=2) + "\n"
+        # PI_OFFLINE: no update check, package check or install telemetry at start
+        self.env |= {"KVROUTE_API_KEY": self.api_key, "PI_OFFLINE": "1", "PI_TELEMETRY": "0"}
+
+    def _argv_pi(self, n: int, prompt: str) -> list[str]:
+        # -p: one prompt, then exit; turn 2 continues the newest session
+        model = f"kvroute/{self.model}"
+        return [str(self.client.exe), "-p", *(["--continue"] if n == 2 else []), "--mode", "json", "--model", model, prompt]
+
+    # --- GitHub Copilot CLI: its own provider (BYOK) from COPILOT_PROVIDER_* ------------------------------------------
+    def _setup_copilot(self, wire: str = "completions") -> None:
+        self.env |= {
+            "COPILOT_PROVIDER_BASE_URL": f"{self.base_url}/v1",
+            "COPILOT_PROVIDER_API_KEY": self.api_key,
+            "COPILOT_PROVIDER_WIRE_API": wire,
+            "COPILOT_MODEL": self.model,
+            "COPILOT_OFFLINE": "true",  # talks to nothing but the provider; telemetry off
+        }
+
+    def _setup_copilot_responses(self) -> None:
+        self._setup_copilot("responses")
+
+    def _argv_copilot(self, n: int, prompt: str) -> list[str]:
+        # -p: one prompt, then exit; without --allow-all-tools every tool needing permission is refused
+        cont = ["--continue"] if n == 2 else []
+        return [str(self.client.exe), "-p", prompt, *cont, "--output-format", "json", "--disable-client-telemetry"]
+
+    _argv_copilot_responses = _argv_copilot
+
     # --- running -------------------------------------------------------------------------------------------------
     def argv(self, n: int, prompt: str) -> list[str]:
         return getattr(self, "_argv_" + self.client.name.replace("-", "_"))(n, prompt)
@@ -346,11 +383,16 @@ class Conversation:
             if not isinstance(e, dict):
                 continue
             kind = e.get("type")
-            t.session = t.session or e.get("session_id") or e.get("thread_id") or e.get("sessionID")
-            if kind == "result" and (e.get("is_error") or e.get("subtype", "success") != "success"):
-                t.errors.append(str(e.get("result") or e.get("error") or e.get("subtype"))[:600])
-            elif kind in ("error", "turn.failed"):
-                t.errors.append(json.dumps(e.get("error") or e.get("message") or e)[:600])
+            t.session = t.session or e.get("session_id") or e.get("thread_id") or e.get("sessionID") or e.get("sessionId")
+            if kind == "session" and not t.session:  # pi's first line
+                t.session = e.get("id")
+            message = e.get("message") if isinstance(e.get("message"), dict) else {}
+            if kind == "result" and (e.get("is_error") or e.get("subtype", "success") != "success" or e.get("exitCode")):
+                t.errors.append(str(e.get("result") or e.get("error") or e.get("subtype") or e)[:600])
+            elif kind in ("error", "turn.failed", "session.error"):
+                t.errors.append(json.dumps(e.get("error") or e.get("message") or e.get("data") or e)[:600])
+            elif kind == "message_end" and message.get("stopReason") in ("error", "aborted"):  # pi exits 0 after these
+                t.errors.append(str(message.get("errorMessage") or message.get("stopReason"))[:600])
         cap = self.client.cut_at_cap
         t.cut = [e for e in t.errors if cap and re.search(cap, e)]
         t.errors = [e for e in t.errors if e not in t.cut]
@@ -361,10 +403,12 @@ class Conversation:
                 t.errors.append(refusal(r))
 
     def sanitize(self, text: str) -> str:
-        """The home's absolute path (and the forms clients derive from it) as a stable placeholder."""
+        """The home's absolute path (and the forms clients derive from it), and the checkout's (where a client's
+        prompt names its own install), as stable placeholders."""
         home = str(self.home)
         for old, new in (
             (home, "/home/agent"),
+            (str(REPO), "/kvroute"),
             (home.lstrip("/"), "home/agent"),
             (re.sub(r"[^A-Za-z0-9]", "-", home), "-home-agent"),
         ):
@@ -398,7 +442,7 @@ def write_fixtures(conv: Conversation, turns: list[Turn], proxy: CaptureProxy, d
             r = {**r, "n": n, "turn": i}
             r["headers"] = {k: v for k, v in r["headers"].items() if k.lower() not in ("host", "content-length")}
             (dest / f"{n:03d}.json").write_text(conv.sanitize(json.dumps(r, indent=1, ensure_ascii=False)) + "\n")
-    secret_env = {"ANTHROPIC_API_KEY", "OPENAI_API_KEY", "KVROUTE_API_KEY"}
+    secret_env = {"ANTHROPIC_API_KEY", "OPENAI_API_KEY", "KVROUTE_API_KEY", "COPILOT_PROVIDER_API_KEY"}
     manifest = {
         "client": conv.client.name,
         "package": f"{conv.client.package}@{conv.client.version}",
