@@ -265,6 +265,25 @@ def usage_body(result: Result) -> dict[str, Any]:
     return body | context_shift(result)
 
 
+def timings_body(result: Result) -> dict[str, Any]:
+    """llama-server's `timings` (its replies carry them beside the usage, streamed or not; its web UI and scripts read
+    them): the prompt tokens reused (`cache_n`) and computed (`prompt_n`) and the time they took, then the generated
+    ones (`predicted_n`) and theirs. A stream gets them on its last chunk whether it asked for usage or not."""
+    u, t = result.usage, result.timings
+    computed = u.prompt_tokens - u.cached_tokens
+    return {
+        "cache_n": u.cached_tokens,
+        "prompt_n": computed,
+        "prompt_ms": t.prefill_ms,
+        "prompt_per_token_ms": t.prefill_ms / computed if computed else 0.0,
+        "prompt_per_second": 1e3 * computed / t.prefill_ms if t.prefill_ms else 0.0,
+        "predicted_n": u.completion_tokens,
+        "predicted_ms": t.decode_ms,
+        "predicted_per_token_ms": t.decode_ms / u.completion_tokens if u.completion_tokens else 0.0,
+        "predicted_per_second": 1e3 * u.completion_tokens / t.decode_ms if t.decode_ms else 0.0,
+    }
+
+
 def context_shift(result: Result) -> dict[str, Any]:
     """The usage's `context_shift` when --context-shift dropped messages: the prompt served is not the one sent (every
     API's usage says so the same way)."""
@@ -348,6 +367,7 @@ def completion_body(result: Result, model: str, created: int, logprobs: bool = F
             for c in choices_of(result)
         ],
         "usage": usage_body(result),
+        "timings": timings_body(result),
     }
 
 
@@ -376,6 +396,7 @@ def chat_body(result: Result, model: str, created: int, logprobs: bool = False) 
             for c in choices_of(result)
         ],
         "usage": usage_body(result),
+        "timings": timings_body(result),
     }
 
 
@@ -433,10 +454,12 @@ async def openai_events(
     obj = "chat.completion.chunk" if chat else "text_completion"
     cid = f"chatcmpl-{rid}" if chat else f"cmpl-{rid}"
 
-    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, end: Result | None = None) -> bytes:
         body: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": model, "choices": choices}
         if include_usage:
             body["usage"] = usage
+        if end is not None:  # the stream's last chunk
+            body["timings"] = timings_body(end)
         return sse_chunk(body)
 
     def opening(index: int) -> dict[str, Any]:
@@ -457,10 +480,12 @@ async def openai_events(
             if part is not None:
                 yield chunk([part])
             continue
-        for c in choices_of(msg):
+        choices = choices_of(msg)
+        for i, c in enumerate(choices):
             if chat and c.index not in opened:
                 yield chunk([opening(c.index)])
-            yield chunk([ending(c.index, c.finish_reason)])
+            last = i == len(choices) - 1 and not include_usage
+            yield chunk([ending(c.index, c.finish_reason)], end=msg if last else None)
         if include_usage:
-            yield chunk([], usage_body(msg))
+            yield chunk([], usage_body(msg), end=msg)
     yield b"data: [DONE]\n\n"

@@ -39,7 +39,18 @@ _usage = {
     },
 }
 
-_reply = {"type": "object", "properties": {"choices": {"type": "array"}, "usage": _usage}}
+# llama-server's: prompt tokens reused (cache_n) and computed (prompt_n), generated (predicted_n), with times and rates
+_timings = {
+    "type": "object",
+    "properties": {"cache_n": {"type": "integer"}}
+    | {
+        f"{phase}_{k}": {"type": "integer" if k == "n" else "number"}
+        for phase in ("prompt", "predicted")
+        for k in ("n", "ms", "per_token_ms", "per_second")
+    },
+}
+
+_reply = {"type": "object", "properties": {"choices": {"type": "array"}, "usage": _usage, "timings": _timings}}
 
 
 def _responses() -> dict[str, Any]:

@@ -26,7 +26,7 @@ from msgspec import Meta
 
 from gateway.blocks import Blocks, Event, Kind
 from gateway.fields import Policy
-from gateway.openai_schema import RequestError, Strict, chat_logprobs, context_shift, decode
+from gateway.openai_schema import RequestError, Strict, chat_logprobs, context_shift, decode, timings_body
 from protocol import (
     MAX_DEADLINE_MS,
     MAX_LOGPROBS,
@@ -506,7 +506,8 @@ async def response_events(
         u = msg.usage
         final = {**base, "status": status, "incomplete_details": incomplete, "output": done_items,
                  "usage": _usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens) | context_shift(msg)}  # fmt: skip
-        yield event("response.completed" if status == "completed" else "response.incomplete", response=final)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        yield event(kind, response=final, timings=timings_body(msg))  # (llama-server's, beside the response)
 
 
 def now() -> float:

@@ -8,7 +8,8 @@ unchanged, chunk by chunk, as it arrives. Each exchange is recorded to `out_dir/
 
 `ttfb_s` is when the first byte of the reply came, `ttft_s` when the first generated text or tool call came
 (an SSE delta, or the whole body of a reply that does not stream), `usage` is what the server said it counted
-(Anthropic `usage`, OpenAI chat `usage`, Responses `response.usage`), `error` the body of a reply >= 400.
+(Anthropic `usage`, OpenAI chat `usage`, Responses `response.usage`), `timings` llama-server's figures where the
+reply has them (a stream that did not ask for its usage still does), `error` the body of a reply >= 400.
 
 Run alone:  python tests/agents/capture.py --upstream http://127.0.0.1:8000 --out /tmp/cap [--port 0]
 """
@@ -72,6 +73,7 @@ class ReplyWatch:
         self.ttfb: float | None = None
         self.ttft: float | None = None
         self.usage: dict[str, Any] = {}
+        self.timings: dict[str, Any] | None = None  # llama-server's (and kvroute's), on a reply's last event or body
         self._buf = b""
         self._whole = bytearray()
 
@@ -117,6 +119,8 @@ class ReplyWatch:
             self.usage.update((ev.get("response") or {}).get("usage") or {})
         elif isinstance(ev.get("usage"), dict):
             self.usage.update(ev["usage"])
+        if isinstance(ev.get("timings"), dict):
+            self.timings = ev["timings"]
         if kind == "error" or (kind is None and "error" in ev):
             self.usage.setdefault("_stream_error", ev.get("error"))
 
@@ -131,9 +135,12 @@ class ReplyWatch:
                 body = bytes(self._whole[:4000]).decode("utf-8", "replace")
             if isinstance(body, dict) and isinstance(body.get("usage"), dict):
                 self.usage.update(body["usage"])
+            if isinstance(body, dict) and isinstance(body.get("timings"), dict):
+                self.timings = body["timings"]
             self.ttft = total if self.status < 400 else None
         out["ttft_s"] = _r(self.ttft)
         out["usage"] = self.usage or None
+        out["timings"] = self.timings
         out["error"] = body if self.status >= 400 else None
         return out
 

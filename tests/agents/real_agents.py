@@ -31,6 +31,8 @@ from capture import CaptureProxy
 
 HERE = Path(__file__).resolve().parent
 BIN = HERE / "node_modules" / ".bin"
+# the agents published on PyPI (requirements.txt), in a virtualenv of their own: their pins are not kvroute's
+PYVENV = HERE / "pyvenv"
 REPO = HERE.parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "agents"
 
@@ -45,6 +47,15 @@ API_KEY = "sk-kvroute-agents"
 SERVE_FLAGS = ("--workers", "1", "--slots", "2", "--ctx-per-slot", "32768", "--max-tokens", "64", "--temp", "0", "--threads", "2")
 
 
+def pypi_python() -> str | None:
+    """An interpreter the PyPI agents install with (aider: 3.10-3.12), as scripts/test looks for one; None if none."""
+    for name in (str(REPO / ".venv" / "bin" / "python"), "python3.12", "python3.11", "python3.10"):
+        exe = shutil.which(name)
+        if exe and subprocess.run([exe, "-c", "import sys; sys.exit(not (3, 10) <= sys.version_info < (3, 13))"]).returncode == 0:
+            return exe
+    return None
+
+
 @dataclass
 class Client:
     name: str
@@ -55,13 +66,22 @@ class Client:
     # the client's words for giving up on replies cut at the output cap: the default model (270M, a base model) seldom
     # ends a reply by itself, and Claude Code fails a turn whose replies all end at max_tokens, with llama-server too
     cut_at_cap: str | None = None
+    pypi: bool = False  # installed from PyPI into PYVENV by scripts/test, not from npm
+    # turn 2's request starts with turn 1's whole prompt (False: the client puts the history before other context,
+    # so only the head the two share can be reused; the test measures that head)
+    whole_history: bool = True
 
     @property
     def exe(self) -> Path:
-        return BIN / self.binary
+        return (PYVENV / "bin" if self.pypi else BIN) / self.binary
 
     def installed(self) -> str | None:
         """None when it can run, else why not."""
+        if self.pypi:
+            dist = f"{self.package.replace('-', '_')}-{self.version}.dist-info"
+            if self.exe.exists() and any(PYVENV.glob(f"lib/python3*/site-packages/{dist}")):
+                return None
+            return f"{self.package}=={self.version} is not in {PYVENV} (scripts/test installs it: see requirements.txt)"
         if not self.exe.exists():
             return f"{self.exe} is missing (scripts/test installs it: cd tests/agents && npm ci)"
         pkg = HERE / "node_modules" / self.package / "package.json"
@@ -89,6 +109,7 @@ CLIENTS = {
         Client("copilot", "@github/copilot", "1.0.102", "copilot", "/v1/chat/completions"),
         # Copilot CLI's other wire: OpenAI Responses (COPILOT_PROVIDER_WIRE_API=responses)
         Client("copilot-responses", "@github/copilot", "1.0.102", "copilot", "/v1/responses"),
+        Client("aider", "aider-chat", "0.86.2", "aider", "/v1/chat/completions", pypi=True, whole_history=False),
     )
 }
 
@@ -133,8 +154,12 @@ class Turn:
 
 
 def prompt_tokens(record: dict[str, Any]) -> tuple[int, int]:
-    """(prompt tokens, of them cached) from the usage the server reported, whatever the API."""
+    """(prompt tokens, of them cached) from the usage the server reported, whatever the API; from llama-server's
+    `timings` for a stream that did not ask for its usage (aider's)."""
     u = (record.get("response") or {}).get("usage") or {}
+    timings = (record.get("response") or {}).get("timings")
+    if not u and timings:
+        return timings["cache_n"] + timings["prompt_n"], timings["cache_n"]
     if "cache_read_input_tokens" in u or record["path"].startswith("/v1/messages"):
         cached = u.get("cache_read_input_tokens") or 0
         return (u.get("input_tokens") or 0) + cached + (u.get("cache_creation_input_tokens") or 0), cached
@@ -341,6 +366,17 @@ class Conversation:
 
     _argv_copilot_responses = _argv_copilot
 
+    # --- aider: OpenAI Chat Completions through litellm's `openai/` provider at OPENAI_API_BASE --------------------
+    def _setup_aider(self) -> None:
+        self.env |= {"OPENAI_API_BASE": f"{self.base_url}/v1", "OPENAI_API_KEY": self.api_key}
+
+    def _argv_aider(self, n: int, prompt: str) -> list[str]:
+        # --message: one prompt, then exit; turn 2 restores the chat history aider wrote into the working directory
+        flags = ["--no-git", "--yes-always", "--no-check-update", "--analytics-disable", "--no-show-model-warnings"]
+        flags += ["--no-pretty", "--no-fancy-input", "--no-show-release-notes"]
+        history = ["--restore-chat-history"] if n == 2 else []
+        return [str(self.client.exe), "--model", f"openai/{self.model}", "--message", prompt, *history, *flags]
+
     # --- running -------------------------------------------------------------------------------------------------
     def argv(self, n: int, prompt: str) -> list[str]:
         return getattr(self, "_argv_" + self.client.name.replace("-", "_"))(n, prompt)
@@ -393,6 +429,8 @@ class Conversation:
                 t.errors.append(json.dumps(e.get("error") or e.get("message") or e.get("data") or e)[:600])
             elif kind == "message_end" and message.get("stopReason") in ("error", "aborted"):  # pi exits 0 after these
                 t.errors.append(str(message.get("errorMessage") or message.get("stopReason"))[:600])
+        # aider prints its model errors as text (litellm's exception names) and exits 0
+        t.errors += re.findall(r"^litellm\.\w+Error: .*$", t.stdout, re.MULTILINE)
         cap = self.client.cut_at_cap
         t.cut = [e for e in t.errors if cap and re.search(cap, e)]
         t.errors = [e for e in t.errors if e not in t.cut]

@@ -49,7 +49,7 @@ class FakeRouter:
             text="Hello",
             tokens=pack_tokens([1, 2]),
             usage=Usage(prompt_tokens=7, cached_tokens=5, completion_tokens=2),
-            timings=Timings(),
+            timings=Timings(prefill_ms=4.0, decode_ms=50.0),
             worker="w0",
             slot=1,
         )

@@ -44,7 +44,7 @@ def ignored() -> dict[tuple[str, str], float]:
 
 def test_the_corpus_has_every_agent_each_with_two_turns() -> None:
     clients = {json.loads(m.read_text())["client"]: json.loads(m.read_text()) for m in CORPUS.glob("*/manifest.json")}
-    assert {"claude-code", "codex", "opencode", "qwen-code", "pi", "copilot", "copilot-responses"} <= set(clients)
+    assert {"claude-code", "codex", "opencode", "qwen-code", "pi", "copilot", "copilot-responses", "aider"} <= set(clients)
     for name, manifest in clients.items():
         assert len(manifest["turns"]) == 2, name
         assert all(t["rc"] == 0 and not t["errors"] for t in manifest["turns"]), (name, manifest["turns"])

@@ -172,6 +172,40 @@ async def test_streamed_chat_ends_with_usage_and_done(fake: FakeRouter) -> None:
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 5
 
 
+# llama-server's `timings` for the fake's reply: 7 prompt tokens, 5 of them cached, in 4 ms; 2 generated in 50 ms
+TIMINGS = {
+    "cache_n": 5,
+    "prompt_n": 2,
+    "prompt_ms": 4.0,
+    "prompt_per_token_ms": 2.0,
+    "prompt_per_second": 500.0,
+    "predicted_n": 2,
+    "predicted_ms": 50.0,
+    "predicted_per_token_ms": 25.0,
+    "predicted_per_second": 40.0,
+}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_replies_carry_llama_servers_timings_streamed_or_not(fake: FakeRouter, path: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    assert (await _post(fake, path, body)).json()["timings"] == TIMINGS
+    for usage in (False, True):  # on the last chunk, whether the stream asked for its usage or not (as llama-server)
+        options = {"stream": True, "stream_options": {"include_usage": usage}}
+        r = await _post(fake, path, body | options)
+        chunks = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
+        assert chunks[-1]["timings"] == TIMINGS and ("usage" in chunks[-1]) == usage
+        assert not any("timings" in c for c in chunks[:-1])
+
+
+@pytest.mark.anyio
+async def test_a_responses_stream_ends_with_timings_beside_its_response(fake: FakeRouter) -> None:
+    r = await _post(fake, "/v1/responses", {"input": "hi", "stream": True})
+    events = [json.loads(line[6:]) for part in r.text.split("\n\n") for line in part.split("\n") if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.completed" and events[-1]["timings"] == TIMINGS
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize(
     ("code", "status"),
