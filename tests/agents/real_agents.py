@@ -110,6 +110,16 @@ CLIENTS = {
         # Copilot CLI's other wire: OpenAI Responses (COPILOT_PROVIDER_WIRE_API=responses)
         Client("copilot-responses", "@github/copilot", "1.0.102", "copilot", "/v1/responses"),
         Client("aider", "aider-chat", "0.86.2", "aider", "/v1/chat/completions", pypi=True, whole_history=False),
+        # (its turn 2 is a new task: cline resumes a session in its interactive mode only)
+        Client(
+            "cline",
+            "cline",
+            "3.0.65",
+            "cline",
+            "/v1/chat/completions",
+            cut_at_cap="maximum output token limit",
+            whole_history=False,
+        ),
     )
 }
 
@@ -377,6 +387,19 @@ class Conversation:
         history = ["--restore-chat-history"] if n == 2 else []
         return [str(self.client.exe), "--model", f"openai/{self.model}", "--message", prompt, *history, *flags]
 
+    # --- Cline CLI: its openai-compatible provider, set with its own `cline auth` (it writes ~/.cline/data/settings) ---
+    def _setup_cline(self) -> None:
+        # local sessions: no hub daemon started that outlives the turn; no proxy: its runtime (Bun) sends even
+        # loopback requests to one, whatever NO_PROXY says
+        self.env |= {"CLINE_SESSION_BACKEND_MODE": "local", "CLINE_NO_AUTO_UPDATE": "1"}
+        for k in [k for k in self.env if k.lower().endswith("_proxy")]:
+            del self.env[k]
+        auth = ["auth", "-p", "openai", "-b", f"{self.base_url}/v1", "-k", self.api_key, "-m", self.model]
+        subprocess.run([str(self.client.exe), *auth], cwd=self.work, env=self.env, capture_output=True, timeout=120, check=True)
+
+    def _argv_cline(self, n: int, prompt: str) -> list[str]:
+        return [str(self.client.exe), "--json", prompt]
+
     # --- running -------------------------------------------------------------------------------------------------
     def argv(self, n: int, prompt: str) -> list[str]:
         return getattr(self, "_argv_" + self.client.name.replace("-", "_"))(n, prompt)
@@ -404,7 +427,7 @@ class Conversation:
     def _read_output(self, t: Turn) -> None:
         """The client's own account of the turn: its session id and any error it reported."""
         events = []
-        for line in t.stdout.splitlines():
+        for line in (t.stdout + "\n" + t.stderr).splitlines():  # (cline writes its last error event to stderr)
             line = line.strip()
             if line.startswith(("{", "[")):
                 with contextlib.suppress(ValueError):
@@ -420,6 +443,7 @@ class Conversation:
                 continue
             kind = e.get("type")
             t.session = t.session or e.get("session_id") or e.get("thread_id") or e.get("sessionID") or e.get("sessionId")
+            t.session = t.session or e.get("taskId")  # cline's
             if kind == "session" and not t.session:  # pi's first line
                 t.session = e.get("id")
             message = e.get("message") if isinstance(e.get("message"), dict) else {}
@@ -492,6 +516,7 @@ def write_fixtures(conv: Conversation, turns: list[Turn], proxy: CaptureProxy, d
                 "argv": [Path(a).name if i == 0 else a for i, a in enumerate(t.argv)],
                 "rc": t.rc,
                 "errors": t.errors,
+                "cut_at_cap": t.cut,
                 "requests": [r["n"] for r in t.requests],
             }
             for t in turns

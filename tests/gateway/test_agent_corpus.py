@@ -44,10 +44,16 @@ def ignored() -> dict[tuple[str, str], float]:
 
 def test_the_corpus_has_every_agent_each_with_two_turns() -> None:
     clients = {json.loads(m.read_text())["client"]: json.loads(m.read_text()) for m in CORPUS.glob("*/manifest.json")}
-    assert {"claude-code", "codex", "opencode", "qwen-code", "pi", "copilot", "copilot-responses", "aider"} <= set(clients)
+    assert {"claude-code", "codex", "opencode", "qwen-code", "pi", "copilot", "copilot-responses", "aider", "cline"} <= set(
+        clients
+    )
     for name, manifest in clients.items():
         assert len(manifest["turns"]) == 2, name
-        assert all(t["rc"] == 0 and not t["errors"] for t in manifest["turns"]), (name, manifest["turns"])
+        # (a client may give up on replies cut at the server's output cap, exiting 1: tests/agents/real_agents.py)
+        assert all((t["rc"] == 0 or t.get("cut_at_cap")) and not t["errors"] for t in manifest["turns"]), (
+            name,
+            manifest["turns"],
+        )
 
 
 @pytest.mark.anyio
