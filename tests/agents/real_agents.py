@@ -1,13 +1,15 @@
-"""Real coding agents (pinned in package.json) run headless against a kvroute server, through the capture proxy.
+"""Real coding agents (pinned in package.json and requirements.txt) run headless against a kvroute server, through
+the capture proxy.
 
 Each client gets a home of its own (HOME, XDG dirs and its config dir under one temporary folder), a working
 directory inside it, an environment built from nothing but PATH and that home (no host API keys leak in), its
 telemetry, update checks and error reporting switched off by its own settings, and an HTTP(S) proxy that refuses
-every connection except to loopback, so anything it tries to reach beyond the server fails at once.
+every connection except to loopback, so anything it tries to reach beyond the server fails at once (not for Cline,
+whose runtime sends loopback requests to a proxy too).
 
 `run_conversation(client, server_url, api_key, model, root)` runs two turns (the second resumes the first's
-session) and returns what happened: exit codes, the client's own error text, and per model request the proxy's
-timings and the usage the server reported.
+session; Cline's is a new task) and returns what happened: exit codes, the client's own error text, and per model
+request the proxy's timings and the usage the server reported.
 
 Record the fixture corpus (tests/fixtures/agents/<client>-<version>/NNN.json) with
     .venv/bin/python tests/agents/real_agents.py [--client NAME ...] [--upstream URL --api-key KEY --model NAME]
@@ -67,8 +69,8 @@ class Client:
     # ends a reply by itself, and Claude Code fails a turn whose replies all end at max_tokens, with llama-server too
     cut_at_cap: str | None = None
     pypi: bool = False  # installed from PyPI into PYVENV by scripts/test, not from npm
-    # turn 2's request starts with turn 1's whole prompt (False: the client puts the history before other context,
-    # so only the head the two share can be reused; the test measures that head)
+    # turn 2's request starts with turn 1's whole prompt (False: the client puts the history before other context, or
+    # turn 2 is a new task, so only the head the two share can be reused; the test measures that head)
     whole_history: bool = True
 
     @property

@@ -1,7 +1,7 @@
 """The real coding agents, pinned in package.json (npm) and requirements.txt (PyPI) and installed by scripts/test, run
 two turns each against a real `kvroute serve`: the first completes with no API error (every model request answered
 200 and its reply ended with its usage), the second resumes the session and is served from the first one's cached
-prefix (all of it, or for a client that puts its history before other context, all the two requests share). The one
+prefix (all of it, or where the second request does not start with the first's whole prompt, all the two share). The one
 error a client may report is its own for replies cut at the server's output cap (`Client.cut_at_cap`): the default
 model seldom ends a reply by itself. Each turn's figures (TTFT, prompt tokens, of them cached) are printed and written to
 `$KVROUTE_AGENT_RESULTS` (JSON) when that is set."""
