@@ -22,7 +22,7 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from chat.families import Family, Generic
-from chat.schema import for_grammar
+from chat.schema import SchemaError, for_grammar
 from protocol import Constraint, NamedTool, ResponseFormat, Tool, ToolChoice
 
 LIMITS = llguidance.LLParserLimits()
@@ -43,8 +43,12 @@ def check(lark: str, param: str) -> None:
         raise ChatError(f"`{param}` cannot be compiled to a grammar: {error.strip()}", param)
 
 
-def json_rule(name: str, schema: dict[str, Any]) -> str:
-    return f"{name}: %json {json.dumps(for_grammar(schema), ensure_ascii=False)}\n"
+def json_rule(name: str, schema: dict[str, Any], param: str | None = None) -> str:
+    """The Lark rule `name` for JSON following `schema`; a schema that cannot be read is a ChatError naming `param`."""
+    try:
+        return f"{name}: %json {json.dumps(for_grammar(schema), ensure_ascii=False)}\n"
+    except SchemaError as exc:
+        raise ChatError(f"`{param}`: {exc}", param) from None
 
 
 def user_grammar(text: str) -> Constraint:
@@ -63,7 +67,7 @@ def response_rule(fmt: ResponseFormat) -> str | None:
         return json_rule("body", {"type": "object"})
     if fmt.type == "json_schema":
         assert fmt.schema is not None
-        rule = json_rule("body", fmt.schema)
+        rule = json_rule("body", fmt.schema, "response_format")
         check("start: body\n" + rule, "response_format")
         return rule
     return None
@@ -85,7 +89,7 @@ def check_tools(tools: list[Tool]) -> None:
         where = f"tools[{i}].function.parameters"
         if params.get("type", "object") != "object":
             raise ChatError(f"{where} must describe an object, got type {params.get('type')!r}", where)
-        check("start: a\n" + json_rule("a", params), where)
+        check("start: a\n" + json_rule("a", params, where), where)
 
 
 def constraint(

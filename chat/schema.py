@@ -20,17 +20,30 @@ DIGITS = 16  # llama.cpp's grammars allow at most 16 digits before the point; a 
 BOUND = 10**DIGITS - 1
 
 
+VALUES = ("enum", "const", "default", "examples", "required")  # keys whose values are data, not schemas
+
+
+class SchemaError(ValueError):
+    """A schema kvroute cannot read; the caller names the field it came in."""
+
+
 def tightened(schema: Any) -> Any:
     """The schema with `additionalProperties: false` on every object that lists its properties and says nothing of
     others, and the integral part of numbers bounded to 16 digits, as llama.cpp's json-schema-to-grammar reads a
-    schema. Nested schemas (properties, items, anyOf, $defs ...) are tightened too."""
+    schema. Nested schemas (properties, items, anyOf, $defs ...) are tightened too, each once: linear in the size."""
     if isinstance(schema, list):
         return [tightened(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in ("enum", "const", "default", "examples", "required") else tightened(v)) for k, v in schema.items()}
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in VALUES:
+            out[k] = v
+        elif k == "properties" and isinstance(v, dict):  # a map of names to schemas, not a schema
+            out[k] = {name: tightened(s) for name, s in v.items()}
+        else:
+            out[k] = tightened(v)
     if isinstance(schema.get("properties"), dict):
-        out["properties"] = {k: tightened(v) for k, v in schema["properties"].items()}
         out.setdefault("additionalProperties", False)
     if schema.get("type") in ("integer", "number"):
         out.setdefault("minimum", -BOUND)
@@ -39,7 +52,11 @@ def tightened(schema: Any) -> Any:
 
 
 def for_grammar(schema: dict[str, Any]) -> dict[str, Any]:
-    """A schema ready for `%json {...}`: tightened, with kvroute's formatting options."""
+    """A schema ready for `%json {...}`: tightened, with kvroute's formatting options. Raises SchemaError for an
+    `x-guidance` (llguidance's options) that is not an object."""
+    options = schema.get("x-guidance")
+    if options is not None and not isinstance(options, dict):
+        raise SchemaError(f"`x-guidance` must be an object of llguidance's JSON options, got {type(options).__name__}")
     out: dict[str, Any] = tightened(schema)
-    out["x-guidance"] = {**JSON_OPTIONS, **dict(schema.get("x-guidance") or {})}
+    out["x-guidance"] = {**JSON_OPTIONS, **(options or {})}
     return out
