@@ -22,6 +22,7 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from chat.families import Family, Generic
+from chat.limits import Deadline
 from chat.schema import SchemaError, for_grammar
 from protocol import Constraint, NamedTool, ResponseFormat, Tool, ToolChoice
 
@@ -37,7 +38,9 @@ class ChatError(ValueError):
 
 
 def check(lark: str, param: str) -> None:
-    """Raise ChatError naming `param` when llguidance cannot compile the grammar."""
+    """Raise ChatError naming `param` when llguidance cannot compile the grammar (first the running deadline, if any:
+    a compile takes milliseconds to a second)."""
+    Deadline.check_running(param)
     error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(lark), limits=LIMITS)
     if error:
         raise ChatError(f"`{param}` cannot be compiled to a grammar: {error.strip()}", param)
@@ -83,13 +86,27 @@ def chosen_tools(tools: list[Tool], choice: ToolChoice) -> list[Tool]:
     return tools
 
 
-def check_tools(tools: list[Tool]) -> None:
+def check_tools(tools: list[Tool], *, compile_each: bool = False) -> None:
+    """Each tool's parameters are an object schema kvroute can read; with `compile_each`, each compiles on its own too
+    (to name the tool whose schema spoils a grammar of all of them: one compile per tool is the slow path)."""
     for i, tool in enumerate(tools):
         params = tool.parameters or {"type": "object"}
         where = f"tools[{i}].function.parameters"
         if params.get("type", "object") != "object":
             raise ChatError(f"{where} must describe an object, got type {params.get('type')!r}", where)
-        check("start: a\n" + json_rule("a", params, where), where)
+        rule = json_rule("a", params, where)
+        if compile_each:
+            check("start: a\n" + rule, where)
+
+
+def check_calls(lark: str, tools: list[Tool]) -> None:
+    """The grammar of the tool calls compiles; if it does not, the error names the first tool whose own schema does
+    not compile, else the tools as a whole (one compile for all the tools, however many)."""
+    try:
+        check(lark, "tools")
+    except ChatError:
+        check_tools(tools, compile_each=True)
+        raise
 
 
 def constraint(
@@ -123,9 +140,9 @@ def constraint(
         lark = "start: calls | body\n" + calls + body
     else:  # lazy: free text until the family's trigger, then a tool-call section
         lark = "start: calls\n" + calls
-        check(lark, "tools")
+        check_calls(lark, tools)
         return Constraint(grammar=lark, triggers=list(family.triggers), at_start=family.at_start)
-    check(lark, "tools")
+    check_calls(lark, tools)
     return Constraint(grammar=lark)
 
 

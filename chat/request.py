@@ -13,6 +13,7 @@ from typing import Any
 
 from chat.families import Family, Generic, detect
 from chat.grammar import ChatError, constraint
+from chat.limits import MAX_NESTING, nesting
 from chat.output import OutputSpec, reasoning_tags
 from chat.template import ChatTemplate, RawJSON
 from protocol import ChatMessage, Constraint, Submit, Tool
@@ -94,13 +95,13 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if m.tool_calls:
                 d["tool_calls"] = []
                 for j, call in enumerate(m.tool_calls):
+                    where = f"messages[{i}].tool_calls[{j}].function.arguments"
                     try:
                         args = RawJSON(call.arguments or "{}")
-                    except ValueError:
-                        raise ChatError(
-                            f"messages[{i}].tool_calls[{j}].function.arguments is not a JSON object: {call.arguments[:80]!r}",
-                            f"messages[{i}].tool_calls[{j}].function.arguments",
-                        ) from None
+                    except (ValueError, RecursionError):  # (json.loads recurses: 10,000 levels pass its limit)
+                        raise ChatError(f"{where} is not a JSON object: {call.arguments[:80]!r}", where) from None
+                    if nesting(args) > MAX_NESTING:
+                        raise ChatError(f"{where} nests more than {MAX_NESTING} levels deep", where)
                     d["tool_calls"].append(
                         {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": args}}
                     )

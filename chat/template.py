@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import uuid
 from pathlib import Path
 from typing import Any
+
+from chat.limits import Deadline, DeadlinePassed
 
 BUILTIN: dict[str, str] = {
     # Gemma's turns; Gemma has no system role: system text opens the next user turn. Tool results are user turns.
@@ -77,16 +80,31 @@ def tojson(
 
     marked = mark(value)
     text = json.dumps(marked, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
-    for key, raw in raws.items():
-        text = text.replace(key, raw)
-    return text
+    if not raws:
+        return text
+    # one pass for all of them (a replace per object was quadratic in a history of many tool calls)
+    return RAW_MARK.sub(lambda m: raws.get(m.group(0), m.group(0)), text)
+
+
+RAW_MARK = re.compile(r'"\\u0000raw[0-9a-f]{32}\\u0000"')  # a marked RawJSON's key as json.dumps writes it
 
 
 def _environment() -> Any:
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class Environment(ImmutableSandboxedEnvironment):
+        """Every value a template reads checks the running deadline now and then (chat/limits.py)."""
+
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            Deadline.read()
+            return super().getattr(obj, attribute)
+
+        def getitem(self, obj: Any, argument: Any) -> Any:
+            Deadline.read()
+            return super().getitem(obj, argument)
+
+    env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
 
     def raise_exception(message: str) -> None:
         raise TemplateError(str(message))
@@ -191,7 +209,7 @@ class ChatTemplate:
             messages = fold_late_system(messages)
         try:
             text = self._render(messages, tools, add_generation_prompt, kwargs or {})
-        except TemplateError:
+        except (TemplateError, DeadlinePassed):
             raise
         except Exception as exc:  # a template error is the request's problem, not the router's
             raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None

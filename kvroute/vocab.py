@@ -39,6 +39,9 @@ def init_backend() -> None:
         _backend_ready = True
 
 
+JOIN_AT = 1 << 15  # pieces joined at once (detokenize)
+
+
 class VocabError(Exception):
     """The file could not be loaded as a vocabulary."""
 
@@ -99,7 +102,6 @@ class Vocab:
         self.add_sep = bool(llama_cpp.llama_vocab_get_add_sep(v))
         self._eog = frozenset(t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(v, t))
         self._pieces: dict[int, bytes] = {}
-        self._piece_buf = ctypes.create_string_buffer(256)
         self.fingerprint = self._fingerprint()
 
     @classmethod
@@ -178,19 +180,20 @@ class Vocab:
         v = self.arch_meta_int("attention.value_length") or n_embd // n_head
         return float(n_layer * n_head_kv * (k + v) * 2)
 
-    def rerank_prompt(self, query: str, document: str) -> list[int]:
+    def rerank_prompt(self, query: str, document: str, *, query_tokens: list[int] | None = None) -> list[int]:
         """A reranker's input for one (query, document) pair, as llama-server makes it (format_prompt_rerank): the
         GGUF's `rerank` template with {query} and {document} filled in (its special-token text read as such; the
         two are filled in one pass, so a query holding "{document}" stays as written), else [BOS] query [EOS] [SEP]
         document [EOS], each special token where the vocabulary asks for it (EOS falls back to SEP). Special-token
-        text inside the query or the document is text."""
+        text inside the query or the document is text. `query_tokens`: the query as this tokenizes it, when the
+        caller has it already (a query with many documents is tokenized once)."""
         if self.rerank_template is not None:
             fill = {"{query}": query, "{document}": document}
             text = re.sub(r"\{query\}|\{document\}", lambda m: fill[m.group(0)], self.rerank_template)
             return self.tokenize(text, add_special=False, parse_special=True)
         end = self.eos if self.eos is not None else self.sep
         out = [self.bos] if self.add_bos and self.bos is not None else []
-        out += self.tokenize(query, add_special=False, parse_special=False)
+        out += self.tokenize(query, add_special=False, parse_special=False) if query_tokens is None else query_tokens
         out += [end] if self.add_eos and end is not None else []
         out += [self.sep] if self.add_sep and self.sep is not None else []
         out += self.tokenize(document, add_special=False, parse_special=False)
@@ -204,7 +207,7 @@ class Vocab:
             return cached
         if not 0 <= token < self.n_vocab:
             raise ValueError(f"token id {token} is outside the vocabulary (0..{self.n_vocab - 1})")
-        buf = self._piece_buf
+        buf = ctypes.create_string_buffer(256)  # (its own: the router's preparing threads call this side by side)
         n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
@@ -214,8 +217,11 @@ class Vocab:
         return out
 
     def detokenize(self, tokens: list[int]) -> str:
-        """Token ids -> text: the pieces joined, invalid UTF-8 replaced (the same text the worker streams)."""
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+        """Token ids -> text: the pieces joined, invalid UTF-8 replaced (the same text the worker streams). Joined
+        JOIN_AT pieces at a time: one join of a million pieces holds the GIL, and every other thread, for 0.2 s."""
+        pieces = [self.piece(t) for t in tokens]
+        parts = [b"".join(pieces[i : i + JOIN_AT]) for i in range(0, len(pieces), JOIN_AT)]
+        return b"".join(parts).decode("utf-8", "replace")
 
     def attr(self, token: int) -> int:
         """llama.cpp's attribute bits of a token (LLAMA_TOKEN_ATTR_CONTROL ...)."""

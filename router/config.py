@@ -98,6 +98,11 @@ class RouterConfig:
         2, "a request whose worker died this many times while running it fails (a poison request) instead of moving on"
     )
     max_frame_bytes: int = opt(8 * 1024 * 1024, "largest client frame accepted")
+    prepare_timeout_s: float = opt(
+        10.0,
+        "how long preparing one request (its template, tokenizing, schema and grammar work) may take on the router's "
+        "preparing threads; a request that would take longer is refused (400) naming the field being prepared",
+    )
     drain_timeout_s: float = opt(
         30.0, "on SIGTERM: new requests get `draining`; accepted ones get this long to finish, then an error"
     )
@@ -135,5 +140,7 @@ class RouterConfig:
             raise ValueError(f"hung_after_s must be positive, got {self.hung_after_s}")
         if self.max_worker_deaths < 1:
             raise ValueError(f"max_worker_deaths must be at least 1, got {self.max_worker_deaths}")
+        if self.prepare_timeout_s <= 0:
+            raise ValueError(f"prepare_timeout_s must be positive, got {self.prepare_timeout_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be at least 0, got {self.drain_timeout_s}")

@@ -1,5 +1,10 @@
-"""A submit -> the prompt's tokens, the constraint on the reply, and how to read the reply (no sockets: pure work
-that may run on the tokenizing thread)."""
+"""A submit -> the prompt's tokens, the constraint on the reply, and how to read the reply (no sockets: pure work,
+done on the router's preparing threads, never on its event loop).
+
+What it may cost is bounded (chat/limits.py): a value nested deeper than MAX_NESTING is refused before any work, and
+the whole preparation has a deadline (`--prepare-timeout-s`), checked between its stages, inside template rendering
+and before each tokenizing and grammar compile; a request that would pass it is refused naming the field whose work
+was under way."""
 
 from __future__ import annotations
 
@@ -10,13 +15,14 @@ import msgspec
 import numpy as np
 
 from chat.grammar import ChatError
+from chat.limits import MAX_NESTING, Deadline, DeadlinePassed, nesting
 from chat.output import OutputSpec
 from chat.request import ChatFormat, prompt_constraint, shift_points, shifted
 from chat.template import TemplateError
 from kvroute.vocab import Vocab
 from protocol import Constraint, Detokenize, Submit, Tokenize, Tokens, pack_tokens
-from router.prompt_tokens import PromptTokenizer
-from router.tokens import tokens_from_wire, tokens_to_list
+from router.prompt_tokens import PromptTokenizer, TokenizeCost
+from router.tokens import tokens_from_wire
 
 PLAIN = OutputSpec()
 
@@ -48,6 +54,21 @@ class Prepared:
 TokenizeFn = Callable[[str, bool], np.ndarray]
 
 
+def check_nesting(msg: Submit | Tokenize) -> None:
+    """Raise PrepareError naming the first value of `msg` nested deeper than MAX_NESTING (linear, no recursion)."""
+    values: list[tuple[str, object]] = []
+    fmt = getattr(msg, "response_format", None)
+    if fmt is not None and fmt.schema is not None:
+        values.append(("response_format", fmt.schema))
+    values += [(f"tools[{i}].function.parameters", t.parameters) for i, t in enumerate(msg.tools or ())]
+    if msg.chat_template_kwargs:
+        values.append(("chat_template_kwargs", msg.chat_template_kwargs))
+    for param, value in values:
+        depth = nesting(value)
+        if depth > MAX_NESTING:
+            raise PrepareError(f"`{param}` nests more than {MAX_NESTING} levels deep; at most {MAX_NESTING} are served", param)
+
+
 def fits(n_prompt: int, max_tokens: int | None, ctx: int) -> bool:
     """Whether a prompt and its max_tokens fit a slot of `ctx` tokens (without max_tokens, one token at least)."""
     return n_prompt < ctx and n_prompt + (max_tokens or 0) <= ctx
@@ -61,27 +82,41 @@ def text_chars(msg: Submit | Tokenize) -> int:
 
 
 def prepare(
-    msg: Submit, vocab: Vocab, chat: ChatFormat, prompts: PromptTokenizer | None = None, *, shift_to: int | None = None
+    msg: Submit,
+    vocab: Vocab,
+    chat: ChatFormat,
+    prompts: PromptTokenizer | None = None,
+    *,
+    shift_to: int | None = None,
+    deadline: Deadline | None = None,
 ) -> Prepared:
     """Raises PrepareError naming the problem (and the field). `prompts` tokenizes texts reusing the tokens of
-    recent prompts' heads (the router's); without it every text is tokenized whole. `shift_to` (--context-shift):
-    the slot size chat messages must fit, dropping the oldest ones if they do not."""
+    recent prompts' heads of the request's tenant (the router's); without it every text is tokenized whole.
+    `shift_to` (--context-shift): the slot size chat messages must fit, dropping the oldest ones if they do not.
+    `deadline`: how long it may take (None: no limit)."""
+    deadline = deadline or Deadline(None)
+    tenant = msg.cache_salt or ""
 
     def tokenize(text: str, add_special: bool) -> np.ndarray:
         if prompts is not None:
-            return prompts.tokenize(text, add_special)
+            return prompts.tokenize(text, add_special, tenant=tenant, deadline=deadline)
         return np.asarray(vocab.tokenize(text, add_special=add_special), dtype=np.int32)
 
+    check_nesting(msg)
     try:
-        if msg.messages is not None:
-            return _chat(msg, chat, tokenize, shift_to)
-        limit = prompt_constraint(msg)
+        with deadline.running("messages" if msg.messages is not None else "prompt"):
+            if msg.messages is not None:
+                return _chat(msg, chat, tokenize, shift_to)
+            limit = prompt_constraint(msg)
+            if msg.prompt is not None:
+                deadline.check("prompt")
+                return Prepared(tokenize(msg.prompt, True), limit, PLAIN)
     except ChatError as exc:
         raise PrepareError(str(exc), exc.param) from None
     except TemplateError as exc:
         raise PrepareError(f"chat template error: {exc}", "messages") from None
-    if msg.prompt is not None:
-        return Prepared(tokenize(msg.prompt, True), limit, PLAIN)
+    except DeadlinePassed as exc:
+        raise PrepareError(str(exc), exc.param) from None
     assert msg.tokens is not None
     toks = tokens_from_wire(msg.tokens)
     if len(toks) and (toks.min() < 0 or toks.max() >= vocab.n_vocab):
@@ -92,6 +127,7 @@ def prepare(
 
 def _chat(msg: Submit, chat: ChatFormat, tokenize: TokenizeFn, ctx: int | None) -> Prepared:
     p = chat.prepare(msg)
+    Deadline.check_running("messages")
     tokens = tokenize(p.text, p.add_bos)
     if ctx is None or fits(len(tokens), msg.sampling.max_tokens, ctx):
         return Prepared(tokens, p.constraint, p.output)
@@ -132,27 +168,37 @@ def _shift(msg: Submit, chat: ChatFormat, tokenize: TokenizeFn, ctx: int, whole:
     return best
 
 
-def tokens_reply(msg: Tokenize | Detokenize, vocab: Vocab, chat: ChatFormat) -> Tokens:
-    """The answer to `tokenize` (a prompt, or messages rendered as a submit would be) or `detokenize`."""
+def tokens_reply(
+    msg: Tokenize | Detokenize, vocab: Vocab, chat: ChatFormat, cost: TokenizeCost | None = None, deadline: Deadline | None = None
+) -> Tokens:
+    """The answer to `tokenize` (a prompt, or messages rendered as a submit would be) or `detokenize`. `cost` and
+    `deadline` bound the work as `prepare`'s are."""
+    deadline = deadline or Deadline(None)
     if isinstance(msg, Detokenize):
-        ids = tokens_to_list(msg.tokens)
-        bad = next((t for t in ids if not 0 <= t < vocab.n_vocab), None)
-        if bad is not None:
+        given = tokens_from_wire(msg.tokens)
+        outside = (given < 0) | (given >= vocab.n_vocab)
+        if outside.any():
+            bad = int(given[outside][0])
             raise PrepareError(f"token id {bad} is outside the vocabulary (0..{vocab.n_vocab - 1})", "tokens")
-        text = vocab.detokenize(ids)
-    elif msg.messages is not None:
-        sub = Submit(messages=msg.messages, tools=msg.tools, chat_template_kwargs=msg.chat_template_kwargs)
-        try:
-            p = chat.prepare(sub)
-        except ChatError as exc:
-            raise PrepareError(str(exc), exc.param) from None
-        except TemplateError as exc:
-            raise PrepareError(f"chat template error: {exc}", "messages") from None
-        text = p.text
-        ids = vocab.tokenize(text, add_special=p.add_bos and msg.add_special)
-    else:
-        assert msg.prompt is not None
-        text = msg.prompt
-        ids = vocab.tokenize(text, add_special=msg.add_special, parse_special=msg.parse_special)
-    pieces = [vocab.piece(t) for t in ids] if isinstance(msg, Tokenize) and msg.with_pieces else []
+        return Tokens(id=msg.id, tokens=msg.tokens, text=vocab.detokenize(given.tolist()))
+    check_nesting(msg)
+    try:
+        with deadline.running("messages" if msg.messages is not None else "prompt"):
+            if msg.messages is not None:
+                sub = Submit(messages=msg.messages, tools=msg.tools, chat_template_kwargs=msg.chat_template_kwargs)
+                p = chat.prepare(sub)
+                text, add_special, parse_special = p.text, p.add_bos and msg.add_special, True
+            else:
+                assert msg.prompt is not None
+                text, add_special, parse_special = msg.prompt, msg.add_special, msg.parse_special
+            if cost is not None and parse_special:
+                cost.check(text, deadline)
+    except ChatError as exc:
+        raise PrepareError(str(exc), exc.param) from None
+    except TemplateError as exc:
+        raise PrepareError(f"chat template error: {exc}", "messages") from None
+    except DeadlinePassed as exc:
+        raise PrepareError(str(exc), exc.param) from None
+    ids = vocab.tokenize(text, add_special=add_special, parse_special=parse_special)
+    pieces = [vocab.piece(t) for t in ids] if msg.with_pieces else []
     return Tokens(id=msg.id, tokens=pack_tokens(ids), text=text, pieces=pieces)

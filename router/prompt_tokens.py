@@ -17,6 +17,15 @@ with no such cut, is tokenized whole. The cuts are learnt from the prompts thems
 a prompt tokenized whole (a template's turn markers, out of Gemma's 6,250 control tokens) become cut points once
 checked.
 
+The cache is per tenant (a request's `cache_salt`): how fast a prompt is tokenized tells nothing of another tenant's
+prompts.
+
+What llama_tokenize costs with special tokens parsed (`TokenizeCost`): its partition looks for each special token of
+the vocabulary (Gemma: 6,414, most starting with `<`, its whitespace runs with a newline, tab or space) at each place
+its first character is, and then again in every piece the text was cut into. That is linear in the text but with a
+large factor: on this project's machine 80 kB of `<` take 11 s and 40 kB of "x\n" 6 s (8 MB, a frame's worth, would
+take hours). A text whose estimate is over what is left of its request's deadline is refused before it is tokenized.
+
 A prompt sent as plain text (`/v1/completions`) has no turn markers. In a SentencePiece vocabulary that adds no space
 before a text (`tokenizer.ggml.add_space_prefix` false, as Gemma's), a text can also be cut just before a space
 between two words: SentencePiece merges only neighbouring pieces into pieces of the vocabulary, so no piece reaches
@@ -30,28 +39,128 @@ from __future__ import annotations
 import re
 import threading
 from collections import Counter, OrderedDict
+from typing import Any
 
 import llama_cpp
 import numpy as np
 
+from chat.limits import Deadline, DeadlinePassed
 from kvroute.vocab import Vocab
 
 CUTS_TRIED = 32  # cut points looked up per prompt, from its end: a next turn finds its previous prompt in a few
 SPACE = "\u2581"  # how SentencePiece writes a space inside a piece
 SPACES = (SPACE.encode(), b" ")
 WORD_TAIL = 4096  # characters from a text's end searched for its last cut between words
+# llama_tokenize's partition, measured here: per special token and place of its first character, and per special token
+# and special token found in the text (each cuts the text into one more piece, searched again for every special token)
+CANDIDATE_S = 22e-9
+PIECE_S = 35e-9
+WINDOW = 1 << 16  # characters scanned for special tokens at a time
 SPECIAL = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
 STRIPS = llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP | llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP
 
 
+class TokenizeCost:
+    """About how long llama_tokenize takes for a text with its special tokens parsed (the module docstring says why)."""
+
+    def __init__(self, vocab: Vocab) -> None:
+        v = vocab.pointer
+        texts = []
+        for t in range(vocab.n_vocab):
+            if llama_cpp.llama_vocab_get_attr(v, t) & SPECIAL:
+                text = (llama_cpp.llama_vocab_get_text(v, t) or b"").decode("utf-8", "replace")
+                if text:
+                    texts.append(text)
+        self.n_special = len(texts)
+        self.first = Counter(t[0] for t in texts)  # first character -> special tokens starting with it
+        # first character -> what every special token starting with it starts with (Gemma's space runs: two spaces,
+        # so the single spaces of prose count for nothing in the bound)
+        self.prefix = {c: _common_start([t for t in texts if t[0] == c]) for c in self.first}
+        self.longest = max(map(len, texts), default=0)
+        self._texts = texts
+        self._found: re.Pattern[str] | None = None  # every special token's text (a trie: linear to scan), made once needed
+        self._lock = threading.Lock()
+
+    def seconds(self, text: str, *, exact: bool = True) -> float:
+        """The estimate for `text`; with `exact` False an upper bound, without finding the special tokens in it (it
+        counts a piece for every character a special token starts with)."""
+        at_first = CANDIDATE_S * sum(n * text.count(c) for c, n in self.first.items())
+        found = self.found(text) if exact else sum(text.count(p) for p in self.prefix.values())
+        return at_first + PIECE_S * self.n_special * (found + 1)
+
+    def found(self, text: str) -> int:
+        """How many special tokens' texts `text` holds, counted a window at a time (a regular expression holds the
+        GIL while it scans: 8 MB at once would hold the event loop too, for most of a second)."""
+        pattern, longest, n = self.pattern(), self.longest, 0
+        for start in range(0, len(text), WINDOW):
+            end = start + WINDOW
+            n += sum(1 for m in pattern.finditer(text, start, end + longest) if m.start() < end)
+        return n
+
+    def check(self, text: str, deadline: Deadline | None) -> None:
+        """Raise DeadlinePassed when tokenizing `text` would take longer than what is left of `deadline`."""
+        if deadline is None or deadline.at is None or not self.n_special:
+            return
+        left = deadline.left()
+        bound = self.seconds(text, exact=False)
+        if bound <= left:
+            return
+        need = self.seconds(text, exact=CANDIDATE_S * sum(self.first[c] * text.count(c) for c in self.first) <= left)
+        if need > left:
+            raise DeadlinePassed(
+                f"tokenizing `{deadline.param or 'the text'}` ({len(text)} characters) would take about {need:.1f} s here,"
+                f" more than the {max(left, 0):.1f} s left of the {deadline.seconds:g} s a request's preparation may take"
+                " (llama.cpp looks for each of the model's special tokens wherever its first character is, such as"
+                " `<` and newlines)",
+                deadline.param,
+            )
+
+    def pattern(self) -> re.Pattern[str]:
+        with self._lock:
+            if self._found is None:
+                self._found = re.compile(_trie(self._texts))
+            return self._found
+
+
+def _common_start(texts: list[str]) -> str:
+    """The longest text every one of `texts` starts with."""
+    low, high = min(texts), max(texts)
+    n = 0
+    while n < len(low) and low[n] == high[n]:
+        n += 1
+    return low[:n]
+
+
+def _trie(words: list[str]) -> str:
+    """A regular expression matching any of `words`, as a trie (a scan tries one branch per character, not every word)."""
+    root: dict[str, Any] = {}
+    for w in words:
+        node = root
+        for ch in w:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def emit(node: dict[str, Any]) -> str:
+        ends = "" in node
+        alts = [re.escape(ch) + emit(sub) for ch, sub in sorted(node.items()) if ch]
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 and not ends else "(?:" + "|".join(alts) + ")"
+        return f"(?:{body})?" if ends else body
+
+    return emit(root)
+
+
 class PromptTokenizer:
     """`tokenize(text, add_special)` as `Vocab.tokenize(text, add_special=..., parse_special=True)`, reusing the
-    tokens of recent prompts' heads. Safe to call from several threads."""
+    tokens of recent prompts' heads of the same tenant. Safe to call from several threads."""
 
     def __init__(self, vocab: Vocab, *, max_entries: int = 512, max_chars: int = 64 << 20) -> None:
         self.vocab = vocab
+        self.cost = TokenizeCost(vocab)
         self.max_entries, self.max_chars = max_entries, max_chars
-        self._entries: OrderedDict[tuple[bool, str], np.ndarray] = OrderedDict()  # LRU: (add_special, head) -> tokens
+        # LRU: (tenant, add_special, head) -> tokens
+        self._entries: OrderedDict[tuple[str, bool, str], np.ndarray] = OrderedDict()
         self._chars = 0
         self._lengths: Counter[int] = Counter()  # lengths of the kept heads: a cut of another length is no lookup
         self._lock = threading.Lock()
@@ -119,12 +228,14 @@ class PromptTokenizer:
             self._safe = tuple(safe)
             return True
 
-    def tokenize(self, text: str, add_special: bool) -> np.ndarray:
+    def tokenize(self, text: str, add_special: bool, *, tenant: str = "", deadline: Deadline | None = None) -> np.ndarray:
+        """The tokens of `text`, reusing a kept head of `tenant`'s prompts. Raises DeadlinePassed (before the work)
+        when what is to be tokenized would take longer than what is left of `deadline`."""
         last = self._last_cut(text)
         if not last:
-            tokens = self._whole(text, add_special)
+            tokens = self._whole(text, add_special, deadline)
             if self._learn(tokens):  # the first prompt with these turn markers: keep its head for the next
-                return self.tokenize(text, add_special)
+                return self.tokenize(text, add_special, tenant=tenant, deadline=deadline)
             return tokens
         kept, at = None, 0
         with self._lock:
@@ -132,9 +243,9 @@ class PromptTokenizer:
             for c in sorted((n for n in self._lengths if n <= last), reverse=True):
                 if not self._is_cut(text, c):
                     continue
-                kept = self._entries.get((add_special, text[:c]))
+                kept = self._entries.get((tenant, add_special, text[:c]))
                 if kept is not None:
-                    self._entries.move_to_end((add_special, text[:c]))
+                    self._entries.move_to_end((tenant, add_special, text[:c]))
                     self.reused_tokens += len(kept)
                     at = c
                     break
@@ -142,12 +253,14 @@ class PromptTokenizer:
                 if tried == CUTS_TRIED:
                     break
         if kept is None:
+            self.cost.check(text, deadline)  # (all of it is tokenized: checked once, not per part)
             head = self._whole(text[:last], add_special)
             if self._learn(head):  # turn markers seen for the first time: the head may end at the last one now
-                return self.tokenize(text, add_special)
+                return self.tokenize(text, add_special, tenant=tenant)
         else:
+            self.cost.check(text[at:], deadline)
             head = kept if at == last else np.concatenate([kept, self._whole(text[at:last], False)])
-        self._keep(add_special, text[:last], head)
+        self._keep(tenant, add_special, text[:last], head)
         return np.concatenate([head, self._whole(text[last:], False)])
 
     def _last_cut(self, text: str) -> int:
@@ -169,11 +282,12 @@ class PromptTokenizer:
             return True
         return self._word_cut is not None and self._word_cut.match(text, c, c + 2) is not None and c > 0
 
-    def _whole(self, text: str, add_special: bool) -> np.ndarray:
+    def _whole(self, text: str, add_special: bool, deadline: Deadline | None = None) -> np.ndarray:
+        self.cost.check(text, deadline)
         return np.asarray(self.vocab.tokenize(text, add_special=add_special), dtype=np.int32)
 
-    def _keep(self, add_special: bool, head: str, tokens: np.ndarray) -> None:
-        key = (add_special, head)
+    def _keep(self, tenant: str, add_special: bool, head: str, tokens: np.ndarray) -> None:
+        key = (tenant, add_special, head)
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
@@ -182,7 +296,7 @@ class PromptTokenizer:
             self._chars += len(head)
             self._lengths[len(head)] += 1
             while len(self._entries) > self.max_entries or self._chars > self.max_chars:
-                (_, old), _ = self._entries.popitem(last=False)
+                (_, _, old), _ = self._entries.popitem(last=False)
                 self._chars -= len(old)
                 self._lengths[len(old)] -= 1
                 if not self._lengths[len(old)]:

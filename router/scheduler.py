@@ -378,6 +378,24 @@ class Scheduler:
             log.info("request_cancel", request_id=rid, choice=req.index, job=req.job, state=req.state.value)
             self._cancel(req)
 
+    def crashed(self, req: Req, error_id: str) -> None:
+        """Handling an event of this request raised (a bug, logged under `error_id`): it ends now with an `internal`
+        error carrying its id and `error_id`, and frees what it held: its place in the queue, and for a choice on a
+        worker its job (cancelled: its end, if it comes, is an unknown job's) and its slot, whose contents are then
+        unknown (the mirror forgets them; the next job there starts from a cleared slot)."""
+        for r in req.choices:
+            conn = self.table.get(r.worker)
+            if conn is not None and r.job in conn.jobs:
+                self._to_worker(conn, JobCancel(id=r.job or ""))
+                self._leave_worker(r)
+                if r.attempt is not None and r.attempt.slot.job == r.job:
+                    self.mirror.lost(r.attempt.slot)
+                    conn.refresh()
+            self.jobs.pop(r.job or "", None)
+        lead = next((r for r in req.choices if r.state is not ReqState.DONE), None)
+        if lead is not None:
+            self._fail(lead, ErrorCode.INTERNAL, "internal error", error_id=error_id)
+
     def client_gone(self, identity: bytes) -> None:
         """The client's connection is gone: its requests end, silently."""
         self.embeds.client_gone(identity)

@@ -12,8 +12,11 @@ reported to the core as its own event. All state is owned by this loop: no locks
   requests cancelled, logged), a worker is declared dead. Nothing is dropped without a log line.
 - Workers the core wants killed (hung, or silent long after they were declared dead) go to `on_kill` (the
   supervisor, under `kvroute serve`; systemd's watchdog does it for units).
-- A long prompt is rendered and tokenized on a thread (llama_tokenize releases the GIL), so the loop keeps
-  serving everyone else; the request is in flight meanwhile.
+- Every request's preparation (its template, tokenizing, schema and grammar work, detokenizing) runs on the
+  preparing threads (router/prepare.py bounds what it may cost), never on the loop, so the loop keeps serving
+  everyone else; the request is in flight meanwhile.
+- Any exception while a request is handled ends that request (an `internal` error carrying its id and an error id
+  for the log) and frees what it held (Scheduler.crashed); the loop goes on.
 
 Graceful stop (`shutdown()`, on SIGTERM): new submits get `draining` at once; accepted requests (queued or
 running) go on and the loop stops when none is left, or after `drain_timeout_s`, when each request still open
@@ -30,7 +33,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import functools
+import gc
 import os
 import time
 import uuid
@@ -40,6 +43,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from chat.limits import Deadline, DeadlinePassed
 from chat.request import ChatFormat
 from chat.template import ChatTemplate
 from kvroute import logs
@@ -57,6 +61,7 @@ from protocol import (
     ErrorCode,
     Hello,
     Invalid,
+    JobDeltas,
     MetricsReply,
     MetricsRequest,
     Rerank,
@@ -74,7 +79,7 @@ from router.config import RouterConfig
 from router.metrics import Metrics
 from router.mirror import Mirror
 from router.models import ModelCore, Models, ServedModel, model_name, status
-from router.prepare import PrepareError, prepare, text_chars, tokens_reply
+from router.prepare import Prepared, PrepareError, prepare, tokens_reply
 from router.prompt_tokens import PromptTokenizer
 from router.requests import Req, WorkerConn
 from router.scheduler import Out, Scheduler
@@ -86,9 +91,11 @@ log = logs.get(__name__)
 TICK_S = 0.1
 STATUS_EVERY_S = 1.0  # systemd STATUS= lines
 CLOSE_LINGER_MS = 1000  # last replies (drain errors) get this long to leave when the sockets close
-# Text longer than this is tokenized on a thread: llama_tokenize takes ~3 us a token here (80 ms for a 130 kB,
-# 26k-token conversation), which on the event loop would stall every other client for as long.
-TOKENIZE_INLINE_CHARS = 16 * 1024
+# Requests are prepared on this many threads: one long preparation (a 130 kB conversation takes 80 ms to tokenize,
+# a hostile one up to --prepare-timeout-s) does not hold up everyone else's (llama_tokenize releases the GIL)
+PREPARE_THREADS = 2
+DECODE_INLINE_BYTES = 1 << 20  # a larger client frame is decoded on a preparing thread (10 ms a megabyte, and more)
+DECODING_MAX = 64  # frames of one client kept waiting behind its large frame being decoded
 BACKLOG_MAX = 100_000  # messages kept for one peer that does not read
 BACKLOG_TIMEOUT_S = 30.0  # how long a peer may stay behind
 
@@ -157,8 +164,9 @@ class Router:
         self._next_status = 0.0
         self._watchdog_s = watchdog_interval_s(cfg.alive_file)
         self._next_watchdog = 0.0
-        # long texts are tokenized here, so that the event loop keeps serving (llama_tokenize releases the GIL)
-        self._tokenizer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvroute-tokenize")
+        self._preparing = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="kvroute-prepare")
+        # clients with a large frame being decoded off the loop -> their frames that came after it, in order
+        self._decoding: dict[bytes, collections.deque[tuple[tuple[bytes, ...], bytes]]] = {}
         self.gatekeeper: Gatekeeper | None = None
         self._raw: tuple[zmq.Socket[bytes], zmq.Socket[bytes]] | None = None
         self._inboxes: list[Inbox] = []
@@ -256,6 +264,9 @@ class Router:
             curve=sorted(self.gatekeeper.security.allowed) if self.gatekeeper else [],
         )
         self.ready.set()
+        # what start-up made (vocabularies, templates, caches: ~50k objects, a full collection of which took 76 ms
+        # here) is left out of the collector's full passes, which stop every thread, this loop too
+        gc.freeze()
         notify(ready=True, status=self.status_line())
         assert self._raw is not None
         self._inboxes = [
@@ -279,7 +290,7 @@ class Router:
             for sock in (self.client_sock, self.worker_sock):
                 if sock is not None:
                     sock.close(CLOSE_LINGER_MS)
-            self._tokenizer.shutdown(wait=False, cancel_futures=True)
+            self._preparing.shutdown(wait=False, cancel_futures=True)
             log.info("router_stopped", router_id=self.router_id)
 
     def stop(self) -> None:
@@ -398,14 +409,6 @@ class Router:
     # ---- client side ----------------------------------------------------------------------------
 
     def _client_frames(self, frames: list[bytes]) -> None:
-        try:
-            self._on_client_frames(frames)
-        except Exception as exc:  # never let one request take the loop down
-            error_id = uuid.uuid4().hex[:12]
-            log.exception("client_frame_crashed", error_id=error_id, error=str(exc))
-            self.core.reply(frames[0], (), Error(code=ErrorCode.INTERNAL, message="internal error", error_id=error_id))
-
-    def _on_client_frames(self, frames: list[bytes]) -> None:
         identity, rest = frames[0], frames[1:]
         envelope: tuple[bytes, ...]
         if len(rest) == 2 and rest[0] == b"":
@@ -417,7 +420,66 @@ class Router:
             message = f"expected one message frame, got {len(rest)}"
             self.core.reply(identity, (), Error(code=ErrorCode.BAD_REQUEST, message=message))
             return
-        msg = self._client_decoder.decode(payload)
+        waiting = self._decoding.get(identity)
+        if waiting is not None:  # (behind a large frame of the same client being decoded: its order is kept)
+            if len(waiting) >= DECODING_MAX:
+                self._too_many_large(identity, envelope, payload)
+            else:
+                waiting.append((envelope, payload))
+        elif len(payload) > DECODE_INLINE_BYTES:
+            self._decoding[identity] = collections.deque()
+            self._decode_off_loop(identity, envelope, payload)
+        else:
+            self._handle(identity, envelope, self._client_decoder.decode(payload))
+
+    def _handle(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any) -> None:
+        try:
+            self._on_client_message(identity, envelope, msg)
+        except Exception as exc:  # never let one request take the loop down, nor stay in flight
+            self._crashed(identity, envelope, getattr(msg, "id", None), exc)
+
+    def _decode_off_loop(self, identity: bytes, envelope: tuple[bytes, ...], payload: bytes) -> None:
+        """A large frame is decoded on a preparing thread (a 7 MB submit of 100,000 messages takes 50-100 ms); the
+        client's next frames wait for it, so that a cancel right after its submit still finds it."""
+
+        def then(msg: Any) -> None:
+            if isinstance(msg, BaseException):  # (the decoder answers Invalid for anything it cannot read)
+                msg = Invalid(ErrorCode.INTERNAL, f"frame could not be decoded: {msg!r}")
+            self._handle(identity, envelope, msg)
+            waiting = self._decoding.get(identity)
+            while waiting:
+                env, frame = waiting.popleft()
+                if len(frame) > DECODE_INLINE_BYTES:
+                    self._decode_off_loop(identity, env, frame)
+                    return
+                self._handle(identity, env, self._client_decoder.decode(frame))
+            self._decoding.pop(identity, None)
+
+        self._off_loop(lambda: self._client_decoder.decode(payload), then)
+
+    def _too_many_large(self, identity: bytes, envelope: tuple[bytes, ...], payload: bytes) -> None:
+        self.core.metrics.requests[ErrorCode.QUEUE_FULL] += 1
+        rid = self._client_decoder.request_id(payload)
+        text = f"{DECODING_MAX} frames of this client already wait behind a large one being decoded"
+        self.core.reply(identity, envelope, Error(id=rid, code=ErrorCode.QUEUE_FULL, message=text, retry_after_ms=1000))
+
+    def _crashed(self, identity: bytes, envelope: tuple[bytes, ...], rid: str | None, exc: BaseException) -> None:
+        """Handling request `rid` of this client raised: it ends with an internal error carrying its id and an error
+        id for the log, and frees what it held (its place in the queue, its job and slot)."""
+        error_id = uuid.uuid4().hex[:12]
+        log.error("request_crashed", error_id=error_id, request_id=rid, error=repr(exc), exc_info=exc)
+        for core in self.cores:
+            req = core.requests.get((identity, rid or "", 0))
+            if req is not None:
+                try:
+                    core.crashed(req, error_id)
+                except Exception as again:
+                    log.error("request_crash_unsettled", error_id=error_id, request_id=rid, error=repr(again), exc_info=again)
+                return
+        self.core.metrics.requests[ErrorCode.INTERNAL] += 1
+        self.core.reply(identity, envelope, Error(id=rid, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id))
+
+    def _on_client_message(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any) -> None:
         if isinstance(msg, Invalid):
             self.core.metrics.bad_frames += 1
             log.info("bad_client_frame", code=msg.code, reason=msg.reason, request_id=msg.id)
@@ -453,41 +515,68 @@ class Router:
         return m
 
     def _on_embed(self, identity: bytes, envelope: tuple[bytes, ...], msg: Embed, model: ModelCore) -> None:
-        """Texts tokenized as a prompt is (BOS by the model's rule, special-token text read as such; a long one on the
-        tokenizing thread), then placed."""
+        """Texts tokenized as a prompt is (BOS by the model's rule, special-token text read as such), or token ids
+        checked, on a preparing thread; then placed."""
         core, vocab = model.core, model.vocab
         self.models.used(model, None)
         if msg.pooling is None:  # (an embedding model's GGUF says how it was trained to pool: bge cls, e5 mean ...)
             msg.pooling = vocab.pooling if vocab.pooling in ("mean", "last", "cls") else "mean"  # type: ignore[assignment]
-        if msg.tokens is not None:
-            inputs = [unpack_tokens(t) for t in msg.tokens]
-            n_vocab = vocab.n_vocab
-            bad = next(((i, t) for i, ids in enumerate(inputs) for t in ids if not 0 <= t < n_vocab), None)
-            if bad is not None:
-                text = f"token id {bad[1]} of input {bad[0]} is outside the vocabulary (0..{n_vocab - 1})"
-                core.reply(identity, envelope, Error(id=msg.id, code=ErrorCode.BAD_REQUEST, message=text, param="tokens"))
-                return
-            core.embed(identity, envelope, msg, inputs)
-            return
-        texts = msg.input or []
+        timeout = self.cfg.prepare_timeout_s
 
         def work() -> list[list[int]]:
-            return [vocab.tokenize(t, add_special=True, parse_special=True) for t in texts]
+            if msg.tokens is not None:
+                inputs = [unpack_tokens(t) for t in msg.tokens]
+                n_vocab = vocab.n_vocab
+                bad = next(((i, t) for i, ids in enumerate(inputs) for t in ids if not 0 <= t < n_vocab), None)
+                if bad is not None:
+                    raise PrepareError(
+                        f"token id {bad[1]} of input {bad[0]} is outside the vocabulary (0..{n_vocab - 1})", "tokens"
+                    )
+                return inputs
+            deadline, out = Deadline(timeout), []
+            for i, text in enumerate(msg.input or []):
+                deadline.check(f"input[{i}]")
+                model.prompts.cost.check(text, deadline)
+                out.append(vocab.tokenize(text, add_special=True, parse_special=True))
+            return out
 
-        self._tokenized(sum(map(len, texts)), work, lambda inputs: core.embed(identity, envelope, msg, inputs))
+        self._prepared_then(identity, envelope, msg.id, work, lambda inputs: core.embed(identity, envelope, msg, inputs))
 
-    def _tokenized(self, chars: int, work: Callable[[], list[list[int]]], then: Callable[[list[list[int]]], None]) -> None:
-        """`then(work())`: at once for short texts, else `work` on the tokenizing thread and `then` back on the loop."""
-        if chars <= TOKENIZE_INLINE_CHARS:
-            then(work())
-            return
+    def _off_loop(self, work: Callable[[], Any], then: Callable[[Any], None]) -> None:
+        """`work()` on a preparing thread; back on the loop, `then(its result, or the exception it raised)`, and what
+        that produced is sent."""
 
-        def done(fut: asyncio.Future[list[list[int]]]) -> None:
-            if not fut.cancelled() and fut.exception() is None:
-                then(fut.result())
-                self._flush()
+        def done(fut: asyncio.Future[Any]) -> None:
+            if fut.cancelled():
+                return  # (the router is stopping)
+            try:
+                then(fut.exception() or fut.result())
+            except Exception as exc:  # (`then` settles its request itself; this is its last resort)
+                log.error("prepared_crashed", error=repr(exc), exc_info=exc)
+            self._flush()
 
-        asyncio.get_running_loop().run_in_executor(self._tokenizer, work).add_done_callback(done)
+        asyncio.get_running_loop().run_in_executor(self._preparing, work).add_done_callback(done)
+
+    def _prepared_then(
+        self, identity: bytes, envelope: tuple[bytes, ...], rid: str | None, work: Callable[[], Any], then: Callable[[Any], None]
+    ) -> None:
+        """`then(work())` for a request with one reply (embed, rerank, tokenize): `work` off the loop; a refusal or a
+        crash of either is that reply (an error carrying the request's id)."""
+
+        def settle(outcome: Any) -> None:
+            if isinstance(outcome, PrepareError | DeadlinePassed):
+                self.core.metrics.requests[ErrorCode.BAD_REQUEST] += 1
+                error = Error(id=rid, code=ErrorCode.BAD_REQUEST, message=str(outcome), param=outcome.param)
+                self.core.reply(identity, envelope, error)
+            elif isinstance(outcome, BaseException):
+                self._crashed(identity, envelope, rid, outcome)
+            else:
+                try:
+                    then(outcome)
+                except Exception as exc:
+                    self._crashed(identity, envelope, rid, exc)
+
+        self._off_loop(work, settle)
 
     def _on_rerank(self, identity: bytes, envelope: tuple[bytes, ...], msg: Rerank, model: ModelCore) -> None:
         """A reranker's (query, document) inputs made as llama-server makes them (kvroute/vocab.py), then placed like
@@ -502,13 +591,26 @@ class Router:
             core.reply(identity, envelope, Error(id=msg.id, code=ErrorCode.BAD_REQUEST, message=text, param="model"))
             return
         self.models.used(model, None)
-        query, documents = msg.query, msg.documents
+        query, documents, timeout = msg.query, msg.documents, self.cfg.prepare_timeout_s
 
         def work() -> list[list[int]]:
-            return [vocab.rerank_prompt(query, d) for d in documents]
+            deadline = Deadline(timeout)
+            deadline.check("query")
+            query_tokens = vocab.tokenize(query, add_special=False, parse_special=False)  # (once, not per document)
+            trained = vocab.arch_meta_int("context_length")
+            if trained and len(query_tokens) > trained:  # (every pair would be refused: none is built)
+                raise PrepareError(
+                    f"`query` of {len(query_tokens)} tokens is longer than the model's context ({trained})", "query"
+                )
+            out = []
+            for i, d in enumerate(documents):
+                deadline.check(f"documents[{i}]")
+                if vocab.rerank_template is not None:  # (special-token text is read as such only in a template)
+                    model.prompts.cost.check(query + d, deadline)
+                out.append(vocab.rerank_prompt(query, d, query_tokens=query_tokens))
+            return out
 
-        chars = len(query) * len(documents) + sum(map(len, documents))
-        self._tokenized(chars, work, lambda inputs: core.embed(identity, envelope, msg, inputs))
+        self._prepared_then(identity, envelope, msg.id, work, lambda inputs: core.embed(identity, envelope, msg, inputs))
 
     def _on_submit(self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit, model: ModelCore) -> None:
         core = model.core
@@ -525,42 +627,27 @@ class Router:
             return
         self.models.used(model, msg.keep_alive_s)
         shift_to = core.slot_context() if self.cfg.context_shift else None  # (no ready worker: not shifted)
-        work = functools.partial(prepare, msg, model.vocab, model.chat, model.prompts, shift_to=shift_to)
-        if text_chars(msg) <= TOKENIZE_INLINE_CHARS:
+        timeout = self.cfg.prepare_timeout_s
+
+        def work() -> Prepared:  # (the deadline counts from when a thread takes it up)
+            return prepare(msg, model.vocab, model.chat, model.prompts, shift_to=shift_to, deadline=Deadline(timeout))
+
+        def then(outcome: Prepared | BaseException) -> None:
             try:
-                core.prepared(req, work())
-            except PrepareError as exc:
-                core.prepared(req, exc)
-            return
+                core.prepared(req, outcome)
+            except Exception as exc:
+                self._crashed(identity, envelope, req.rid, exc)
 
-        def done(fut: asyncio.Future[Any]) -> None:
-            if not fut.cancelled():
-                core.prepared(req, fut.exception() or fut.result())
-                self._flush()
-
-        asyncio.get_running_loop().run_in_executor(self._tokenizer, work).add_done_callback(done)
+        self._off_loop(work, then)
 
     def _on_tokenize(self, identity: bytes, envelope: tuple[bytes, ...], msg: Tokenize | Detokenize, model: ModelCore) -> None:
-        """Tokens or text, nothing generated; a long text is tokenized on the tokenizing thread."""
-        work = functools.partial(tokens_reply, msg, model.vocab, model.chat)
+        """Tokens or text, nothing generated; the work on a preparing thread."""
+        timeout = self.cfg.prepare_timeout_s
 
-        def reply(fut: asyncio.Future[Tokens] | None) -> None:
-            try:
-                answer: Any = work() if fut is None else fut.result()
-            except PrepareError as exc:
-                answer = Error(id=msg.id, code=ErrorCode.BAD_REQUEST, message=str(exc), param=exc.param)
-            except Exception as exc:
-                error_id = uuid.uuid4().hex[:12]
-                log.exception("tokenize_crashed", error_id=error_id, request_id=msg.id, error=str(exc))
-                answer = Error(id=msg.id, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id)
-            self.core.reply(identity, envelope, answer)
-            if fut is not None:
-                self._flush()
+        def work() -> Tokens:
+            return tokens_reply(msg, model.vocab, model.chat, model.prompts.cost, Deadline(timeout))
 
-        if isinstance(msg, Tokenize) and text_chars(msg) > TOKENIZE_INLINE_CHARS:
-            asyncio.get_running_loop().run_in_executor(self._tokenizer, work).add_done_callback(reply)
-        else:
-            reply(None)
+        self._prepared_then(identity, envelope, msg.id, work, lambda answer: self.core.reply(identity, envelope, answer))
 
     # ---- worker side ----------------------------------------------------------------------------
 
@@ -568,7 +655,25 @@ class Router:
         try:
             self._on_worker_frames(frames)
         except Exception as exc:
-            log.exception("worker_frame_crashed", error=str(exc))
+            error_id = uuid.uuid4().hex[:12]
+            log.error("worker_frame_crashed", error_id=error_id, error=repr(exc), exc_info=exc)
+            self._job_crashed(frames, error_id)
+
+    def _job_crashed(self, frames: list[bytes], error_id: str) -> None:
+        """A worker's message about jobs raised while it was handled: the requests of those jobs end with an internal
+        error (their jobs cancelled, their slots' contents forgotten), so that none of them waits forever."""
+        msg = self._worker_decoder.decode(frames[1]) if len(frames) == 2 else None
+        items = msg.items if isinstance(msg, JobDeltas) else [msg]
+        for item in items:
+            job = getattr(item, "id", None)
+            for core in self.cores:
+                req = core.jobs.get(job) if isinstance(job, str) else None
+                if req is not None:
+                    try:
+                        core.crashed(req, error_id)
+                    except Exception as again:
+                        log.error("request_crash_unsettled", error_id=error_id, job=job, error=repr(again), exc_info=again)
+        self._flush()
 
     def _on_worker_frames(self, frames: list[bytes]) -> None:
         identity = frames[0]
