@@ -157,8 +157,17 @@ _ERRORS: dict[str, type[KvrouteError]] = {
 
 def encode_checked(msg: Any, max_frame_bytes: int) -> bytes:
     """The message's frame; TooLarge when it is over the cap (checked here: far over it, the router would drop
-    the connection, taking every other request on the socket with it)."""
-    frame = encode(msg)
+    the connection, taking every other request on the socket with it), BadRequest when a string in it is not Unicode
+    msgpack can carry (a lone surrogate, which JSON's `\\ud800` escape makes)."""
+    try:
+        frame = encode(msg)
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start : exc.end] if isinstance(exc.object, str) else ""
+        raise BadRequest(
+            f"a string of this request holds {bad.encode('unicode_escape').decode()!r}, which is not a character (a lone"
+            " UTF-16 surrogate): send text as UTF-8",
+            request_id=getattr(msg, "id", None),
+        ) from None
     if len(frame) > max_frame_bytes:
         raise TooLarge(
             f"request of {len(frame)} bytes is over the {max_frame_bytes}-byte frame cap; send less",
@@ -617,10 +626,10 @@ class AsyncClient:
         if direct is not None:
             sub = msgspec.structs.replace(sub, reply_to=direct.endpoint, reply_key=direct.key or None)
         assert sub.id is not None
+        frame = encode_checked(sub, self.max_frame_bytes)  # (before any record of it: a refusal leaves none behind)
         if direct is not None:
             direct.expect(sub.id)
             self._submits[sub.id] = sub
-        frame = encode_checked(sub, self.max_frame_bytes)
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[sub.id] = q
         self._unanswered[sub.id] = frame
