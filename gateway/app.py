@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
@@ -30,7 +31,15 @@ from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect, Er
 from gateway.embeddings import embed_message, embeddings_reply
 from gateway.fields import Policy
 from gateway.helpers import keep_alive_s
-from gateway.limits import BoundedStream, StalledReader, declared_length, limited, too_large_message
+from gateway.limits import (
+    MAX_JSON_DEPTH,
+    BoundedStream,
+    StalledReader,
+    declared_length,
+    json_depth,
+    limited,
+    too_large_message,
+)
 from gateway.openai_schema import RequestError, chat_submit
 from gateway.openapi import OPENAPI
 from gateway.rerank import RERANK_PATHS, rerank_message, rerank_reply
@@ -47,7 +56,9 @@ HTTP_TTFT = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 
-PARSE_INLINE_BYTES = 1 << 20  # a larger JSON body is parsed on a thread, so the event loop keeps serving
+# a larger JSON body is parsed, and decoded into a request, on a thread, so that the event loop keeps serving (both
+# take about 10 ms a megabyte, and more for bodies of many small values)
+PARSE_INLINE_BYTES = 256 * 1024
 STALL_S = 30.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -85,6 +96,7 @@ class Gateway:
         max_body_bytes: int = MAX_FRAME_BYTES,
         stall_s: float = STALL_S,
         pooling: str = "auto",
+        body_timeout_s: float | None = None,
     ) -> None:
         """`api_key`: one key, or several comma-separated; `tenant_per_key`: each key is a tenant (its `cache_salt`);
         `aliases`: more names /v1/models lists; `strict_model_name`: a request naming another model gets 404;
@@ -101,6 +113,7 @@ class Gateway:
         self.tenant_per_key = tenant_per_key
         self.max_body_bytes = max_body_bytes
         self.stall_s = stall_s
+        self.body_timeout_s = body_timeout_s
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -125,13 +138,12 @@ class Gateway:
         return f"key:{key}" if salt is None else f"key:{key}/{salt}"
 
     async def body(self, request: Request) -> dict[str, Any]:
+        return (await self.sized_body(request))[0]
+
+    async def sized_body(self, request: Request) -> tuple[dict[str, Any], int]:
+        """The body as a JSON object, and its size in bytes (a large one is parsed on a thread)."""
         raw = await request.body()
-        try:
-            body = json.loads(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(json.loads, raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise RequestError("request body must be a JSON object")
+        body = parse_body(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(parse_body, raw)
         model = body.get("model")
         if self.strict_model_name and model not in (None, "", "default", *self.names):
             raise RequestError(
@@ -140,7 +152,7 @@ class Gateway:
                 status=404,
                 code="model_not_found",
             )
-        return body
+        return body, len(raw)
 
     # ---- routes ---------------------------------------------------------------------------------
 
@@ -267,10 +279,11 @@ class Gateway:
         for header in dialect.hint_headers:
             if header in request.headers:
                 policy.hint(f"header:{header}")
-        raw = await self.body(request)
+        raw, size = await self.sized_body(request)
         unset = {k: v for k, v in self.sampling_defaults.items() if k not in raw}  # (decoding strips hints from raw)
         asked, keep_alive = self.asked_model(raw), keep_alive_s(raw.pop("keep_alive", None))
-        call = dialect.decode(raw, rid, policy, asked if asked in self.names else self.model_name)  # (the model serving it)
+        decode = functools.partial(dialect.decode, raw, rid, policy, asked if asked in self.names else self.model_name)
+        call = decode() if size <= PARSE_INLINE_BYTES else await asyncio.to_thread(decode)  # (names the serving model)
         policy.report(rid)
         sub = call.sub
         sub.model, sub.keep_alive_s = asked, keep_alive
@@ -279,7 +292,9 @@ class Gateway:
         sub.cache_salt = self.salt_of(request, sub.cache_salt)
         t0 = asyncio.get_running_loop().time()
         messages = self.client.stream_submit(sub)
-        first = await anext(messages)
+        first = await self._first(messages, request, sub)
+        if first is None:
+            return Response(status_code=499)
         if not call.stream:
             result = first if isinstance(first, Result) else await self._drain(messages, request, sub)
             if result is None:
@@ -330,6 +345,26 @@ class Gateway:
                 code=ErrorCode.DEADLINE_EXCEEDED,
             )
 
+    async def _first(
+        self, messages: AsyncGenerator[Delta | Result, None], request: Request, sub: Submit
+    ) -> Delta | Result | None:
+        """The reply's first message; None when the client left before it came (a queued or prefilling request is
+        cancelled then: nobody waits for its prompt to be computed)."""
+        first = asyncio.ensure_future(anext(messages))
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if first.done():
+            return first.result()
+        first.cancel()  # (inside the generator: its `finally` sends the cancel)
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, KvrouteError):
+            await first
+        await messages.aclose()
+        log.info("http_client_gone", request_id=sub.id, before="first token")
+        return None
+
     async def _drain(self, messages: AsyncGenerator[Delta | Result, None], request: Request, sub: Submit) -> Result | None:
         """Consume to the Result, but give up (cancelling the job) if the HTTP client goes away."""
 
@@ -348,6 +383,26 @@ class Gateway:
                 log.info("http_client_gone", request_id=sub.id)
                 return None
         return task.result()
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; a RequestError (400) names what is wrong with it."""
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise RequestError(f"request body nests {depth} levels deep; at most {MAX_JSON_DEPTH} are accepted")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    return body
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client of `request` (its body read) has closed its connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class Guard:
@@ -378,7 +433,7 @@ class Guard:
                 response = errors_for(path).of("too_large", too_large_message(length, limit), 413, code="too_large")
                 await response(scope, receive, counting_send)
             else:
-                await self.app(scope, limited(receive, limit), counting_send)
+                await self.app(scope, limited(receive, limit, self.gateway.body_timeout_s), counting_send)
         except StalledReader as exc:
             log.warning("http_reply_cut", path=path, reason=str(exc))
         finally:

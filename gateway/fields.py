@@ -15,10 +15,12 @@ README's "Request fields" table is this module written out.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
 import msgspec
+import msgspec.inspect as mi
 from prometheus_client import Counter
 
 from kvroute import logs
@@ -181,6 +183,59 @@ def _unknown_field(exc: msgspec.ValidationError) -> str | None:
     return f"{where}.{unknown.group(1)}" if where else unknown.group(1)
 
 
+@functools.cache
+def _info(kind: Any) -> mi.Type:
+    return mi.type_info(kind)
+
+
+def _struct_for(value: dict[str, Any], t: mi.Type) -> mi.StructType | None:
+    """The struct type a JSON object is read as under `t` (a union's tagged member by its tag), if any."""
+    if isinstance(t, mi.Metadata):
+        t = t.type
+    if isinstance(t, mi.StructType):
+        return t
+    if isinstance(t, mi.UnionType):
+        structs = [m for m in t.types if isinstance(m, mi.StructType)]
+        if len(structs) == 1:
+            return structs[0]
+        return next((m for m in structs if m.tag_field and value.get(m.tag_field) == m.tag), None)
+    return None
+
+
+def _items_type(t: mi.Type) -> mi.Type | None:
+    """The type of a JSON array's items under `t`, if it reads arrays as lists."""
+    if isinstance(t, mi.Metadata):
+        t = t.type
+    if isinstance(t, mi.UnionType):
+        t = next((m for m in t.types if isinstance(m, mi.ListType | mi.VarTupleType | mi.SetType)), mi.AnyType())
+    return t.item_type if isinstance(t, mi.ListType | mi.VarTupleType | mi.SetType) else None
+
+
+def unknown_fields(raw: Any, kind: Any, at: str = "") -> list[str]:
+    """The paths of every field `kind` does not know in `raw` (a parsed JSON value), found in one walk beside the
+    type's description and removed from `raw` (a loop of conversions, each stopping at the next unknown field, was
+    quadratic: 256 of them in a large body took the HTTP loop seconds)."""
+    found: list[str] = []
+    stack: list[tuple[Any, mi.Type, str]] = [(raw, _info(kind), at)]
+    while stack:
+        value, t, where = stack.pop()
+        if isinstance(value, dict):
+            struct = _struct_for(value, t)
+            if struct is None:
+                continue
+            fields = {f.encode_name: f.type for f in struct.fields}
+            for key in list(value):
+                path = f"{where}.{key}" if where else key
+                if key in fields:
+                    stack.append((value[key], fields[key], path))
+                elif key != struct.tag_field and struct.forbid_unknown_fields:
+                    found.append(path)
+                    del value[key]
+        elif isinstance(value, list) and (item := _items_type(t)) is not None:
+            stack.extend((v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    return found
+
+
 class Policy:
     """One API's policy for one request: decodes bodies (and parts of them), strips hints, collects what it strips."""
 
@@ -210,7 +265,10 @@ class Policy:
                 pat = pat[len(prefix) + 1 :]
             if _pop(raw, _segments(pat)):
                 self.hint(f"{prefix}.{pat}" if prefix else pat)
-        for _ in range(_MAX_UNKNOWN):
+        if not self.strict:
+            for path in sorted(unknown_fields(raw, kind, at)):
+                self.hint(pattern(path))
+        for _ in range(_MAX_UNKNOWN):  # (what the walk did not see, and --strict-api's first unknown field)
             try:
                 return msgspec.convert(raw, kind)
             except msgspec.ValidationError as exc:

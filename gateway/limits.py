@@ -1,9 +1,14 @@
-"""Bounds on what one HTTP client can take from everyone else: the size of its request body, and how long its
-streaming reply may wait for it to read.
+"""Bounds on what one HTTP client can take from everyone else: the size of its request body, how long its headers and
+body may take to arrive, how deep its JSON may nest, and how long its streaming reply may wait for it to read.
 
 - A body over `max_body_bytes` is refused with 413 before it is read: at once when its Content-Length says so,
   else as soon as the bytes received pass the limit. Nothing of it is parsed, so a 40 MB body costs the shared
   event loop nothing.
+- Headers must arrive within `header_timeout_s` of a connection's first byte (or of the next request's, on a kept
+  connection), else the connection is closed; a body within `body_timeout_s` of its headers, else 408. A client
+  sending one byte a minute holds no socket for long (`guarded_protocol`).
+- A body whose JSON nests deeper than MAX_JSON_DEPTH levels is refused with 400 before it is parsed (`json_depth`:
+  the parser, and every reader after it, recurse; 10,000 levels were a 500).
 - A streamed reply whose reader takes nothing for `stall_s` (one write waited that long) is cut: the generation is
   cancelled, and an error event is the last thing written if the reader takes it within another `stall_s`;
   then the connection is closed. What waits for a stalled reader is bounded by the client library's per-request
@@ -16,7 +21,9 @@ import asyncio
 from collections.abc import AsyncIterable, Awaitable, Callable, MutableMapping
 from typing import Any
 
+import numpy as np
 from starlette.responses import StreamingResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway.openai_schema import RequestError
 from kvroute import logs
@@ -39,21 +46,101 @@ def declared_length(scope: Message) -> int | None:
     return None
 
 
-def limited(receive: Receive, limit: int) -> Receive:
+def limited(receive: Receive, limit: int, timeout_s: float | None = None) -> Receive:
     """`receive` that raises a 413 RequestError once the body passes `limit` bytes (a body sent without a
-    Content-Length, or with a false one)."""
+    Content-Length, or with a false one), and a 408 one when the body has not all come `timeout_s` after the first
+    read of it."""
     seen = 0
+    deadline: float | None = None
+    complete = False
 
     async def receive_limited() -> Message:
-        nonlocal seen
-        message = await receive()
+        nonlocal seen, deadline, complete
+        if complete or timeout_s is None:
+            message = await receive()
+        else:
+            loop = asyncio.get_running_loop()
+            deadline = deadline or loop.time() + timeout_s
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                text = f"the request body did not arrive within {timeout_s:g} s (--body-timeout-s)"
+                raise RequestError(text, status=408, code="timeout") from None
         if message["type"] == "http.request":
             seen += len(message.get("body", b""))
+            complete = not message.get("more_body", False)
             if seen > limit:
                 raise RequestError(too_large_message(seen, limit), status=413, code="too_large")
         return message
 
     return receive_limited
+
+
+MAX_JSON_DEPTH = 128  # levels of objects and arrays in a request body (the router refuses values past 64 by name)
+_STEP = np.zeros(256, dtype=np.int8)
+_STEP[[ord("["), ord("{")]] = 1
+_STEP[[ord("]"), ord("}")]] = -1
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep the JSON text `raw` nests (objects and arrays), counted on its bytes without parsing them: brackets
+    inside strings are not structure, a quote after an odd run of backslashes does not end a string. numpy over the
+    bytes once, then over the brackets, quotes and backslashes only (a regular expression over 8 MB would hold the
+    GIL, and with it the event loop, for a tenth of a second)."""
+    a = np.frombuffer(raw, dtype=np.uint8)
+    steps = _STEP[a]
+    brackets = np.flatnonzero(steps)
+    if not len(brackets):
+        return 0
+    quotes = np.flatnonzero(a == ord('"'))
+    slashes = np.flatnonzero(a == ord("\\"))
+    if len(slashes) and len(quotes):  # a quote after an odd run of backslashes is escaped
+        starts = np.flatnonzero(np.diff(slashes, prepend=-2) != 1)  # where each run of backslashes begins
+        run = np.arange(len(slashes)) - starts[np.searchsorted(starts, np.arange(len(slashes)), side="right") - 1] + 1
+        at = np.searchsorted(slashes, quotes - 1)  # the backslash just before each quote, if there is one
+        before = np.zeros(len(quotes), dtype=np.int64)
+        hit = (at < len(slashes)) & (slashes[np.minimum(at, len(slashes) - 1)] == quotes - 1)
+        before[hit] = run[at[hit]]
+        quotes = quotes[before % 2 == 0]
+    outside = np.searchsorted(quotes, brackets) % 2 == 0  # an even number of quotes before it: not in a string
+    return int(np.cumsum(steps[brackets[outside]], dtype=np.int64).max(initial=0))
+
+
+def guarded_protocol(header_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol with a deadline on headers: a connection whose request headers have not all come
+    `header_timeout_s` after its first byte (or after the connection opened) is closed. Between requests uvicorn's
+    own keep-alive timeout applies; the deadline starts again with the next request's first byte."""
+
+    class GuardedH11(H11Protocol):
+        _headers_due: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._headers_due = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def data_received(self, data: bytes) -> None:
+            waiting = self.cycle is None or self.cycle.response_complete  # (for a request's headers)
+            if waiting and self._headers_due is None:
+                self._headers_due = self.loop.call_later(header_timeout_s, self._headers_late)
+            super().data_received(data)
+            if self._headers_due is not None and self.cycle is not None and not self.cycle.response_complete:
+                self._headers_due.cancel()  # (its headers are in: the request is being served)
+                self._headers_due = None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._headers_due is not None:
+                self._headers_due.cancel()
+                self._headers_due = None
+            super().connection_lost(exc)
+
+        def _headers_late(self) -> None:
+            self._headers_due = None
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                log.warning("http_headers_too_slow", client=str(self.client), timeout_s=header_timeout_s)
+                self.transport.close()
+
+    return GuardedH11
 
 
 class StalledReader(Exception):

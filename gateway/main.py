@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 from kvroute import logs
 from kvroute.client import reply_endpoint_of
@@ -68,6 +70,17 @@ class HttpConfig:
     stream_stall_s: float = opt(
         30.0, "a streamed reply whose reader takes nothing for this long is cut: its generation is cancelled"
     )
+    header_timeout_s: float = opt(
+        10.0, "a connection whose request headers have not all come this long after their first byte is closed"
+    )
+    body_timeout_s: float = opt(
+        60.0, "a request body not all received this long after its headers gets 408 (agents send theirs at once)"
+    )
+    max_connections: int = opt(
+        512,
+        "open connections (streams and idle kept-alive ones together) per HTTP process; a request beyond it gets 503. "
+        "A coding agent holds a few, one per stream it reads; each takes a file descriptor",
+    )
     reply_endpoint: str = opt(
         "auto",
         "where workers send streamed output straight to this HTTP API, past the router (PROTOCOL.md 4.4): 'auto' (an ipc "
@@ -113,6 +126,10 @@ class HttpConfig:
             )
         if self.stream_stall_s <= 0:
             raise ValueError(f"--stream-stall-s must be positive, got {self.stream_stall_s}")
+        if self.header_timeout_s <= 0 or self.body_timeout_s <= 0:
+            raise ValueError("--header-timeout-s and --body-timeout-s must be positive")
+        if self.max_connections < 1:
+            raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
         if self.tenant_per_key and not (self.api_key or os.environ.get("KVROUTE_API_KEY")):
             raise ValueError("--tenant-per-key needs --api-key (or $KVROUTE_API_KEY): tenants are told apart by key")
 
@@ -139,6 +156,24 @@ def listen_socket(host: str, port: int, *, shared: bool = False) -> socket.socke
     sock.listen(2048)
     sock.setblocking(False)
     return sock
+
+
+def uvicorn_config(app: Any, cfg: HttpConfig, host: str, port: int) -> Any:
+    """uvicorn's settings for the HTTP API: HTTP/1.1 with a deadline on headers, a cap on connections."""
+    import uvicorn
+
+    from gateway.limits import guarded_protocol
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan="off",
+        access_log=False,
+        http=guarded_protocol(cfg.header_timeout_s),
+        limit_concurrency=cfg.max_connections,
+    )
 
 
 def parse_host_port(value: str) -> tuple[str, int]:
@@ -178,9 +213,9 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None, sig
         sampling_defaults=cfg.sampling_defaults(),
         max_body_bytes=cfg.max_body_bytes,
         stall_s=cfg.stream_stall_s,
+        body_timeout_s=cfg.body_timeout_s,
     )
-    app = build_app(gateway)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False))
+    server = uvicorn.Server(uvicorn_config(build_app(gateway), cfg, host, port))
     if not signals:  # (uvicorn would take SIGTERM, stop at once and raise it again: the router's drain was cut short)
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
     log = logs.get(__name__)
@@ -191,6 +226,9 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None, sig
         await task  # raises the bind error
         raise OSError(f"HTTP server on {cfg.http} stopped at start-up")
     log.info("http_listening", url=f"http://{host}:{port}", router=cfg.router, auth=bool(api_key))
+    # what start-up made is left out of the collector's full passes, which stop every thread and this loop with them
+    # (a 4 MB body's objects set one off: 100 ms with start-up's objects in, 10 ms without)
+    gc.freeze()
     if ready:
         ready.set()
     try:

@@ -26,13 +26,14 @@ from router.config import RouterConfig
 STALL_S = 0.1  # the longest a loop may stall while a hostile request is handled (the issue's bound)
 
 
-def run_delay_s() -> float:
-    """How long this thread has waited on the kernel's run queue (ready, with no CPU free for it)."""
+def run_delay_s() -> float | None:
+    """How long this thread has waited on the kernel's run queue (ready, with no CPU free for it); None where the
+    kernel does not say."""
     try:
         with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
             return int(f.read().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
-        return 0.0
+        return None
 
 
 class LoopWatch:
@@ -53,9 +54,10 @@ class LoopWatch:
         while True:
             t0, waited0 = loop.time(), run_delay_s()
             await asyncio.sleep(self.TICK_S)
-            late = loop.time() - t0 - self.TICK_S
+            late, waited = loop.time() - t0 - self.TICK_S, run_delay_s()
             self.longest_wall = max(self.longest_wall, late)
-            self.longest = max(self.longest, late - (run_delay_s() - waited0))
+            machine = waited - waited0 if waited is not None and waited0 is not None else 0.0
+            self.longest = max(self.longest, late - max(0.0, min(machine, late)))
 
     def reset(self) -> None:
         self.longest = self.longest_wall = 0.0

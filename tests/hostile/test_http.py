@@ -1,0 +1,222 @@
+"""Hostile HTTP clients against the gateway (a stand-in router, no model): bodies that nest, strings that are not text,
+fields by the hundred, clients that leave or dawdle, and too many of them; over ASGI, or a real loopback socket where
+the attack is the connection itself."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+from hostile_helpers import STALL_S, LoopWatch, wait_until
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
+from fake_router import FakeRouter, client_for
+
+from gateway.app import Gateway, build_app
+from gateway.main import HttpConfig, uvicorn_config
+from gateway.openai_types import ChatRequest
+from kvroute.client import encode_checked
+from protocol import MAX_FRAME_BYTES, Delta, Result, Submit
+
+CHAT = "/v1/chat/completions"
+
+
+def chat(**fields: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+
+
+class EncodingRouter(FakeRouter):
+    """Encodes each submit as the real client does before it sends it (and refuses what it would refuse)."""
+
+    async def stream_submit(self, sub: Submit) -> AsyncIterator[Delta | Result]:
+        encode_checked(sub, MAX_FRAME_BYTES)
+        async for m in super().stream_submit(sub):
+            yield m
+
+
+class SlowRouter(FakeRouter):
+    """Answers nothing until its request is cancelled (a long queue, or a long prompt being computed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
+        self.ended = threading.Event()
+
+    async def stream_submit(self, sub: Submit) -> AsyncIterator[Delta | Result]:
+        self.started.set()
+        try:
+            await asyncio.sleep(3600)
+            yield Delta(id=sub.id or "", text="late")
+        finally:
+            self.ended.set()  # (the generator closed: the real client sends its cancel here)
+
+
+@pytest.mark.anyio
+async def test_json_nested_10k_deep_is_a_400_not_a_500() -> None:
+    """Issue item 6: the parser's RecursionError was a 500."""
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "metadata": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+    async with client_for(FakeRouter()) as c:
+        r = await c.post(CHAT, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "10001 levels" in r.json()["error"]["message"]
+
+
+@pytest.mark.anyio
+async def test_a_lone_surrogate_is_a_400_naming_it() -> None:
+    """Issue item 2: `\\ud800` in a JSON string is not a character; msgpack cannot carry it (a 500 before)."""
+    body = b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 4}'
+    async with client_for(EncodingRouter()) as c:
+        r = await c.post(CHAT, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert "surrogate" in r.json()["error"]["message"]
+
+
+@pytest.mark.anyio
+async def test_unknown_fields_are_found_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue item 4: each unknown field cost a conversion of the whole body (256 of them: 257 conversions of 2 MB)."""
+    conversions = 0
+    convert = msgspec.convert
+
+    def counted(value: Any, kind: Any, **kw: Any) -> Any:
+        nonlocal conversions
+        conversions += kind is ChatRequest
+        return convert(value, kind, **kw)
+
+    monkeypatch.setattr(msgspec, "convert", counted)
+    fake = FakeRouter()
+    body = {**chat(), **{f"unknown_{i}": i for i in range(256)}}
+    body["messages"] = [{"role": "user", "content": "x" * 100_000, "extra": 1}]
+    async with client_for(fake) as c:
+        r = await c.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    assert conversions <= 2, f"{conversions} conversions of the body"
+    assert fake.submits[-1].messages and fake.submits[-1].messages[0].content
+
+
+class LiveGateway:
+    """The gateway on a real loopback socket, served by uvicorn as `kvroute http` serves it, in a thread."""
+
+    def __init__(self, router: FakeRouter, **cfg: Any) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self.cfg = HttpConfig(http=f"127.0.0.1:{self.port}", **cfg)
+        gateway = Gateway(router, "m", body_timeout_s=self.cfg.body_timeout_s)  # type: ignore[arg-type]
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn_config(build_app(gateway), self.cfg, "127.0.0.1", self.port))
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self.server.serve(),), daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, 10, "uvicorn started")
+        gc.freeze()  # (as serve_http does once it listens: start-up's objects, here the test run's, stay out of full GCs)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=10)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        gc.unfreeze()
+
+
+@pytest.fixture
+def slow() -> Iterator[tuple[LiveGateway, SlowRouter]]:
+    router = SlowRouter()
+    live = LiveGateway(router, header_timeout_s=0.5, body_timeout_s=0.5, max_connections=8)
+    yield live, router
+    live.close()
+
+
+def request_bytes(body: dict[str, Any]) -> bytes:
+    data = json.dumps(body).encode()
+    head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    return head.encode() + data
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_before_its_first_token_cancels_its_request(slow: Any, stream: bool) -> None:
+    """Issue item 5: a client gone before the first token still had its prompt computed (streamed or not)."""
+    live, router = slow
+    conn = live.connect()
+    conn.sendall(request_bytes(chat(stream=stream)))
+    assert router.started.wait(5)
+    conn.close()
+    assert router.ended.wait(5), "the request was not cancelled when its client left"
+
+
+def test_headers_that_dawdle_are_cut(slow: Any) -> None:
+    """Issue item 5: no header timeout: a client sending a byte now and then held its socket for good."""
+    live, _ = slow
+    conn = live.connect()
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # ... and the rest never comes
+    t0 = time.monotonic()
+    conn.settimeout(5)
+    assert conn.recv(1024) == b"", "the server closed the connection"
+    assert time.monotonic() - t0 < 3
+    conn.close()
+
+
+def test_a_body_that_dawdles_gets_408(slow: Any) -> None:
+    live, _ = slow
+    conn = live.connect()
+    full = request_bytes(chat())
+    conn.sendall(full[:-10])  # the headers, and a body 10 bytes short
+    conn.settimeout(5)
+    answer = b""
+    while b"}" not in answer and (chunk := conn.recv(4096)):
+        answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"body-timeout-s" in answer
+    conn.close()
+
+
+def test_connections_past_the_cap_get_503(slow: Any) -> None:
+    """Issue item 5: no connection cap: slow clients held sockets without bound."""
+    live, _ = slow
+    held = [live.connect() for _ in range(8)]
+    for c in held:
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # (headers still coming: each holds its connection)
+    time.sleep(0.2)
+    r = httpx.get(f"{live.url}/openapi.json", timeout=5)
+    assert r.status_code == 503, r.status_code
+    for c in held:
+        c.close()
+    wait_until(lambda: httpx.get(f"{live.url}/openapi.json", timeout=5).status_code == 200, 5, "served again")
+
+
+def test_a_large_body_of_unknown_fields_does_not_stall_the_http_loop() -> None:
+    """Issue item 4, measured: 4 MB bodies with 256 unknown fields, parsed and decoded while the loop keeps serving
+    (after one small body of the same shape: what a first request sets up once is not what this measures)."""
+    live = LiveGateway(FakeRouter())
+    try:
+        watch = LoopWatch(live.loop)
+
+        def body(n: int) -> bytes:
+            fields = {**chat(), **{f"unknown_{i}": "y" * 100 for i in range(256)}}
+            fields["messages"] = [{"role": "user", "content": "x" * 100, "extra": i} for i in range(n)]
+            return json.dumps(fields).encode()  # (before the watch: this process's own JSON work holds the GIL too)
+
+        headers = {"content-type": "application/json"}
+        assert httpx.post(f"{live.url}{CHAT}", content=body(10), headers=headers, timeout=60).status_code == 200
+        data = body(20_000)
+        for _ in range(3):
+            watch.reset()
+            r = httpx.post(f"{live.url}{CHAT}", content=data, headers=headers, timeout=60)
+            assert r.status_code == 200, r.text
+            assert watch.longest < STALL_S, str(watch)
+        watch.stop()
+    finally:
+        live.close()
