@@ -20,6 +20,10 @@ log = logs.get(__name__)
 
 Refusal = tuple[str, str, dict[str, Any]]
 
+# logprob entries (a token's own and its alternatives) one reply may carry, all choices together: each is ~100 bytes
+# in the router and the client, and more in JSON; n=16 x 20 alternatives x 32k tokens would be gigabytes
+MAX_REPLY_LOGPROBS = 1 << 19
+
 
 def at_submit(draining: bool, repeated_id: str | None, waiting: int, n: int, limit: int) -> Refusal | None:
     """Why a submit of `n` choices is refused as it arrives: the router is draining, its id (`repeated_id`) is in
@@ -43,9 +47,29 @@ def when_prepared(req: Req, workers: WorkerTable, queued: int, grace_s: float) -
         return ErrorCode.NO_WORKERS, "no worker is connected", {}
     if ready and not any(w.fits(req) for w in ready):
         return ErrorCode.CONTEXT_OVERFLOW, overflow(req, max(w.hello.ctx_per_slot for w in ready)), {}
+    if ready and (too_large := reply_too_large(req, max(w.hello.ctx_per_slot for w in ready))) is not None:
+        return ErrorCode.BAD_REQUEST, too_large, {"param": "logprobs"}
     if queued + req.n > max(workers.queue_limit(), req.n):
         return ErrorCode.QUEUE_FULL, f"{queued} requests are already waiting", {"retry_after_ms": 1000}
     return None
+
+
+def reply_too_large(req: Req, ctx: int) -> str | None:
+    """Why the reply a request may make is too large to build (its logprobs, at most as many tokens as it may
+    generate, or as fit beside its prompt), or None."""
+    k = req.sampling.logprobs
+    if k is None:
+        return None
+    room = max(0, ctx - len(req.tokens))
+    tokens = room if req.sampling.max_tokens is None else min(req.sampling.max_tokens, room)
+    entries = req.n * tokens * (1 + k)
+    if entries <= MAX_REPLY_LOGPROBS:
+        return None
+    return (
+        f"the reply could hold {entries} logprobs (n={req.n} x up to {tokens} tokens x {1 + k}: each token's and its top "
+        f"{k}), more than the {MAX_REPLY_LOGPROBS} one reply may carry; ask for fewer choices, fewer top logprobs or "
+        "a smaller max_tokens"
+    )
 
 
 def prepare_failed(req: Req, exc: BaseException) -> Error:

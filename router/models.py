@@ -17,7 +17,9 @@ Loading is the supervisor's (`on_load`, `on_unload`, set by router/supervisor.py
   its workers takes (weights and KV: the operator's figure, else estimated, then what its workers said in their
   hello), times its workers there; one that alone needs more than a device has loads once nothing else is there;
 - a model whose workers all failed to start is not loaded again for `RETRY_FAILED_S`: its requests get the reason;
-- an unpinned model idle for its keep-alive (per model, or the last request's `keep_alive_s`) is unloaded.
+- an unpinned model idle for its keep-alive is unloaded: the last request's `keep_alive_s`, or the model's own when
+  that request gave none (Ollama's rule: a request's keep_alive is how long the model stays after it; `keep_alive: 0`
+  in one request unloads the model after that request, not after every later one too).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class ModelCore:
     prompts: PromptTokenizer
     core: Scheduler
     last_used: float = field(default_factory=time.monotonic)
-    keep_alive_s: float = -1.0  # the last request's keep_alive_s, else the model's
+    keep_alive_s: float = -1.0  # the last request's keep_alive_s, the model's when it gave none
     loading_since: float | None = None  # a load was asked for and no worker is ready yet
     load_wanted: bool = False  # a request waits for a load that waits for room
     wanted_since: float = 0.0
@@ -190,8 +192,7 @@ class Models:
     def used(self, m: ModelCore, keep_alive_s: float | None) -> None:
         """A request for `m` arrived: it is the most recently used, and it is loaded if it is not."""
         m.last_used = time.monotonic()
-        if keep_alive_s is not None:
-            m.keep_alive_s = keep_alive_s
+        m.keep_alive_s = keep_alive_s if keep_alive_s is not None else m.spec.keep_alive_s
         if (not m.core.workers or m.unloading) and m.loading_since is None:
             self._load(m)
 

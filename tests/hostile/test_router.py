@@ -267,3 +267,55 @@ def test_a_normal_request_is_served_while_a_hostile_one_is_prepared(routed: Rout
         assert slow.code in ("bad_request", "context_overflow"), slow
     wait_until(lambda: routed.in_flight() == 0, 5, "nothing left in flight")
     c.close()
+
+
+def test_a_reply_too_large_to_build_is_refused_naming_logprobs(routed: Routed) -> None:
+    """Issue item 6: n=16 with 20 logprobs each could build a reply of hundreds of megabytes (in the router, then in
+    the client); it is refused before any work, saying what to ask for instead. One choice with 20 is served."""
+    c = RawClient(routed.client_ep)
+    c.send(Submit(id="huge", prompt="hi", n=16, sampling=Sampling(max_tokens=2000, logprobs=20)))
+    _, end = c.recv_until_end("huge")
+    assert isinstance(end, Error) and end.code == "bad_request" and end.param == "logprobs", end
+    assert "n=16" in end.message and "max_tokens" in end.message
+    c.send(Submit(id="fine", prompt="hi", sampling=Sampling(max_tokens=None, logprobs=20)))
+    job = routed.worker.recv()
+    assert isinstance(job, Job)
+    routed.worker.done(job, [5])
+    _, end = c.recv_until_end("fine")
+    assert isinstance(end, Result)
+    assert routed.in_flight() == 0
+    c.close()
+
+
+def test_a_rerank_query_is_tokenized_once_and_refused_when_no_pair_could_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue item 4: the query was tokenized again for each document (a 4 MB query with 2,048 documents: ~8 GB of
+    token ids); now once, and a query longer than the model's context is refused before any pair is made."""
+    from bench.tiny_models import bert_reranker
+    from kvroute.vocab import Vocab
+    from protocol import Rerank
+
+    vocab = Vocab.load(bert_reranker(tmp_path / "rerank.gguf"))
+    r = Routed(vocab)
+    try:
+        query = "what is the capital of france"
+        calls: list[str] = []
+        tokenize = vocab.tokenize
+
+        def counted(text: str, **kw: Any) -> list[int]:
+            calls.append(text)
+            return tokenize(text, **kw)
+
+        monkeypatch.setattr(vocab, "tokenize", counted)
+        c = RawClient(r.client_ep)
+        c.send(Rerank(id="rr", query=query, documents=[f"document number {i}" for i in range(64)]))
+        job = r.worker.recv()
+        assert len(job.inputs) == 64
+        assert calls.count(query) == 1, f"the query was tokenized {calls.count(query)} times"
+        c.send(Rerank(id="long", query="capital " * 3000, documents=["a"] * 8))
+        end = c.recv()
+        assert isinstance(end, Error) and end.id == "long" and end.param == "query", end
+        c.close()
+    finally:
+        r.close()
