@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from commands.models_config import ModelEntry, from_file, from_flags, seconds, w
 from gateway.main import HttpConfig, parse_host_port, serve_http
 from kvroute import logs
 from kvroute.config import ConfigFileError, UsageError, add_args, from_args, opt, to_flags
+from kvroute.files import runtime_dir
 from kvroute.vocab import Vocab
 from router.config import DEFAULT_CLIENT_ENDPOINT, RouterConfig
 from router.main import add_model_argument, model_values
@@ -373,14 +373,11 @@ def guard_zmq_clients(router_cfg: RouterConfig, http: HttpConfig | None) -> tupl
 
 
 def private_dir() -> Path:
-    """A directory only this user can enter, for IPC sockets ($XDG_RUNTIME_DIR, else one under the temp dir)."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    path = Path(base) / "kvroute" if base else Path(tempfile.gettempdir()) / f"kvroute-{os.getuid()}"
-    path.mkdir(mode=0o700, exist_ok=True)
-    if path.stat().st_uid != os.getuid():
-        raise UsageError(f"{path} belongs to another user: give --zmq ipc://PATH in a directory of yours")
-    path.chmod(0o700)
-    return path
+    """A directory only this user can enter, for IPC sockets and keys (kvroute/files.py `runtime_dir`)."""
+    try:
+        return runtime_dir()
+    except OSError as exc:
+        raise UsageError(f"{exc}: give --zmq ipc://PATH in a directory of yours") from None
 
 
 def _say_where(router_cfg: RouterConfig, http: HttpConfig | None, served: str) -> None:

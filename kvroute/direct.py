@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -30,6 +29,7 @@ import zmq
 from chat import replies
 from chat.output import OutputParser, OutputSpec
 from kvroute import logs
+from kvroute.files import runtime_dir
 from kvroute.inbox import Inbox
 from protocol import (
     Error,
@@ -59,7 +59,11 @@ def auto_endpoint(router_endpoint: str) -> str | None:
     """Where workers can reach this client when nothing says: the router is on this host (ipc, loopback), so are
     its local workers. None elsewhere (give the endpoint: `--reply-endpoint tcp://THIS_HOST:PORT`)."""
     if router_endpoint.startswith("ipc://"):
-        return f"ipc://{tempfile.gettempdir()}/kvroute-reply-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:  # (a directory only this user enters: no other user's process connects to it)
+            return f"ipc://{runtime_dir()}/reply-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        except OSError as exc:
+            log.warning("reply_endpoint_off", reason=str(exc), effect="replies come through the router")
+            return None
     for host in ("tcp://127.0.0.1:", "tcp://localhost:", "tcp://[::1]:"):
         if router_endpoint.startswith(host):
             return "tcp://127.0.0.1:*"

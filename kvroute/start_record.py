@@ -18,13 +18,13 @@ import faulthandler
 import json
 import os
 import signal
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from kvroute import logs
+from kvroute.files import open_private, private_dir, runtime_base, write_private
 
 log = logs.get(__name__)
 
@@ -48,11 +48,10 @@ FAULT_SIGNALS = {  # the first line Python's fault handler writes, per signal it
 
 
 def default_path(worker_id: str) -> Path:
-    """Where a worker keeps its start record: systemd's RuntimeDirectory, else the user's runtime or temp directory."""
-    base = os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("XDG_RUNTIME_DIR")
-    directory = Path(base.split(":")[0]) / "kvroute" if base else Path(tempfile.gettempdir()) / f"kvroute-{os.getuid()}"
+    """Where a worker keeps its start record: systemd's RuntimeDirectory, else the user's runtime or temp directory,
+    in a `kvroute` directory only this user can enter (kvroute/files.py: checked when written and read)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in worker_id)
-    return directory / f"worker-{safe}.start.json"
+    return runtime_base() / f"worker-{safe}.start.json"
 
 
 def crash_reason(stage: str, signum: int | None) -> str:
@@ -81,7 +80,9 @@ class StartRecord:
 
     def read(self) -> dict[str, Any]:
         try:
-            data = json.loads(self.path.read_text())
+            private_dir(self.path.parent)  # (another user's record would refuse this worker's starts)
+            with os.fdopen(open_private(self.path, os.O_RDONLY)) as f:
+                data = json.loads(f.read())
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) and data.get("identity") == self.identity else {}
@@ -131,7 +132,8 @@ class StartRecord:
         self._write(count, reason, stage=name)
         fault: IO[str] | None = None
         with contextlib.suppress(OSError):
-            fault = open(self.fault_path, "w")  # noqa: SIM115 (open for as long as the stage runs)
+            fd = open_private(self.fault_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            fault = os.fdopen(fd, "w")  # (open for as long as the stage runs)
             faulthandler.enable(file=fault)
         try:
             yield
@@ -158,11 +160,9 @@ class StartRecord:
         data = {"identity": self.identity, "pid": os.getpid(), "stage": stage, "crashes": crashes, "reason": reason}
         data["refused"] = refused or refusal(crashes, reason)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data))
-            os.replace(tmp, self.path)
-        except OSError as exc:  # a read-only place only loses the count, never the start
+            private_dir(self.path.parent)
+            write_private(self.path, json.dumps(data).encode())
+        except OSError as exc:  # a read-only or foreign place only loses the count, never the start
             log.warning("start_record_unwritable", path=str(self.path), reason=str(exc))
 
 

@@ -8,7 +8,9 @@ CRC-32 checksums (format below). An entry id is an int, the file's stem, unique 
 restart, so the router can be told "entry 12 holds these tokens" and "entry 12 is gone" (`drain_events`, `changes`).
 
 Contract:
-- `load()` starts the tier (creates the directory, locks it against a second worker, scans it). Until then, and
+- `load()` starts the tier (creates the directory, locks it against a second worker, scans it). The directory is this
+  user's alone (mode 0700, its files 0600, none opened through a link: their headers hold token ids); one that is a
+  link or another user's turns the tier off (kvroute/files.py). Until then, and
   whenever the tier is off, `enabled` is False: `put` keeps nothing and `best` finds nothing. Entry files that are
   not ours to use (other model, other state format, truncated, corrupt) and stray temp files are logged and removed;
   files with other names are left alone. The entries kept are reported as `Added` events, like new ones.
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvroute import logs
+from kvroute.files import open_private, private_dir
 from kvroute.slots import common_prefix
 from worker.disk_format import (
     CRC_BYTES,
@@ -185,8 +188,8 @@ class DiskCache:
         if self.capacity <= 0:
             return []
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            private_dir(self.directory)  # (its files hold token ids: this user's alone, never through a link)
+            fd = open_private(self.directory / LOCK_NAME, os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # two workers on one directory would remove each other's files
             except OSError:
@@ -443,7 +446,7 @@ class DiskCache:
         path = self.directory / f"{w.id}{SUFFIX}"
         tmp = self.directory / f"{w.id}{TMP_SUFFIX}"
         try:
-            with open(tmp, "xb", buffering=0) as f:
+            with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb", buffering=0) as f:
                 head = header_bytes(self._fp, self._sv, w.salt, w.tokens, w.n_exact, w.pos_min, w.state_bytes)
                 data = memoryview(w.data).cast("B")
                 write_all(f, head)
