@@ -16,6 +16,8 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,7 @@ from gateway.main import HttpConfig, parse_host_port, serve_http
 from kvroute import logs
 from kvroute.config import ConfigFileError, UsageError, add_args, from_args, opt, to_flags
 from kvroute.files import runtime_dir
+from kvroute.keys import generate, read_key
 from kvroute.vocab import Vocab
 from router.config import DEFAULT_CLIENT_ENDPOINT, RouterConfig
 from router.main import add_model_argument, model_values
@@ -289,6 +292,45 @@ async def serve(
     """Run the router and its supervised workers until the router stops (SIGINT/SIGTERM).
     `started(router, supervisor)` is called once both exist (tests and benchmarks hold on to them).
     `models`: several models (commands/models_config.py), each with its own workers; None: `router_cfg.model`."""
+    local_workers = bool(local.gpu_list()) or local.cpu_workers > 0
+    router_cfg, keys_dir = worker_keys_for_this_run(router_cfg) if local_workers else (router_cfg, None)
+    try:
+        await _serve(router_cfg, local, sup_cfg, signals, started, http, models, models_cfg)
+    finally:
+        if keys_dir is not None:
+            shutil.rmtree(keys_dir, ignore_errors=True)
+
+
+def worker_keys_for_this_run(router_cfg: RouterConfig) -> tuple[RouterConfig, Path | None]:
+    """Workers join `serve`'s router only with a key, on loopback too: without --worker-keys, a key pair made for this
+    run, in a directory only this user can enter (kvroute/files.py), is the one key the worker socket lets in (the
+    local workers are given it); a process of another user cannot read it, so cannot join and receive every tenant's
+    prompts. With --curve-key, that key is the one. Returns the directory made (removed at exit), or None. (With
+    `--workers 0` workers join from elsewhere: the worker socket is then as `kvroute router`'s, router/security.py.)"""
+    if router_cfg.worker_keys:
+        return router_cfg, None
+    directory = Path(tempfile.mkdtemp(prefix=f"serve-{os.getpid()}-", dir=private_dir()))
+    curve_key = router_cfg.curve_key
+    if curve_key is None:
+        curve_key = str(generate(directory, "router")[0])
+    allowed = directory / "workers"
+    allowed.mkdir(mode=0o700)
+    public = read_key(curve_key, secret=False).decode()
+    (allowed / "router.pub").write_text(f"public = {public}\n")
+    logs.get(__name__).info("workers_need_a_key", keys=str(directory), reason="only a worker holding it joins")
+    return dataclasses.replace(router_cfg, curve_key=curve_key, worker_keys=str(allowed)), directory
+
+
+async def _serve(
+    router_cfg: RouterConfig,
+    local: LocalWorkers,
+    sup_cfg: SupervisorConfig,
+    signals: bool,
+    started: Callable[[Router, Supervisor], None] | None,
+    http: HttpConfig | None,
+    models: list[ModelEntry] | None,
+    models_cfg: ServeModels,
+) -> None:
     from kvroute.model import resolve_model
     from router.main import handle_signals, load_router
 

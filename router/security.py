@@ -9,7 +9,10 @@ address and key) by the ZAP handler in this module; a peer that does not speak C
 handshake (`handshake_failed`, from the socket monitor).
 
 A socket without CURVE may only bind a loopback (or ipc/inproc) endpoint unless `--insecure-bind` is
-given, which logs a warning: anyone who can reach that address could submit work or pose as a worker.
+given, which logs a warning: anyone who can reach that address could submit work or pose as a worker. A worker
+socket on loopback TCP without CURVE is let bind with a warning too (`unauthenticated`): any process on the host
+could join as a worker and receive every tenant's prompts. `kvroute serve` never leaves it so: it makes a key for its
+local workers (commands/serve.py). An ipc:// socket is made its user's alone (mode 0600) once bound.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Security:
     secret: bytes | None = None
     allowed: dict[str, set[bytes]] = field(default_factory=dict)
     insecure: list[str] = field(default_factory=list)  # endpoints bound without CURVE off loopback
+    unauthenticated: list[str] = field(default_factory=list)  # a loopback TCP worker endpoint without CURVE
 
     @classmethod
     def from_config(cls, cfg: RouterConfig) -> Security:
@@ -79,6 +83,8 @@ class Security:
                     f" give --curve-key with {keys}, or --insecure-bind to let anyone who reaches it in"
                 )
             sec.insecure.append(endpoint)
+        if "workers" not in sec.allowed and cfg.worker_endpoint.startswith("tcp://"):
+            sec.unauthenticated.append(cfg.worker_endpoint)
         return sec
 
     def secure(self, sock: zmq.Socket, domain: str) -> None:

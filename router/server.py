@@ -228,6 +228,13 @@ class Router:
         self.gatekeeper = Gatekeeper(self.ctx, security)  # its ZAP handler is bound before any CURVE socket
         for endpoint in security.insecure:
             log.warning("insecure_bind", endpoint=endpoint, reason="no CURVE keys: anyone who can reach it gets in")
+        for endpoint in security.unauthenticated:
+            log.warning(
+                "workers_unauthenticated",
+                endpoint=endpoint,
+                reason="any process on this host may join as a worker and receive every tenant's prompts: give "
+                "--curve-key with --worker-keys, or an ipc:// --worker-endpoint in a directory only this user enters",
+            )
         self.client_sock = self._router_socket(self.cfg.client_endpoint, security, "clients")
         self.worker_sock = self._router_socket(self.cfg.worker_endpoint, security, "workers")
         # the same sockets without the asyncio wrapper: every read and send goes through these (Inbox says why)

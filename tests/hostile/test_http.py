@@ -57,7 +57,7 @@ class SlowRouter(FakeRouter):
         self.started.set()
         try:
             await asyncio.sleep(3600)
-            yield Delta(id=sub.id or "", text="late")
+            yield Delta(id=sub.id or "", text="late", tokens=b"")
         finally:
             self.ended.set()  # (the generator closed: the real client sends its cancel here)
 
@@ -112,7 +112,7 @@ class LiveGateway:
             s.bind(("127.0.0.1", 0))
             self.port = int(s.getsockname()[1])
         self.cfg = HttpConfig(http=f"127.0.0.1:{self.port}", **cfg)
-        gateway = Gateway(router, "m", body_timeout_s=self.cfg.body_timeout_s)  # type: ignore[arg-type]
+        gateway = Gateway(router, "m", body_timeout_s=self.cfg.body_timeout_s)  # type: ignore[arg-type, unused-ignore]
         import uvicorn
 
         self.server = uvicorn.Server(uvicorn_config(build_app(gateway), self.cfg, "127.0.0.1", self.port))
