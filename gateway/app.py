@@ -130,6 +130,12 @@ class Gateway:
     def authorized(self, request: Request) -> bool:
         return not self.api_keys or self.key_of(request) is not None
 
+    def owner_of(self, request: Request) -> str | None:
+        """Whose share of the router's queue a request counts against: its API key's (a digest), when keys are
+        required; None without keys (one user: the whole queue)."""
+        key = self.key_of(request) if self.api_keys else None
+        return None if key is None else hashlib.sha256(b"owner:" + key.encode()).hexdigest()[:32]
+
     def salt_of(self, request: Request, salt: str | None) -> str | None:
         """The request's tenant (`cache_salt`): with --tenant-per-key its key's, combined with the salt it gives."""
         if not self.tenant_per_key:
@@ -290,6 +296,7 @@ class Gateway:
         if unset:
             sub.sampling = msgspec.structs.replace(sub.sampling, **unset)
         sub.cache_salt = self.salt_of(request, sub.cache_salt)
+        sub.owner = self.owner_of(request)
         t0 = asyncio.get_running_loop().time()
         messages = self.client.stream_submit(sub)
         first = await self._first(messages, request, sub)

@@ -51,6 +51,8 @@ class Submit(Message, tag="submit", kw_only=True):
     model: ModelName | None = None
     # how long the model stays loaded after this request (Ollama's keep_alive): 0 unloads it once idle, -1 keeps it
     keep_alive_s: Annotated[float, Meta(ge=-1)] | None = None
+    # whose share of the queue it counts against (an HTTP front: a digest of the API key it came with)
+    owner: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.tokens))

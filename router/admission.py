@@ -25,16 +25,21 @@ Refusal = tuple[str, str, dict[str, Any]]
 MAX_REPLY_LOGPROBS = 1 << 19
 
 
-def at_submit(draining: bool, repeated_id: str | None, waiting: int, n: int, limit: int) -> Refusal | None:
+def at_submit(
+    draining: bool, repeated_id: str | None, waiting: int, n: int, limit: int, owned: int = 0, share: int = 0
+) -> Refusal | None:
     """Why a submit of `n` choices is refused as it arrives: the router is draining, its id (`repeated_id`) is in
-    flight already, or `waiting` requests are ahead of it (queued or being tokenized: a flood of long prompts cannot
-    pile up behind the tokenizer either)."""
+    flight already, `waiting` requests are ahead of it (queued or being tokenized: a flood of long prompts cannot
+    pile up behind the tokenizer either), or `owned` of them are its owner's, who may hold `share` (0: no share)."""
     if draining:
         return ErrorCode.DRAINING, "the router is shutting down", {}
     if repeated_id is not None:
         return ErrorCode.BAD_REQUEST, f"request id {repeated_id!r} is already in flight", {}
     if waiting + n > max(limit, n):
         return ErrorCode.QUEUE_FULL, f"{waiting} requests are already waiting", {"retry_after_ms": 1000}
+    if share and owned + n > max(share, n):
+        text = f"{owned} requests of this API key are already waiting: its share of the queue is {share} (--queue-share)"
+        return ErrorCode.QUEUE_FULL, text, {"retry_after_ms": 1000}
     return None
 
 

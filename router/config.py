@@ -83,6 +83,11 @@ class RouterConfig:
         0,
         "most requests waiting for a slot; 0 = 256, or 4 x total slots when that is more (agents arrive in dozens)",
     )
+    queue_share: float = opt(
+        0.5,
+        "most of the queue the requests of one owner (an API key, named by the HTTP API) may hold, waiting or being "
+        "prepared, so that one key cannot fill it for everyone; 1: no share",
+    )
     no_workers_grace_s: float = opt(20.0, "with no worker connected for this long, requests get no_workers")
     heartbeat_timeout_s: float = opt(
         10.0,
@@ -140,6 +145,8 @@ class RouterConfig:
             raise ValueError(f"hung_after_s must be positive, got {self.hung_after_s}")
         if self.max_worker_deaths < 1:
             raise ValueError(f"max_worker_deaths must be at least 1, got {self.max_worker_deaths}")
+        if not 0 < self.queue_share <= 1:
+            raise ValueError(f"queue_share must be in (0, 1], got {self.queue_share}")
         if self.prepare_timeout_s <= 0:
             raise ValueError(f"prepare_timeout_s must be positive, got {self.prepare_timeout_s}")
         if self.drain_timeout_s < 0:

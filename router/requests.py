@@ -85,6 +85,7 @@ class Req:
     shift: Shift | None = None  # what --context-shift dropped from its messages (the result says so)
     pinned: str | None = None  # --policy round-robin: the worker it was sent to when it arrived
     salt: str = ""  # its tenant: a digest of its cache_salt (prefixes are shared only within a tenant)
+    owner: str = ""  # whose share of the queue it counts against (Submit.owner; "": none)
     batch_deltas: bool = False  # its client reads `deltas` messages (Submit.batch_deltas)
     direct: str = ""  # its output goes from the worker to this endpoint of its client (Submit.reply_to), not through here
     direct_key: str = ""  # that endpoint's CURVE public key
@@ -124,7 +125,7 @@ class Req:
             sampling = msgspec.structs.replace(sampling, seed=(sampling.seed + index) % (2**32 - 1))
         twin = Req(self.client, self.envelope, self.rid, sampling, self.stream, self.deadline, self.n, self.tokens, self.arrived)
         twin.constraint, twin.output, twin.index, twin.group = self.constraint, self.output, index, self.group
-        twin.salt, twin.batch_deltas = self.salt, self.batch_deltas
+        twin.salt, twin.owner, twin.batch_deltas = self.salt, self.owner, self.batch_deltas
         return twin
 
 

@@ -93,6 +93,7 @@ WorkerReport = Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken
 log = logs.get(__name__)
 
 DEADLINE_GRACE_S = 1.0  # a worker ends a job at its deadline itself; the router steps in this much later
+WAITING = (ReqState.TOKENIZING, ReqState.QUEUED)  # the states a queue's share counts
 
 
 @dataclass(frozen=True)
@@ -284,7 +285,11 @@ class Scheduler:
         rid = msg.id or f"r{next(self._rid)}-{uuid.uuid4().hex[:8]}"
         waiting = len(self.queue) + sum(r.state is ReqState.TOKENIZING for r in self.requests.values())
         repeated = rid if (identity, rid, 0) in self.requests else None
-        refusal = admission.at_submit(self.draining, repeated, waiting, msg.n, self.table.queue_limit())
+        limit, owned, share = self.table.queue_limit(), 0, 0
+        if msg.owner and self.cfg.queue_share < 1:
+            share = max(1, int(limit * self.cfg.queue_share))
+            owned = sum(r.owner == msg.owner and r.state in WAITING for r in self.requests.values())
+        refusal = admission.at_submit(self.draining, repeated, waiting, msg.n, limit, owned, share)
         if refusal is not None:
             code, message, extra = refusal
             if code != ErrorCode.BAD_REQUEST:  # (a repeated id is the client's bug, not an answer to its load)
@@ -295,7 +300,7 @@ class Scheduler:
         sampling = admission.capped(msg.sampling, self.cfg.max_tokens)
         # REQ sockets take exactly one reply per request: no deltas for them
         req = Req(identity, list(envelope), rid, sampling, msg.stream and not envelope, deadline, msg.n)
-        req.salt, req.batch_deltas = tenant(msg.cache_salt), msg.batch_deltas
+        req.salt, req.owner, req.batch_deltas = tenant(msg.cache_salt), msg.owner or "", msg.batch_deltas
         if msg.reply_to and msg.n == 1 and not envelope:  # (n > 1: the choices' one result is made here)
             req.direct, req.direct_key = msg.reply_to, msg.reply_key or ""
         self.requests[req.key] = req

@@ -220,3 +220,17 @@ def test_a_large_body_of_unknown_fields_does_not_stall_the_http_loop() -> None:
         watch.stop()
     finally:
         live.close()
+
+
+@pytest.mark.anyio
+async def test_each_api_key_is_an_owner_of_its_share_of_the_queue() -> None:
+    fake = FakeRouter()
+    async with client_for(fake, "key-one,key-two") as c:
+        for key in ("key-one", "key-two", "key-one"):
+            r = await c.post(CHAT, json=chat(), headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200
+    one, two, one_again = (s.owner for s in fake.submits)
+    assert one and two and one != two and one == one_again and "key-one" not in one
+    async with client_for(fake) as c:  # without keys: one user, the whole queue
+        await c.post(CHAT, json=chat())
+    assert fake.submits[-1].owner is None

@@ -319,3 +319,25 @@ def test_a_rerank_query_is_tokenized_once_and_refused_when_no_pair_could_fit(
         c.close()
     finally:
         r.close()
+
+
+def test_one_owner_holds_at_most_its_share_of_the_queue(vocab: Any) -> None:
+    """Issue item 5: one API key could fill the shared queue (every other key's requests: 429). With --queue-share
+    0.5 of a queue of 8, a key has at most 4 waiting; another key's requests still get in."""
+    r = Routed(vocab, queue_size=8)
+    try:
+        c = RawClient(r.client_ep)
+        tokens = pack_tokens(list(range(10, 40)))
+        for i in range(2):  # (these two run: the fake worker's two slots, never answered)
+            c.send(Submit(id=f"run{i}", tokens=tokens, owner="key-a", sampling=Sampling(max_tokens=4)))
+            r.worker.recv()
+        for i in range(5):
+            c.send(Submit(id=f"a{i}", tokens=tokens, owner="key-a", sampling=Sampling(max_tokens=4)))
+        _, refused = c.recv_until_end("a4")
+        assert isinstance(refused, Error) and refused.code == "queue_full" and "share" in refused.message, refused
+        c.send(Submit(id="b0", tokens=tokens, owner="key-b", sampling=Sampling(max_tokens=4)))
+        c.send(Submit(id="anon", tokens=tokens, sampling=Sampling(max_tokens=4)))
+        wait_until(lambda: r.rt.call(lambda: len(r.router.core.queue)) == 6, 5, "a0..a3, b0 and anon queued")
+        c.close()
+    finally:
+        r.close()
