@@ -43,6 +43,28 @@ def at_submit(
     return None
 
 
+MAX_REPLY_ENDPOINTS = 4  # reply endpoints one client's requests in flight may name (a client binds one)
+
+
+def reply_to_problem(reply_to: str, in_use: set[str]) -> str | None:
+    """Why a submit's `reply_to` is not an endpoint workers may be told to connect to: not tcp://HOST:PORT (a port,
+    not a wildcard host) or ipc://PATH, or one more than MAX_REPLY_ENDPOINTS for this client (`in_use`: those its
+    requests in flight name). None when it is."""
+    scheme, _, rest = reply_to.partition("://")
+    if scheme == "ipc":
+        ok = bool(rest)
+    elif scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        ok = port.isdigit() and 0 < int(port) < 65536 and host.strip("[]") not in ("", "*", "0.0.0.0", "::")
+    else:
+        ok = False
+    if not ok:
+        return f"`reply_to` {reply_to[:80]!r} is not an endpoint workers can connect to: tcp://HOST:PORT or ipc://PATH"
+    if reply_to not in in_use and len(in_use) >= MAX_REPLY_ENDPOINTS:
+        return f"this client's requests name {len(in_use)} reply endpoints already; at most {MAX_REPLY_ENDPOINTS}"
+    return None
+
+
 def when_prepared(req: Req, workers: WorkerTable, queued: int, grace_s: float) -> Refusal | None:
     """Why a request with its prompt ready cannot be queued, or None."""
     if not len(req.tokens):

@@ -290,6 +290,10 @@ class Scheduler:
             share = max(1, int(limit * self.cfg.queue_share))
             owned = sum(r.owner == msg.owner and r.state in WAITING for r in self.requests.values())
         refusal = admission.at_submit(self.draining, repeated, waiting, msg.n, limit, owned, share)
+        if refusal is None and msg.reply_to and msg.n == 1 and not envelope:
+            in_use = {r.direct for r in self.requests.values() if r.client == identity and r.direct}
+            problem = admission.reply_to_problem(msg.reply_to, in_use)
+            refusal = None if problem is None else (ErrorCode.BAD_REQUEST, problem, {"param": "reply_to"})
         if refusal is not None:
             code, message, extra = refusal
             if code != ErrorCode.BAD_REQUEST:  # (a repeated id is the client's bug, not an answer to its load)

@@ -174,6 +174,7 @@ class WorkerServer:
         ]
         self.claims = SlotClaims()
         self.replies = ReplySockets(self.zctx)  # to clients that read their jobs' output themselves (Job.reply_to)
+        self.direct_jobs: dict[tuple[str, str], set[str]] = {}  # reply endpoint -> its jobs (I/O thread; pruned by sweep)
         self.reply_deltas: dict[tuple[str, str], list[JobDelta]] = {}  # this step's, by reply endpoint
         self.embedders: dict[str, Embedder] = {}  # by pooling, made at first use (on the compute thread)
         self._deltas_lock = threading.Lock()
@@ -368,9 +369,26 @@ class WorkerServer:
             except zmq.Again:
                 return
             if len(parts) == 3:
-                self.replies.send(parts[0].decode(), parts[1].decode(), parts[2])
+                self._reply(parts[0].decode(), parts[1].decode(), parts[2])
             else:
                 self.links[parts[0][0]].send(parts[1], may_drop=self.side_by_side)
+
+    def _reply(self, endpoint: str, key: str, frame: bytes) -> None:
+        """To a client's endpoint; when it is stalled (worker/replies.py), the jobs still writing there are cancelled:
+        nobody reads what they make."""
+        if self.replies.send(endpoint, key, frame):
+            return
+        for job in self.direct_jobs.pop((endpoint, key), set()):
+            if any(job in link.jobs for link in self.links):
+                self.engine.cancel(job)
+
+    def _prune_direct_jobs(self) -> None:
+        """Forget the jobs that ended (no router's link holds them any more)."""
+        held = set().union(*(link.jobs for link in self.links))
+        for target in list(self.direct_jobs):
+            self.direct_jobs[target] &= held
+            if not self.direct_jobs[target]:
+                del self.direct_jobs[target]
 
     def _beat(self) -> None:
         """A heartbeat to every router that accepted this worker, a hello to the others."""
@@ -433,6 +451,7 @@ class WorkerServer:
                         log.warning("heartbeat_late", late_s=round(now - next_beat, 2))
                     self._beat()
                     self.replies.sweep(now)
+                    self._prune_direct_jobs()
                     next_beat = now + BEAT_S
                     notify(status=self.status_line())
                 if watchdog_s is not None and now >= next_watchdog:
@@ -527,7 +546,8 @@ class WorkerServer:
                         other.send(taken, may_drop=True)
         link.jobs.add(job.id)
         if job.reply_to:  # (sent from this thread before any output, which this thread forwards: it arrives first)
-            self.replies.send(job.reply_to, job.reply_key, encode(JobStart(id=job.id)))
+            self.direct_jobs.setdefault((job.reply_to, job.reply_key or ""), set()).add(job.id)
+            self._reply(job.reply_to, job.reply_key or "", encode(JobStart(id=job.id)))
             self.engine.submit(job, self.direct_sink(link, job))
         else:
             self.engine.submit(job, self.sink_for(link))
