@@ -56,7 +56,11 @@ def detokenize_message(body: dict[str, Any]) -> Detokenize:
         raise RequestError(f"`{field}` is not supported by /detokenize", param=field)
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in tokens):
         raise RequestError("`tokens` must be a list of token ids", param="tokens")
-    return Detokenize(tokens=pack_tokens(tokens))
+    # packed a part at a time: a million ids at once hold the GIL (and an event loop beside) 60 ms
+    return Detokenize(tokens=b"".join(pack_tokens(tokens[i : i + PACK_AT]) for i in range(0, len(tokens), PACK_AT)))
+
+
+PACK_AT = 1 << 16
 
 
 def render_message(sub: Submit) -> Tokenize:

@@ -50,7 +50,6 @@ from kvroute.vocab import Vocab
 CUTS_TRIED = 32  # cut points looked up per prompt, from its end: a next turn finds its previous prompt in a few
 SPACE = "\u2581"  # how SentencePiece writes a space inside a piece
 SPACES = (SPACE.encode(), b" ")
-WORD_TAIL = 4096  # characters from a text's end searched for its last cut between words
 # llama_tokenize's partition, measured here: per special token and place of its first character, and per special token
 # and special token found in the text (each cuts the text into one more piece, searched again for every special token)
 CANDIDATE_S = 22e-9
@@ -120,6 +119,21 @@ class TokenizeCost:
             if self._found is None:
                 self._found = re.compile(_trie(self._texts))
             return self._found
+
+
+def _last_match(pattern: re.Pattern[str], text: str, overlap: int) -> re.Match[str] | None:
+    """The last match of `pattern` (whose matches are at most `overlap` long and never overlap one another) in `text`,
+    searched WINDOW characters at a time from the end: each search holds the GIL for a window, not the whole text."""
+    end = len(text)
+    while end > 0:
+        last = None
+        for m in pattern.finditer(text, max(0, end - WINDOW - overlap), end + overlap):
+            if m.start() < end:
+                last = m
+        if last is not None:
+            return last
+        end -= WINDOW
+    return None
 
 
 def _common_start(texts: list[str]) -> str:
@@ -264,16 +278,16 @@ class PromptTokenizer:
         return np.concatenate([head, self._whole(text[last:], False)])
 
     def _last_cut(self, text: str) -> int:
-        """The last place `text` may be cut (0: none): after a checked special token, or before a space between words."""
+        """The last place `text` may be cut (0: none): after a checked special token, or before a space between words.
+        Searched a window at a time from the end (a regular expression holds the GIL for all the text it scans)."""
         last = 0
         if self._cut is not None:
-            for m in self._cut.finditer(text):
-                last = m.end()
+            longest = max(map(len, self._safe), default=0)
+            m = _last_match(self._cut, text, longest)
+            last = m.end() if m is not None else 0
         if self._word_cut is not None:
-            for start in (max(0, len(text) - WORD_TAIL), 0):
-                found = [m.start() for m in self._word_cut.finditer(text, start)]
-                if found or start == 0:
-                    return max([last, *found[-1:]])
+            m = _last_match(self._word_cut, text, 2)
+            return max(last, m.start() if m is not None else 0)
         return last
 
     def _is_cut(self, text: str, c: int) -> bool:
