@@ -176,6 +176,20 @@ def uvicorn_config(app: Any, cfg: HttpConfig, host: str, port: int) -> Any:
     )
 
 
+def warn_open_router(cfg: HttpConfig) -> None:
+    """With an API key on the HTTP API, a router client socket on TCP without CURVE is a way around the key for any
+    process that reaches it (the router does not know the key): say so, and what closes it."""
+    keyed = bool(cfg.api_key or os.environ.get("KVROUTE_API_KEY"))
+    open_tcp = [e for e in cfg.router.split(",") if e.strip().startswith("tcp://")]
+    if keyed and open_tcp and cfg.curve_key is None:
+        logs.get(__name__).warning(
+            "zmq_clients_open",
+            endpoints=open_tcp,
+            reason="the HTTP API has a key but anyone who reaches the router's client socket is served without one: "
+            "bind the router's --zmq to ipc://PATH in a directory only its user enters, or give it CURVE client keys",
+        )
+
+
 def parse_host_port(value: str) -> tuple[str, int]:
     """'HOST:PORT' -> (host, port); raises ValueError naming the problem."""
     host, sep, port = value.rpartition(":")
@@ -253,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
     if (cfg.curve_key is None) != (cfg.router_key is None):
         raise UsageError("--curve-key and --router-key go together")
     logs.setup(process="http")
+    warn_open_router(cfg)
     import uvloop
 
     from gateway.processes import HttpProcesses

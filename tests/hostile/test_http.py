@@ -234,3 +234,17 @@ async def test_each_api_key_is_an_owner_of_its_share_of_the_queue() -> None:
     async with client_for(fake) as c:  # without keys: one user, the whole queue
         await c.post(CHAT, json=chat())
     assert fake.submits[-1].owner is None
+
+
+def test_kvroute_http_with_a_key_in_front_of_an_open_router_socket_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue item 3: `kvroute router` with `kvroute http --api-key` left the client socket open, silently."""
+    from structlog.testing import capture_logs
+
+    from gateway.main import warn_open_router
+
+    monkeypatch.delenv("KVROUTE_API_KEY", raising=False)
+    with capture_logs() as logged:
+        warn_open_router(HttpConfig(router="tcp://127.0.0.1:5555", api_key="k"))
+        warn_open_router(HttpConfig(router="ipc:///run/kvroute/clients.sock", api_key="k"))
+        warn_open_router(HttpConfig(router="tcp://127.0.0.1:5555"))
+    assert [e["event"] for e in logged] == ["zmq_clients_open"]
