@@ -419,13 +419,12 @@ class EngineCore:
     # -- failures --
 
     def _check(self, slots: list[Slot]) -> None:
-        """The invariant: each slot's KV holds exactly len(slot.tokens) positions, and its sliding-window layers
-        hold the whole window before the next one. A violation is a bug."""
-        n_swa = self.llama.info.n_swa
+        """The invariant (worker/llama.py `holds`): each slot's memory holds exactly len(slot.tokens) positions, its
+        sliding-window layers the whole window before the next one. A violation is a bug."""
         for slot in slots:
-            held, floor = self.llama.seq_len(slot.id), self.llama.seq_pos_min(slot.id)
-            if held == slot.n_tokens and floor <= max(0, held - n_swa + 1):
+            if self.llama.holds(slot.id, slot.n_tokens):
                 continue
+            held, floor = self.llama.seq_len(slot.id), self.llama.seq_pos_min(slot.id)
             error_id = uuid.uuid4().hex[:16]
             self.counters.invariant_violations += 1
             log.error("slot_invariant_violated", error_id=error_id, slot=slot.id, believed=slot.n_tokens, kv=held, kv_from=floor)

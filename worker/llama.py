@@ -278,6 +278,16 @@ class Llama:
         """The shortest prefix a sequence whose layers start at `pos_min` can be cut to (`can_keep`'s bound)."""
         return 0 if pos_min <= 0 else pos_min + self.info.n_swa - 1
 
+    def holds(self, seq: int, n: int) -> bool:
+        """The slot invariant: `seq` holds exactly positions 0..n-1, and as much of them as its memory keeps (a
+        recurrent state is at position n-1; sliding-window layers hold at least the window before position n)."""
+        held, floor = self.seq_len(seq), self.seq_pos_min(seq)
+        if held != n:
+            return False
+        if self.info.recurrent:  # (hybrid: llama.cpp reports the later of its attention's and its state's pos_min)
+            return floor == held - 1
+        return floor <= max(0, held - self.info.n_swa + 1)
+
     def state_pos_min(self, seq: int, n: int) -> int:
         """`seq_pos_min` a sequence of `n` tokens will have once `state_get(seq)` is restored: llama.cpp writes only
         the last window of a sliding-window layer (measured: 1,000 tokens come back from position 488 with
