@@ -64,17 +64,27 @@ def _scalar(part: Any, kind: GGUFValueType) -> Any:
     return float(value) if kind in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64) else int(value)
 
 
-def write(arch: str, out: Path, seed: int = 0) -> Path:
-    """Write a model of `arch` from its recipe, with random weights drawn from `seed`."""
+def write(arch: str, out: Path, seed: int = 0, repeat: int = 1, n_ctx: int = 0) -> Path:
+    """Write a model of `arch` from its recipe, with random weights drawn from `seed`; `repeat` > 1: its layers that
+    many times over (the same pattern of recurrent and attention layers, `repeat` times the compute: a model whose
+    time means something, for bench/hybrid_turns.py); `n_ctx`: the context it says it was trained for (0: the
+    recipe's, 256; llama-server caps a slot there)."""
     spec = json.loads((RECIPES / f"{arch}.json").read_text())
     w = GGUFWriter(str(out), spec["arch"])
+    n_layer = next(v for k, _, v, *_ in spec["fields"] if k.endswith(".block_count"))
     for key, kind, value, *sub in spec["fields"]:
         if sub and not value:
             continue  # (gguf writes no empty array; llama.cpp reads a missing one as empty: merges, labels)
+        if key.endswith(".block_count"):
+            value = n_layer * repeat
+        elif key.endswith(".context_length") and n_ctx:
+            value = n_ctx
+        elif sub and len(value) == n_layer and not key.startswith("tokenizer."):
+            value = value * repeat  # (a value per layer)
         vtype = GGUFValueType[kind]
         w.add_key_value(key, value, vtype, GGUFValueType[sub[0]] if sub else None)
     rng = np.random.default_rng(seed)
-    for name, shape, kind in spec["tensors"]:
+    for name, shape, kind in _layers(spec["tensors"], n_layer, repeat):
         dtype = {"F32": np.float32, "F16": np.float16}[kind]
         values = rng.standard_normal(tuple(reversed(shape))) * STDEV  # (numpy's order is ggml's reversed)
         if "ssm_a" in name:
@@ -87,15 +97,26 @@ def write(arch: str, out: Path, seed: int = 0) -> Path:
     return out
 
 
-def model(arch: str) -> Path:
-    """The model of `arch` (seed 0) in ~/.cache/kvroute/archs, written on first use (the tests' and benches' copy;
-    named by its recipe's digest: a changed recipe writes a new one)."""
+def _layers(tensors: list[list[Any]], n_layer: int, repeat: int) -> list[list[Any]]:
+    """The recipe's tensors with layer i's also as layer i + k * n_layer for each of the `repeat` copies."""
+    out = [t for t in tensors if not t[0].startswith("blk.")]
+    for k in range(repeat):
+        for name, shape, kind in tensors:
+            if name.startswith("blk."):
+                _, i, rest = name.split(".", 2)
+                out.append([f"blk.{int(i) + k * n_layer}.{rest}", shape, kind])
+    return out
+
+
+def model(arch: str, repeat: int = 1, n_ctx: int = 0) -> Path:
+    """The model of `arch` (seed 0; `repeat`, `n_ctx`: as in `write`) in ~/.cache/kvroute/archs, written on first use
+    (the tests' and benches' copy; named by its recipe's digest: a changed recipe writes a new one)."""
     digest = hashlib.sha256((RECIPES / f"{arch}.json").read_bytes()).hexdigest()[:12]
-    out = CACHE / f"{arch}-{digest}.gguf"
+    out = CACHE / f"{arch}-{digest}{f'-x{repeat}' if repeat > 1 else ''}{f'-c{n_ctx}' if n_ctx else ''}.gguf"
     if not out.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        write(arch, tmp)
+        write(arch, tmp, repeat=repeat, n_ctx=n_ctx)
         os.replace(tmp, out)  # (whole or not at all: tests in parallel may write it at once)
     return out
 
