@@ -22,7 +22,8 @@ def spec_opt() -> Any:
         "auto",
         "speculative decoding: ngram = verify guesses taken from the conversation itself (prompt lookup) in the "
         "same batch (the same tokens, bit for bit with --deterministic; without it a request with a seed takes no "
-        "guesses); auto = ngram unless --snapshots or the model's memory cannot be trimmed (recurrent, hybrid); "
+        "guesses); auto = ngram unless --snapshots, or a recurrent or hybrid model whose state llama.cpp cannot take back "
+        "(it can for qwen35, nemotron_h, lfm2: 4 guesses a step there); "
         "none = off",
         choices=list(SPEC),
     )

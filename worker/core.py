@@ -87,6 +87,10 @@ from worker.task import Sink, Task
 
 log = logs.get(__name__)
 
+# speculation on a recurrent or hybrid model: guesses per step at most, as llama.cpp keeps that many more copies of each
+# slot's recurrent state to take rejected ones back (n_rs_seq; qwen35, nemotron_h, lfm2 and their MoE forms)
+ROLLBACK = 4
+
 Counters = EngineCounters  # (protocol/worker_messages.py: they cross to the router with every heartbeat)
 
 
@@ -108,6 +112,7 @@ class EngineCore:
             kv_budget_mb=cfg.kv_budget_mb,
             n_gpu_layers=cfg.n_gpu_layers,
             swa_full=cfg.swa_full,
+            rollback=ROLLBACK if cfg.spec != "none" and not cfg.deterministic else 0,
         )
         self.vocab = self.llama.vocab
         self.guide_tokenizer = GuideTokenizer(self.vocab)  # built on its own thread, ready long before a grammar is
@@ -128,8 +133,10 @@ class EngineCore:
         if self.exact:
             self.n_ctx -= EXACT_ROWS  # room for the most rows a slot takes in a decode batch (worker/batching.py)
         # guesses are verified in the slot's own rows and the rejected ones' KV removed (needs seq_rm); in
-        # deterministic mode they take a slot's padding rows
-        self.spec = cfg.spec != "none" and not self.uncut
+        # deterministic mode they take a slot's padding rows. A recurrent state is taken back by `rollback` positions at
+        # most, where llama.cpp keeps that many copies of it (not in deterministic mode: no padding there)
+        self.rollback = self.llama.rollback if self.uncut and not cfg.snapshots else 0
+        self.spec = cfg.spec != "none" and (not self.uncut or (self.rollback > 0 and not self.exact))
         self.step_cost = StepCost()  # what a guessed row costs in a step: whether a job's guesses pay
         self.pool = OutputPool(cfg.spec_ngram) if self.spec else None  # recent outputs, guesses across requests
         if cfg.spec == "ngram" and not self.spec:
@@ -148,6 +155,7 @@ class EngineCore:
             n_batch=self.n_batch,
             every=cfg.checkpoint_every,
         )
+        self.prefixes.rollback = self.rollback
         self.admission = Admission(self.vocab, self.guide_tokenizer, self.table, self.prefixes, self.counters, self.n_ctx)
         self.batcher = Batcher(self.llama.batch, self.table.slots, self.n_ctx, self.exact, self.uncut, self._guess)
         self._decode = self.llama.decode  # tests replace this to inject failures
@@ -256,6 +264,8 @@ class EngineCore:
             )
         drafter = task.drafter
         limit = min(budget, self.n_ctx - 1 - slot.n_tokens, task.max_gen - len(task.generated) - 1)
+        if self.uncut:
+            limit = min(limit, self.rollback)  # (a recurrent state is taken back this far at most)
         pays = not decoding or self.step_cost.pays(drafter.rate, decoding, rows, min(drafter.k, limit))
         task.withheld = not pays and drafter.shadow(limit)
         return [] if task.withheld else drafter.propose(limit)
@@ -310,7 +320,7 @@ class EngineCore:
         self.counters.spec_accepted += taken
         task.drafter.verified(len(draft), taken)
         if keep < slot.n_tokens:
-            self.prefixes.trim(slot, keep)
+            self.prefixes.unguess(slot, keep)
             if slot.n_tokens != keep:  # the trim failed and cleared the slot: this job's KV is gone
                 error_id = uuid.uuid4().hex[:16]
                 log.error("spec_trim_failed", error_id=error_id, slot=slot.id, keep=keep)
@@ -377,7 +387,7 @@ class EngineCore:
         now = time.monotonic()
         held = len(task.prompt) + len(task.generated)
         if slot.n_tokens > held:  # guessed tokens past where the job ended (it stopped mid-guess)
-            self.prefixes.trim(slot, held)
+            self.prefixes.unguess(slot, held)
         done = JobDone(
             id=task.id,
             slot=slot.id,

@@ -176,10 +176,13 @@ class Llama:
         kv_budget_mb: int = 0,
         n_gpu_layers: int | None = None,
         swa_full: str = "on",
+        rollback: int = 0,
     ) -> None:
         """`kv_types`: the KV cache's key and value types (f16, q8_0, q4_0); `flash_attn`: auto, on or off
         (WorkerConfig has checked the combinations; deterministic mode turns it off). `ctx_per_slot` 0: the trained
-        length capped by `kv_budget_mb` (0: worker.context_size's default). `n_gpu_layers`: None = all (with `gpu`)."""
+        length capped by `kv_budget_mb` (0: worker.context_size's default). `n_gpu_layers`: None = all (with `gpu`).
+        `rollback`: positions a recurrent state can be taken back by (`seq_rm`) right after a decode, where llama.cpp
+        can for the architecture (`n_rs_seq`: it keeps that many more copies of the state); 0: none."""
         init_backend()
         self.path = Path(path)
         mp = _model_params(gpu, n_gpu_layers, deterministic)
@@ -195,11 +198,14 @@ class Llama:
         choice, swa = self._choose_ctx(ctx_per_slot, slots, per_token, budget, swa_full)
         ctx_per_slot, full = choice.ctx, swa.full
         cp = _context_params(slots, ctx_per_slot, self.rows, threads, kv_types, flash_attn, deterministic, full)
+        recurrent = llama_cpp.llama_model_is_recurrent(self.model) or llama_cpp.llama_model_is_hybrid(self.model)
+        cp.n_rs_seq = rollback if recurrent else 0
         self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             raise ModelError(f"llama.cpp could not create a context of {slots} x {ctx_per_slot} tokens for {self.path}")
         self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.rollback = int(llama_cpp.llama_n_rs_seq(self.ctx))  # (llama.cpp gives 0 where the architecture cannot)
         self.slots = slots
         self.ctx_per_slot = llama_cpp.llama_n_ctx_seq(self.ctx)
         self.batch = Batch(self.rows)

@@ -63,6 +63,7 @@ class Prefixes:
         self.uncut = uncut
         self.budget = budget
         self.n_ctx, self.n_batch, self.every = n_ctx, n_batch, every
+        self.rollback = 0  # a recurrent state's positions llama.cpp takes back after a decode (the engine sets it)
         self.copying: set[int] = set()  # slots whose stream copy (seq_cp) llama.cpp does at the next decode
 
     def place(self, task: Task, slot: Slot) -> None:
@@ -312,6 +313,14 @@ class Prefixes:
             return
         log.warning("checkpoint_restore_refused", slot=slot.id, keep=ckpt.n_tokens, held=slot.n_tokens)
         self.clear(slot)
+
+    def unguess(self, slot: Slot, n: int) -> None:
+        """Take a slot back to its first `n` tokens right after a decode with guesses: a recurrent state by llama.cpp's
+        rollback (`rollback` positions at most, once between two decodes), else as `trim`."""
+        if self.uncut and 0 < slot.n_tokens - n <= self.rollback and self.llama.seq_rm(slot.id, n, -1):
+            slot.keep(n)
+            return
+        self.trim(slot, n)
 
     def checkpoint(self, slot: Slot) -> None:
         """Save the part of the slot's memory that cannot be cut back, at its current length (worker/checkpoints.py),

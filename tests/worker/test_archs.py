@@ -17,6 +17,7 @@ from bench import tiny_archs
 from kvroute.slots import common_prefix, restore_keep, reused
 from protocol import JobDone
 from worker.config import WorkerConfig
+from worker.core import ROLLBACK
 from worker.engine import Engine
 
 pytestmark = pytest.mark.model
@@ -196,5 +197,40 @@ def test_a_window_cache_of_its_window_alone_takes_less_memory_and_resumes_from_a
         assert min_keep > 300 and {256, 320} <= set(cut_at)  # what the window cache still holds; its checkpoints
         turn(eng, mirror, [*long[:300], 5, 5, *long[302:400]], 0)  # diverges at 300: from the checkpoint at 256
         assert eng.counters.snapshot_restores == 1 and eng.counters.invariant_violations == 0
+    finally:
+        eng.stop()
+
+
+@pytest.mark.parametrize("arch", ["qwen35", "nemotron_h", "lfm2", "mamba2"])
+def test_speculation_takes_rejected_guesses_back_out_of_a_recurrent_state_where_llama_cpp_can(arch):
+    """qwen35, nemotron_h and lfm2: llama.cpp keeps ROLLBACK more copies of each slot's recurrent state, so guesses are
+    verified and the rejected ones taken back (here every guess is wrong: the tokens are those of a run without
+    guesses); mamba2: it cannot, speculation is off."""
+    rnd = random.Random(4)
+    prompt = [rnd.randrange(128) for _ in range(40)]
+    plain = engine(arch, spec="none")
+    try:
+        want = complete(plain, prompt, slot=0, max_tokens=12).tokens
+    finally:
+        plain.stop()
+    eng = engine(arch)
+    try:
+        core = eng.core
+        assert core.spec == (arch != "mamba2") and core.rollback == (0 if arch == "mamba2" else ROLLBACK)
+
+        guess = core._guess
+
+        def wrong(task, slot, budget, decoding=0, rows=0):  # guesses the model never takes
+            guess(task, slot, budget, decoding, rows)  # (the job's drafter: it counts what was taken)
+            return [(t + 1) % 128 for t in want][: min(core.rollback, 3)] if core.spec else []
+
+        core._guess = wrong  # type: ignore[method-assign]
+        core.batcher.guess = wrong
+        run = complete(eng, prompt, slot=0, max_tokens=12)
+        assert run.tokens == want and isinstance(run.final, JobDone)
+        c = eng.counters
+        assert c.invariant_violations == 0 and c.spec_accepted <= c.spec_proposed
+        if arch != "mamba2":
+            assert c.spec_proposed > c.spec_accepted  # (rejected guesses were taken back)
     finally:
         eng.stop()
