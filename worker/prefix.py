@@ -286,6 +286,8 @@ class Prefixes:
         have = max(have, self.best_saved(prompt, salt, seeded)[1])
         for s in computing:
             shared = min(common_prefix(s.task.prompt, prompt), len(prompt) - 1)
+            if self.budget is not None:  # it can be cut back to where it takes a checkpoint (worker/checkpoints.py)
+                shared = max((p for p in s.task.checkpoint_at if p <= shared), default=0)
             if s.n_tokens < shared and shared - have >= COPY_MIN:
                 return True
         return False

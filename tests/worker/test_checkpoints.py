@@ -162,3 +162,16 @@ def test_a_state_and_its_checkpoints_go_to_disk_as_one_run_of_buffers_and_come_b
         (40, bytes(ckpts[0].data)),
         (96, bytes(ckpts[1].data)),
     ]
+
+
+def test_a_job_waits_for_a_prefix_another_slot_computes_only_up_to_where_that_slot_takes_a_checkpoint():
+    """A recurrent slot computing 300 prompt tokens takes checkpoints at 296 and 300: a job sharing 250 of them gains
+    nothing by waiting (the slot could only be cut back to 0 for it); one sharing all 300 waits and copies them."""
+    prefixes, table, _ = recurrent()
+    busy = table[0]
+    first = task(PROMPT[:300])
+    table.assign(busy, first)
+    prefixes.place(first, busy)
+    assert first.checkpoint_at == [0, 296, 300]
+    assert not prefixes.awaits(task([*PROMPT[:250], 7, 7]))
+    assert prefixes.awaits(task([*PROMPT[:300], 7, 7]))
