@@ -44,9 +44,16 @@ Speculation (`--spec auto|ngram`, worker/speculate.py): a generating slot's row 
 tokens; its sampler takes the rows in order while they agree with the guess, and the KV of the guessed tokens it
 did not take is removed before anything else happens (so the invariant below holds after every step).
 
+A memory that cannot be cut back to any prefix (recurrent, hybrid; a window cache of its window alone): its slots take
+context checkpoints (worker/checkpoints.py) once a prompt chunk, which ends there, is committed; nothing of such a
+slot is padded (padding could not be removed), so in deterministic mode each of its generating rows is decoded alone
+and only its prompt tokens count in `n_exact`; guesses are verified only where llama.cpp can take a recurrent state
+back (ROLLBACK positions).
+
 Invariant (checked after every decode, and before building a batch): for every slot,
-`llama_memory_seq_pos_max(slot) + 1 == len(slot.tokens)`. A violation is counted, logged with an id, reported
-to the slot's job as an `internal` error carrying that id, and the slot is cleared.
+`llama_memory_seq_pos_max(slot) + 1 == len(slot.tokens)`, and its memory's lowest position is what it keeps
+(worker/llama.py `holds`). A violation is counted, logged with an id, reported to the slot's job as an `internal`
+error carrying that id, and the slot is cleared.
 """
 
 from __future__ import annotations
