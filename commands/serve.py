@@ -40,6 +40,10 @@ from router.supervisor import Supervisor, SupervisorConfig, WorkerSpec
 from worker.config import (
     WorkerConfig,
     cache_type_opt,
+    checkpoint_every_opt,
+    checkpoint_mb_opt,
+    checkpoint_slot_mb_opt,
+    ctx_checkpoints_opt,
     ctx_per_slot_opt,
     flash_attn_opt,
     kv_budget_opt,
@@ -47,6 +51,7 @@ from worker.config import (
     spec_max_opt,
     spec_ngram_opt,
     spec_opt,
+    swa_full_opt,
 )
 from worker.context_size import cpu_budget_bytes
 
@@ -82,6 +87,11 @@ class LocalWorkers:
     cache_type_k: str = cache_type_opt("keys")
     cache_type_v: str = cache_type_opt("values")
     flash_attn: str = flash_attn_opt()
+    swa_full: str = swa_full_opt()
+    ctx_checkpoints: int = ctx_checkpoints_opt()
+    checkpoint_slot_mb: int = checkpoint_slot_mb_opt()
+    checkpoint_mb: int = checkpoint_mb_opt()
+    checkpoint_every: int = checkpoint_every_opt()
 
     def __post_init__(self) -> None:
         if self.cpu_workers < 0 or self.slots < 1 or self.threads < 0 or self.host_cache_mb < 0:
@@ -114,6 +124,11 @@ class LocalWorkers:
             cache_type_k=self.cache_type_k,
             cache_type_v=self.cache_type_v,
             flash_attn=self.flash_attn,
+            swa_full=self.swa_full,
+            ctx_checkpoints=self.ctx_checkpoints,
+            checkpoint_slot_mb=self.checkpoint_slot_mb,
+            checkpoint_mb=self.checkpoint_mb,
+            checkpoint_every=self.checkpoint_every,
         )
 
 

@@ -7,13 +7,17 @@ them (and predicts what the worker will reuse) must agree to the token.
   worker at most the KV computed as prompt (`n_exact`), leaving a chunk of EXACT_ROWS to compute; to a seeded job on
   any other worker at most the KV computed as a seeded job's prompt (`n_exact` there: worker/core.py).
 - `worth_copy(gain, n_copied)`: whether copying a prefix in (from another slot or a cached state) is worth it.
-- `restore_keep(lcp, n_tokens, min_keep)`: what a cached state of `n_tokens` tokens gives a prompt sharing `lcp`.
+- `restore_keep(lcp, n_tokens, min_keep, cuts)`: what a slot or a saved state of `n_tokens` tokens gives a prompt
+  sharing `lcp` (after `reused`): all of it when its memory can be cut back there (`min_keep`: 0 for a plain
+  transformer's KV, `n_tokens` for a recurrent state), else its longest checkpoint (`cuts`) within it, else nothing.
 - `common_prefix(a, b)` of two token sequences (lists or int32 arrays).
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -50,10 +54,14 @@ def worth_copy(gain: int, n_copied: int) -> bool:
     return gain >= max(COPY_MIN, n_copied // COPY_RATIO)
 
 
-def restore_keep(lcp: int, n_tokens: int, min_keep: int) -> int:
-    """Of `lcp` reusable tokens of a saved state holding `n_tokens`, those it can give: a state whose sliding-window
-    layers hold only their last window cannot be cut before `min_keep` (none at all then)."""
-    return lcp if lcp >= n_tokens or lcp >= min_keep else 0
+def restore_keep(lcp: int, n_tokens: int, min_keep: int, cuts: Sequence[int] = ()) -> int:
+    """Of `lcp` reusable tokens of a slot or saved state holding `n_tokens`, those it can give. Its memory cannot be
+    cut before `min_keep` (sliding-window layers that hold only their last window; a recurrent state, which cannot be
+    cut at all: `n_tokens`); below that, only to one of its checkpoints (`cuts`, ascending: positions where the part
+    that cannot be cut was saved, worker/checkpoints.py): the longest within `lcp`, or none."""
+    if lcp >= n_tokens or lcp >= min_keep:
+        return lcp
+    return cuts[bisect.bisect_right(cuts, lcp) - 1] if cuts and cuts[0] <= lcp else 0
 
 
 def common_prefix(a: Any, b: Any) -> int:

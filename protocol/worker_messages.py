@@ -26,6 +26,7 @@ class SlotHeld(Struct, kw_only=True):
     n_exact: NonNeg = 0  # deterministic mode: leading tokens whose KV was computed as prompt
     salt: CacheSalt = ""  # the tenant whose prompt it holds (Job.cache_salt)
     min_keep: NonNeg = 0  # shortest prefix the slot can be cut to (a restored state's sliding-window layers)
+    cuts: list[NonNeg] = []  # shorter prefixes it can also be cut to: its context checkpoints (CacheEntry.cuts)
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens)
@@ -45,7 +46,9 @@ class CacheEntry(Struct, kw_only=True):
     hash: str  # token_hash() of its tokens
     nbytes: NonNeg  # size of the saved state (a restore copies this much)
     n_exact: NonNeg = 0  # deterministic mode: leading tokens whose KV was computed as prompt
-    min_keep: NonNeg = 0  # shortest prefix a restore can keep (sliding-window layers hold only their last window)
+    min_keep: NonNeg = 0  # shortest prefix a restore can keep (sliding-window layers hold only their last window; a
+    # recurrent state: all of it, n_tokens)
+    cuts: list[NonNeg] = []  # ascending: prefixes below min_keep it can be cut to (context checkpoints, PROTOCOL.md)
     slot: int = -1  # the slot whose previous contents it holds (-1: see tokens)
     tokens: TokenBytes = b""
     salt: CacheSalt = ""  # the tenant whose prompt it holds
@@ -97,7 +100,8 @@ class EngineCounters(Struct, kw_only=True):
     invariant_violations: int | float = 0
     decode_errors: int | float = 0
     decode_retries: int | float = 0
-    snapshot_restores: int | float = 0
+    snapshot_restores: int | float = 0  # slots cut back to one of their context checkpoints
+    checkpoints_taken: int | float = 0  # context checkpoints saved (recurrent, hybrid, sliding-window memories)
     slot_copies: int | float = 0  # prefixes copied from another slot of this worker
     host_saves: int | float = 0  # evicted slot contents kept in host RAM
     host_restores: int | float = 0  # prefixes restored from host RAM
@@ -120,7 +124,7 @@ class EngineCounters(Struct, kw_only=True):
     # gauges, set when a heartbeat is made
     host_cache_bytes: int | float = 0
     host_cache_entries: int | float = 0
-    snapshot_bytes: int | float = 0  # host RAM held by per-slot state snapshots (recurrent and hybrid models)
+    snapshot_bytes: int | float = 0  # memory held by the slots' context checkpoints (recurrent, hybrid, windows)
 
 
 class Heartbeat(Message, tag="heartbeat", kw_only=True):
@@ -168,6 +172,7 @@ class JobDone(Message, tag="job_done", kw_only=True):
     slot_tokens: NonNeg  # the slot's token count after the job
     slot_hash: str  # token_hash() of the slot's tokens after the job
     slot_min_keep: NonNeg = 0  # shortest prefix the slot can be cut to (0: any; see CacheEntry.min_keep)
+    slot_cuts: list[NonNeg] = []  # shorter prefixes it can also be cut to (its checkpoints: CacheEntry.cuts)
     slot_n_exact: NonNeg = 0  # of slot_tokens, the leading ones a seeded or deterministic job reuses (SlotHeld.n_exact)
     timings: Timings
     stop: str | None = None
@@ -192,6 +197,7 @@ class JobError(Message, tag="job_error", kw_only=True):
     slot_tokens: NonNeg = 0
     slot_hash: str = ""
     slot_min_keep: NonNeg = 0  # as in JobDone
+    slot_cuts: list[NonNeg] = []  # as in JobDone
     slot_n_exact: NonNeg = 0  # as in JobDone
     cache_added: list[CacheEntry] = []  # as in JobDone
     cache_dropped: list[NonNeg] = []
@@ -241,6 +247,7 @@ class SlotUpdate(Message, tag="slot_update", kw_only=True):
     n_exact: NonNeg = 0
     salt: CacheSalt = ""
     min_keep: NonNeg = 0
+    cuts: list[NonNeg] = []
     cache_added: list[CacheEntry] = []
     cache_dropped: list[NonNeg] = []
     disk_dropped: list[NonNeg] = []

@@ -109,7 +109,7 @@ class _Collector:
                           {w.id: figure(w, "host_cache_bytes") for w in workers}, gauge=True)  # fmt: skip
         yield _per_worker("kvroute_worker_host_cache_entries", "Evicted slot contents kept in host RAM",
                           {w.id: figure(w, "host_cache_entries") for w in workers}, gauge=True)  # fmt: skip
-        yield _per_worker("kvroute_worker_snapshot_bytes", "Host RAM held by per-slot state snapshots (recurrent models)",
+        yield _per_worker("kvroute_worker_snapshot_bytes", "Host RAM held by the slots' context checkpoints",
                           {w.id: figure(w, "snapshot_bytes") for w in workers}, gauge=True)  # fmt: skip
         yield _per_worker("kvroute_worker_prefill_tokens_per_second", "Prompt tokens computed per second (last heartbeat)",
                           {w.id: w.rates.get("prefilled_tokens", 0.0) for w in workers}, gauge=True)  # fmt: skip

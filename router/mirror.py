@@ -59,7 +59,10 @@ class Slot:
     rev: list[int] = field(default_factory=lambda: [0])  # shared by a worker's slots; bumped on any change
     salt: str = ""  # the tenant whose prompt it holds (a digest of the client's cache_salt; "": none)
     before_salt: str = ""
-    min_keep: int = 0  # shortest prefix it can be cut to (it holds a restored state: kvroute/slots.py restore_keep)
+    min_keep: int = 0  # shortest prefix it can be cut to (a restored state, a recurrent memory: kvroute/slots.py restore_keep)
+    cuts: tuple[int, ...] = ()  # shorter prefixes it can also be cut to: its context checkpoints, ascending
+    before_cuts: tuple[int, ...] = ()  # (min_keep and cuts of the contents before the running job)
+    before_min_keep: int = 0
     # routers side by side: the latest epoch (job number on this slot) of another router's job the worker announced
     # (SlotTaken, or a refusal), and the latest one it said ended (SlotUpdate); while the first is ahead, it is theirs
     taken: int = 0
@@ -98,6 +101,7 @@ class Saved:
     min_keep: int = 0  # shortest prefix a restore can keep
     exact: bool = False  # the worker runs in deterministic mode
     salt: str = ""  # the tenant whose prompt it holds
+    cuts: tuple[int, ...] = ()  # shorter prefixes a restore can keep: its context checkpoints, ascending
 
     @property
     def on_disk(self) -> bool:
@@ -137,11 +141,11 @@ class Mirror:
         *,
         contents_known: bool = True,
         exact: bool = False,
-        held: dict[int, tuple[Tokens, int, str, int]] | None = None,
+        held: dict[int, tuple[Tokens, int, str, int, list[int]]] | None = None,
         cached: Sequence[CacheEntry] = (),
     ) -> list[Slot]:
         """Slots of a newly accepted worker: holding what the worker reports (`held`, from a worker that outlived its
-        router: slot -> tokens, n_exact, salt, min_keep), else empty, or `dirty` when its KV may hold anything; and the
+        router: slot -> tokens, n_exact, salt, min_keep, cuts), else empty, or `dirty` when its KV may hold anything; and the
         saved states it reports (`cached`, with their tokens)."""
         self.remove_worker(worker)
         rev = [0]
@@ -152,10 +156,10 @@ class Mirror:
             if slot.index not in held:
                 slot.dirty = True  # not reported: unknown
                 continue
-            tokens, n_exact, salt, min_keep = held[slot.index]
+            tokens, n_exact, salt, min_keep, cuts = held[slot.index]
             if len(tokens):
                 slot.tokens, slot.n_exact, slot.dirty, slot.salt = as_tokens(tokens), n_exact, False, salt
-                slot.min_keep = min_keep
+                slot.min_keep, slot.cuts = min_keep, tuple(cuts)
                 self._index(salt).insert(slot, slot.tokens)
         self.workers[worker] = slots
         self.saved[worker] = {}
@@ -225,7 +229,7 @@ class Mirror:
                 problems.append(f"saved state {e.id} ({e.n_tokens} tokens, from slot {e.slot}) differs from the mirror's {held}")
                 continue
             exact = bool(slots) and slots[0].exact
-            s = Saved(worker, (e.tier, e.id), tokens, e.nbytes, e.n_exact, e.min_keep, exact, e.salt)
+            s = Saved(worker, (e.tier, e.id), tokens, e.nbytes, e.n_exact, e.min_keep, exact, e.salt, tuple(e.cuts))
             saved[s.key] = s
             self._index(s.salt).insert(s, tokens)
         for key in [("ram", i) for i in dropped] + [("disk", i) for i in disk_dropped]:
@@ -260,12 +264,20 @@ class Mirror:
         slot.rev[0] += 1
 
     def updated_by_other(
-        self, slot: Slot, epoch: int, tokens: Tokens, n_exact: int = 0, salt: str = "", min_keep: int = 0
+        self,
+        slot: Slot,
+        epoch: int,
+        tokens: Tokens,
+        n_exact: int = 0,
+        salt: str = "",
+        min_keep: int = 0,
+        cuts: Sequence[int] = (),
     ) -> None:
         """Another router's job on the slot ended (SlotUpdate): it holds exactly `tokens` now."""
         slot.updated = max(slot.updated, epoch)
         if slot.phase is SlotPhase.BUSY:  # this router's job, sent meanwhile, starts from what they left
             slot.before, slot.before_exact, slot.before_salt = as_tokens(tokens), n_exact, salt
+            slot.before_min_keep, slot.before_cuts = min_keep, tuple(cuts)
             slot.rev[0] += 1
             return
         if salt != slot.salt:
@@ -273,6 +285,7 @@ class Mirror:
             slot.salt = salt
         self._idle(slot, as_tokens(tokens), dirty=False)
         slot.n_exact, slot.min_keep = min(n_exact, len(tokens)), min_keep if len(tokens) else 0
+        slot.cuts = tuple(cuts) if len(tokens) else ()
 
     def assign(self, slot: Slot, job: str, prompt: Tokens, salt: str = "") -> None:
         if slot.busy:
@@ -280,6 +293,7 @@ class Mirror:
         slot.phase, slot.job = SlotPhase.BUSY, job
         slot.before = None if slot.dirty else slot.tokens
         slot.before_exact, slot.before_salt = slot.n_exact, slot.salt
+        slot.before_min_keep, slot.before_cuts = slot.min_keep, slot.cuts
         slot.tokens = as_tokens(prompt)
         slot.dirty = False  # the job goes with prefix_cache=False when the slot was dirty
         if salt != slot.salt:
@@ -299,11 +313,12 @@ class Mirror:
         slot_hash: str,
         min_keep: int = 0,
         n_exact: int = 0,
+        cuts: Sequence[int] = (),
     ) -> Mismatch | None:
-        """A JobDone: the slot holds the first `slot_tokens` of prompt + generated, can be cut to `min_keep` or more,
-        and gives a seeded or deterministic job its first `n_exact`."""
+        """A JobDone: the slot holds the first `slot_tokens` of prompt + generated, can be cut to `min_keep` or more and
+        to its checkpoints (`cuts`), and gives a seeded or deterministic job its first `n_exact`."""
         full = np.concatenate([prompt, generated]) if len(generated) else prompt
-        return self._settle(slot, job, full, slot_tokens, slot_hash, min_keep, n_exact)
+        return self._settle(slot, job, full, slot_tokens, slot_hash, min_keep, n_exact, cuts)
 
     def fail(
         self,
@@ -316,6 +331,7 @@ class Mirror:
         slot_hash: str,
         min_keep: int = 0,
         n_exact: int = 0,
+        cuts: Sequence[int] = (),
     ) -> Mismatch | None:
         """A JobError. Untouched (slot -1): the slot holds what it held before the job."""
         if not touched:
@@ -323,13 +339,14 @@ class Mirror:
             if slot.before_salt != slot.salt:  # the worker never took the job: the slot is the old tenant's still
                 self._unindex(slot, slot.salt)
                 slot.salt = slot.before_salt
-            min_keep = slot.min_keep  # (kept: what the slot held is unchanged)
+            min_keep, cuts = slot.before_min_keep, slot.before_cuts  # (kept: what the slot held is unchanged)
             self._idle(slot, EMPTY if before is None else before, dirty=before is None)
             slot.n_exact = before_exact if before is not None else 0
             slot.min_keep = min_keep if before is not None else 0
+            slot.cuts = tuple(cuts) if before is not None else ()
             return None
         full = np.concatenate([prompt, streamed]) if len(streamed) else prompt
-        return self._settle(slot, job, full, slot_tokens, slot_hash, min_keep, n_exact)
+        return self._settle(slot, job, full, slot_tokens, slot_hash, min_keep, n_exact, cuts)
 
     def lost(self, slot: Slot) -> None:
         """The job's outcome is unknown (cancelled without report): the slot's contents are unknown."""
@@ -344,13 +361,22 @@ class Mirror:
         return False
 
     def _settle(
-        self, slot: Slot, job: str, full: Tokens, slot_tokens: int, slot_hash: str, min_keep: int, n_exact: int
+        self,
+        slot: Slot,
+        job: str,
+        full: Tokens,
+        slot_tokens: int,
+        slot_hash: str,
+        min_keep: int,
+        n_exact: int,
+        cuts: Sequence[int] = (),
     ) -> Mismatch | None:
         held = full[:slot_tokens]
         if slot_tokens <= len(full) and token_hash(held) == slot_hash:
             self._idle(slot, held, dirty=False)
             slot.n_exact = min(n_exact, slot_tokens)  # (the worker's word: it alone knows which chunks were exact)
             slot.min_keep = min_keep if slot_tokens else 0
+            slot.cuts = tuple(c for c in cuts if c <= slot_tokens) if slot_tokens else ()
             return None
         self.mismatches += 1
         mm = Mismatch(slot.worker, slot.index, job, len(full), slot_tokens, token_hash(held), slot_hash)
@@ -359,7 +385,7 @@ class Mirror:
 
     def _idle(self, slot: Slot, tokens: Tokens, *, dirty: bool) -> None:
         slot.phase, slot.job, slot.before = SlotPhase.IDLE, None, None
-        slot.tokens, slot.dirty, slot.n_exact, slot.min_keep = tokens, dirty, 0, 0
+        slot.tokens, slot.dirty, slot.n_exact, slot.min_keep, slot.cuts = tokens, dirty, 0, 0, ()
         if len(tokens) and not dirty:
             self._index(slot.salt).insert(slot, tokens)
         else:

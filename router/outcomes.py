@@ -71,13 +71,30 @@ def settle_slot(mirror: Mirror, metrics: Metrics, req: Req, msg: JobDone | JobEr
             mm = mirror.fail(slot, msg.id, req.tokens, generated, True, 0, "not-this-slot")
         else:
             mm = mirror.finish(
-                slot, msg.id, req.tokens, generated, msg.slot_tokens, msg.slot_hash, msg.slot_min_keep, msg.slot_n_exact
+                slot,
+                msg.id,
+                req.tokens,
+                generated,
+                msg.slot_tokens,
+                msg.slot_hash,
+                msg.slot_min_keep,
+                msg.slot_n_exact,
+                msg.slot_cuts,
             )
     else:
         streamed = np.asarray(attempt.streamed, dtype=np.int32)
         touched = msg.slot >= 0
         mm = mirror.fail(
-            slot, msg.id, req.tokens, streamed, touched, msg.slot_tokens, msg.slot_hash, msg.slot_min_keep, msg.slot_n_exact
+            slot,
+            msg.id,
+            req.tokens,
+            streamed,
+            touched,
+            msg.slot_tokens,
+            msg.slot_hash,
+            msg.slot_min_keep,
+            msg.slot_n_exact,
+            msg.slot_cuts,
         )
     if mm is not None:
         metrics.mirror_mismatches += 1

@@ -125,16 +125,19 @@ Decision = Dispatch | Wait | None  # None: no idle slot anywhere
 
 def predicted_reuse(lcp: int, length: int, slot: Slot, params: Params) -> int:
     """What the worker will reuse on `slot`: the rule both sides share (kvroute/slots.py `reused`; a slot holding a
-    restored state cannot be cut back before its `min_keep`: `restore_keep`)."""
+    restored state or a recurrent memory cannot be cut back before its `min_keep`, except to its checkpoints:
+    `restore_keep`)."""
     if not params.prefix_cache or slot.dirty:
         return 0
-    return restore_keep(reused(lcp, length, slot.n_exact, slot.exact, params.seeded), len(slot.tokens), slot.min_keep)
+    r = reused(lcp, length, slot.n_exact, slot.exact, params.seeded)
+    return restore_keep(r, len(slot.tokens), slot.min_keep, slot.cuts)
 
 
 def restored_reuse(lcp: int, length: int, saved: Saved, have: int, seeded: bool) -> int:
     """What a saved state sharing `lcp` tokens with a prompt gives on a slot that gives `have` itself: the worker's
     rule (worker/prefix.py `Prefixes.source`); `have` when a restore is not worth it there."""
-    r = restore_keep(reused(lcp, length, saved.n_exact, saved.exact, seeded), len(saved.tokens), saved.min_keep)
+    r = reused(lcp, length, saved.n_exact, saved.exact, seeded)
+    r = restore_keep(r, len(saved.tokens), saved.min_keep, saved.cuts)
     return r if worth_copy(r - have, len(saved.tokens)) else have
 
 
@@ -144,22 +147,30 @@ def expected_reuse(match: Match, slot: Slot, params: Params, saved: dict[SavedKe
     own = predicted_reuse(match.lcp(slot), match.length, slot, params)
     if not params.prefix_cache or slot.dirty or not saved:
         return own, False
-    lcp, top = deepest_saved(match, saved)
-    r = restored_reuse(lcp, match.length, top, own, params.seeded) if top is not None else own
+    gives, top = best_saved(match, saved, params.seeded)
+    r = gives if top is not None and worth_copy(gives - own, len(top.tokens)) else own
     return r, r > own
 
 
-def deepest_saved(match: Match, saved: dict[SavedKey, Saved]) -> tuple[int, Saved | None]:
-    """The saved state sharing the longest prefix with the prompt (the first in `saved`'s order among equals) and that
-    length; (0, None) when none shares any. Walks the match's path deepest first, so its cost is the worker's entry
-    count once, not an LCP per entry (with 100,000 entries indexed that scan was half of a decision's time)."""
+def best_saved(match: Match, saved: dict[SavedKey, Saved], seeded: bool) -> tuple[int, Saved | None]:
+    """The saved state giving the most of the prompt (kvroute/slots.py `restore_keep`), and that much; (0, None) when
+    none gives any. As the worker chooses (worker/prefix.py `best_saved`): the most tokens, then the fewest to copy, then
+    host RAM before disk. Walks the match's path deepest first and stops where no shallower state can give as much, so
+    its cost is about the worker's entry count once, not an LCP per entry (with 100,000 entries indexed that scan was
+    half of a decision's time)."""
     entries = set(saved.values())
-    for owners, depth in reversed(match.path):
-        tied = owners & entries
-        if tied:
-            first = next(iter(tied)) if len(tied) == 1 else next(s for s in saved.values() if s in tied)
-            return depth, cast(Saved, first)
-    return 0, None
+    length = match.length
+    best: tuple[int, int, bool] | None = None
+    top: Saved | None = None
+    for level, depth in match.levels():
+        if best is not None and min(depth, length - 1) < best[0]:
+            break  # (a state gives at most what it shares)
+        for s in cast("set[Saved]", level & entries):
+            r = restore_keep(reused(depth, length, s.n_exact, s.exact, seeded), len(s.tokens), s.min_keep, s.cuts)
+            key = (r, -len(s.tokens), not s.on_disk)
+            if r > 0 and (best is None or key > best):
+                best, top = key, s
+    return (best[0], top) if best is not None else (0, None)
 
 
 def _recency(slot: Slot, now: float, half_life: float) -> float:

@@ -191,7 +191,8 @@ class WorkerTable:
         self.cache_changed(conn, msg)
         if 0 <= msg.slot < len(conn.slots):
             tokens = tokens_from_wire(msg.tokens)
-            self.mirror.updated_by_other(conn.slots[msg.slot], msg.epoch, tokens, msg.n_exact, msg.salt, msg.min_keep)
+            slot = conn.slots[msg.slot]
+            self.mirror.updated_by_other(slot, msg.epoch, tokens, msg.n_exact, msg.salt, msg.min_keep, msg.cuts)
             conn.refresh()
 
     def cache_changed(self, conn: WorkerConn, msg: JobDone | JobError | SlotUpdate) -> None:

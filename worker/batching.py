@@ -11,7 +11,9 @@ The rules (why: worker/core.py's docstring):
   only (never beside another prompt's rows); then its decode rows beside the others', without guesses;
 - deterministic mode: the generating slots together, at most EXACT_OUTPUTS of them a batch, every slot from the
   first to the last padded to the same rows; then each prompt chunk alone, at least EXACT_ROWS tokens;
-- a memory restored from snapshots (`snapshots`): a prompt stops one short of its end, where a snapshot is taken.
+- a prompt chunk ends where its slot takes a context checkpoint (`Task.checkpoint_at`, worker/checkpoints.py);
+- a memory that cannot be cut back (`uncut`: recurrent, hybrid) gets no padding: in deterministic mode each
+  generating slot decodes its row alone.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class Batcher:
     slots: list[Slot]  # every slot, by seq id
     n_ctx: int  # a slot's context
     exact: bool = False  # deterministic mode
-    snapshots: bool = False  # the memory cannot be trimmed: a prompt stops one short of its end; nothing is padded
+    uncut: bool = False  # the memory cannot be cut back (recurrent): nothing is padded
     guess: Guess | None = None  # speculation on
 
     def groups(self, busy: list[Slot]) -> list[Group]:
@@ -113,14 +115,15 @@ class Batcher:
             rest = [s for s in alone if s not in starved]
             return [*(Group([s]) for s in starved), Group(shared), *(Group([s]) for s in rest)]
         generating = sorted((s for s in busy if s.task.generated), key=lambda s: s.id)
-        decodes = [Group(generating[i : i + EXACT_OUTPUTS], False) for i in range(0, len(generating), EXACT_OUTPUTS)]
+        per = 1 if self.uncut else EXACT_OUTPUTS  # (a row alone is computed one way, always: no padding needed)
+        decodes = [Group(generating[i : i + per], False) for i in range(0, len(generating), per)]
         return decodes + [Group([s]) for s in busy if not s.task.generated]
 
     def build(self, group: list[Slot], budget: int) -> list[Planned]:
         """Fill the batch for one group: decode rows first, then prefill chunks within `budget` prompt tokens (in
         `prefill_order`); the rows then go into the batch in seq id order (`_write`)."""
         self.rows.clear()
-        if self.exact and group and group[0].task.generated:  # (a decode group: see `groups`)
+        if self.exact and not self.uncut and group and group[0].task.generated:  # (a decode group: see `groups`)
             return self._build_padded(group)
         pieces: list[Piece] = []
         prefilling: list[Slot] = []
@@ -149,23 +152,24 @@ class Batcher:
     def _chunk(self, slot: Slot, task: Task, budget: int) -> Piece | None:
         """The slot's next prompt chunk, at most `budget` tokens; None when none fits this step."""
         start, end = slot.n_tokens, len(task.prompt)
-        take = min(end - start, budget)
-        if self.exact and 0 < end - start - take < EXACT_ROWS:
-            take = end - start - EXACT_ROWS  # never leave a remainder too small to compute exactly
+        stop = next((p for p in task.checkpoint_at if p > start), end)  # (a checkpoint is taken there)
+        take = min(stop - start, budget)
+        if self.exact and 0 < stop - start - take < EXACT_ROWS:
+            take = stop - start - EXACT_ROWS  # never leave a remainder too small to compute exactly
             if take < EXACT_ROWS:
                 return None  # not enough budget left this step for an exact chunk
         alone = task.seeded and not self.exact  # (its batch has no other slot's rows while it reads its prompt: `groups`)
-        if (self.snapshots or alone) and start < end - 1:
-            # stop one short of the end: so that a snapshot can be taken there; a seeded job's last prompt token is
-            # then computed on its own or beside decode rows (`groups`), as it is when the rest of its prompt was cached
+        if alone and start < end - 1:
+            # stop one short of the end: a seeded job's last prompt token is then computed on its own or beside
+            # decode rows (`groups`), as it is when the rest of its prompt was cached
             take = min(take, end - 1 - start)
-            if alone and take < min(end - 1 - start, ALONE_ROWS_MIN):
+            if take < min(stop - start, end - 1 - start, ALONE_ROWS_MIN):
                 return None  # too little budget left this step to be worth a padded chunk
         last = start + take == end
         # a seeded job's chunk, padded: its KV is then what every such chunk computes (worker/llama.py); not at the
         # end of the slot's context, where the padding has no room
         padded = alone_rows(take)
-        task.exact_chunk = alone and not last and not self.snapshots and start + padded <= self.n_ctx
+        task.exact_chunk = alone and not last and not self.uncut and start + padded <= self.n_ctx
         pad = padded - take if task.exact_chunk else 0
         return Piece(slot, task.prompt[start : start + take], start, False, last, pad)
 
@@ -197,7 +201,7 @@ class Batcher:
         """A padding row for each slot between the first and the last piece's that has no rows in this batch (idle,
         or a prompt left without budget), where it has room; none where the memory cannot be trimmed, nor in a slot
         reading a seeded prompt (its KV is only ever computed in llama_decodes of its own)."""
-        if self.snapshots or not pieces:
+        if self.uncut or not pieces:
             return []
         ids = {p.slot.id for p in pieces}
 

@@ -11,6 +11,7 @@ from kvroute.config import opt
 KV_TYPES = ("f16", "q8_0", "q4_0")  # --cache-type-k/-v: f16 as llama.cpp's default, or quantized (less memory)
 FLASH_ATTN = ("auto", "on", "off")
 SPEC = ("auto", "ngram", "none")
+SWA_FULL = ("auto", "on", "off")
 
 
 # The fields below are the worker's and `kvroute serve`'s (which hands them on to its workers): one definition each.
@@ -21,7 +22,8 @@ def spec_opt() -> Any:
         "auto",
         "speculative decoding: ngram = verify guesses taken from the conversation itself (prompt lookup) in the "
         "same batch (the same tokens, bit for bit with --deterministic; without it a request with a seed takes no "
-        "guesses); auto = ngram unless --snapshots or the model's memory cannot be trimmed (recurrent, hybrid); "
+        "guesses); auto = ngram unless --snapshots, or a recurrent or hybrid model whose state llama.cpp cannot take back "
+        "(it can for qwen35, nemotron_h, lfm2: 4 guesses a step there); "
         "none = off",
         choices=list(SPEC),
     )
@@ -33,6 +35,37 @@ def spec_max_opt() -> Any:
 
 def spec_ngram_opt() -> Any:
     return opt(4, "tokens that must match an earlier place in the conversation before guessing (--spec ngram)")
+
+
+def ctx_checkpoints_opt() -> Any:
+    return opt(
+        32,
+        "context checkpoints a slot keeps at most, where its memory cannot be cut back to any prefix (recurrent, "
+        "hybrid, a window cache of its window alone): saved states a prompt sharing only part of the slot resumes "
+        "from (0: none)",
+    )
+
+
+def checkpoint_slot_mb_opt() -> Any:
+    return opt(1024, "most MiB of host RAM one slot's context checkpoints take")
+
+
+def checkpoint_mb_opt() -> Any:
+    return opt(4096, "most MiB of host RAM the context checkpoints of all slots of a worker take")
+
+
+def checkpoint_every_opt() -> Any:
+    return opt(8192, "a context checkpoint every this many tokens of a long prompt, besides those near its end (0: none)")
+
+
+def swa_full_opt() -> Any:
+    return opt(
+        "auto",
+        "sliding-window layers keep every position (on: any prefix can be cut back to, at a global layer's memory "
+        "per token) or only their window (off: far less memory, reuse through context checkpoints); auto: on when "
+        "the slots fit the KV budget so, else off",
+        choices=list(SWA_FULL),
+    )
 
 
 def cache_type_opt(of: str) -> Any:
@@ -119,8 +152,15 @@ class WorkerConfig:
     spec_max: int = spec_max_opt()
     spec_ngram: int = spec_ngram_opt()
     snapshots: bool = opt(
-        False, "restore per-slot state snapshots instead of trimming KV (automatic for recurrent/hybrid models)"
+        False,
+        "cut a slot back only to its context checkpoints, as a memory that cannot be trimmed is (automatic for "
+        "recurrent and hybrid models): the checkpoint path on any model",
     )
+    ctx_checkpoints: int = ctx_checkpoints_opt()
+    checkpoint_slot_mb: int = checkpoint_slot_mb_opt()
+    checkpoint_mb: int = checkpoint_mb_opt()
+    checkpoint_every: int = checkpoint_every_opt()
+    swa_full: str = swa_full_opt()
     cache_type_k: str = cache_type_opt("keys")
     cache_type_v: str = cache_type_opt("values")
     flash_attn: str = flash_attn_opt()
@@ -187,6 +227,10 @@ class WorkerConfig:
             raise ValueError(f"--spec-ngram must be in 1..64, got {self.spec_ngram}")
         if self.spec == "ngram" and self.snapshots:
             raise ValueError("--spec cannot be used with --snapshots (rejected guesses are removed by trimming KV)")
+        if self.ctx_checkpoints < 0 or self.checkpoint_slot_mb < 0 or self.checkpoint_mb < 0 or self.checkpoint_every < 0:
+            raise ValueError("--ctx-checkpoints, --checkpoint-slot-mb, --checkpoint-mb and --checkpoint-every must be at least 0")
+        if self.swa_full not in SWA_FULL:
+            raise ValueError(f"--swa-full must be auto, on or off, got {self.swa_full!r}")
         if self.host_cache_mb < 0:
             raise ValueError(f"host_cache_mb must be at least 0, got {self.host_cache_mb}")
         if self.disk_cache_gb < 0:

@@ -43,6 +43,47 @@ def auto_ctx_per_slot(n_ctx_train: int, slots: int, bytes_per_token: float, budg
     return CtxChoice(max(fits, AUTO_FLOOR), "kv budget", budget_bytes)
 
 
+# llama.cpp's default pattern of sliding-window layers where a GGUF does not say it (`load_swa_pattern` in its models/):
+# every Nth layer attends to everything, the others to their window
+SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "gemma-embedding": 6, "cohere2": 4, "gpt-oss": 2, "llama4": 4,
+                "exaone4": 4, "olmo2": 4, "mellum": 4, "plamo3": 8}  # fmt: skip
+
+
+def swa_layers(arch: str, n_layer: int, pattern: int | None) -> int | None:
+    """How many of `n_layer` layers have a sliding window: by the GGUF's `sliding_window_pattern` (every Nth layer
+    dense), else llama.cpp's default for `arch`; None when unknown."""
+    n = pattern if pattern is not None else SWA_PATTERNS.get(arch)
+    if n is None:
+        return None
+    return n_layer if n == 0 else sum(1 for il in range(n_layer) if il % n < n - 1)
+
+
+@dataclass(frozen=True)
+class SwaChoice:
+    full: bool  # sliding-window layers keep every position (llama.cpp's swa_full)
+    reason: str
+
+
+def choose_swa_full(
+    asked: str, n_swa: int, swa_share: float | None, ctx: int, slots: int, per_token: float, budget_bytes: int
+) -> SwaChoice:
+    """Whether the window layers keep every position (`on`: any prefix can be cut back to, at a global layer's memory
+    per token) or only their window (`off`: reuse through context checkpoints, worker/checkpoints.py). `auto`: on while
+    `slots` slots of `ctx` tokens at `per_token` bytes (every layer at full length) fit `budget_bytes`, else off (when
+    that saves memory: `swa_share`, the share of the per-token bytes in window layers, is known)."""
+    if n_swa <= 0:
+        return SwaChoice(True, "no sliding window")
+    if asked != "auto":
+        return SwaChoice(asked == "on", "--swa-full")
+    need = slots * ctx * per_token
+    if not swa_share:
+        return SwaChoice(True, "the window layers' share of the KV is unknown")
+    sizes = f"{need / 2**20:.0f} MiB for {slots} x {ctx} tokens, KV budget {budget_bytes >> 20} MiB"
+    if need <= budget_bytes:
+        return SwaChoice(True, f"a full-size window cache fits ({sizes})")
+    return SwaChoice(False, f"a full-size window cache does not fit ({sizes})")
+
+
 def ram_bytes() -> int:
     """The machine's RAM, or this process's cgroup (v2) memory limit when that is less (containers, systemd's MemoryMax=)."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -44,9 +44,16 @@ Speculation (`--spec auto|ngram`, worker/speculate.py): a generating slot's row 
 tokens; its sampler takes the rows in order while they agree with the guess, and the KV of the guessed tokens it
 did not take is removed before anything else happens (so the invariant below holds after every step).
 
+A memory that cannot be cut back to any prefix (recurrent, hybrid; a window cache of its window alone): its slots take
+context checkpoints (worker/checkpoints.py) once a prompt chunk, which ends there, is committed; nothing of such a
+slot is padded (padding could not be removed), so in deterministic mode each of its generating rows is decoded alone
+and only its prompt tokens count in `n_exact`; guesses are verified only where llama.cpp can take a recurrent state
+back (ROLLBACK positions).
+
 Invariant (checked after every decode, and before building a batch): for every slot,
-`llama_memory_seq_pos_max(slot) + 1 == len(slot.tokens)`. A violation is counted, logged with an id, reported
-to the slot's job as an `internal` error carrying that id, and the slot is cleared.
+`llama_memory_seq_pos_max(slot) + 1 == len(slot.tokens)`, and its memory's lowest position is what it keeps
+(worker/llama.py `holds`). A violation is counted, logged with an id, reported to the slot's job as an `internal`
+error carrying that id, and the slot is cleared.
 """
 
 from __future__ import annotations
@@ -74,17 +81,22 @@ from protocol import (
 )
 from worker.admission import Admission
 from worker.batching import Batcher, Planned
+from worker.checkpoints import Budget, cuts
 from worker.config import WorkerConfig
 from worker.faults import Faults
 from worker.guide import GuideTokenizer
 from worker.llama import Llama
 from worker.prefix import Prefixes
 from worker.saved_states import SavedStates, open_disk_tier
-from worker.slots import Slot, SlotTable, Snapshot
+from worker.slots import Slot, SlotTable
 from worker.speculate import Drafter, OutputPool, StepCost
 from worker.task import Sink, Task
 
 log = logs.get(__name__)
+
+# speculation on a recurrent or hybrid model: guesses per step at most, as llama.cpp keeps that many more copies of each
+# slot's recurrent state to take rejected ones back (n_rs_seq; qwen35, nemotron_h, lfm2 and their MoE forms)
+ROLLBACK = 4
 
 Counters = EngineCounters  # (protocol/worker_messages.py: they cross to the router with every heartbeat)
 
@@ -106,25 +118,32 @@ class EngineCore:
             flash_attn=cfg.flash_attn,
             kv_budget_mb=cfg.kv_budget_mb,
             n_gpu_layers=cfg.n_gpu_layers,
+            swa_full=cfg.swa_full,
+            rollback=ROLLBACK if cfg.spec != "none" and not cfg.deterministic else 0,
         )
         self.vocab = self.llama.vocab
         self.guide_tokenizer = GuideTokenizer(self.vocab)  # built on its own thread, ready long before a grammar is
         self.n_ctx = self.llama.ctx_per_slot
         self.n_batch = cfg.n_batch
-        self.snapshots = cfg.snapshots or self.llama.info.recurrent  # trim by restoring, not by seq_rm
-        # prefixes move between slots and host RAM by state copy + trim, so only where KV can be trimmed
-        self.copies = not self.snapshots
-        disk = open_disk_tier(cfg, self.vocab) if self.copies else None
-        if cfg.cache_dir and not self.copies:
-            log.warning("disk_tier_off", reason="this model's memory cannot be trimmed (--snapshots): no saved states")
-        self.saved = SavedStates(cfg.host_cache_mb * 2**20 if self.copies else 0, disk, self.llama.min_keep)
+        info = self.llama.info
+        self.uncut = cfg.snapshots or info.recurrent  # the memory cannot be cut back: only to a context checkpoint
+        # slots take context checkpoints where their memory cannot be cut back to any prefix (worker/checkpoints.py)
+        checkpointed = self.uncut or (info.n_swa > 0 and not info.swa_full)
+        budget = None
+        if checkpointed and cfg.ctx_checkpoints > 0:
+            budget = Budget(cfg.ctx_checkpoints, cfg.checkpoint_slot_mb * 2**20, cfg.checkpoint_mb * 2**20)
+        memory = f"swa_full={info.swa_full};uncut={self.uncut}"  # (what saved states hold: files must match it)
+        disk = open_disk_tier(cfg, self.vocab, memory, self.entry_min_keep)
+        self.saved = SavedStates(cfg.host_cache_mb * 2**20, disk, self.entry_min_keep)
         self.host, self.disk = self.saved.host, self.saved.disk
         self.exact = cfg.deterministic
         if self.exact:
             self.n_ctx -= EXACT_ROWS  # room for the most rows a slot takes in a decode batch (worker/batching.py)
         # guesses are verified in the slot's own rows and the rejected ones' KV removed (needs seq_rm); in
-        # deterministic mode they take a slot's padding rows
-        self.spec = cfg.spec != "none" and not self.snapshots
+        # deterministic mode they take a slot's padding rows. A recurrent state is taken back by `rollback` positions at
+        # most, where llama.cpp keeps that many copies of it (not in deterministic mode: no padding there)
+        self.rollback = self.llama.rollback if self.uncut and not cfg.snapshots else 0
+        self.spec = cfg.spec != "none" and (not self.uncut or (self.rollback > 0 and not self.exact))
         self.step_cost = StepCost()  # what a guessed row costs in a step: whether a job's guesses pay
         self.pool = OutputPool(cfg.spec_ngram) if self.spec else None  # recent outputs, guesses across requests
         if cfg.spec == "ngram" and not self.spec:
@@ -132,15 +151,29 @@ class EngineCore:
         self.table = SlotTable(cfg.slots)
         self.counters = Counters()
         self.prefixes = Prefixes(
-            self.llama, self.table, self.saved, self.counters, exact=self.exact, snapshots=self.snapshots, n_ctx=self.n_ctx
+            self.llama,
+            self.table,
+            self.saved,
+            self.counters,
+            exact=self.exact,
+            uncut=self.uncut,
+            budget=budget,
+            n_ctx=self.n_ctx,
+            n_batch=self.n_batch,
+            every=cfg.checkpoint_every,
         )
+        self.prefixes.rollback = self.rollback
         self.admission = Admission(self.vocab, self.guide_tokenizer, self.table, self.prefixes, self.counters, self.n_ctx)
-        self.batcher = Batcher(self.llama.batch, self.table.slots, self.n_ctx, self.exact, self.snapshots, self._guess)
+        self.batcher = Batcher(self.llama.batch, self.table.slots, self.n_ctx, self.exact, self.uncut, self._guess)
         self._decode = self.llama.decode  # tests replace this to inject failures
         self.faults = Faults.from_env()  # failpoints of the fault tests; none unless KVROUTE_FAULTS is set
         if self.faults:
             log.warning("fault_injection_on", faults=self.faults.rules)
         self.progress = 0  # steps completed; a worker whose progress stops while it has jobs is hung
+
+    def entry_min_keep(self, pos_min: int, n: int) -> int:
+        """The shortest prefix a saved state of `n` tokens can be cut to (worker/prefix.py)."""
+        return n if self.uncut else self.llama.min_keep(pos_min, n)
 
     def take(self, job: Job, sink: Sink, t_arrival: float) -> None:
         """A job arrived: queue it, or answer it with an error."""
@@ -238,6 +271,8 @@ class EngineCore:
             )
         drafter = task.drafter
         limit = min(budget, self.n_ctx - 1 - slot.n_tokens, task.max_gen - len(task.generated) - 1)
+        if self.uncut:
+            limit = min(limit, self.rollback)  # (a recurrent state is taken back this far at most)
         pays = not decoding or self.step_cost.pays(drafter.rate, decoding, rows, min(drafter.k, limit))
         task.withheld = not pays and drafter.shadow(limit)
         return [] if task.withheld else drafter.propose(limit)
@@ -250,15 +285,15 @@ class EngineCore:
                 start = slot.n_tokens
                 slot.tokens.append(task.generated[-1])
                 slot.tokens.extend(task.draft)  # in KV now; the part the sampler does not take is removed below
-                if self.exact and slot.n_exact == start:
+                if self.exact and not self.uncut and slot.n_exact == start:
                     slot.n_exact = slot.n_tokens  # computed in a padded batch: as a prompt pass would
             else:
                 start = slot.n_tokens
                 slot.tokens.extend(task.prompt[start : start + n])
                 if (task.exact_chunk or (self.exact and n >= EXACT_ROWS)) and slot.n_exact == start:
                     slot.n_exact = slot.n_tokens
-                if self.snapshots and slot.n_tokens == len(task.prompt) - 1:
-                    slot.snapshot = Snapshot(slot.n_tokens, self.llama.state_get(slot.id))
+                if slot.n_tokens in task.checkpoint_at:
+                    self.prefixes.checkpoint(slot)
         self._check([slot for slot, _, _ in plan])
         ctx = self.llama.ctx
         now = time.monotonic()
@@ -292,7 +327,7 @@ class EngineCore:
         self.counters.spec_accepted += taken
         task.drafter.verified(len(draft), taken)
         if keep < slot.n_tokens:
-            self.prefixes.trim(slot, keep)
+            self.prefixes.unguess(slot, keep)
             if slot.n_tokens != keep:  # the trim failed and cleared the slot: this job's KV is gone
                 error_id = uuid.uuid4().hex[:16]
                 log.error("spec_trim_failed", error_id=error_id, slot=slot.id, keep=keep)
@@ -359,7 +394,7 @@ class EngineCore:
         now = time.monotonic()
         held = len(task.prompt) + len(task.generated)
         if slot.n_tokens > held:  # guessed tokens past where the job ended (it stopped mid-guess)
-            self.prefixes.trim(slot, held)
+            self.prefixes.unguess(slot, held)
         done = JobDone(
             id=task.id,
             slot=slot.id,
@@ -374,6 +409,7 @@ class EngineCore:
             slot_tokens=slot.n_tokens,
             slot_hash=token_hash(slot.tokens),
             slot_min_keep=self.prefixes.min_keep(slot),
+            slot_cuts=cuts(slot.checkpoints),
             slot_n_exact=slot.n_exact,
             timings=task.timings(now),
             stop=task.stream.stop,
@@ -398,6 +434,7 @@ class EngineCore:
         if slot is not None:
             msg.slot, msg.slot_tokens, msg.slot_hash = slot.id, slot.n_tokens, token_hash(slot.tokens)
             msg.slot_min_keep, msg.slot_n_exact = self.prefixes.min_keep(slot), slot.n_exact
+            msg.slot_cuts = cuts(slot.checkpoints)
             self._release(task, slot)
         else:
             self.admission.forget(task)
@@ -419,13 +456,12 @@ class EngineCore:
     # -- failures --
 
     def _check(self, slots: list[Slot]) -> None:
-        """The invariant: each slot's KV holds exactly len(slot.tokens) positions, and its sliding-window layers
-        hold the whole window before the next one. A violation is a bug."""
-        n_swa = self.llama.info.n_swa
+        """The invariant (worker/llama.py `holds`): each slot's memory holds exactly len(slot.tokens) positions, its
+        sliding-window layers the whole window before the next one. A violation is a bug."""
         for slot in slots:
-            held, floor = self.llama.seq_len(slot.id), self.llama.seq_pos_min(slot.id)
-            if held == slot.n_tokens and floor <= max(0, held - n_swa + 1):
+            if self.llama.holds(slot.id, slot.n_tokens):
                 continue
+            held, floor = self.llama.seq_len(slot.id), self.llama.seq_pos_min(slot.id)
             error_id = uuid.uuid4().hex[:16]
             self.counters.invariant_violations += 1
             log.error("slot_invariant_violated", error_id=error_id, slot=slot.id, believed=slot.n_tokens, kv=held, kv_from=floor)
@@ -447,7 +483,7 @@ class EngineCore:
         log.error("decode_failed", error_id=error_id, ret=ret, rows=self.llama.batch.n, slots=[s.id for s, _, _ in plan])
         for slot, _, _ in plan:
             if self.llama.seq_len(slot.id) != slot.n_tokens:  # ubatches processed before the failure are kept
-                trimmed = not self.snapshots and self.llama.seq_rm(slot.id, slot.n_tokens, -1)
+                trimmed = not self.uncut and self.llama.seq_rm(slot.id, slot.n_tokens, -1)
                 if not trimmed or self.llama.seq_len(slot.id) != slot.n_tokens:
                     self.prefixes.clear(slot)
             if slot.task is not None:

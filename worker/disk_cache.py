@@ -39,16 +39,18 @@ import threading
 import time
 import zlib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvroute import logs
 from kvroute.files import open_private, private_dir
-from kvroute.slots import common_prefix
+from kvroute.slots import common_prefix, restore_keep
 from worker.disk_format import (
     CRC_BYTES,
     Bad,
+    Cuts,
     check_crc,
     crc_bytes,
     file_size,
@@ -62,6 +64,8 @@ from worker.disk_format import (
 if TYPE_CHECKING:
     from worker.llama import StateData
     from worker.saved import TierName
+
+    Buffer = StateData | bytes | bytearray | memoryview
 
 log = logs.get(__name__)
 
@@ -98,6 +102,11 @@ class DiskEntry:
     path: Path
     last_used: int  # ns since the epoch; also the file's mtime, so the LRU order survives a restart
     salt: str = ""  # the tenant whose prompt it holds ("": none); entries are shared only within a tenant
+    checkpoints: Cuts = ()  # (position, bytes) of the checkpoints stored after the state (worker/checkpoints.py)
+
+    @property
+    def cuts(self) -> list[int]:
+        return [n for n, _ in self.checkpoints]
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,11 @@ class Added:
     pos_min: int
     nbytes: int
     salt: str = ""
+    checkpoints: Cuts = ()
+
+    @property
+    def cuts(self) -> list[int]:
+        return [n for n, _ in self.checkpoints]
 
 
 @dataclass(frozen=True)
@@ -128,10 +142,11 @@ class _Write:
     tokens: list[int]
     n_exact: int
     pos_min: int
-    data: Any  # a C-contiguous buffer (StateData, bytes...)
+    data: tuple[Any, ...]  # C-contiguous buffers (StateData, bytes...), written in order
     state_bytes: int
     nbytes: int
     salt: str = ""
+    checkpoints: Cuts = ()
 
 
 class DiskCache:
@@ -147,8 +162,13 @@ class DiskCache:
         state_version: str,
         *,
         max_pending_bytes: int | None = None,
+        min_keep: Callable[[int, int], int] | None = None,
     ) -> None:
+        """`min_keep(pos_min, n)`: the shortest prefix a state of `n` tokens can be cut back to once restored (default
+        0: any), below which it gives only its checkpoints (worker/checkpoints.py); an entry holding more tokens after
+        another's covers it only where it can be cut back to it."""
         self.directory = Path(directory)
+        self.min_keep = min_keep or (lambda pos_min, n: 0)
         self.capacity = max(0, capacity_bytes)
         self.fingerprint = fingerprint
         self.state_version = state_version
@@ -213,7 +233,7 @@ class DiskCache:
         with self._cond:
             for e in found:
                 self._entries[e.id] = e
-                self._events.append(Added(e.id, e.tokens, e.n_exact, e.pos_min, e.nbytes, e.salt))
+                self._events.append(Added(e.id, e.tokens, e.n_exact, e.pos_min, e.nbytes, e.salt, e.checkpoints))
             self._nbytes = total
             self._clock = max([time.time_ns(), *(e.last_used for e in found)])
             self.enabled = True
@@ -242,12 +262,13 @@ class DiskCache:
             try:
                 with open(path, "rb", buffering=0) as f:
                     st = os.fstat(f.fileno())
-                    tokens, n_exact, pos_min, state_bytes, salt = read_header(f, st.st_size, self._fp, self._sv)
+                    tokens, n_exact, pos_min, state_bytes, salt, cuts = read_header(f, st.st_size, self._fp, self._sv)
             except Bad as exc:
                 self._reject(path, str(exc))
                 continue
             entry_id = int(m.group(1))
-            found.append(DiskEntry(entry_id, tokens, n_exact, pos_min, st.st_size, state_bytes, path, st.st_mtime_ns, salt))
+            stamp = st.st_mtime_ns
+            found.append(DiskEntry(entry_id, tokens, n_exact, pos_min, st.st_size, state_bytes, path, stamp, salt, cuts))
         return found
 
     def _unique(self, found: list[DiskEntry]) -> list[DiskEntry]:
@@ -257,7 +278,7 @@ class DiskCache:
         keep = []
         for i, e in enumerate(found):
             nxt = found[i + 1] if i + 1 < len(found) else None
-            if nxt is not None and nxt.salt == e.salt and _is_prefix(e.tokens, nxt.tokens):
+            if nxt is not None and nxt.salt == e.salt and self._gives(nxt, e.tokens):
                 self.evicted += 1
                 self._remove(e.path, f"superseded by entry {nxt.id}", level="info")
             else:
@@ -284,18 +305,27 @@ class DiskCache:
             return self._covered(tokens, salt)
 
     def put(
-        self, tokens: list[int], n_exact: int, pos_min: int, data: StateData | bytes | bytearray | memoryview, salt: str = ""
+        self,
+        tokens: list[int],
+        n_exact: int,
+        pos_min: int,
+        data: Buffer | tuple[Buffer, ...],
+        salt: str = "",
+        checkpoints: Cuts = (),
     ) -> int | None:  # (a saved-state tier's `put`: worker/saved.py; an id is true)
-        """Queue a state holding `tokens` for writing; returns its entry id, or None when nothing is queued (the tier
-        is off, an entry covers them, it is over the capacity or the write queue is full). Never blocks on disk."""
-        state_bytes = memoryview(data).nbytes
+        """Queue a state holding `tokens` for writing (`data`: the state, or the state then its `checkpoints`' states,
+        written one after the other); returns its entry id, or None when nothing is queued (the tier is off, an entry
+        covers them, it is over the capacity or the write queue is full). Never blocks on disk."""
+        parts = data if isinstance(data, tuple) else (data,)
+        state_bytes = sum(memoryview(p).nbytes for p in parts)
         tokens = list(tokens)
-        nbytes = file_size(self._fp, self._sv, salt, len(tokens), state_bytes)
+        nbytes = file_size(self._fp, self._sv, salt, len(tokens), state_bytes, len(checkpoints))
         with self._cond:
             if not self.enabled or self._closing or not tokens or nbytes > self.capacity or self._covered(tokens, salt):
                 return None
             # queued writes this one extends would be superseded as soon as written: never write them
-            for w in [w for w in self._queue if w.salt == salt and _is_prefix(w.tokens, tokens)]:
+            new = _Write(0, tokens, n_exact, pos_min, (), 0, 0, salt, checkpoints)
+            for w in [w for w in self._queue if w.salt == salt and self._gives(new, w.tokens)]:
                 self._queue.remove(w)
                 self._pending_bytes -= w.state_bytes
             if self._pending_bytes + state_bytes > self.max_pending_bytes:
@@ -303,7 +333,7 @@ class DiskCache:
                 return None
             entry_id = self._next_id
             self._next_id += 1
-            self._queue.append(_Write(entry_id, tokens, n_exact, pos_min, data, state_bytes, nbytes, salt))
+            self._queue.append(_Write(entry_id, tokens, n_exact, pos_min, parts, state_bytes, nbytes, salt, checkpoints))
             self._pending_bytes += state_bytes
             self._cond.notify_all()
             return entry_id
@@ -320,6 +350,12 @@ class DiskCache:
                     best, best_lcp = e, lcp
         return best, best_lcp
 
+    def sharing(self, prompt: list[int], salt: str = "") -> list[tuple[DiskEntry, int]]:
+        """This tenant's entries sharing a prefix with `prompt`, each with that length."""
+        with self._cond:
+            found = [(e, common_prefix(e.tokens, prompt)) for e in self._entries.values() if e.salt == salt]
+        return [(e, n) for e, n in found if n > 0]
+
     def read(self, entry: DiskEntry) -> StateData | None:
         """The entry's state, checked, in a ctypes buffer (`Llama.state_set` takes it as is) that the next `read`
         overwrites; None when the entry is gone or its file does not check out (then the file is removed and the
@@ -331,7 +367,7 @@ class DiskCache:
                 st = os.fstat(f.fileno())
                 header = read_header(f, st.st_size, self._fp, self._sv)
                 state_bytes = header[3]
-                if header != (entry.tokens, entry.n_exact, entry.pos_min, entry.state_bytes, entry.salt):
+                if header != (entry.tokens, entry.n_exact, entry.pos_min, entry.state_bytes, entry.salt, entry.checkpoints):
                     raise Bad("header differs from the one loaded")
                 f.seek(0)
                 crc = zlib.crc32(read_exact(f, st.st_size - state_bytes - CRC_BYTES))
@@ -429,7 +465,7 @@ class DiskCache:
         with self._cond:
             if not self.enabled or self._covered(w.tokens, w.salt, writing=w):
                 return
-            victims = [e for e in self._entries.values() if e.salt == w.salt and _is_prefix(e.tokens, w.tokens)]
+            victims = [e for e in self._entries.values() if e.salt == w.salt and self._gives(w, e.tokens)]
             room = self._nbytes - sum(e.nbytes for e in victims)
             for e in sorted(self._entries.values(), key=lambda e: (e.last_used, e.id)):
                 if room + w.nbytes <= self.capacity:
@@ -447,11 +483,14 @@ class DiskCache:
         tmp = self.directory / f"{w.id}{TMP_SUFFIX}"
         try:
             with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb", buffering=0) as f:
-                head = header_bytes(self._fp, self._sv, w.salt, w.tokens, w.n_exact, w.pos_min, w.state_bytes)
-                data = memoryview(w.data).cast("B")
+                head = header_bytes(self._fp, self._sv, w.salt, w.tokens, w.n_exact, w.pos_min, w.state_bytes, w.checkpoints)
                 write_all(f, head)
-                write_all(f, data)
-                write_all(f, crc_bytes(zlib.crc32(data, zlib.crc32(head))))
+                crc = zlib.crc32(head)
+                for part in w.data:
+                    data = memoryview(part).cast("B")
+                    write_all(f, data)
+                    crc = zlib.crc32(data, crc)
+                write_all(f, crc_bytes(crc))
                 with self._cond:
                     stamp = self._stamp()
                 os.utime(f.fileno(), ns=(stamp, stamp))
@@ -465,10 +504,10 @@ class DiskCache:
         with self._cond:
             if not self.enabled:
                 return
-            entry = DiskEntry(w.id, w.tokens, w.n_exact, w.pos_min, w.nbytes, w.state_bytes, path, stamp, w.salt)
+            entry = DiskEntry(w.id, w.tokens, w.n_exact, w.pos_min, w.nbytes, w.state_bytes, path, stamp, w.salt, w.checkpoints)
             self._entries[w.id] = entry
             self._nbytes += w.nbytes
-            self._events.append(Added(w.id, w.tokens, w.n_exact, w.pos_min, w.nbytes, w.salt))
+            self._events.append(Added(w.id, w.tokens, w.n_exact, w.pos_min, w.nbytes, w.salt, w.checkpoints))
             self.written += 1
 
     def _fsync_dir(self) -> None:
@@ -482,12 +521,20 @@ class DiskCache:
     # -- helpers --------------------------------------------------------------------------------------------------
 
     def _covered(self, tokens: list[int], salt: str, writing: _Write | None = None) -> bool:
-        n = len(tokens)
-        held = [e.tokens for e in self._entries.values() if e.salt == salt]
-        held += [w.tokens for w in self._queue if w is not writing and w.salt == salt]
+        held: list[DiskEntry | _Write] = [e for e in self._entries.values() if e.salt == salt]
+        held += [w for w in self._queue if w is not writing and w.salt == salt]
         if self._busy is not None and self._busy is not writing and self._busy.salt == salt:
-            held.append(self._busy.tokens)
-        return any(len(t) >= n and t[:n] == tokens for t in held)
+            held.append(self._busy)
+        return any(self._gives(e, tokens) for e in held)
+
+    def _gives(self, longer: DiskEntry | _Write, tokens: list[int]) -> bool:
+        """Whether a state (written or to write) gives all of `tokens`: they are a prefix of its tokens it can be cut
+        back to."""
+        n, held = len(tokens), len(longer.tokens)
+        if not _is_prefix(tokens, longer.tokens):
+            return False
+        cuts = [c for c, _ in longer.checkpoints]
+        return restore_keep(n, held, self.min_keep(longer.pos_min, held), cuts) == n
 
     def _stamp(self) -> int:
         """A strictly increasing wall-clock time in ns (ties would blur the LRU order a restart reads back)."""

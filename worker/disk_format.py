@@ -1,12 +1,13 @@
 """The disk tier's file format (worker/disk_cache.py): one saved state per file, checked on every read.
 
 File format (little-endian):
-    header    36 bytes  magic b"KVRDISK\\n", format version u16, fingerprint length u16, state version length u16,
-                        salt length u16, token count u32, n_exact i32, pos_min i32, state bytes u64
+    header    40 bytes  magic b"KVRDISK\\n", format version u16, fingerprint length u16, state version length u16,
+                        salt length u16, token count u32, n_exact i32, pos_min i32, state bytes u64, checkpoint count u32
               ...       fingerprint (utf-8), state version (utf-8), salt (utf-8: the tenant, usually empty),
-                        tokens (int32 each)
+                        tokens (int32 each), checkpoints (each: its position i32 and its bytes u64)
     meta crc  u32       zlib.crc32 of everything before it: `load` trusts the tokens without reading the state
-    state     ...       raw, as llama.cpp wrote it
+    state     ...       raw, as llama.cpp wrote it, then the checkpoints' states in their order (worker/checkpoints.py;
+                        the state bytes count them too)
     file crc  u32       zlib.crc32 of everything before it
 CRC-32 rather than a cryptographic hash: it guards against accidental damage (torn or truncated writes, bit rot, a
 file from elsewhere), not against someone who can write the directory anyway, and it runs at ~4.7 GB/s here against
@@ -22,53 +23,62 @@ from io import FileIO
 from protocol.common import pack_tokens, unpack_tokens
 
 MAGIC = b"KVRDISK\n"
-FORMAT_VERSION = 1
-_HEAD = struct.Struct("<8sHHHHIiiQ")
+FORMAT_VERSION = 2  # 2: checkpoints
+_HEAD = struct.Struct("<8sHHHHIiiQI")
+_CUT = struct.Struct("<iQ")
 _CRC = struct.Struct("<I")
 CRC_BYTES = _CRC.size
 
-Header = tuple[list[int], int, int, int, str]  # tokens, n_exact, pos_min, state bytes, salt
+Cuts = tuple[tuple[int, int], ...]  # a saved state's checkpoints: (position, bytes) each, ascending
+Header = tuple[list[int], int, int, int, str, Cuts]  # tokens, n_exact, pos_min, state bytes, salt, checkpoints
 
 
 class Bad(Exception):
     """A file that is not a usable entry; the message says why."""
 
 
-def file_size(fingerprint: bytes, state_version: bytes, salt: str, n_tokens: int, state_bytes: int) -> int:
+def file_size(fingerprint: bytes, state_version: bytes, salt: str, n_tokens: int, state_bytes: int, n_cuts: int = 0) -> int:
     """The whole file's bytes: what an entry counts against the tier's capacity."""
-    meta = len(fingerprint) + len(state_version) + len(salt.encode()) + 4 * n_tokens
+    meta = len(fingerprint) + len(state_version) + len(salt.encode()) + 4 * n_tokens + _CUT.size * n_cuts
     return _HEAD.size + meta + _CRC.size + state_bytes + _CRC.size
 
 
 def header_bytes(
-    fingerprint: bytes, state_version: bytes, salt: str, tokens: list[int], n_exact: int, pos_min: int, state_bytes: int
+    fingerprint: bytes,
+    state_version: bytes,
+    salt: str,
+    tokens: list[int],
+    n_exact: int,
+    pos_min: int,
+    state_bytes: int,
+    cuts: Cuts = (),
 ) -> bytes:
     """Everything before the state, its checksum included."""
     salt_b = salt.encode()
+    fields = (len(fingerprint), len(state_version), len(salt_b), len(tokens), n_exact, pos_min, state_bytes, len(cuts))
     head = (
-        _HEAD.pack(
-            MAGIC, FORMAT_VERSION, len(fingerprint), len(state_version), len(salt_b), len(tokens), n_exact, pos_min, state_bytes
-        )
+        _HEAD.pack(MAGIC, FORMAT_VERSION, *fields)
         + fingerprint
         + state_version
         + salt_b
         + pack_tokens(tokens)
+        + b"".join(_CUT.pack(n, nbytes) for n, nbytes in cuts)
     )
     return head + _CRC.pack(zlib.crc32(head))
 
 
 def read_header(f: FileIO, size: int, fingerprint: bytes, state_version: bytes) -> Header:
     """Check a file's header against this model and format and its length; returns (tokens, n_exact, pos_min,
-    state bytes, salt), leaving `f` at the state. Raises Bad."""
+    state bytes, salt, checkpoints), leaving `f` at the state. Raises Bad."""
     raw = f.read(_HEAD.size)
     if raw is None or len(raw) < _HEAD.size:
         raise Bad(f"truncated: {size} bytes")
-    magic, version, fp_len, sv_len, salt_len, n_tokens, n_exact, pos_min, state_bytes = _HEAD.unpack(raw)
+    magic, version, fp_len, sv_len, salt_len, n_tokens, n_exact, pos_min, state_bytes, n_cuts = _HEAD.unpack(raw)
     if magic != MAGIC:
         raise Bad("bad magic: not a kvroute disk entry")
     if version != FORMAT_VERSION:
         raise Bad(f"file format version {version}, this build reads {FORMAT_VERSION}")
-    meta_len = fp_len + sv_len + salt_len + 4 * n_tokens
+    meta_len = fp_len + sv_len + salt_len + 4 * n_tokens + _CUT.size * n_cuts
     if _HEAD.size + meta_len + _CRC.size + state_bytes + _CRC.size != size:
         raise Bad(f"truncated or overlong: {size} bytes, the header announces others")
     meta = read_exact(f, meta_len)
@@ -84,7 +94,11 @@ def read_header(f: FileIO, size: int, fingerprint: bytes, state_version: bytes) 
         raise Bad("no tokens")
     at = fp_len + sv_len
     salt = meta[at : at + salt_len].decode(errors="replace")
-    return unpack_tokens(meta[at + salt_len :]), n_exact, pos_min, state_bytes, salt
+    at += salt_len + 4 * n_tokens
+    cuts = tuple(_CUT.unpack_from(meta, at + i * _CUT.size) for i in range(n_cuts))
+    if sum(nbytes for _, nbytes in cuts) > state_bytes or any(not 0 < n <= n_tokens for n, _ in cuts):
+        raise Bad("checkpoints outside the state")
+    return unpack_tokens(meta[at - 4 * n_tokens : at]), n_exact, pos_min, state_bytes, salt, cuts
 
 
 def crc_bytes(crc: int) -> bytes:

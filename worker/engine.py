@@ -21,6 +21,7 @@ import msgspec
 from kvroute import logs
 from kvroute.slots import SlotPhase
 from protocol import CacheEntry, EngineCounters, Job, JobDone, JobError, Message, SlotHeld, SlotState, pack_tokens
+from worker.checkpoints import cuts
 from worker.config import WorkerConfig
 from worker.core import EngineCore
 from worker.llama import Llama
@@ -138,7 +139,14 @@ class Engine:
 
         def read(e: EngineCore) -> tuple[list[SlotHeld], list[CacheEntry]]:
             slots = [
-                SlotHeld(slot=s.id, tokens=pack_tokens(s.tokens), n_exact=s.n_exact, salt=s.salt, min_keep=e.prefixes.min_keep(s))
+                SlotHeld(
+                    slot=s.id,
+                    tokens=pack_tokens(s.tokens),
+                    n_exact=s.n_exact,
+                    salt=s.salt,
+                    min_keep=e.prefixes.min_keep(s),
+                    cuts=cuts(s.checkpoints),
+                )
                 for s in e.table.slots
             ]
             return slots, e.saved.listing()
@@ -168,8 +176,8 @@ class Engine:
         return [SlotState(slot=s.id, busy=s.phase is busy, n_tokens=s.n_tokens, job_id=s.job_id) for s in slots]
 
     def figures(self) -> EngineCounters:
-        """The counters, the host-RAM cache's size and the snapshots' bytes, for the heartbeat."""
-        snapshots = sum(len(s.snapshot.data) for s in list(self.core.table.slots) if s.snapshot is not None)
+        """The counters, the host-RAM cache's size and the context checkpoints' bytes, for the heartbeat."""
+        snapshots = sum(c.nbytes for s in list(self.core.table.slots) for c in list(s.checkpoints))
         return msgspec.structs.replace(
             self.counters, host_cache_bytes=self.host.nbytes, host_cache_entries=len(self.host), snapshot_bytes=snapshots
         )

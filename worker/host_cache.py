@@ -20,9 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvroute.slots import common_prefix
+from kvroute.slots import common_prefix, restore_keep
 
 if TYPE_CHECKING:
+    from worker.checkpoints import Checkpoint
     from worker.llama import StateData
     from worker.saved import TierName
 
@@ -37,10 +38,15 @@ class Entry:
     slot: int = -1  # the slot whose contents it copied
     salt: str = ""  # the tenant whose prompt it holds ("": none); entries are shared only within a tenant
     last_used: int = 0
+    checkpoints: tuple[Checkpoint, ...] = ()  # its slot's checkpoints (worker/checkpoints.py), restored with it
 
     @property
     def nbytes(self) -> int:
-        return len(self.data)
+        return len(self.data) + sum(c.nbytes for c in self.checkpoints)
+
+    @property
+    def cuts(self) -> list[int]:
+        return [c.n_tokens for c in self.checkpoints]
 
 
 class HostCache:
@@ -49,9 +55,15 @@ class HostCache:
 
     name: TierName = "ram"
 
-    def __init__(self, capacity: int, spill: Callable[[Entry], None] | None = None) -> None:
-        """`spill` gets each entry dropped to make room (least recently used), before it goes: the disk tier."""
+    def __init__(
+        self, capacity: int, spill: Callable[[Entry], None] | None = None, min_keep: Callable[[int, int], int] | None = None
+    ) -> None:
+        """`spill` gets each entry dropped to make room (least recently used), before it goes: the disk tier.
+        `min_keep(pos_min, n)`: the shortest prefix a state of `n` tokens can be cut back to once restored (default 0:
+        any), below which it gives only its checkpoints (worker/checkpoints.py); an entry holding more tokens after
+        another's covers it only where it can be cut back to it."""
         self.capacity = capacity
+        self.min_keep = min_keep or _anywhere
         self.spill = spill
         self.entries: list[Entry] = []
         self.nbytes = 0
@@ -64,9 +76,9 @@ class HostCache:
         return len(self.entries)
 
     def covers(self, tokens: list[int], salt: str = "") -> bool:
-        """Whether an entry of this tenant already holds `tokens` (or more after them): saving them again adds nothing."""
-        n = len(tokens)
-        return any(e.salt == salt and len(e.tokens) >= n and e.tokens[:n] == tokens for e in self.entries)
+        """Whether an entry of this tenant already gives `tokens` (holds them, or more after them and can be cut back to
+        them): saving them again adds nothing."""
+        return any(e.salt == salt and self._gives(e, tokens) for e in self.entries)
 
     def make_room(self, nbytes: int) -> bool:
         """Drop least recently used entries until `nbytes` more fit; False (nothing dropped) when they never can.
@@ -77,18 +89,27 @@ class HostCache:
             self._evict()
         return True
 
-    def put(self, tokens: list[int], n_exact: int, pos_min: int, data: StateData, salt: str = "", slot: int = -1) -> bool:
-        """Keep a copy of a sequence holding `tokens` (the contents of `slot`); entries it extends are dropped. False
-        when it cannot fit."""
-        if len(data) > self.capacity:
+    def put(
+        self,
+        tokens: list[int],
+        n_exact: int,
+        pos_min: int,
+        data: StateData,
+        salt: str = "",
+        slot: int = -1,
+        checkpoints: tuple[Checkpoint, ...] = (),
+    ) -> bool:
+        """Keep a copy of a sequence holding `tokens` (the contents of `slot`) and its checkpoints; entries it gives
+        all of are dropped. False when it cannot fit."""
+        entry = Entry(list(tokens), n_exact, data, pos_min, 0, slot, salt, checkpoints=checkpoints)
+        if entry.nbytes > self.capacity:
             return False
-        n = len(tokens)
-        for e in [e for e in self.entries if e.salt == salt and len(e.tokens) <= n and tokens[: len(e.tokens)] == e.tokens]:
+        for e in [e for e in self.entries if e.salt == salt and self._gives(entry, e.tokens)]:
             self._drop(e)
-        while self.entries and self.nbytes + len(data) > self.capacity:
+        while self.entries and self.nbytes + entry.nbytes > self.capacity:
             self._evict()
         self._ids += 1
-        entry = Entry(list(tokens), n_exact, data, pos_min, self._ids, slot, salt)
+        entry.id = self._ids
         self._touch(entry)
         self.entries.append(entry)
         self.nbytes += entry.nbytes
@@ -105,6 +126,11 @@ class HostCache:
             if lcp > best_lcp:
                 best, best_lcp = e, lcp
         return best, best_lcp
+
+    def sharing(self, prompt: list[int], salt: str = "") -> list[tuple[Entry, int]]:
+        """This tenant's entries sharing a prefix with `prompt`, each with that length."""
+        found = ((e, common_prefix(e.tokens, prompt)) for e in self.entries if e.salt == salt)
+        return [(e, n) for e, n in found if n > 0]
 
     def used(self, entry: Entry) -> None:
         self._touch(entry)
@@ -137,6 +163,17 @@ class HostCache:
         self.nbytes -= entry.nbytes
         self.dropped.append(entry.id)
 
+    def _gives(self, entry: Entry, tokens: list[int]) -> bool:
+        """Whether `entry` gives all of `tokens`: they are a prefix of its tokens it can be cut back to."""
+        n, held = len(tokens), len(entry.tokens)
+        if held < n or entry.tokens[:n] != tokens:
+            return False
+        return restore_keep(n, held, self.min_keep(entry.pos_min, held), entry.cuts) == n
+
     def _touch(self, entry: Entry) -> None:
         self._clock += 1
         entry.last_used = self._clock
+
+
+def _anywhere(pos_min: int, n: int) -> int:
+    return 0

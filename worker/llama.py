@@ -6,6 +6,7 @@ Only the compute thread may call into a `Llama` after construction (llama.cpp co
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import mmap
 import os
 import threading
@@ -18,7 +19,14 @@ import llama_cpp
 from kvroute import logs
 from kvroute.model import ModelError
 from kvroute.vocab import Vocab, init_backend
-from worker.context_size import CtxChoice, auto_ctx_per_slot, default_budget_bytes
+from worker.context_size import (
+    CtxChoice,
+    SwaChoice,
+    auto_ctx_per_slot,
+    choose_swa_full,
+    default_budget_bytes,
+    swa_layers,
+)
 
 if TYPE_CHECKING:
     StateData = ctypes.Array[ctypes.c_uint8]  # one sequence's saved state (its KV cells), as llama.cpp wrote it
@@ -41,6 +49,8 @@ def alone_rows(n: int) -> int:
     return max(ALONE_ROWS_MIN, -(-n // ALONE_ROWS_STEP) * ALONE_ROWS_STEP)
 
 
+_PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+
 log = logs.get(__name__)
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 
@@ -51,6 +61,7 @@ class ModelInfo:
     n_swa: int
     recurrent: bool  # memory cannot be trimmed partially (recurrent or hybrid)
     kv_bytes: int
+    swa_full: bool = True  # sliding-window layers keep every position (else only their window: worker/checkpoints.py)
 
 
 class Batch:
@@ -118,7 +129,14 @@ def _model_params(gpu: int | None, n_gpu_layers: int | None, deterministic: bool
 
 
 def _context_params(
-    slots: int, ctx_per_slot: int, rows: int, threads: int, kv_types: tuple[str, str], flash_attn: str, deterministic: bool
+    slots: int,
+    ctx_per_slot: int,
+    rows: int,
+    threads: int,
+    kv_types: tuple[str, str],
+    flash_attn: str,
+    deterministic: bool,
+    swa_full: bool = True,
 ) -> Any:
     cp = llama_cpp.llama_context_default_params()
     cp.n_seq_max = slots
@@ -126,7 +144,7 @@ def _context_params(
     cp.n_batch = rows
     cp.n_ubatch = rows
     cp.kv_unified = False  # one stream per slot: a slot can never run out of cells because of another
-    cp.swa_full = True  # sliding-window layers keep every position, so partial trims stay valid
+    cp.swa_full = swa_full  # sliding-window layers keep every position, so partial trims stay valid (off: checkpoints)
     cp.n_threads = threads
     cp.n_threads_batch = threads
     cp.no_perf = True
@@ -157,10 +175,14 @@ class Llama:
         flash_attn: str = "auto",
         kv_budget_mb: int = 0,
         n_gpu_layers: int | None = None,
+        swa_full: str = "on",
+        rollback: int = 0,
     ) -> None:
         """`kv_types`: the KV cache's key and value types (f16, q8_0, q4_0); `flash_attn`: auto, on or off
         (WorkerConfig has checked the combinations; deterministic mode turns it off). `ctx_per_slot` 0: the trained
-        length capped by `kv_budget_mb` (0: worker.context_size's default). `n_gpu_layers`: None = all (with `gpu`)."""
+        length capped by `kv_budget_mb` (0: worker.context_size's default). `n_gpu_layers`: None = all (with `gpu`).
+        `rollback`: positions a recurrent state can be taken back by (`seq_rm`) right after a decode, where llama.cpp
+        can for the architecture (`n_rs_seq`: it keeps that many more copies of the state); 0: none."""
         init_backend()
         self.path = Path(path)
         mp = _model_params(gpu, n_gpu_layers, deterministic)
@@ -169,23 +191,27 @@ class Llama:
             raise ModelError(f"llama.cpp could not load the model {self.path}")
         self.vocab = Vocab.from_model(self.model, self.path)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
-        per_token = self._kv_bytes_per_token(kv_types)
-        choice = self._choose_ctx(ctx_per_slot, slots, per_token, kv_budget_mb, gpu)
-        ctx_per_slot = choice.ctx
-
         # decode rows of every slot plus a full prefill chunk, or a seeded job's padded chunk
         self.rows = max(n_batch + slots, alone_rows(n_batch))
-        cp = _context_params(slots, ctx_per_slot, self.rows, threads, kv_types, flash_attn, deterministic)
+        per_token = self._kv_bytes_per_token(kv_types)
+        budget = kv_budget_mb * 2**20 if kv_budget_mb else default_budget_bytes(gpu)
+        choice, swa = self._choose_ctx(ctx_per_slot, slots, per_token, budget, swa_full)
+        ctx_per_slot, full = choice.ctx, swa.full
+        cp = _context_params(slots, ctx_per_slot, self.rows, threads, kv_types, flash_attn, deterministic, full)
+        recurrent = llama_cpp.llama_model_is_recurrent(self.model) or llama_cpp.llama_model_is_hybrid(self.model)
+        cp.n_rs_seq = rollback if recurrent else 0
         self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             raise ModelError(f"llama.cpp could not create a context of {slots} x {ctx_per_slot} tokens for {self.path}")
         self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.rollback = int(llama_cpp.llama_n_rs_seq(self.ctx))  # (llama.cpp gives 0 where the architecture cannot)
         self.slots = slots
         self.ctx_per_slot = llama_cpp.llama_n_ctx_seq(self.ctx)
         self.batch = Batch(self.rows)
         self._decoder: threading.Thread | None = None  # the thread that decodes (`decode`)
-        self.info = self._info(slots * self.ctx_per_slot, per_token)  # the cells llama.cpp made (padded to 256)
+        kv_bytes = self._kv_bytes(slots, self.ctx_per_slot, per_token, full)  # (the cells llama.cpp made: padded to 256)
+        self.info = self._info(kv_bytes, full)
         self.device = "cpu" if gpu is None else f"cuda:{gpu}"
         log.info(
             "slot_context",
@@ -195,16 +221,41 @@ class Llama:
             kv_mib=round(self.info.kv_bytes / 2**20, 1),
             **({"kv_budget_mib": choice.budget_bytes >> 20} if choice.budget_bytes else {}),
         )
+        if self.info.n_swa > 0:
+            log.info("window_cache", full=full, window=self.info.n_swa, reason=swa.reason)
 
-    def _choose_ctx(self, asked: int, slots: int, per_token: float, budget_mb: int, gpu: int | None) -> CtxChoice:
-        """The slot length to create: `asked`, or with 0 the trained length capped by the budget (read after the
-        weights are loaded: a GPU's free memory is what they left)."""
+    def _swa_share(self) -> float | None:
+        """The share of the per-token KV bytes in sliding-window layers (None: unknown; 0: none)."""
+        if llama_cpp.llama_model_n_swa(self.model) <= 0:
+            return 0.0
+        n_layer = llama_cpp.llama_model_n_layer(self.model)
+        arch = self.vocab.meta("general.architecture") or ""
+        n = swa_layers(arch, n_layer, self.vocab.arch_meta_int("attention.sliding_window_pattern"))
+        return None if n is None or n_layer <= 0 else n / n_layer
+
+    def _kv_bytes(self, slots: int, ctx: int, per_token: float, full: bool) -> int:
+        """The KV cache of `slots` slots of `ctx` tokens: window layers of their window alone when not `full` (plus
+        the rows of a batch, as llama.cpp sizes them)."""
+        share = 0.0 if full else self._swa_share() or 0.0
+        window = min(ctx, -(-(llama_cpp.llama_model_n_swa(self.model) + self.rows) // 256) * 256)  # (padded to 256)
+        return int(slots * per_token * (ctx * (1 - share) + window * share))
+
+    def _choose_ctx(self, asked: int, slots: int, per_token: float, budget: int, swa_full: str) -> tuple[CtxChoice, SwaChoice]:
+        """The slot length to create, and whether window layers keep every position: `asked`, or with 0 the trained
+        length capped by the budget (read after the weights are loaded: a GPU's free memory is what they left), with
+        window layers of their window alone when the full length fits only so (`choose_swa_full`)."""
+        n_swa, share = llama_cpp.llama_model_n_swa(self.model), self._swa_share()
         if asked:
             if asked > self.n_ctx_train > 0:  # llama.cpp serves it, but the model never saw positions that far
                 log.warning("ctx_beyond_training", ctx_per_slot=asked, n_ctx_train=self.n_ctx_train)
-            return CtxChoice(asked, "--ctx-per-slot")
-        budget = budget_mb * 2**20 if budget_mb else default_budget_bytes(gpu)
-        return auto_ctx_per_slot(self.n_ctx_train, slots, per_token, budget)
+            return CtxChoice(asked, "--ctx-per-slot"), choose_swa_full(swa_full, n_swa, share, asked, slots, per_token, budget)
+        choice = auto_ctx_per_slot(self.n_ctx_train, slots, per_token, budget)  # every layer at full length
+        swa = choose_swa_full(swa_full, n_swa, share, max(choice.ctx, self.n_ctx_train), slots, per_token, budget)
+        if not swa.full and share:  # the length the budget allows when window layers hold their window alone
+            window = slots * per_token * share * -(-(n_swa + self.rows) // 256) * 256
+            choice = auto_ctx_per_slot(self.n_ctx_train, slots, per_token * (1 - share), max(0, int(budget - window)))
+            choice = dataclasses.replace(choice, budget_bytes=budget)  # (the budget given, window included)
+        return choice, swa
 
     def _kv_bytes_per_token(self, kv_types: tuple[str, str]) -> float:
         """KV bytes one token takes in one slot, every layer. Sliding-window layers count in full: `swa_full` keeps
@@ -219,14 +270,15 @@ class Llama:
         k_bytes, v_bytes = (KV_BYTES_PER_VALUE[t] for t in kv_types)
         return llama_cpp.llama_model_n_layer(m) * llama_cpp.llama_model_n_head_kv(m) * (k * k_bytes + v * v_bytes)
 
-    def _info(self, n_cells: int, per_token: float) -> ModelInfo:
+    def _info(self, kv_bytes: int, swa_full: bool) -> ModelInfo:
         m = self.model
         recurrent = bool(llama_cpp.llama_model_is_recurrent(m) or llama_cpp.llama_model_is_hybrid(m))
         return ModelInfo(
             n_layer=llama_cpp.llama_model_n_layer(m),
             n_swa=llama_cpp.llama_model_n_swa(m),
             recurrent=recurrent,
-            kv_bytes=int(n_cells * per_token),
+            kv_bytes=kv_bytes,
+            swa_full=swa_full,
         )
 
     # ---- calls the engine makes (compute thread only) ----
@@ -268,15 +320,24 @@ class Llama:
         llama.cpp copies src's whole stream buffer, at the start of the next `decode` (the cell metadata now)."""
         llama_cpp.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
 
-    def can_keep(self, pos_min: int, n: int, keep: int) -> bool:
-        """Whether a sequence of `n` tokens whose layers start at position `pos_min` can be cut to its first `keep`
-        tokens and go on: the token at position `keep` attends to the window after `keep - n_swa`, which must all
-        be there."""
-        return keep >= n or pos_min <= max(0, keep - self.info.n_swa + 1)
+    def min_keep(self, pos_min: int, n: int) -> int:
+        """The shortest prefix a sequence of `n` tokens whose memory starts at `pos_min` (`seq_pos_min`,
+        `state_pos_min`) can be cut to. A recurrent or hybrid memory cannot be cut at all: `n` (llama.cpp reports its
+        recurrent state's position as its pos_min, the last one). Sliding-window layers: the token at position `keep`
+        attends to the window after `keep - n_swa`, which must all be there."""
+        if self.info.recurrent:
+            return n
+        return 0 if pos_min <= 0 else min(n, pos_min + self.info.n_swa - 1)
 
-    def min_keep(self, pos_min: int) -> int:
-        """The shortest prefix a sequence whose layers start at `pos_min` can be cut to (`can_keep`'s bound)."""
-        return 0 if pos_min <= 0 else pos_min + self.info.n_swa - 1
+    def holds(self, seq: int, n: int) -> bool:
+        """The slot invariant: `seq` holds exactly positions 0..n-1, and as much of them as its memory keeps (a
+        recurrent state is at position n-1; sliding-window layers hold at least the window before position n)."""
+        held, floor = self.seq_len(seq), self.seq_pos_min(seq)
+        if held != n:
+            return False
+        if self.info.recurrent:  # (hybrid: llama.cpp reports the later of its attention's and its state's pos_min)
+            return floor == held - 1
+        return floor <= max(0, held - self.info.n_swa + 1)
 
     def state_pos_min(self, seq: int, n: int) -> int:
         """`seq_pos_min` a sequence of `n` tokens will have once `state_get(seq)` is restored: llama.cpp writes only
@@ -301,6 +362,24 @@ class Llama:
     def state_set(self, seq: int, data: StateData) -> bool:
         """Replace what `seq` holds by a saved state (of this or another sequence). False when llama.cpp refuses."""
         return llama_cpp.llama_state_seq_set_data(self.ctx, data, len(data), seq) != 0
+
+    def partial_size(self, seq: int) -> int:
+        """Bytes `partial_get(seq)` would allocate."""
+        return int(llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, _PARTIAL))
+
+    def partial_get(self, seq: int) -> StateData:
+        """A copy of the part of what `seq` holds that cannot be cut back (worker/checkpoints.py): a recurrent state,
+        or the sliding-window layers' window; not the full-attention KV."""
+        size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, _PARTIAL)
+        buf = mapped_buffer(size)
+        n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, _PARTIAL)
+        if n != size:
+            raise RuntimeError(f"llama.cpp wrote {n} bytes of partial state for sequence {seq}, announced {size}")
+        return buf
+
+    def partial_set(self, seq: int, data: StateData) -> bool:
+        """Put back a `partial_get` copy into `seq` (its full-attention KV untouched). False when llama.cpp refuses."""
+        return llama_cpp.llama_state_seq_set_data_ext(self.ctx, data, len(data), seq, _PARTIAL) != 0
 
     def close(self) -> None:
         self.batch.free()

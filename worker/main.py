@@ -62,6 +62,7 @@ from protocol import (
     router_to_worker_decoder,
     unpack_tokens,
 )
+from worker.checkpoints import cuts
 from worker.config import WorkerConfig
 from worker.core import EngineCore
 from worker.embedder import Embedder, InputTooLong
@@ -267,7 +268,15 @@ class WorkerServer:
         core = self.engine.core
         slot = core.table[slot_id]
         tokens, min_keep = pack_tokens(slot.tokens), core.prefixes.min_keep(slot)
-        return SlotUpdate(slot=slot_id, epoch=epoch, tokens=tokens, n_exact=slot.n_exact, salt=slot.salt, min_keep=min_keep)
+        return SlotUpdate(
+            slot=slot_id,
+            epoch=epoch,
+            tokens=tokens,
+            n_exact=slot.n_exact,
+            salt=slot.salt,
+            min_keep=min_keep,
+            cuts=cuts(slot.checkpoints),
+        )
 
     def flush_deltas(self) -> None:
         """The deltas of the step just made, as one message per router and per reply endpoint (one delta: a plain

@@ -33,6 +33,8 @@ class SavedState(Protocol):
     def nbytes(self) -> int: ...
     @property
     def salt(self) -> str: ...  # the tenant whose prompt it holds ("": none)
+    @property
+    def cuts(self) -> list[int]: ...  # positions of its checkpoints, ascending (worker/checkpoints.py)
 
 
 E = TypeVar("E", bound=SavedState)
@@ -53,6 +55,10 @@ class Tier(Protocol[E]):
 
     def best(self, prompt: list[int], salt: str = "") -> tuple[E | None, int]:
         """This tenant's state sharing the longest prefix with `prompt`, and that length (0 when none shares any)."""
+        ...
+
+    def sharing(self, prompt: list[int], salt: str = "") -> list[tuple[E, int]]:
+        """This tenant's states sharing a prefix with `prompt`, each with that length."""
         ...
 
     def used(self, entry: E) -> None: ...

@@ -7,6 +7,7 @@ Owned by the engine's compute thread, except `flush` and `close`.
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,15 +16,17 @@ from kvroute.slots import COPY_MIN
 from kvroute.vocab import Vocab
 from kvroute.weights import GGUFError, weights_fingerprint
 from protocol import MAX_FRAME_BYTES, CacheEntry, pack_tokens, token_hash
+from worker.checkpoints import Checkpoint
 from worker.config import WorkerConfig
 from worker.disk_cache import DiskCache, DiskEntry, llama_state_version
+from worker.disk_format import Cuts
 from worker.host_cache import Entry, HostCache
 from worker.saved import SavedState, Tier, TierName
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from worker.llama import Llama
+    from worker.llama import Llama, StateData
     from worker.slots import Slot
 
 log = logs.get(__name__)
@@ -36,8 +39,12 @@ ENTRY_OVERHEAD_BYTES = 160  # a listed entry's fields besides its tokens, about
 SAVE_MIN = COPY_MIN
 
 
-def open_disk_tier(cfg: WorkerConfig, vocab: Vocab) -> DiskCache | None:
-    """The disk tier (--cache-dir), loaded: what a previous run left there is restorable at once."""
+def open_disk_tier(
+    cfg: WorkerConfig, vocab: Vocab, memory: str = "kv", min_keep: Callable[[int, int], int] | None = None
+) -> DiskCache | None:
+    """The disk tier (--cache-dir), loaded: what a previous run left there is restorable at once. `memory`: what a
+    state holds besides the model's KV layout (its sliding-window cache's size; checkpoints), in what files must match;
+    `min_keep`: as in DiskCache."""
     if not cfg.cache_dir or cfg.disk_cache_gb <= 0:
         return None
     # the files are only good for this model and the same KV layout, so both are in what each file must match
@@ -47,9 +54,9 @@ def open_disk_tier(cfg: WorkerConfig, vocab: Vocab) -> DiskCache | None:
         log.warning("disk_tier_off", reason=f"the model's weights cannot be fingerprinted: {exc}")
         return None
     layout = llama_state_version(
-        f"k={cfg.cache_type_k}", f"v={cfg.cache_type_v}", f"fa={cfg.flash_attn}", f"det={cfg.deterministic}"
+        f"k={cfg.cache_type_k}", f"v={cfg.cache_type_v}", f"fa={cfg.flash_attn}", f"det={cfg.deterministic}", memory
     )
-    disk = DiskCache(Path(cfg.cache_dir), int(cfg.disk_cache_gb * 2**30), fingerprint, layout)
+    disk = DiskCache(Path(cfg.cache_dir), int(cfg.disk_cache_gb * 2**30), fingerprint, layout, min_keep=min_keep)
     loaded = disk.load()
     disk.drain_events()  # what it found goes to the router in the hello (`held`), not again with a JobDone
     log.info("disk_tier", directory=cfg.cache_dir, entries=len(loaded), nbytes=disk.nbytes, enabled=disk.enabled)
@@ -57,17 +64,19 @@ def open_disk_tier(cfg: WorkerConfig, vocab: Vocab) -> DiskCache | None:
 
 
 class SavedStates:
-    def __init__(self, host_bytes: int, disk: DiskCache | None, min_keep: Callable[[int], int]) -> None:
-        """`min_keep(pos_min)`: the shortest prefix a state restored with that `pos_min` can be cut to."""
+    def __init__(self, host_bytes: int, disk: DiskCache | None, min_keep: Callable[[int, int], int]) -> None:
+        """`min_keep(pos_min, n)`: the shortest prefix a state of `n` tokens restored with that `pos_min` can be cut
+        to (below it, only to its checkpoints)."""
         self.disk = disk
-        self.host = HostCache(host_bytes, spill=self._spill)
+        self.host = HostCache(host_bytes, spill=self._spill, min_keep=min_keep)
         self.tiers: list[Tier[Any]] = [self.host] if disk is None else [self.host, disk]
         self.min_keep = min_keep
 
     def _spill(self, entry: Entry) -> None:
         """A host-RAM entry dropped to make room goes to disk (written off this thread)."""
         if self.disk is not None:
-            self.disk.put(entry.tokens, entry.n_exact, entry.pos_min, entry.data, entry.salt)
+            parts, cuts = on_disk(entry.data, entry.checkpoints)
+            self.disk.put(entry.tokens, entry.n_exact, entry.pos_min, parts, entry.salt, cuts)
 
     def persist(self, slots: list[Slot], llama: Llama, skip: set[int]) -> int:
         """Queue every slot's contents (but those in `skip`: no KV to read yet) and every host-RAM entry for the disk
@@ -83,9 +92,11 @@ class SavedStates:
             except (RuntimeError, MemoryError) as exc:
                 log.warning("persist_failed", slot=slot.id, error=str(exc))
                 continue
-            queued += self.disk.put(list(slot.tokens), slot.n_exact, pos_min, data, slot.salt) is not None
+            parts, cuts = on_disk(data, tuple(slot.checkpoints))
+            queued += self.disk.put(list(slot.tokens), slot.n_exact, pos_min, parts, slot.salt, cuts) is not None
         for entry in sorted(self.host.entries, key=lambda e: -e.last_used):  # most recently used first
-            queued += self.disk.put(entry.tokens, entry.n_exact, entry.pos_min, entry.data, entry.salt) is not None
+            parts, cuts = on_disk(entry.data, entry.checkpoints)
+            queued += self.disk.put(entry.tokens, entry.n_exact, entry.pos_min, parts, entry.salt, cuts) is not None
         log.info("persisting", queued=queued)
         return queued
 
@@ -126,11 +137,31 @@ class SavedStates:
             hash=token_hash(entry.tokens),
             nbytes=entry.nbytes,
             n_exact=entry.n_exact,
-            min_keep=self.min_keep(entry.pos_min),
+            min_keep=self.min_keep(entry.pos_min, len(entry.tokens)),
+            cuts=entry.cuts,
             slot=slot,
             tokens=pack_tokens(entry.tokens) if slot < 0 else b"",
             salt=entry.salt,
         )
+
+
+def on_disk(data: StateData, checkpoints: tuple[Checkpoint, ...]) -> tuple[tuple[StateData, ...], Cuts]:
+    """What the disk tier writes of a state and its checkpoints: the buffers in order, the checkpoints' places."""
+    return (data, *(c.data for c in checkpoints)), tuple((c.n_tokens, c.nbytes) for c in checkpoints)
+
+
+def from_disk(data: StateData, cuts: Cuts) -> tuple[StateData, list[Checkpoint]]:
+    """A state and its checkpoints from what the disk tier read back (`on_disk`'s buffers, one after the other). The
+    checkpoints are copied out: the tier reuses its read buffer."""
+    end = len(data) - sum(nbytes for _, nbytes in cuts)
+    state = (ctypes.c_uint8 * end).from_buffer(data)
+    out: list[Checkpoint] = []
+    for n, nbytes in cuts:
+        buf = (ctypes.c_uint8 * nbytes)()
+        ctypes.memmove(buf, ctypes.addressof(data) + end, nbytes)
+        out.append(Checkpoint(n, buf))
+        end += nbytes
+    return state, out
 
 
 def most_recent_within(host: list[Entry], disk: list[DiskEntry], budget: int) -> tuple[list[Entry | DiskEntry], int]:

@@ -12,15 +12,7 @@ from typing import TYPE_CHECKING, Any
 from kvroute.slots import SlotPhase, common_prefix
 
 if TYPE_CHECKING:
-    from worker.llama import StateData
-
-
-@dataclass
-class Snapshot:
-    """Saved sequence state after the first `n_tokens` of the slot's tokens (for memories that cannot be trimmed)."""
-
-    n_tokens: int
-    data: StateData
+    from worker.checkpoints import Checkpoint
 
 
 @dataclass
@@ -30,7 +22,8 @@ class Slot:
     phase: SlotPhase = SlotPhase.IDLE
     task: Any = None  # the running task (worker.engine.Task: a job's life in the worker) while BUSY
     last_used: int = 0
-    snapshot: Snapshot | None = None
+    # where it can be cut back to besides what its memory allows (worker/checkpoints.py), ascending
+    checkpoints: list[Checkpoint] = field(default_factory=list)
     n_exact: int = 0  # leading tokens whose KV is what a cold prompt pass computes (see worker/core.py)
     salt: str = ""  # the tenant whose prompt it holds (Job.cache_salt); reused only by the same tenant
 
@@ -44,11 +37,11 @@ class Slot:
         return task.id if task is not None else None
 
     def keep(self, n: int) -> None:
-        """The KV now holds only the first n tokens (after a trim); drop a snapshot that no longer fits."""
+        """The KV now holds only the first n tokens (after a trim); drop the checkpoints past them."""
         del self.tokens[n:]
         self.n_exact = min(self.n_exact, n)
-        if self.snapshot is not None and self.snapshot.n_tokens > n:
-            self.snapshot = None
+        if self.checkpoints and self.checkpoints[-1].n_tokens > n:
+            self.checkpoints = [c for c in self.checkpoints if c.n_tokens <= n]
 
 
 class SlotTable:

@@ -44,6 +44,7 @@ class Task:
     draft: list[int] = field(default_factory=list)  # the guessed tokens in the batch being decoded
     withheld: bool = False  # no guess in that batch: its guesses were taken too rarely to pay there
     exact_chunk: bool = False  # its prompt chunk in that batch is padded as a seeded job's is (worker/batching.py)
+    checkpoint_at: list[int] = field(default_factory=list)  # prompt positions where its slot takes a checkpoint
     t_first: float = 0.0
 
     @property

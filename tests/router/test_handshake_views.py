@@ -33,8 +33,8 @@ def test_held_slots_are_read_from_the_hello() -> None:
     assert handshake.held(hello()) is None
     got = handshake.held(hello(held=[SlotHeld(slot=1, tokens=pack_tokens([5, 6, 7]), n_exact=2, salt="t", min_keep=1)]))
     assert got is not None and list(got) == [1]
-    tokens, n_exact, salt, min_keep = got[1]
-    assert tokens.tolist() == [5, 6, 7] and (n_exact, salt, min_keep) == (2, "t", 1)
+    tokens, n_exact, salt, min_keep, cuts = got[1]
+    assert tokens.tolist() == [5, 6, 7] and (n_exact, salt, min_keep, cuts) == (2, "t", 1, [])
 
 
 def test_status_hides_another_tenants_slot_and_the_line_counts_answers() -> None:

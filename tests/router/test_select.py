@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from protocol import token_hash
+from router.index import Match
 from router.mirror import Mirror, Slot
 from router.select import Dispatch, Params, Wait, WorkerLoad, select
 
@@ -213,25 +214,39 @@ def test_a_just_finished_slot_is_held_for_its_conversation():
     assert isinstance(d, Dispatch) and d.slot is a
 
 
-def test_the_deepest_saved_state_is_the_one_a_scan_of_every_entry_finds_first_among_equals():
-    """`deepest_saved` walks the match's path instead of taking an LCP per entry: the same answer, ties included."""
+def test_the_saved_state_giving_most_is_the_one_a_scan_of_every_entry_finds():
+    """`best_saved` walks the match's path instead of taking an LCP per entry: the same answer as the worker's scan
+    (the most tokens given, then the fewest to copy, then host RAM before disk), entries that cannot be cut back
+    (recurrent: min_keep = their length) with checkpoints (`cuts`) included."""
+    from kvroute.slots import restore_keep, reused
     from router.index import Index
     from router.mirror import Saved
-    from router.select import deepest_saved
+    from router.select import best_saved
 
     rng = np.random.default_rng(3)
     stems = [rng.integers(100, 200, 40).astype(np.int32) for _ in range(3)]
-    for trial in range(30):
+    for trial in range(60):
         index, saved = Index(), {}
         for i in range(int(rng.integers(1, 12))):
             stem = stems[int(rng.integers(3))][: int(rng.integers(1, 40))]
             tokens = np.concatenate([stem, rng.integers(200, 300, int(rng.integers(0, 5))).astype(np.int32)])
-            entry = Saved("w", ("ram" if i % 2 else "disk", i), tokens, nbytes=1)
+            n = len(tokens)
+            uncut = trial % 2 == 1
+            cuts = tuple(sorted({int(c) for c in rng.integers(1, n + 1, int(rng.integers(0, 4)))})) if uncut else ()
+            entry = Saved("w", ("ram" if i % 2 else "disk", i), tokens, nbytes=1, min_keep=n if uncut else 0, cuts=cuts)
             saved[entry.key] = entry
             index.insert(entry, tokens)
         other = Saved("x", ("ram", 99), stems[0], nbytes=1)  # another worker's entry: not a candidate
         index.insert(other, stems[0])
         prompt = np.concatenate([stems[trial % 3][: int(rng.integers(1, 40))], np.array([7, 8], dtype=np.int32)])
         match = index.match(prompt)
-        lcp, top = max(((match.lcp(s), s) for s in saved.values()), key=lambda x: x[0])
-        assert deepest_saved(match, saved) == ((lcp, top) if lcp else (0, None))
+
+        def key(s: Saved, match: Match = match, length: int = len(prompt)) -> tuple[int, int, bool]:
+            r = restore_keep(reused(match.lcp(s), length), len(s.tokens), s.min_keep, s.cuts)
+            return r, -len(s.tokens), not s.on_disk
+
+        top = max(saved.values(), key=key)
+        want = (key(top)[0], top) if key(top)[0] else (0, None)
+        gives, got = best_saved(match, saved, seeded=False)
+        assert gives == want[0] and (got is None) == (want[1] is None)
+        assert got is None or key(got) == key(top)

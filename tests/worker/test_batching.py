@@ -137,8 +137,8 @@ def test_a_slot_between_two_in_the_batch_gets_a_padding_row_where_it_has_room_an
     assert rows.rows == [(7, 21, 0, True), (PAD_TOKEN, 40, 1, False), (7, 31, 3, True)]  # slot 2 is full: no room
     assert b.padding(plan) == [(0, 22), (1, 40), (2, 64), (3, 32)]
     assert b.build([first], 512) and b.padding(b.build([first], 512)) == []  # one slot: nothing between
-    snap, _ = batcher([first, idle, full, last], n_ctx=64, snapshots=True)
-    assert len(snap.build([first, last], 512)) == 2 and snap.rows.n == 2  # no padding where KV cannot be trimmed
+    uncut, _ = batcher([first, idle, full, last], n_ctx=64, uncut=True)
+    assert len(uncut.build([first, last], 512)) == 2 and uncut.rows.n == 2  # no padding where KV cannot be trimmed
 
 
 def test_a_seeded_job_with_only_its_last_prompt_token_left_computes_it_beside_decode_rows_but_not_beside_a_prompt():
@@ -191,8 +191,24 @@ def test_deterministic_mode_decodes_the_generating_slots_padded_and_each_prompt_
     assert [n for _, n, _ in plan] == [100 - EXACT_ROWS]
 
 
-def test_with_snapshots_a_prompt_stops_one_short_of_its_end_and_nothing_is_padded():
+def test_a_prompt_chunk_ends_where_its_slot_takes_a_checkpoint_and_an_uncut_memory_is_not_padded():
+    """Checkpoints at 10, 46 and 50 (worker/checkpoints.py): the chunks end there, whatever the budget; a seeded job's
+    prompt on a memory that cannot be cut is not padded either (its padding could not be removed)."""
     prompt = busy(0, 50, seed=3)
-    b, rows = batcher([prompt], snapshots=True)
-    plan = b.build([prompt], 512)
-    assert [n for _, n, _ in plan] == [49] and rows.n == 49 and not prompt.task.exact_chunk
+    prompt.task.checkpoint_at = [0, 10, 46, 50]
+    b, rows = batcher([prompt], uncut=True)
+    taken = []
+    while prompt.n_tokens < 49:
+        plan = b.build([prompt], 512)
+        taken.append(plan[0][1])
+        prompt.tokens += prompt.task.prompt[prompt.n_tokens : prompt.n_tokens + plan[0][1]]
+        assert not prompt.task.exact_chunk and rows.n == plan[0][1]
+    assert taken == [10, 36, 3]  # (the seeded job's last token alone after: 49 of 50)
+
+
+def test_deterministic_mode_decodes_each_generating_slot_of_an_uncut_memory_alone():
+    gens = [busy(i, 12, held=12, generated=1) for i in range(3)]
+    b, rows = batcher(gens, exact=True, uncut=True)
+    assert [[s.id for s in g.slots] for g in b.groups(gens)] == [[0], [1], [2]]  # one row each: no padding needed
+    plan = b.build([gens[1]], 512)
+    assert [(s.id, n, row) for s, n, row in plan] == [(1, 1, 0)] and rows.n == 1

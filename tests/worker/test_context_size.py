@@ -107,8 +107,20 @@ def test_a_worker_without_ctx_per_slot_takes_the_trained_length_within_its_budge
 
 @pytest.mark.model
 def test_the_kv_budget_caps_the_default_length(tmp_path: Path) -> None:
-    with started_worker(tmp_path / "w.log", "--kv-budget-mb", "64") as (hello, lines):
+    with started_worker(tmp_path / "w.log", "--kv-budget-mb", "64", "--swa-full", "on") as (hello, lines):
         assert hello.ctx_per_slot == 3584  # 64 MiB / 18 KiB = 3640 tokens, down to a multiple of 256
+        line = slot_context_line(lines)
+        assert (line["reason"], line["kv_budget_mib"]) == ("kv budget", 64)
+
+
+@pytest.mark.model
+def test_where_a_full_size_window_cache_does_not_fit_auto_takes_the_window_alone_and_says_why(tmp_path: Path) -> None:
+    """Gemma 3 270M's 15 window layers of 18 hold 512 positions and a batch (padded to 1,280 cells) instead of the
+    slot's length: its 3 global layers' 3 KiB a token fit 15,360 tokens in the 64 MiB where 18 KiB fit 3,584."""
+    with started_worker(tmp_path / "w.log", "--kv-budget-mb", "64") as (hello, lines):
+        (window,) = [x for x in lines if x.get("event") == "window_cache"]
+        assert window["full"] is False and "does not fit" in window["reason"] and window["window"] == 512
+        assert hello.ctx_per_slot == 15360 and hello.kv_bytes <= 64 * 2**20
         line = slot_context_line(lines)
         assert (line["reason"], line["kv_budget_mib"]) == ("kv budget", 64)
 

@@ -34,7 +34,7 @@ def opened(directory: Path, capacity: int = 1 << 20, fp: str = FP, sv: str = SV)
 
 def file_size(n_tokens: int, n_state: int, fp: str = FP, sv: str = SV) -> int:
     """What one entry's file takes: fixed header, the two strings, the tokens, two CRCs, the state."""
-    return 36 + len(fp) + len(sv) + 4 * n_tokens + 4 + n_state + 4
+    return 40 + len(fp) + len(sv) + 4 * n_tokens + 4 + n_state + 4
 
 
 def put(

@@ -12,6 +12,7 @@ from worker_helpers import assert_slot_invariant, complete
 import worker.saved_states
 from protocol import JobDone, unpack_tokens
 from worker.config import WorkerConfig
+from worker.disk_cache import DiskEntry
 from worker.engine import Engine
 from worker.saved_states import ENTRY_OVERHEAD_BYTES
 
@@ -90,8 +91,9 @@ def test_a_restart_restores_what_a_graceful_stop_wrote_and_a_bad_file_is_served_
         assert not [e for e in back.final.cache_added if e.tier == "disk"]  # the hello told them: not sent twice
         assert back.tokens == refs[0].tokens  # restored after the restart: the same answer as computed cold
         # a file damaged on disk: logged, removed, and its prompt computed instead
-        bad, _ = eng.disk.best(question(vocab, b))  # the entry that prompt would be restored from
-        assert bad is not None
+        asked = question(vocab, b)  # the entry that prompt would be restored from (worker/prefix.py `best_saved`):
+        bad, _ = eng.call(lambda e: e.prefixes.best_saved(asked, "", False)).result(30)
+        assert isinstance(bad, DiskEntry)
         raw = bytearray(bad.path.read_bytes())
         raw[-100] ^= 0xFF
         bad.path.write_bytes(bytes(raw))

@@ -58,7 +58,10 @@ def test_two_routers_each_get_their_jobs_and_hear_of_the_others_changes() -> Non
         r.bind(f"inproc://router-{name}")
         routers.append(r)
     submitted: list[str] = []
-    slots = [SimpleNamespace(tokens=[1, 2, 3, 4], n_exact=0, salt=""), SimpleNamespace(tokens=[], n_exact=0, salt="")]
+    slots = [
+        SimpleNamespace(tokens=[1, 2, 3, 4], n_exact=0, salt="", checkpoints=[]),
+        SimpleNamespace(tokens=[], n_exact=0, salt="", checkpoints=[]),
+    ]
     engine = SimpleNamespace(
         vocab=SimpleNamespace(path="/nonexistent.gguf"),
         after_step=None,
@@ -110,7 +113,7 @@ def test_each_job_on_a_slot_has_its_own_epoch_and_frees_the_slot_before_its_rout
     ctx = zmq.Context()
     rb = ctx.socket(zmq.ROUTER)
     rb.bind("inproc://router-b2")
-    slots = [SimpleNamespace(tokens=[5, 6], n_exact=0, salt="")]
+    slots = [SimpleNamespace(tokens=[5, 6], n_exact=0, salt="", checkpoints=[])]
     engine = SimpleNamespace(
         vocab=SimpleNamespace(path="/nonexistent.gguf"),
         after_step=None,

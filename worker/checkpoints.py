@@ -1,0 +1,128 @@
+"""Context checkpoints: for a memory that cannot be cut back to any prefix, saved states of the part that cannot, at
+chosen positions of a slot's tokens, so that a prompt sharing only part of what the slot holds resumes from the
+checkpoint nearest below the shared part instead of from zero.
+
+Which part: a recurrent or hybrid model's recurrent state (Mamba, gated delta-net, short convolutions: one state per
+sequence, always at its last position), and the sliding-window layers of a model whose window cache keeps only its
+window (`swa_full` off). llama.cpp writes and reads that part alone (`llama_state_seq_*_ext` with
+LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY); the full-attention KV is not in a checkpoint: it is cut (`seq_rm`) where the
+checkpoint was taken. So a checkpoint costs the recurrent state (or one window of the window layers), whatever its
+position: `Llama.partial_size`.
+
+Where a slot takes them while it reads a prompt (`positions`), as llama-server places its `--ctx-checkpoints`:
+- where the job's new tokens begin (what it reused: in a conversation, where the turn began);
+- every `every` tokens of a long prompt (positions that are multiples of it, the same for every prompt);
+- END_OFFSETS before the prompt's end (llama-server's 4 + n_ubatch and 4: next turn a chat template often renders
+  the generation prompt, or the last message, otherwise), in deterministic mode far enough apart for exact chunks;
+- at its end (the reply re-sent otherwise next turn, as when a template drops past reasoning, resumes there).
+A prompt chunk ends at each (worker/batching.py), and the checkpoint is taken once the slot holds exactly that many
+tokens (worker/core.py). The router knows each slot's checkpoint positions (JobDone.slot_cuts) and predicts reuse
+with the rule the worker follows (kvroute/slots.py `restore_keep`).
+
+Budget: at most `max_count` checkpoints and `slot_bytes` bytes per slot, `total_bytes` for all slots of the worker;
+the oldest go first (the slot's own, then the least recently used slot's). A saved state in host RAM or on disk keeps
+its slot's checkpoints with it (counted in that tier's bytes).
+
+Owned by the engine's compute thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from kvroute.slots import EXACT_ROWS
+
+if TYPE_CHECKING:
+    from worker.llama import StateData
+
+END_OFFSETS = (4,)  # tokens before a prompt's end (llama-server: 4 and 4 + n_ubatch, `n_batch` added below)
+_order = itertools.count()
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    """The part of a sequence's memory that cannot be cut, saved when the sequence held exactly its first
+    `n_tokens` tokens (immutable once taken; a slot and the saved states copied from it share it)."""
+
+    n_tokens: int
+    data: StateData
+    order: int = field(default_factory=lambda: next(_order))  # when it was taken: the oldest go first
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+class Holder(Protocol):
+    """What keeps checkpoints: a slot (worker/slots.py)."""
+
+    checkpoints: list[Checkpoint]
+    last_used: int
+
+
+def cuts(checkpoints: list[Checkpoint]) -> list[int]:
+    """Their positions, ascending (what the router is told: CacheEntry.cuts, JobDone.slot_cuts)."""
+    return [c.n_tokens for c in checkpoints]
+
+
+def positions(start: int, end: int, every: int, n_batch: int, exact: bool) -> list[int]:
+    """Where a slot reading prompt tokens `start`..`end` takes checkpoints (see the module docstring), ascending. In
+    deterministic mode (`exact`) every chunk between two of them is at least EXACT_ROWS tokens (worker/core.py)."""
+    gap = EXACT_ROWS if exact else 1
+    want: set[int] = set()
+    if every > 0:
+        want.update(range((start // every + 1) * every, end, every))
+    for offset in END_OFFSETS:
+        far = max(offset, gap)
+        want.update((end - far, end - far - n_batch))
+    out = [start]
+    for p in sorted(want):
+        if start < p < end and p - out[-1] >= gap and end - p >= gap:
+            out.append(p)
+    return [*out, end]
+
+
+def at(checkpoints: list[Checkpoint], n: int) -> Checkpoint | None:
+    """The checkpoint at exactly `n` tokens, if any."""
+    return next((c for c in checkpoints if c.n_tokens == n), None)
+
+
+def within(checkpoints: list[Checkpoint], n: int) -> list[Checkpoint]:
+    """Those a sequence cut to its first `n` tokens keeps (the later ones were of tokens it no longer holds)."""
+    return [c for c in checkpoints if c.n_tokens <= n]
+
+
+class Budget:
+    """The checkpoints' memory: per slot and for the whole worker."""
+
+    def __init__(self, max_count: int, slot_bytes: int, total_bytes: int) -> None:
+        self.max_count, self.slot_bytes, self.total_bytes = max_count, slot_bytes, total_bytes
+
+    def fits(self, nbytes: int) -> bool:
+        return self.max_count > 0 and nbytes <= min(self.slot_bytes, self.total_bytes)
+
+    def add(self, slot: Holder, ckpt: Checkpoint, slots: Sequence[Holder]) -> bool:
+        """Give `slot` the checkpoint, making room by dropping the oldest ones; False when it can never fit."""
+        if not self.fits(ckpt.nbytes):
+            return False
+        mine = slot.checkpoints
+        mine[:] = [c for c in mine if c.n_tokens != ckpt.n_tokens]  # (one per position: the new one replaces it)
+        while mine and (len(mine) >= self.max_count or _bytes(mine) + ckpt.nbytes > self.slot_bytes):
+            mine.remove(min(mine, key=lambda c: c.order))
+        while sum(_bytes(s.checkpoints) for s in slots) + ckpt.nbytes > self.total_bytes:
+            others = [s for s in slots if s.checkpoints and s is not slot] or [slot]
+            victim = min(others, key=lambda s: s.last_used)
+            victim.checkpoints.remove(min(victim.checkpoints, key=lambda c: c.order))
+        mine.append(ckpt)
+        mine.sort(key=lambda c: c.n_tokens)
+        return True
+
+    def used(self, slots: Sequence[Holder]) -> int:
+        return sum(_bytes(s.checkpoints) for s in slots)
+
+
+def _bytes(checkpoints: list[Checkpoint]) -> int:
+    return sum(c.nbytes for c in checkpoints)
