@@ -30,6 +30,7 @@ from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect, Er
 from gateway.embeddings import embed_message, embeddings_reply
 from gateway.fields import Policy
 from gateway.helpers import keep_alive_s
+from gateway.keepalive import IDLE_S, Clock, ticking
 from gateway.limits import BoundedStream, StalledReader, declared_length, limited, too_large_message
 from gateway.openai_schema import RequestError, chat_submit
 from gateway.openapi import OPENAPI
@@ -85,6 +86,7 @@ class Gateway:
         max_body_bytes: int = MAX_FRAME_BYTES,
         stall_s: float = STALL_S,
         pooling: str = "auto",
+        keep_alive_s: float = IDLE_S,
     ) -> None:
         """`api_key`: one key, or several comma-separated; `tenant_per_key`: each key is a tenant (its `cache_salt`);
         `aliases`: more names /v1/models lists; `strict_model_name`: a request naming another model gets 404;
@@ -101,6 +103,7 @@ class Gateway:
         self.tenant_per_key = tenant_per_key
         self.max_body_bytes = max_body_bytes
         self.stall_s = stall_s
+        self.keep_alive_s = keep_alive_s  # a stream writes something at least this often (gateway/keepalive.py)
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -307,7 +310,9 @@ class Gateway:
             try:
                 if isinstance(first, Result):
                     self._check_deadline(first, sub)
-                async for chunk in call.events(checked()):
+                clock = Clock(self.keep_alive_s)
+                async for chunk in call.events(ticking(checked(), clock)):
+                    clock.wrote()
                     yield chunk
             except KvrouteError as exc:
                 yield dialect.stream_error(error_text(exc), exc.code)

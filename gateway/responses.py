@@ -26,6 +26,7 @@ from msgspec import Meta
 
 from gateway.blocks import Blocks, Event, Kind
 from gateway.fields import Policy
+from gateway.keepalive import Tick
 from gateway.openai_schema import RequestError, Strict, chat_logprobs, context_shift, decode, timings_body
 from protocol import (
     MAX_DEADLINE_MS,
@@ -393,7 +394,7 @@ def _item(block: Any, rid: str, asked: Asked, done: bool, logprobs: list[Any] | 
     if block.kind is Kind.TOOL:
         c = block.call
         return {"type": "function_call", "id": f"fc_{rid}_{block.index}", "call_id": c.id, **asked.call_names(c.name),
-                "arguments": c.arguments if done else "", "status": status}  # fmt: skip
+                "arguments": block.text if done else "", "status": status}  # fmt: skip
     if block.kind is Kind.THINKING:
         content = [{"type": "reasoning_text", "text": block.text}] if done else []
         return {"type": "reasoning", "id": f"rs_{rid}_{block.index}", "summary": [], "content": content, "status": status}
@@ -444,7 +445,7 @@ def error_event(message: str, code: str) -> bytes:
 
 
 async def response_events(
-    messages: AsyncIterator[Delta | Result], rid: str, model: str, asked: Asked, created: float
+    messages: AsyncIterator[Delta | Result | Tick], rid: str, model: str, asked: Asked, created: float
 ) -> AsyncIterator[bytes]:
     """The documented event sequence: response.created, response.in_progress, then per output item
     output_item.added, (content_part.added, output_text.delta..., output_text.done, content_part.done |
@@ -494,6 +495,9 @@ async def response_events(
         return out
 
     async for msg in messages:
+        if isinstance(msg, Tick):  # (what OpenAI's API sends on a long stream: gateway/keepalive.py)
+            yield event("keepalive")
+            continue
         if isinstance(msg, Delta):
             for ev in blocks.feed(msg):
                 for chunk in emit(ev):

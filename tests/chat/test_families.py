@@ -101,7 +101,7 @@ def parse(spec: OutputSpec, text: str, chunks: list[int] | None = None) -> tuple
         i += n
     p.feed(text[i:])
     p.finish()
-    return p.text, p.reasoning_text, [(cid, c.name, c.arguments) for _, cid, c in p.calls]
+    return p.text, p.reasoning_text, [(c.id or "", c.name, c.arguments) for c in p.tool_calls]
 
 
 def accepts(tokenizer: GuideTokenizer, vocab: Vocab, lark: Any, text: str) -> bool:
@@ -208,12 +208,17 @@ def test_hermes_text_before_calls_and_parallel_calls() -> None:
     [
         "<tool_call>\nnot json at all\n</tool_call>",  # looks like a call, is not one
         '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>',  # not one of the tools
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os',  # cut off (max_tokens)
         "I would use <tool_call but no.",
     ],
 )
 def test_hermes_text_that_only_looks_like_a_call_stays_content(text: str) -> None:
     assert parse(hermes(), text) == (text, None, [])
+
+
+def test_a_call_cut_off_stays_a_call_with_the_arguments_written() -> None:
+    """Streamed calls are given out from their head on; one cut off (max_tokens) ends as written, as OpenAI's do."""
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os'
+    assert [c[1:] for c in parse(hermes(), cut)[2]] == [("get_weather", '{"city": "Os')]
 
 
 def test_hermes_arguments_given_as_a_json_string_are_read() -> None:
@@ -380,3 +385,42 @@ def test_response_format_and_grammar_compile_or_name_the_field(vocab: Vocab, gui
 def test_detect_falls_back_to_generic() -> None:
     assert detect("{{ messages }}").name == "generic"
     assert detect("<tool_call><function=x><parameter=y>").name == "generic"  # Qwen3-Coder's XML calls
+
+
+# ---- streaming ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_call_streams_its_arguments_while_they_are_written(name: str) -> None:
+    """Fed one character at a time: the call's id and name come in its first piece, before its arguments end; the
+    pieces of its arguments add up to the arguments the reply ends with (Mistral Nemo writes the id after the
+    arguments: its call comes whole)."""
+    fmt = chat_format(name)
+    long_city = "Paris " * 30
+    reply = one_call(fmt, args=json.dumps({"city": long_city, "days": 3}))
+    p = OutputParser(spec_for(fmt))
+    pieces, first_at = [], None
+    for i, ch in enumerate(reply):
+        for d in p.feed(ch).calls:
+            pieces.append(d)
+            if first_at is None:
+                first_at = i
+    for d in p.finish().calls:
+        pieces.append(d)
+    assert pieces and pieces[0].index == 0 and pieces[0].name == "get_weather" and pieces[0].id
+    assert all(d.index == 0 and d.name is None and d.id is None for d in pieces[1:])
+    (call,) = p.tool_calls
+    assert "".join(d.arguments for d in pieces) == call.arguments
+    assert json.loads(call.arguments) == {"city": long_city, "days": 3}
+    if fmt.family.name != "mistral":
+        assert first_at is not None and first_at < reply.index("Paris")  # the head went out before the arguments
+        assert len(pieces) > 100  # and they went out as they came
+
+
+def test_gemma_arguments_stream_as_the_json_they_mean() -> None:
+    spec = spec_for(chat_format("google-gemma-4-31B-it"))
+    text = '<|tool_call>call:get_weather{city:<|"|>a "b" \\ c<|"|>,days:-2.50,opts:{deep:[1,true,None],e:{}},f:[]}<tool_call|>'
+    p = OutputParser(spec)
+    got = "".join(d.arguments for ch in text for d in p.feed(ch).calls) + "".join(d.arguments for d in p.finish().calls)
+    assert json.loads(got) == {"city": 'a "b" \\ c', "days": -2.5, "opts": {"deep": [1, True, None], "e": {}}, "f": []}
+    assert got == p.tool_calls[0].arguments == json.dumps(json.loads(got), ensure_ascii=False)
