@@ -2,8 +2,9 @@
 
 Each family knows three things about its syntax: the text that opens a tool-call section (its trigger), a grammar
 (llguidance Lark) for that section built from the request's tools, and how to read calls out of the model's text
-while they are written (`head`, an arguments reader from chat/calls.py, `tail`). The grammars write the section exactly as the family's template renders an assistant message's
-`tool_calls`, so a call the model made renders back to the same text when the agent sends it in the history.
+while they are written (`head`, an arguments reader from chat/calls.py, `tail`). The grammars write the section
+exactly as the family's template renders an assistant message's `tool_calls`, so a call the model made renders back
+to the same text when the agent sends it in the history.
 
 | family | syntax (one call) | templates |
 | --- | --- | --- |
