@@ -184,7 +184,7 @@ def call_from_object(text: str, i: int, args_key: str = "arguments") -> tuple[Ca
 
 
 class Pattern:
-    """A head written as literal text and named slots (`{name}`, `{id}`), matched as the text grows. Whitespace in
+    """A head written as literal text and named slots (`{name}`, `{id}`, `{index}`), matched as the text grows. Whitespace in
     the literal text matches any run of whitespace (none included); a slot takes the characters of a function name
     (or an id)."""
 
@@ -192,7 +192,8 @@ class Pattern:
 
     def __init__(self, text: str) -> None:
         self.parts: list[tuple[bool, str]] = []  # (is a slot, literal text or slot name)
-        for k, piece in enumerate(text.replace("{id}", "\x00id\x00").replace("{name}", "\x00name\x00").split("\x00")):
+        marked = text.replace("{id}", "\x00id\x00").replace("{name}", "\x00name\x00").replace("{index}", "\x00index\x00")
+        for k, piece in enumerate(marked.split("\x00")):
             if piece:
                 self.parts.append((k % 2 == 1, piece))
 
@@ -220,8 +221,10 @@ class Pattern:
 
 
 def match_literal(text: str, i: int, lit: str) -> int | Literal[False] | None:
-    """Index after `lit` matched at text[i] (its whitespace flexible), None if the text ends first, False if not."""
+    """Index after `lit` matched at text[i] (its whitespace flexible, whitespace before it skipped), None if the text
+    ends first, False if not."""
     k = 0
+    i = skip_ws(text, i)
     while k < len(lit):
         if lit[k] in WS:
             i = skip_ws(text, i)
@@ -237,3 +240,15 @@ def match_literal(text: str, i: int, lit: str) -> int | Literal[False] | None:
         i += 1
         k += 1
     return i
+
+
+def match_exact(text: str, i: int, lit: str) -> int | Literal[False] | None:
+    """Index after `lit` at text[i] (exactly), None if the text ends first, False if it is not there."""
+    if text.startswith(lit, i):
+        return i + len(lit)
+    return None if lit.startswith(text[i:]) else False
+
+
+def hit(got: int | Literal[False] | None) -> bool:
+    """Whether a match answered an index (False is an int to Python: this says what is meant)."""
+    return got is not None and got is not False

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import secrets
 import string
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from chat.calls import Call, Head, JsonArgs, Pattern, WholeArgs, call_from_object, decode_at, match_literal, skip_ws
@@ -35,7 +35,8 @@ from chat.schema import for_grammar
 from protocol import Tool
 
 ALNUM = string.ascii_letters + string.digits
-__all__ = ["Call", "Family", "Generic", "detect", "family_named"]
+EMPTY: Mapping[str, frozenset[str]] = {}
+__all__ = ["Call", "Family", "Generic"]
 
 
 def lit(text: str) -> str:
@@ -87,14 +88,14 @@ class Family:
             return "".join(secrets.choice(self.id_alphabet) for _ in range(self.id_length))
         return "call_" + secrets.token_hex(12)
 
-    def calls_rules(self, tools: list[Tool], parallel: bool) -> str:
-        """Lark rules defining `calls`: the whole tool-call section, trigger included."""
+    def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
+        """Lark rules defining `calls`: the whole tool-call section, trigger included (`lazy`: from the trigger on)."""
         raise NotImplementedError
 
-    def head(self, section: str, i: int, k: int) -> Head | int | None:
+    def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
         """The head of call `k` (0: the section's first) at section[i] (after the previous call's tail): a Head; an
         index when no call follows (the section's closing text ends there, and the rest is reply text); None while
-        the text could still become either."""
+        the text could still become either. `strings`: each tool's parameters that its schema says are strings."""
         raise NotImplementedError
 
     def tail(self, section: str, i: int) -> int | None:
@@ -124,12 +125,12 @@ class Hermes(Family):
     triggers = ("<tool_call>",)
     HEAD = Pattern('<tool_call>\n{"name": "{name}", "arguments": ')
 
-    def calls_rules(self, tools: list[Tool], parallel: bool) -> str:
+    def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
         head = 'calls: call ("\\n" call)*\n' if parallel else "calls: call\n"
         call = 'call: "<tool_call>\\n{\\"name\\": \\"" fn "}\\n</tool_call>"\n'
         return head + call + self._named(tools, '"{name}\\", \\"arguments\\": " {args}')
 
-    def head(self, section: str, i: int, k: int) -> Head | int | None:
+    def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
         got = head_of(self.HEAD, section, i)
         if got is not False:
             return got
@@ -161,11 +162,11 @@ class Llama3(Family):
     HEAD = Pattern('{"name": "{name}", "parameters": ')
     HEAD_ARGS = Pattern('{"name": "{name}", "arguments": ')
 
-    def calls_rules(self, tools: list[Tool], parallel: bool) -> str:
+    def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
         # the template takes one call per message (it raises on more)
         return 'calls: "{\\"name\\": \\"" fn "}"\n' + self._named(tools, '"{name}\\", \\"parameters\\": " {args}')
 
-    def head(self, section: str, i: int, k: int) -> Head | int | None:
+    def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
         if k:
             return i
         got = head_of(self.HEAD, section, i)
@@ -183,13 +184,13 @@ class Mistral(Family):
     triggers = ("[TOOL_CALLS]",)
     id_alphabet, id_length = ALNUM, 9
 
-    def calls_rules(self, tools: list[Tool], parallel: bool) -> str:
+    def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
         more = ' (", " call)*' if parallel else ""
         head = f'calls: "[TOOL_CALLS][" call{more} "]"\n'
         call = 'call: "{\\"name\\": \\"" fn ", \\"id\\": \\"" /[a-zA-Z0-9]{9}/ "\\"}"\n'
         return head + call + self._named(tools, '"{name}\\", \\"arguments\\": " {args}')
 
-    def head(self, section: str, i: int, k: int) -> Head | int | None:
+    def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
         at = match_literal(section, i, "[TOOL_CALLS][" if k == 0 else ",")
         if at is False and k:
             end = match_literal(section, i, "]")
@@ -222,12 +223,12 @@ class MistralArgs(Family):
     def key(self) -> str:
         return "mistral-args+ids" if self.call_ids else "mistral-args"
 
-    def calls_rules(self, tools: list[Tool], parallel: bool) -> str:
+    def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
         head = "calls: call+\n" if parallel else "calls: call\n"
         mid = '"[CALL_ID]" /[a-zA-Z0-9]{9}/ "[ARGS]"' if self.call_ids else '"[ARGS]"'
         return head + 'call: "[TOOL_CALLS]" fn\n' + self._named(tools, '"{name}" ' + mid + " {args}")
 
-    def head(self, section: str, i: int, k: int) -> Head | int | None:
+    def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
         with_id, plain = head_of(self.HEAD_ID, section, i), head_of(self.HEAD, section, i)
         for got in (with_id, plain):
             if isinstance(got, Head):
@@ -244,7 +245,7 @@ class Gemma(Family):
         self.triggers = (open_,)
         self.pattern = Pattern(open_ + "call:{name}")
 
-    def calls_rules(self, tools: list[Tool], parallel: bool) -> str:
+    def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
         head = "calls: call+\n" if parallel else "calls: call\n"
         alts, rules = [], []
         for i, tool in enumerate(tools):
@@ -253,7 +254,7 @@ class Gemma(Family):
         call = f"call: {lit(self.open + 'call:')} fn {lit(self.close)}\n"
         return head + call + "fn: " + "\n  | ".join(alts) + "\n" + "".join(rules)
 
-    def head(self, section: str, i: int, k: int) -> Head | int | None:
+    def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
         got = self.pattern.match(section, i)
         if got is None or got is False:
             return None if got is None else i
@@ -276,13 +277,13 @@ class Generic(Family):
     FIRST = Pattern('{"tool_calls": [{"name": "{name}", "arguments": ')
     NEXT = Pattern(', {"name": "{name}", "arguments": ')
 
-    def calls_rules(self, tools: list[Tool], parallel: bool) -> str:
+    def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
         more = ' (", " call)*' if parallel else ""
         head = f'calls: "{{\\"tool_calls\\": [" call{more} "]}}"\n'
         call = 'call: "{\\"name\\": \\"" fn "}"\n'
         return head + call + self._named(tools, '"{name}\\", \\"arguments\\": " {args}')
 
-    def head(self, section: str, i: int, k: int) -> Head | int | None:
+    def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
         got = head_of(self.NEXT if k else self.FIRST, section, i)
         if got is not False or not k:
             return i if got is False else got
@@ -316,35 +317,3 @@ class Generic(Family):
             'Reply with one JSON object: {"tool_calls": [{"name": <tool name>, "arguments": <arguments object>}]} to call'
             ' tools, or {"response": <your reply, a string>} to answer the user.'
         )
-
-
-def family_named(key: str) -> Family:
-    """The family whose `key` this is (what a client reading direct replies gets from the router). KeyError if none."""
-    made: dict[str, Callable[[], Family]] = {
-        "hermes": Hermes,
-        "llama3": Llama3,
-        "mistral": Mistral,
-        "mistral-args": lambda: MistralArgs(call_ids=False),
-        "mistral-args+ids": lambda: MistralArgs(call_ids=True),
-        "gemma": lambda: Gemma("gemma", "<|tool_call>", "<tool_call|>", '<|"|>'),
-        "functiongemma": lambda: Gemma("functiongemma", "<start_function_call>", "<end_function_call>", "<escape>"),
-        "generic": Generic,
-    }
-    return made[key]()
-
-
-def detect(source: str) -> Family:
-    """The tool-call family of a chat template, from the markers in its source."""
-    if "[TOOL_CALLS]" in source:
-        if "[ARGS]" in source:
-            return MistralArgs(call_ids="[CALL_ID]" in source)
-        return Mistral()
-    if "<|tool_call>call:" in source:
-        return family_named("gemma")
-    if "<start_function_call>" in source:
-        return family_named("functiongemma")
-    if "<tool_call>" in source and "<function=" not in source:  # (Qwen3-Coder's XML calls are another syntax)
-        return Hermes()
-    if "<|start_header_id|>" in source and ("ipython" in source or '"parameters"' in source):
-        return Llama3()
-    return Generic()

@@ -117,8 +117,8 @@ def constraint(
         lark = "start: calls | response\n" + calls + _response_rules(body)
     elif body:
         lark = "start: calls | body\n" + calls + body
-    else:  # lazy: free text until the family's trigger, then a tool-call section
-        lark = "start: calls\n" + calls
+    else:  # lazy: free text until the family's trigger, then a tool-call section (from the trigger on)
+        lark = "start: calls\n" + family.calls_rules(chosen_tools(tools, choice), parallel and not single, lazy=True)
         check(lark, "tools")
         return Constraint(grammar=lark, triggers=list(family.triggers), at_start=family.at_start)
     check(lark, "tools")

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 
 from chat.calls import Call, Head
-from chat.families import Family, Generic, family_named
+from chat.families import Family, Generic
 from protocol import ReplyFormat, ToolCallDelta
 
 GENERIC_CALLS, GENERIC_RESPONSE = '{"tool_calls": [', '{"response": "'
@@ -64,6 +64,7 @@ class OutputSpec:
     tool_names: frozenset[str] = frozenset()
     reasoning: tuple[str, str] | None = None
     in_reasoning: bool = False  # the prompt ended inside an open reasoning tag
+    strings: dict[str, frozenset[str]] = field(default_factory=dict)  # each tool's string parameters (tagged syntaxes)
 
     def parser(self) -> OutputParser:
         return OutputParser(self)
@@ -75,11 +76,14 @@ class OutputSpec:
             tool_names=sorted(self.tool_names),
             reasoning=list(self.reasoning or ()),
             in_reasoning=self.in_reasoning,
+            string_args=sorted([tool, param] for tool, params in self.strings.items() for param in params),
         )
 
     @staticmethod
     def from_wire(fmt: ReplyFormat) -> OutputSpec:
         """The spec of a `placed` message's format. ValueError when it names what this side does not know."""
+        from chat.derive import family_named  # (derive reads replies with this module to check what it derives)
+
         try:
             family = family_named(fmt.family) if fmt.family else None
         except KeyError:
@@ -87,7 +91,13 @@ class OutputSpec:
         if fmt.reasoning and len(fmt.reasoning) != 2:
             raise ValueError(f"reasoning must be [open, close], got {fmt.reasoning!r}")
         reasoning = (fmt.reasoning[0], fmt.reasoning[1]) if fmt.reasoning else None
-        return OutputSpec(family, frozenset(fmt.tool_names), reasoning, fmt.in_reasoning)
+        strings: dict[str, set[str]] = {}
+        for pair in fmt.string_args:
+            if len(pair) != 2:
+                raise ValueError(f"string_args items are [tool, parameter], got {pair!r}")
+            strings.setdefault(pair[0], set()).add(pair[1])
+        frozen = {tool: frozenset(params) for tool, params in strings.items()}
+        return OutputSpec(family, frozenset(fmt.tool_names), reasoning, fmt.in_reasoning, frozen)
 
 
 class Mode(enum.Enum):
@@ -270,7 +280,7 @@ class OutputParser:
         while self.section_end is None:
             call = self.open
             if call is None:
-                head = f.head(buf, self.section_used, self.section_calls)
+                head = f.head(buf, self.section_used, self.section_calls, self.spec.strings)
                 if head is None:  # undecided: at the end, the section ends here
                     if final:
                         self.section_end = self.section_used

@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from chat.families import Family, Generic, detect
+from chat.derive import derive_reasoning, detect
+from chat.families import Family, Generic
 from chat.grammar import ChatError, constraint
 from chat.output import OutputSpec, reasoning_tags
 from chat.template import ChatTemplate, RawJSON
@@ -31,8 +32,8 @@ class ChatFormat:
 
     def __init__(self, template: ChatTemplate) -> None:
         self.template = template
-        self.family: Family = detect(template.source)
-        self.reasoning = reasoning_tags(template.source)
+        self.family: Family = detect(template)
+        self.reasoning = derive_reasoning(template, self.family.triggers) or reasoning_tags(template.source)
 
     @property
     def name(self) -> str:
@@ -57,6 +58,7 @@ class ChatFormat:
             tool_names=frozenset(t.name for t in tools) if use_tools else frozenset(),
             reasoning=self.reasoning,
             in_reasoning=in_reasoning,
+            strings={t.name: string_params(t) for t in tools} if use_tools else {},
         )
         return Prepared(text, add_bos, limit, spec)
 
@@ -64,6 +66,12 @@ class ChatFormat:
 def prompt_constraint(sub: Submit) -> Constraint | None:
     """For a prompt (not chat): the constraint of `response_format` or `grammar`."""
     return constraint(None, None, "auto", True, sub.response_format, sub.grammar)
+
+
+def string_params(tool: Tool) -> frozenset[str]:
+    """The parameters the tool's schema says are strings (a tagged syntax writes their values raw)."""
+    props = (tool.parameters or {}).get("properties") or {}
+    return frozenset(k for k, v in props.items() if isinstance(v, dict) and v.get("type") == "string")
 
 
 def tool_json(tool: Tool) -> dict[str, Any]:
