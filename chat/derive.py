@@ -109,7 +109,12 @@ class Probe:
         if END_MARK.fullmatch(mark) and mark in text:  # (the turn's end: the model stops there, whatever comes after)
             return text[: text.index(mark)]
         cut = lcs(text, self.end)
-        return text[: len(text) - cut] if cut else text
+        if not cut:
+            return text
+        text = text[: len(text) - cut]
+        if text.rfind("<") > text.rfind(">"):  # (the shared end cut a marker: `<|call|>` and `<|return|>` share `|>`)
+            text = text[: text.rfind("<")]
+        return text
 
 
 def turn(calls: list[tuple[str, dict[str, Any]]], content: str = "") -> dict[str, Any]:
@@ -540,7 +545,11 @@ def detect(template: ChatTemplate) -> Family:
 
 def hand_families(source: str) -> list[Family]:
     """The families written by hand whose markers the template source has."""
+    from chat.harmony import Harmony
+
     out: list[Family] = []
+    if all(m in source for m in ("<|channel|>", "<|message|>", "<|call|>", "functions.")):
+        out.append(Harmony())
     if "[TOOL_CALLS]" in source:
         out.append(MistralArgs(call_ids="[CALL_ID]" in source) if "[ARGS]" in source else Mistral())
     if "<|tool_call>call:" in source:
@@ -561,6 +570,8 @@ def reads_back(probe: Probe, family: Family) -> bool:
         text = probe.reply(turn(calls))
         if text is None:
             continue  # (Llama 3 takes one call per turn)
+        if any(n not in text for n, _ in calls[1:]):
+            calls = calls[:1]  # (a template that writes the first call of a turn only: gpt-oss)
         parser = check_spec(family, calls).parser()
         parser.feed(text)
         parser.finish()
@@ -586,5 +597,12 @@ def family_named(key: str) -> Family:
         "gemma": lambda: Gemma("gemma", "<|tool_call>", "<tool_call|>", '<|"|>'),
         "functiongemma": lambda: Gemma("functiongemma", "<start_function_call>", "<end_function_call>", "<escape>"),
         "generic": Generic,
+        "harmony": _harmony,
     }
     return made[key]()
+
+
+def _harmony() -> Family:
+    from chat.harmony import Harmony
+
+    return Harmony()

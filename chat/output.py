@@ -67,6 +67,10 @@ class OutputSpec:
     strings: dict[str, frozenset[str]] = field(default_factory=dict)  # each tool's string parameters (tagged syntaxes)
 
     def parser(self) -> OutputParser:
+        if self.family is not None and self.family.name == "harmony":
+            from chat.harmony import HarmonyParser  # (gpt-oss's messages on channels: a reader of their own)
+
+            return HarmonyParser(self)
         return OutputParser(self)
 
     def wire(self) -> ReplyFormat:
@@ -110,7 +114,7 @@ class Mode(enum.Enum):
     TEXT = "text"  # plain reply text to the end
 
 
-def _partial_suffix(text: str, marks: tuple[str, ...]) -> int:
+def partial_suffix(text: str, marks: tuple[str, ...]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `marks`."""
     best = 0
     for m in marks:
@@ -237,7 +241,7 @@ class OutputParser:
             self.mode = self._after_reasoning()
             self.lead = True  # the reply starts after the newlines that follow the tag (templates write their own)
             return True
-        keep = 0 if final else _partial_suffix(self.buf, (close,))
+        keep = 0 if final else partial_suffix(self.buf, (close,))
         self._reason(out, self.buf[: len(self.buf) - keep])
         self.buf = self.buf[len(self.buf) - keep :]
         return False
@@ -252,7 +256,7 @@ class OutputParser:
             self.buf = self.buf[at:]
             self.mode = Mode.CALLS
             return True
-        keep = 0 if final else _partial_suffix(self.buf, triggers)
+        keep = 0 if final else partial_suffix(self.buf, triggers)
         self._text(out, self.buf[: len(self.buf) - keep])
         self.buf = self.buf[len(self.buf) - keep :]
         return False

@@ -14,6 +14,8 @@ from typing import Any
 from chat.derive import derive_reasoning, detect
 from chat.families import Family, Generic
 from chat.grammar import ChatError, constraint
+from chat.harmony import CLOSE as HARMONY_CLOSE
+from chat.harmony import OPEN as HARMONY_OPEN
 from chat.output import OutputSpec, reasoning_tags
 from chat.template import ChatTemplate, RawJSON
 from protocol import ChatMessage, Constraint, Submit, Tool
@@ -33,7 +35,12 @@ class ChatFormat:
     def __init__(self, template: ChatTemplate) -> None:
         self.template = template
         self.family: Family = detect(template)
-        self.reasoning = derive_reasoning(template, self.family.triggers) or reasoning_tags(template.source)
+        if self.family.name == "harmony":  # (its thinking is a channel: chat/harmony.py reads it)
+            self.reasoning: tuple[str, str] | None = (HARMONY_OPEN, HARMONY_CLOSE)
+        else:
+            self.reasoning = derive_reasoning(template, self.family.triggers) or reasoning_tags(template.source)
+        # a template that reads past thinking as `thinking` (gpt-oss) gets reasoning_content there too
+        self.thinking_field = "message.thinking" in template.source
 
     @property
     def name(self) -> str:
@@ -45,6 +52,8 @@ class ChatFormat:
         tools = sub.tools or []
         use_tools = bool(tools) and sub.tool_choice != "none"
         messages = template_messages(sub.messages)
+        if self.thinking_field:
+            messages = [{**m, "thinking": m["reasoning_content"]} if "reasoning_content" in m else m for m in messages]
         oai_tools = [tool_json(t) for t in tools] if tools else None
         if isinstance(self.family, Generic):
             messages = polyfill(messages, oai_tools)

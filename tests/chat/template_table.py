@@ -88,7 +88,7 @@ def row(name: str) -> Row:
         calls = calls[:1]
         text = model_text(probe, first.text, turn(calls), first.output)
     if text is not None and NAMES[0] in text:
-        parser = OutputParser(first.output)
+        parser = first.output.parser()
         pieces = [d for ch in text for d in parser.feed(ch).calls] + parser.finish().calls
         got = parser.tool_calls
         ok = [(c.name, _loads(c.arguments)) for c in got] == calls
@@ -100,12 +100,14 @@ def row(name: str) -> Row:
 
     thinking = fmt.prepare(Submit(messages=user, tools=TOOLS, chat_template_kwargs=THINKING))  # (switched on)
     thought = {"role": "assistant", "content": CONTENT, "reasoning_content": REASONING}
+    if fmt.thinking_field:  # (gpt-oss reads past thinking as `thinking`, as ChatFormat gives it)
+        thought["thinking"] = REASONING
     plain = model_text(probe, thinking.text, thought, thinking.output, THINKING)
     with_call = model_text(probe, thinking.text, {**turn(calls[:1], CONTENT), "reasoning_content": REASONING},
                            thinking.output, THINKING)  # fmt: skip
     said = next((t for t in (plain, with_call) if t is not None and REASONING in t), None)
     if said is not None:
-        parser = OutputParser(thinking.output)
+        parser = thinking.output.parser()
         parser.feed(said)
         parser.finish()
         ok = (parser.reasoning_text or "").strip() == REASONING and (CONTENT in parser.text or bool(parser.tool_calls))

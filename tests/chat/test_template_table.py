@@ -18,6 +18,7 @@ MUST = {  # the families issue 47 names, and what they must do
     "NVIDIA-Nemotron-3-Nano-30B-A3B-BF16": ("read", "read"),
     "unsloth-mistral-Devstral-Small-2507": ("read", "-"),
     "ByteDance-Seed-OSS": ("read", "read"),
+    "openai-gpt-oss-120b": ("read", "read"),
 }
 
 
