@@ -246,7 +246,7 @@ def chat_submit(raw: dict[str, Any], request_id: str, policy: Policy | None = No
         parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
         response_format=_response_format(body),
         grammar=body.grammar,
-        chat_template_kwargs=body.chat_template_kwargs or {},
+        chat_template_kwargs=thinking_kwargs(body.chat_template_kwargs, body.reasoning_effort),
         n=body.n or 1,
         cache_salt=body.cache_salt,
     )
@@ -414,6 +414,17 @@ def chat_delta(d: Delta, logprobs: bool) -> dict[str, Any] | None:
     if not delta and not (logprobs and d.logprobs):
         return None
     return {"index": d.index, "delta": delta, "logprobs": chat_logprobs(d.logprobs) if logprobs else None, "finish_reason": None}
+
+
+def thinking_kwargs(kwargs: dict[str, Any] | None, effort: str | None) -> dict[str, Any]:
+    """The template's variables with what an effort asks for (`chat_template_kwargs` win): `reasoning_effort` (gpt-oss
+    reads it), and `enable_thinking` off for "none" (Qwen 3, GLM, ... read that)."""
+    out = dict(kwargs or {})
+    if effort is not None:
+        if effort != "none":
+            out.setdefault("reasoning_effort", effort)
+        out.setdefault("enable_thinking", effort != "none")
+    return out
 
 
 def call_chunk(c: ToolCallDelta) -> dict[str, Any]:
