@@ -449,6 +449,21 @@ def derive_reasoning(template: ChatTemplate, triggers: tuple[str, ...] = ()) -> 
     return None
 
 
+def empty_thinking_block(template: ChatTemplate, tags: tuple[str, str] | None) -> str:
+    """The empty thinking block the template writes before a plain reply (`<think></think>`), when the reply (not
+    the prompt) opens it; "" for none."""
+    if tags is None:
+        return ""
+    try:
+        pre = Probe(template).pre
+    except Exception:
+        return ""
+    block = pre.strip(WS)
+    if block.startswith(tags[0]) and block.endswith(tags[1]) and not block[len(tags[0]) : -len(tags[1])].strip(WS):
+        return pre.lstrip(WS) if pre.lstrip(WS).startswith(tags[0]) else block
+    return ""
+
+
 def _reads_back(full: str, gen: str, tags: tuple[str, str]) -> bool:
     """The thinking of the rendered turn is read back from the text the model writes after the prompt."""
     from chat.output import OutputSpec

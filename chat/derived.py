@@ -228,25 +228,42 @@ def slotted(piece: str) -> str:
     return " ".join(parts) or '""'
 
 
+MAX_INDEXED_CALLS = 8  # a syntax that numbers its calls writes at most this many in one turn under a grammar
+
+
 def grammar_rules(s: Syntax, tools: list[Tool], parallel: bool, lazy: bool) -> str:
     """Lark rules defining `calls` (the whole section) for these tools. `lazy`: the section starts at its trigger
-    (the leading whitespace of section_open is the model's free text)."""
+    (the leading whitespace of section_open is the model's free text). A syntax that numbers its calls (`{index}`)
+    gets each call's own number written out, as the template writes it back."""
     opening = s.section_open.lstrip(WS) if lazy else s.section_open
-    head = f"calls: {slotted(opening)} call"
-    head += f" ({slotted(s.call_sep)} call)*" if parallel and not s.single else ""
-    rules = [head + f" {slotted(s.section_close)}\n"]
-    alts = []
+    many = parallel and not s.single
+    pieces = (s.call_open, s.name_close, s.call_close)
+    indexed = any("{index}" in p for p in pieces)
+    rules, args = [], []
     for i, tool in enumerate(tools):
-        call = f"{slotted(s.call_open)} {lit(tool.name)} {slotted(s.name_close)} args{i} {slotted(s.call_close)}"
-        alts.append(call)
         schema = dict(tool.parameters) if tool.parameters else {"type": "object", "properties": {}}
         schema.setdefault("type", "object")
         if s.tagged:
             rules.append(tagged_rule(s, f"args{i}", schema))
         else:
             rules.append(f"args{i}: %json {json.dumps(for_grammar(schema), ensure_ascii=False)}\n")
-    rules.insert(1, "call: " + "\n  | ".join(alts) + "\n")
-    return "".join(rules)
+        args.append((tool.name, f"args{i}"))
+    counts = range(MAX_INDEXED_CALLS if many else 1) if indexed else [None]
+    for k in counts:
+
+        def piece(text: str, k: int | None = k) -> str:
+            return slotted(text if k is None else text.replace("{index}", str(k + s.index_base)))
+
+        alts = [f"{piece(s.call_open)} {lit(name)} {piece(s.name_close)} {rule} {piece(s.call_close)}" for name, rule in args]
+        rules.append(f"call{'' if k is None else k}: " + "\n  | ".join(alts) + "\n")
+    if indexed:  # calls: call0 (sep call1 (sep call2 ...)?)?
+        chain = ""
+        for k in reversed(counts):
+            chain = f"call{k}" + (f" ({slotted(s.call_sep)} {chain})?" if chain else "")
+        body = chain
+    else:
+        body = "call" + (f" ({slotted(s.call_sep)} call)*" if many else "")
+    return f"calls: {slotted(opening)} {body} {slotted(s.section_close)}\n" + "".join(rules)
 
 
 def tagged_rule(s: Syntax, name: str, schema: dict[str, Any]) -> str:
@@ -261,7 +278,12 @@ def tagged_rule(s: Syntax, name: str, schema: dict[str, Any]) -> str:
     for j, (key, sub) in enumerate(props.items()):
         kind = sub.get("type") if isinstance(sub, dict) and isinstance(sub.get("type"), str) else None
         vname = f"{name}_{j}"
-        if kind == "string" or (kind is None and not isinstance(sub, dict)):
+        choices = sub.get("enum") if isinstance(sub, dict) else None
+        if (kind == "string" or kind is None) and isinstance(choices, list) and all(isinstance(c, str) for c in choices):
+            closer = s.key_close["string"]  # (the values written raw, one of them)
+            rules.append(f"{vname}: " + " | ".join(lit(c) for c in choices) + "\n")
+            value = f"{vname} {lit(s.value_close)}"
+        elif kind == "string" or (kind is None and not isinstance(sub, dict)):
             closer = s.key_close["string"]
             rules.append(f"{vname}[suffix={lit(s.value_close)}]: /(?s:.*)/\n")
             value = vname

@@ -33,7 +33,7 @@ class Harmony(Family):
     def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
         """One call, as the template writes it back (the prompt ends with `<|start|>assistant`)."""
         rules = 'calls: " to=functions." fn\n'
-        return rules + self._named(tools, '"{name}" <|channel|> "commentary json" <|message|> {args}')
+        return rules + self._named(tools, '"{name}<|channel|>commentary json<|message|>" {args}')
 
     def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
         return i  # (read by HarmonyParser, not through the section machinery)

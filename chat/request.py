@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from chat.derive import derive_reasoning, detect
+from chat.derive import derive_reasoning, detect, empty_thinking_block
 from chat.families import Family, Generic
 from chat.grammar import ChatError, constraint
 from chat.harmony import CLOSE as HARMONY_CLOSE
@@ -41,6 +41,9 @@ class ChatFormat:
             self.reasoning = derive_reasoning(template, self.family.triggers) or reasoning_tags(template.source)
         # a template that reads past thinking as `thinking` (gpt-oss) gets reasoning_content there too
         self.thinking_field = "message.thinking" in template.source
+        # the empty thinking block the template writes before a reply without thinking, where the model opens its
+        # thinking itself (Kimi K2 Thinking's `<think></think>`): a forced call writes it too, or thinks first
+        self.empty_thinking = empty_thinking_block(template, self.reasoning)
 
     @property
     def name(self) -> str:
@@ -60,8 +63,16 @@ class ChatFormat:
             oai_tools = None
         text, add_bos = self.template.render(messages, oai_tools, kwargs=sub.chat_template_kwargs)
         fam = self.family if tools else None
-        limit = constraint(fam, tools, sub.tool_choice, sub.parallel_tool_calls, sub.response_format, sub.grammar)
         in_reasoning = bool(self.reasoning) and text.rstrip().endswith(self.reasoning[0]) if self.reasoning else False
+        close = self.reasoning[1] if self.reasoning and in_reasoning else None
+        budget = sub.chat_template_kwargs.get("thinking_budget")  # (Seed-OSS's name; 0: no thinking before a forced call)
+        budget = budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else None
+        block = None
+        if self.reasoning and self.empty_thinking and not in_reasoning and not text.rstrip().endswith(self.reasoning[1]):
+            block = (self.reasoning[0], self.reasoning[1], self.empty_thinking)
+        limit = constraint(
+            fam, tools, sub.tool_choice, sub.parallel_tool_calls, sub.response_format, sub.grammar, close, budget, block
+        )
         spec = OutputSpec(
             family=self.family if (use_tools or (tools and isinstance(self.family, Generic))) else None,
             tool_names=frozenset(t.name for t in tools) if use_tools else frozenset(),

@@ -43,6 +43,8 @@ class Prepared:
     constraint: Constraint | None
     output: OutputSpec
     shift: Shift | None = None  # set when --context-shift had to shorten the messages
+    text: str = ""  # a chat prompt's rendered text (its reply is remembered with it: router/prompt_tokens.py)
+    add_bos: bool = False
 
 
 TokenizeFn = Callable[[str, bool], np.ndarray]
@@ -94,7 +96,7 @@ def _chat(msg: Submit, chat: ChatFormat, tokenize: TokenizeFn, ctx: int | None) 
     p = chat.prepare(msg)
     tokens = tokenize(p.text, p.add_bos)
     if ctx is None or fits(len(tokens), msg.sampling.max_tokens, ctx):
-        return Prepared(tokens, p.constraint, p.output)
+        return Prepared(tokens, p.constraint, p.output, text=p.text, add_bos=p.add_bos)
     return _shift(msg, chat, tokenize, ctx, Prepared(tokens, p.constraint, p.output, Shift(0, 0)))
 
 

@@ -77,6 +77,8 @@ class Req:
     queue_ms: float = 0.0
     constraint: Constraint | None = None
     output: OutputSpec = field(default_factory=OutputSpec)
+    prompt_text: str = ""  # a chat prompt's text, whose reply the prompt tokenizer remembers (add_bos with it)
+    prompt_bos: bool = False
     index: int = 0  # which choice, when the client asked for n > 1
     group: list[Req] | None = None  # every choice of the request when n > 1 (one list, shared by all of them)
     choice: Choice | None = None  # this choice's reply, kept until every choice of the request has one
