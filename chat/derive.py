@@ -412,7 +412,7 @@ def same_calls(got: list[Any], calls: list[tuple[str, dict[str, Any]]]) -> bool:
 
 # ---- thinking tags -------------------------------------------------------------------------------------------------
 
-THINKING_ON: list[dict[str, Any]] = [{}, {"enable_thinking": True, "thinking": True}]
+THINKING_ON: list[dict[str, Any]] = [{}, {"enable_thinking": True, "thinking": True, "reasoning_effort": "high"}]
 
 
 def derive_reasoning(template: ChatTemplate, triggers: tuple[str, ...] = ()) -> tuple[str, str] | None:
@@ -496,7 +496,9 @@ def _tags_around(full: str, gen: str, triggers: tuple[str, ...]) -> tuple[str, s
         return head[head.rindex(opened) :], close  # (`<|channel>thought`: the open tag and what follows it)
     if written:
         return written, close
-    opened = _prompt_tag(gen) or (head.splitlines()[-1].strip(WS) if head.splitlines() else "")
+    if gen.startswith(before) and gen[len(before) :].strip(WS):  # (the prompt opens it: Apriel's "Here are my ...")
+        return gen[len(before) :].strip(WS), close
+    opened = _prompt_tag(gen)
     return (opened, close) if opened else None
 
 

@@ -8,6 +8,7 @@ arguments are JSON objects. A problem is a ChatError naming the field (`messages
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +18,10 @@ from chat.grammar import ChatError, constraint
 from chat.harmony import CLOSE as HARMONY_CLOSE
 from chat.harmony import OPEN as HARMONY_OPEN
 from chat.output import OutputSpec, reasoning_tags
-from chat.template import ChatTemplate, RawJSON
+from chat.template import ChatTemplate, RawJSON, TemplateError
 from protocol import ChatMessage, Constraint, Submit, Tool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,21 @@ class ChatFormat:
     def name(self) -> str:
         return self.template.name
 
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
+    ) -> tuple[str, bool]:
+        """The template's text. A template that refuses the `reasoning_effort` an API's effort became (Hy3 takes
+        high, low and no_think; Codex sends medium) renders without it rather than failing the request."""
+        try:
+            return self.template.render(messages, tools, kwargs=kwargs)
+        except TemplateError:
+            if "reasoning_effort" not in kwargs:
+                raise
+            others = {k: v for k, v in kwargs.items() if k != "reasoning_effort"}
+            text = self.template.render(messages, tools, kwargs=others)
+            log.info("reasoning_effort %r refused by template %s: rendered without it", kwargs["reasoning_effort"], self.name)
+            return text
+
     def prepare(self, sub: Submit) -> Prepared:
         """Render `sub.messages` with its tools; the constraint and output spec its fields ask for."""
         assert sub.messages is not None
@@ -61,7 +79,7 @@ class ChatFormat:
         if isinstance(self.family, Generic):
             messages = polyfill(messages, oai_tools)
             oai_tools = None
-        text, add_bos = self.template.render(messages, oai_tools, kwargs=sub.chat_template_kwargs)
+        text, add_bos = self.render(messages, oai_tools, sub.chat_template_kwargs)
         fam = self.family if tools else None
         in_reasoning = bool(self.reasoning) and text.rstrip().endswith(self.reasoning[0]) if self.reasoning else False
         close = self.reasoning[1] if self.reasoning and in_reasoning else None

@@ -27,7 +27,7 @@ from chat.template import ChatTemplate  # noqa: E402
 from protocol import ChatMessage, Submit, Tool, ToolCall  # noqa: E402
 
 TEMPLATES = ROOT / "tests" / "fixtures" / "templates"
-THINKING = {"enable_thinking": True, "thinking": True}  # the switches templates read (Qwen 3, GLM, DeepSeek V3.1 ...)
+THINKING = {"enable_thinking": True, "thinking": True, "reasoning_effort": "high"}  # (Qwen 3, GLM, DeepSeek V3.1, Hy3)
 TOOL_ARGS = [{"path": "a.py", "content": "print('hi')\nprint(2)", "lines": 2}, {"query": "kv cache"}]
 TOOLS = [
     Tool(name=NAMES[0], parameters={"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"},
