@@ -29,10 +29,13 @@ HEADER_MAX = 200  # a header longer than this is no header (a model that does no
 
 class Harmony(Family):
     name = "harmony"
+    triggers = ("to=functions.",)  # (auto: free text, thinking included, until a message to a function begins)
 
     def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
-        """One call, as the template writes it back (the prompt ends with `<|start|>assistant`)."""
-        rules = 'calls: " to=functions." fn\n'
+        """One call, as the template writes it back (the prompt ends with `<|start|>assistant`; lazily, from the
+        recipient on, after the model's own `<|start|>assistant`)."""
+        head = '"to=functions."' if lazy else '" to=functions."'
+        rules = f"calls: {head} fn\n"
         return rules + self._named(tools, '"{name}<|channel|>commentary json<|message|>" {args}')
 
     def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:

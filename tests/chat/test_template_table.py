@@ -30,3 +30,17 @@ def test_the_table_is_current_and_every_template_renders() -> None:
     for name, (calls, reasoning) in MUST.items():
         r = by_name[name]
         assert (r.calls, r.reasoning, r.streamed) == (calls, reasoning, "yes"), r
+
+
+def test_auto_waits_for_each_familys_trigger() -> None:
+    """tool_choice auto leaves the reply free until the family's trigger (a grammar from the first token would force a
+    call on every reply); the generic family's document is the one reply shape constrained from the start."""
+    from protocol import ChatMessage, Submit
+
+    for name in tt.names():
+        fmt = tt.ChatFormat(tt.template(name))
+        if fmt.family.name == "generic":
+            continue
+        sub = Submit(messages=[ChatMessage(role="user", content="hi")], tools=tt.TOOLS)
+        limit = fmt.prepare(sub).constraint
+        assert limit is not None and limit.triggers and all(limit.triggers), (name, fmt.family.key[:80])
