@@ -1,9 +1,10 @@
 """Tool-call syntaxes of the model families people run locally, detected from the chat template.
 
 Each family knows three things about its syntax: the text that opens a tool-call section (its trigger), a grammar
-(llguidance Lark) for that section built from the request's tools, and how to take complete calls out of the
-model's text. The grammars write the section exactly as the family's template renders an assistant message's
-`tool_calls`, so a call the model made renders back to the same text when the agent sends it in the history.
+(llguidance Lark) for that section built from the request's tools, and how to read calls out of the model's text
+while they are written (`head`, an arguments reader from chat/calls.py, `tail`). The grammars write the section
+exactly as the family's template renders an assistant message's `tool_calls`, so a call the model made renders back
+to the same text when the agent sends it in the history.
 
 | family | syntax (one call) | templates |
 | --- | --- | --- |
@@ -25,23 +26,17 @@ from __future__ import annotations
 import json
 import secrets
 import string
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Literal
 
-from chat.gemma_args import gemma_grammar, parse_gemma_args
+from chat.calls import Call, Head, JsonArgs, Pattern, WholeArgs, call_from_object, decode_at, match_literal, skip_ws
+from chat.gemma_args import GemmaArgs, gemma_grammar
 from chat.schema import for_grammar
 from protocol import Tool
 
 ALNUM = string.ascii_letters + string.digits
-_decoder = json.JSONDecoder()
-
-
-@dataclass(frozen=True)
-class Call:
-    name: str
-    arguments: str  # the JSON object, as the model wrote it
-    id: str | None = None  # where the syntax carries one
+EMPTY: Mapping[str, frozenset[str]] = {}
+__all__ = ["Call", "Family", "Generic"]
 
 
 def lit(text: str) -> str:
@@ -60,65 +55,21 @@ def json_args_rule(name: str, tool: Tool) -> str:
     return f"{name}: %json {json.dumps(object_schema(tool), ensure_ascii=False)}\n"
 
 
-def decode_at(text: str, i: int) -> tuple[Any, int]:
-    """The JSON value starting at text[i] (leading whitespace skipped) and the index after it; ValueError if none."""
-    while i < len(text) and text[i] in " \t\r\n":
-        i += 1
-    return _decoder.raw_decode(text, i)
-
-
-def object_members(text: str, i: int) -> tuple[dict[str, str], int]:
-    """The members of the JSON object at text[i] as raw value texts (exactly as written), and the index after it."""
-    value, end = decode_at(text, i)
-    if not isinstance(value, dict):
-        raise ValueError("not an object")
-    raw: dict[str, str] = {}
-    j = text.index("{", i) + 1
-    for _ in value:
-        key, j = decode_at(text, j)
-        j = text.index(":", j) + 1
-        while text[j] in " \t\r\n":
-            j += 1
-        _, k = _decoder.raw_decode(text, j)
-        raw[key] = text[j:k]
-        j = k
-        while text[j] in " \t\r\n,":
-            j += 1
-    return raw, end
-
-
-def arguments_text(raw: str | None) -> str | None:
-    """An arguments value as the text of a JSON object: an object as written, or a string that holds one."""
-    if raw is None:
-        return None
-    value = json.loads(raw)
-    if isinstance(value, dict):
-        return raw
-    if isinstance(value, str):
-        inner = json.loads(value)
-        return value if isinstance(inner, dict) else None
-    return None
-
-
-def call_from_object(text: str, i: int, args_key: str = "arguments") -> tuple[Call, int]:
-    """A `{"name": ..., "arguments": {...}}` object at text[i]. Raises ValueError when it is not one."""
-    members, end = object_members(text, i)
-    name = json.loads(members["name"]) if "name" in members else None
-    args = arguments_text(members.get(args_key, members.get("arguments", members.get("parameters"))))
-    if not isinstance(name, str) or args is None:
-        raise ValueError("not a call object")
-    call_id = json.loads(members["id"]) if "id" in members else None
-    return Call(name, args, call_id if isinstance(call_id, str) else None), end
-
-
-def skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i] in " \t\r\n":
-        i += 1
-    return i
+def head_of(pattern: Pattern, section: str, i: int) -> Head | Literal[False] | None:
+    """A head whose arguments are a JSON object right after `pattern`; None while undecided, False if not one."""
+    got = pattern.match(section, i)
+    if got is None or got is False:
+        return got
+    slots, at = got
+    return Head(slots["name"], JsonArgs(at), slots.get("id"))
 
 
 class Family:
-    """A tool-call syntax. Subclasses set the class attributes and implement `calls_rules` and `split`."""
+    """A tool-call syntax. Subclasses set the class attributes and implement `calls_rules`, `head` and `tail`.
+
+    Reading: the parser (chat/output.py) gives the tool-call section (the text from the trigger on) to `head` at
+    the start of each call; the head's reader follows the arguments; `tail` reads what closes the call. So a call
+    is given out while it is written: its name as soon as the head is read, its arguments as they come."""
 
     name = "base"
     triggers: tuple[str, ...] = ()
@@ -137,14 +88,20 @@ class Family:
             return "".join(secrets.choice(self.id_alphabet) for _ in range(self.id_length))
         return "call_" + secrets.token_hex(12)
 
-    def calls_rules(self, tools: list[Tool], parallel: bool) -> str:
-        """Lark rules defining `calls`: the whole tool-call section, trigger included."""
+    def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
+        """Lark rules defining `calls`: the whole tool-call section, trigger included (`lazy`: from the trigger on)."""
         raise NotImplementedError
 
-    def split(self, section: str) -> list[tuple[Call, int]]:
-        """The complete calls at the start of `section` (which starts with a trigger), each with the index after it
-        and its separators; none while the first call is incomplete or the text is no call at all."""
+    def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
+        """The head of call `k` (0: the section's first) at section[i] (after the previous call's tail): a Head; an
+        index when no call follows (the section's closing text ends there, and the rest is reply text); None while
+        the text could still become either. `strings`: each tool's parameters that its schema says are strings."""
         raise NotImplementedError
+
+    def tail(self, section: str, i: int) -> int | None:
+        """The index after the closing text of a call whose arguments end at section[i]; None while incomplete. A
+        tail that is not the syntax's ends the call where its arguments end (the section ends there too)."""
+        return i
 
     def _named(self, tools: list[Tool], fmt: str) -> str:
         """`fn` alternatives, one per tool: `fmt` with {name} (the name, inside a Lark literal) and {args}."""
@@ -155,83 +112,98 @@ class Family:
         return "fn: " + "\n  | ".join(alts) + "\n" + "".join(rules)
 
 
+def closing(section: str, i: int, text: str) -> int | None:
+    """The index after `text` (whitespace flexible) at section[i]; None while it may still come; `i` if it does not."""
+    got = match_literal(section, i, text)
+    if got is None:
+        return None
+    return i if got is False else got
+
+
 class Hermes(Family):
     name = "hermes"
     triggers = ("<tool_call>",)
+    HEAD = Pattern('<tool_call>\n{"name": "{name}", "arguments": ')
 
-    def calls_rules(self, tools: list[Tool], parallel: bool) -> str:
+    def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
         head = 'calls: call ("\\n" call)*\n' if parallel else "calls: call\n"
         call = 'call: "<tool_call>\\n{\\"name\\": \\"" fn "}\\n</tool_call>"\n'
         return head + call + self._named(tools, '"{name}\\", \\"arguments\\": " {args}')
 
-    def split(self, section: str) -> list[tuple[Call, int]]:
-        calls: list[tuple[Call, int]] = []
-        i = 0
-        while True:
-            i = skip_ws(section, i)
-            if not section.startswith("<tool_call>", i):
-                return calls
-            close = section.find("</tool_call>", i)
-            if close < 0:
-                return calls
-            body = section[i + len("<tool_call>") : close]
-            try:
-                call, after = call_from_object(body, 0)
-            except (ValueError, KeyError, IndexError):
-                return calls
-            if body[after:].strip():
-                return calls
-            i = close + len("</tool_call>")
-            calls.append((call, i))
+    def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
+        got = head_of(self.HEAD, section, i)
+        if got is not False:
+            return got
+        # another shape of the object (its members in another order): read once the call is complete
+        j = skip_ws(section, i)
+        if not section.startswith("<tool_call>", j):
+            return None if "<tool_call>".startswith(section[j:]) else i
+        close = section.find("</tool_call>", j)
+        if close < 0:
+            return None
+        body = section[j + len("<tool_call>") : close]
+        try:
+            call, after = call_from_object(body, 0)
+        except (ValueError, KeyError, IndexError):
+            return i
+        if body[after:].strip():
+            return i
+        end = close + len("</tool_call>")
+        return Head(call.name, WholeArgs(j, call.arguments, end), whole=True)
+
+    def tail(self, section: str, i: int) -> int | None:
+        return closing(section, i, "}\n</tool_call>")
 
 
 class Llama3(Family):
     name = "llama3"
     triggers = ('{"name": "',)
     at_start = True
+    HEAD = Pattern('{"name": "{name}", "parameters": ')
+    HEAD_ARGS = Pattern('{"name": "{name}", "arguments": ')
 
-    def calls_rules(self, tools: list[Tool], parallel: bool) -> str:
+    def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
         # the template takes one call per message (it raises on more)
         return 'calls: "{\\"name\\": \\"" fn "}"\n' + self._named(tools, '"{name}\\", \\"parameters\\": " {args}')
 
-    def split(self, section: str) -> list[tuple[Call, int]]:
-        try:
-            return [call_from_object(section, 0, "parameters")]
-        except (ValueError, KeyError, IndexError):
-            return []
+    def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
+        if k:
+            return i
+        got = head_of(self.HEAD, section, i)
+        return head_of(self.HEAD_ARGS, section, i) if got is False else got
+
+    def tail(self, section: str, i: int) -> int | None:
+        return closing(section, i, "}")
 
 
 class Mistral(Family):
-    """Mistral Nemo: a JSON list after [TOOL_CALLS]; ids are 9 letters or digits (the template checks)."""
+    """Mistral Nemo: a JSON list after [TOOL_CALLS]; ids are 9 letters or digits (the template checks). The id
+    follows the arguments, and a call's id opens it on every API: so a call is given out once complete."""
 
     name = "mistral"
     triggers = ("[TOOL_CALLS]",)
     id_alphabet, id_length = ALNUM, 9
 
-    def calls_rules(self, tools: list[Tool], parallel: bool) -> str:
+    def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
         more = ' (", " call)*' if parallel else ""
         head = f'calls: "[TOOL_CALLS][" call{more} "]"\n'
         call = 'call: "{\\"name\\": \\"" fn ", \\"id\\": \\"" /[a-zA-Z0-9]{9}/ "\\"}"\n'
         return head + call + self._named(tools, '"{name}\\", \\"arguments\\": " {args}')
 
-    def split(self, section: str) -> list[tuple[Call, int]]:
-        calls: list[tuple[Call, int]] = []
-        i = skip_ws(section, len("[TOOL_CALLS]"))
-        if not section.startswith("[", i):
-            return []
-        i += 1
-        while True:
-            try:
-                call, i = call_from_object(section, i)
-            except (ValueError, KeyError, IndexError):
-                return calls
-            i = skip_ws(section, i)
-            if section.startswith("]", i):
-                return [*calls, (call, i + 1)]
-            if not section.startswith(",", i):
-                return calls  # the list is not closed yet: the call is complete only once its separator is seen
-            i += 1
-            calls.append((call, i))
+    def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
+        at = match_literal(section, i, "[TOOL_CALLS][" if k == 0 else ",")
+        if at is False and k:
+            end = match_literal(section, i, "]")
+            return None if end is None else (i if end is False else end)
+        if at is None or at is False:
+            return None if at is None else i
+        if JsonArgs(at).read(section, False)[1] is None:
+            return None  # the object is not complete yet
+        try:
+            call, end = call_from_object(section, at)
+        except (ValueError, KeyError, IndexError):
+            return i
+        return Head(call.name, WholeArgs(at, call.arguments, end), call.id, whole=True)
 
 
 class MistralArgs(Family):
@@ -241,6 +213,8 @@ class MistralArgs(Family):
     name = "mistral-args"
     triggers = ("[TOOL_CALLS]",)
     id_alphabet, id_length = ALNUM, 9
+    HEAD = Pattern("[TOOL_CALLS]{name}[ARGS]")
+    HEAD_ID = Pattern("[TOOL_CALLS]{name}[CALL_ID]{id}[ARGS]")
 
     def __init__(self, call_ids: bool) -> None:
         self.call_ids = call_ids
@@ -249,32 +223,17 @@ class MistralArgs(Family):
     def key(self) -> str:
         return "mistral-args+ids" if self.call_ids else "mistral-args"
 
-    def calls_rules(self, tools: list[Tool], parallel: bool) -> str:
+    def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
         head = "calls: call+\n" if parallel else "calls: call\n"
         mid = '"[CALL_ID]" /[a-zA-Z0-9]{9}/ "[ARGS]"' if self.call_ids else '"[ARGS]"'
         return head + 'call: "[TOOL_CALLS]" fn\n' + self._named(tools, '"{name}" ' + mid + " {args}")
 
-    def split(self, section: str) -> list[tuple[Call, int]]:
-        calls: list[tuple[Call, int]] = []
-        i = 0
-        while section.startswith("[TOOL_CALLS]", i):
-            i += len("[TOOL_CALLS]")
-            a = section.find("[ARGS]", i)
-            if a < 0:
-                return calls
-            name, call_id = section[i:a], None
-            if "[CALL_ID]" in name:
-                name, call_id = name.split("[CALL_ID]", 1)
-            try:
-                value, j = decode_at(section, a + len("[ARGS]"))
-            except ValueError:
-                return calls
-            if not isinstance(value, dict):
-                return calls
-            start = skip_ws(section, a + len("[ARGS]"))
-            calls.append((Call(name.strip(), section[start:j], call_id), j))
-            i = j
-        return calls
+    def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
+        with_id, plain = head_of(self.HEAD_ID, section, i), head_of(self.HEAD, section, i)
+        for got in (with_id, plain):
+            if isinstance(got, Head):
+                return got
+        return None if with_id is None or plain is None else i
 
 
 class Gemma(Family):
@@ -284,8 +243,9 @@ class Gemma(Family):
     def __init__(self, name: str, open_: str, close: str, quote: str) -> None:
         self.name, self.open, self.close, self.quote = name, open_, close, quote
         self.triggers = (open_,)
+        self.pattern = Pattern(open_ + "call:{name}")
 
-    def calls_rules(self, tools: list[Tool], parallel: bool) -> str:
+    def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
         head = "calls: call+\n" if parallel else "calls: call\n"
         alts, rules = [], []
         for i, tool in enumerate(tools):
@@ -294,24 +254,19 @@ class Gemma(Family):
         call = f"call: {lit(self.open + 'call:')} fn {lit(self.close)}\n"
         return head + call + "fn: " + "\n  | ".join(alts) + "\n" + "".join(rules)
 
-    def split(self, section: str) -> list[tuple[Call, int]]:
-        calls: list[tuple[Call, int]] = []
-        i = 0
-        head = self.open + "call:"
-        while section.startswith(head, i):
-            i += len(head)
-            brace = section.find("{", i)
-            if brace < 0:
-                return calls
-            try:
-                args, j = parse_gemma_args(section, brace, self.quote)
-            except ValueError:
-                return calls
-            if not section.startswith(self.close, j):
-                return calls
-            calls.append((Call(section[i:brace], json.dumps(args, ensure_ascii=False)), j + len(self.close)))
-            i = j + len(self.close)
-        return calls
+    def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
+        got = self.pattern.match(section, i)
+        if got is None or got is False:
+            return None if got is None else i
+        slots, at = got
+        if at == len(section):
+            return None
+        if section[at] != "{":
+            return i
+        return Head(slots["name"], GemmaArgs(at, self.quote))
+
+    def tail(self, section: str, i: int) -> int | None:
+        return closing(section, i, self.close)
 
 
 class Generic(Family):
@@ -319,32 +274,24 @@ class Generic(Family):
 
     name = "generic"
     native = False
+    FIRST = Pattern('{"tool_calls": [{"name": "{name}", "arguments": ')
+    NEXT = Pattern(', {"name": "{name}", "arguments": ')
 
-    def calls_rules(self, tools: list[Tool], parallel: bool) -> str:
+    def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
         more = ' (", " call)*' if parallel else ""
         head = f'calls: "{{\\"tool_calls\\": [" call{more} "]}}"\n'
         call = 'call: "{\\"name\\": \\"" fn "}"\n'
         return head + call + self._named(tools, '"{name}\\", \\"arguments\\": " {args}')
 
-    def split(self, section: str) -> list[tuple[Call, int]]:
-        """All the calls at once, when the document is complete (a call is known good only then)."""
-        try:
-            value, end = decode_at(section, 0)
-        except ValueError:
-            return []
-        if not isinstance(value, dict) or set(value) != {"tool_calls"} or not isinstance(value["tool_calls"], list):
-            return []
-        calls = []
-        j = section.index("[", section.index('"tool_calls"')) + 1
-        for k in range(len(value["tool_calls"])):
-            try:
-                call, j = call_from_object(section, j)
-            except (ValueError, KeyError, IndexError):
-                return []
-            calls.append(call)
-            if k + 1 < len(value["tool_calls"]):
-                j = section.index(",", j) + 1
-        return [(c, end) for c in calls]
+    def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
+        got = head_of(self.NEXT if k else self.FIRST, section, i)
+        if got is not False or not k:
+            return i if got is False else got
+        end = match_literal(section, i, "]}")
+        return None if end is None else (i if end is False else end)
+
+    def tail(self, section: str, i: int) -> int | None:
+        return closing(section, i, "}")
 
     @staticmethod
     def response(text: str) -> str | None:
@@ -370,35 +317,3 @@ class Generic(Family):
             'Reply with one JSON object: {"tool_calls": [{"name": <tool name>, "arguments": <arguments object>}]} to call'
             ' tools, or {"response": <your reply, a string>} to answer the user.'
         )
-
-
-def family_named(key: str) -> Family:
-    """The family whose `key` this is (what a client reading direct replies gets from the router). KeyError if none."""
-    made: dict[str, Callable[[], Family]] = {
-        "hermes": Hermes,
-        "llama3": Llama3,
-        "mistral": Mistral,
-        "mistral-args": lambda: MistralArgs(call_ids=False),
-        "mistral-args+ids": lambda: MistralArgs(call_ids=True),
-        "gemma": lambda: Gemma("gemma", "<|tool_call>", "<tool_call|>", '<|"|>'),
-        "functiongemma": lambda: Gemma("functiongemma", "<start_function_call>", "<end_function_call>", "<escape>"),
-        "generic": Generic,
-    }
-    return made[key]()
-
-
-def detect(source: str) -> Family:
-    """The tool-call family of a chat template, from the markers in its source."""
-    if "[TOOL_CALLS]" in source:
-        if "[ARGS]" in source:
-            return MistralArgs(call_ids="[CALL_ID]" in source)
-        return Mistral()
-    if "<|tool_call>call:" in source:
-        return family_named("gemma")
-    if "<start_function_call>" in source:
-        return family_named("functiongemma")
-    if "<tool_call>" in source and "<function=" not in source:  # (Qwen3-Coder's XML calls are another syntax)
-        return Hermes()
-    if "<|start_header_id|>" in source and ("ipython" in source or '"parameters"' in source):
-        return Llama3()
-    return Generic()

@@ -14,6 +14,8 @@ import json
 import re
 from typing import Any
 
+from chat.calls import ArgsReader
+
 # at most 16 digits before the point and after it, as llama.cpp's grammars write numbers (a small model would not stop)
 NUMBER = r"/-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][-+]?[0-9]{1,3})?/"
 INTEGER = r"/-?(0|[1-9][0-9]{0,15})/"
@@ -173,3 +175,132 @@ class _Parser:
                 return out, i + 1
             else:
                 raise ValueError(f"no ',' or ']' at {i}")
+
+
+class GemmaArgs(ArgsReader):
+    """Gemma's arguments read as they are written, given out as the JSON they mean (`", "` and `": "` between
+    members, as `json.dumps` writes it): strings character by character, other values once complete."""
+
+    def __init__(self, start: int, quote: str) -> None:
+        super().__init__(start)
+        self.quote = quote
+        self.stack: list[str] = []  # "{" or "[" for each open object and list
+        self.state = "value"  # value | key | after_value | string | scalar | after_key | qkey
+        self.word = ""  # the key or scalar being read
+
+    def read(self, section: str, final: bool) -> tuple[str, int | None]:
+        out: list[str] = []
+        i, n, q = self.pos, len(section), self.quote
+        while i < n:
+            c = section[i]
+            st = self.state
+            if st in ("string", "qkey"):
+                if section.startswith(q, i):
+                    i += len(q)
+                    if st == "string":
+                        out.append('"')
+                        self.state = "after_value"
+                    else:
+                        out.append(json.dumps(self.word, ensure_ascii=False) + ": ")
+                        self.word, self.state = "", "after_key"
+                    continue
+                if q.startswith(section[i:]):  # (the quote token may be arriving)
+                    break
+                if st == "string":
+                    out.append(json.dumps(c, ensure_ascii=False)[1:-1])
+                else:
+                    self.word += c
+                i += 1
+                continue
+            if st == "scalar":
+                if c in ",}]":
+                    out.append(_scalar(self.word))
+                    self.word, self.state = "", "after_value"
+                    continue  # (the delimiter is read as after a value)
+                self.word += c
+                i += 1
+                continue
+            if st == "key":
+                if c == "}" and not self.word:
+                    out.append("}")
+                    self.stack.pop()
+                    self.state = "after_value"
+                elif section.startswith(q, i) and not self.word:
+                    self.state = "qkey"
+                    i += len(q)
+                    continue
+                elif c == ":":
+                    out.append(json.dumps(self.word, ensure_ascii=False) + ": ")
+                    self.word, self.state = "", "value"
+                elif q.startswith(section[i:]) and not self.word:
+                    break
+                else:
+                    self.word += c
+                i += 1
+                if not self.stack:
+                    self.pos = i
+                    return "".join(out), i
+                continue
+            if st == "after_key":
+                if c != ":":
+                    raise ValueError(f"no ':' after a key at {i}")
+                self.state = "value"
+                i += 1
+                continue
+            if st == "value":
+                if section.startswith(q, i):
+                    out.append('"')
+                    self.state = "string"
+                    i += len(q)
+                    continue
+                if q.startswith(section[i:]):
+                    break
+                if c in "{[":
+                    out.append(c)
+                    self.stack.append(c)
+                    self.state = "key" if c == "{" else "value"
+                elif c == "]" and self.stack and self.stack[-1] == "[":
+                    out.append("]")
+                    self.stack.pop()
+                    self.state = "after_value"
+                else:
+                    if not self.stack:
+                        raise ValueError("arguments are not an object")
+                    self.state, self.word = "scalar", c
+                i += 1
+                if not self.stack and self.state == "after_value":
+                    self.pos = i
+                    return "".join(out), i
+                continue
+            # after_value
+            if not self.stack:
+                self.pos = i
+                return "".join(out), i
+            if c == ",":
+                out.append(", ")
+                self.state = "key" if self.stack[-1] == "{" else "value"
+            elif c in "}]":
+                if c != {"{": "}", "[": "]"}[self.stack[-1]]:
+                    raise ValueError(f"unbalanced {c!r} at {i}")
+                out.append(c)
+                self.stack.pop()
+            else:
+                raise ValueError(f"no ',' or a closing bracket at {i}")
+            i += 1
+            if not self.stack:
+                self.pos = i
+                return "".join(out), i
+        self.pos = i
+        return "".join(out), None
+
+
+def _scalar(word: str) -> str:
+    """A bare value as JSON (`None` is Python's null, which the templates may write)."""
+    w = word.strip()
+    if w in ("true", "false", "null"):
+        return w
+    if w == "None":
+        return "null"
+    if not re.fullmatch(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?", w):
+        raise ValueError(f"not a value: {w!r}")
+    return json.dumps(float(w) if any(c in w for c in ".eE") else int(w))

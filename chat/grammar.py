@@ -116,8 +116,15 @@ def constraint(
     parallel: bool,
     fmt: ResponseFormat | None,
     grammar: str | None,
+    thinking_close: str | None = None,
+    thinking_budget: int | None = None,
+    thinking_block: tuple[str, str, str] | None = None,
 ) -> Constraint | None:
-    """The constraint for a request (family None: a prompt, not chat). Raises ChatError naming the field."""
+    """The constraint for a request (family None: a prompt, not chat). Raises ChatError naming the field.
+    `thinking_close`: the prompt opened the model's thinking, which a forced call may finish first (with this tag);
+    a `thinking_budget` of 0 ends it at once (llguidance's max_tokens would cut it without writing the tag).
+    `thinking_block`: (open tag, close tag, the empty block the template writes for a turn without thinking) where the model
+    opens its thinking itself (Kimi K2 Thinking): a forced call may think first, or (budget 0) writes that block."""
     if grammar is not None:
         return user_grammar(grammar)
     body = response_rule(fmt) if fmt is not None else None
@@ -132,14 +139,28 @@ def constraint(
     forced = choice != "auto"
     single = isinstance(choice, NamedTool)  # "call this function": one call, as OpenAI does
     calls = family.calls_rules(chosen_tools(tools, choice), parallel and not single)
-    if forced:
+    if forced and thinking_close:  # the thinking the prompt opened, ended, then the calls
+        close = json.dumps(thinking_close, ensure_ascii=False)
+        lark = "start: thought thought_ws? calls\n" + calls + "thought_ws: /[ \\t\\r\\n]+/\n"
+        if thinking_budget == 0:  # (no thinking: the tag that ends it, at once)
+            lark += f"thought: {close}\n"
+        else:
+            lark += f"thought[suffix={close}]: /(?s:.*)/\n"
+    elif forced and thinking_block:
+        opened, close, empty = (json.dumps(t, ensure_ascii=False) for t in thinking_block)
+        if thinking_budget == 0:
+            lark = f"start: {empty} calls\n" + calls
+        else:
+            lark = f"start: ({opened} thought thought_ws?)? calls\n" + calls + "thought_ws: /[ \\t\\r\\n]+/\n"
+            lark += f"thought[suffix={close}]: /(?s:.*)/\n"
+    elif forced:
         lark = "start: calls\n" + calls
     elif generic:
         lark = "start: calls | response\n" + calls + _response_rules(body)
     elif body:
         lark = "start: calls | body\n" + calls + body
-    else:  # lazy: free text until the family's trigger, then a tool-call section
-        lark = "start: calls\n" + calls
+    else:  # lazy: free text until the family's trigger, then a tool-call section (from the trigger on)
+        lark = "start: calls\n" + family.calls_rules(chosen_tools(tools, choice), parallel and not single, lazy=True)
         check_calls(lark, tools)
         return Constraint(grammar=lark, triggers=list(family.triggers), at_start=family.at_start)
     check_calls(lark, tools)

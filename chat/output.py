@@ -1,9 +1,12 @@
 """Reading a reply as it streams: reasoning, reply text and tool calls taken apart, the same whether the client
 streams or not (the router feeds every reply through one parser).
 
-Reply text is sent as soon as it cannot be the start of a tool-call section or of a reasoning tag; a tool call
-is sent once it is complete. What looked like a call but does not parse is reply text after all. Text before a
-tool-call section loses its trailing whitespace (templates write their own separator there).
+Reply text is sent as soon as it cannot be the start of a tool-call section or of a reasoning tag. A tool call is
+sent while it is written: its id and name once its head is read, then its arguments in pieces (the family's reader
+gives them out as JSON text as they come). What looked like a call but is not one (no head of the syntax, or a
+function the request does not have) is reply text after all; a call cut off (max_tokens) stays a call, its arguments
+as far as they were written, as OpenAI's API does. Text before a tool-call section loses its trailing whitespace
+(templates write their own separator there).
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ import enum
 import json
 from dataclasses import dataclass, field
 
-from chat.families import Call, Family, Generic, family_named
-from protocol import ReplyFormat
+from chat.calls import Call, Head
+from chat.families import Family, Generic
+from protocol import ReplyFormat, ToolCallDelta
 
-CLOSERS = "}]>"
 GENERIC_CALLS, GENERIC_RESPONSE = '{"tool_calls": [', '{"response": "'
 REASONING_TAGS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
 
@@ -34,7 +37,23 @@ class Piece:
 
     content: str = ""
     reasoning: str = ""
-    calls: list[tuple[int, str, Call]] = field(default_factory=list)  # (index, id, call)
+    calls: list[ToolCallDelta] = field(default_factory=list)  # a call's first piece has its id and name
+
+
+@dataclass
+class OpenCall:
+    """A call of the reply, as far as it is read."""
+
+    index: int
+    id: str
+    name: str
+    head: Head
+    arguments: str = ""
+    args_end: int | None = None  # where its arguments ended in the section, once they have
+    done: bool = False  # its tail is read (False at the end: it was cut off)
+
+    def call(self) -> Call:
+        return Call(self.name, self.arguments, self.id)
 
 
 @dataclass(frozen=True)
@@ -45,8 +64,13 @@ class OutputSpec:
     tool_names: frozenset[str] = frozenset()
     reasoning: tuple[str, str] | None = None
     in_reasoning: bool = False  # the prompt ended inside an open reasoning tag
+    strings: dict[str, frozenset[str]] = field(default_factory=dict)  # each tool's string parameters (tagged syntaxes)
 
     def parser(self) -> OutputParser:
+        if self.family is not None and self.family.name == "harmony":
+            from chat.harmony import HarmonyParser  # (gpt-oss's messages on channels: a reader of their own)
+
+            return HarmonyParser(self)
         return OutputParser(self)
 
     def wire(self) -> ReplyFormat:
@@ -56,11 +80,14 @@ class OutputSpec:
             tool_names=sorted(self.tool_names),
             reasoning=list(self.reasoning or ()),
             in_reasoning=self.in_reasoning,
+            string_args=sorted([tool, param] for tool, params in self.strings.items() for param in params),
         )
 
     @staticmethod
     def from_wire(fmt: ReplyFormat) -> OutputSpec:
         """The spec of a `placed` message's format. ValueError when it names what this side does not know."""
+        from chat.derive import family_named  # (derive reads replies with this module to check what it derives)
+
         try:
             family = family_named(fmt.family) if fmt.family else None
         except KeyError:
@@ -68,7 +95,13 @@ class OutputSpec:
         if fmt.reasoning and len(fmt.reasoning) != 2:
             raise ValueError(f"reasoning must be [open, close], got {fmt.reasoning!r}")
         reasoning = (fmt.reasoning[0], fmt.reasoning[1]) if fmt.reasoning else None
-        return OutputSpec(family, frozenset(fmt.tool_names), reasoning, fmt.in_reasoning)
+        strings: dict[str, set[str]] = {}
+        for pair in fmt.string_args:
+            if len(pair) != 2:
+                raise ValueError(f"string_args items are [tool, parameter], got {pair!r}")
+            strings.setdefault(pair[0], set()).add(pair[1])
+        frozen = {tool: frozenset(params) for tool, params in strings.items()}
+        return OutputSpec(family, frozenset(fmt.tool_names), reasoning, fmt.in_reasoning, frozen)
 
 
 class Mode(enum.Enum):
@@ -81,7 +114,7 @@ class Mode(enum.Enum):
     TEXT = "text"  # plain reply text to the end
 
 
-def _partial_suffix(text: str, marks: tuple[str, ...]) -> int:
+def partial_suffix(text: str, marks: tuple[str, ...]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `marks`."""
     best = 0
     for m in marks:
@@ -100,13 +133,13 @@ class OutputParser:
         self.ws = ""  # trailing whitespace of the reply text, held until more text (or no call) follows
         self.content: list[str] = []
         self.reasoning: list[str] = []
-        self.calls: list[tuple[int, str, Call]] = []
-        self.section_used = 0  # characters of the tool-call section taken by complete calls
-        self.section_calls = 0  # calls taken from it
-        self.section_done = False  # a call to an unknown function ended it
+        self.calls: list[OpenCall] = []
+        self.section_used = 0  # characters of the tool-call section taken by calls so far
+        self.section_calls = 0  # calls read from it
+        self.section_end: int | None = None  # where the section ended (the rest is reply text)
+        self.open: OpenCall | None = None  # the call being read
         self.resp_raw = 0  # RESPONSE mode: characters of the JSON string already decoded
         self.lead = False  # newlines at the start of the reply text are dropped (after a reasoning block)
-        self.closed = False  # a character that may end a call came since the last parse of the calls
         self.mode = self._start_mode()
 
     def _start_mode(self) -> Mode:
@@ -133,7 +166,6 @@ class OutputParser:
             self._text(out, text)
             return out
         self.buf += text
-        self.closed = self.closed or any(c in text for c in CLOSERS)
         while self._step(out, final=False):
             pass
         return out
@@ -142,8 +174,9 @@ class OutputParser:
         out = Piece()
         while self._step(out, final=True):
             pass
-        if self.mode is Mode.CALLS:  # what follows the last complete call is reply text after all
-            self._text(out, self.buf[self.section_used :], keep_ws=True)
+        if self.mode is Mode.CALLS:  # what follows the section is reply text after all
+            end = self.section_end if self.section_end is not None else self.section_used
+            self._text(out, self.buf[end:], keep_ws=True)
         self.buf = ""
         if self.ws:
             self._text(out, "", keep_ws=True)
@@ -152,6 +185,11 @@ class OutputParser:
     @property
     def text(self) -> str:
         return "".join(self.content)
+
+    @property
+    def tool_calls(self) -> list[Call]:
+        """Every call of the reply so far (ids included), in order."""
+        return [c.call() for c in self.calls]
 
     @property
     def reasoning_text(self) -> str | None:
@@ -203,7 +241,7 @@ class OutputParser:
             self.mode = self._after_reasoning()
             self.lead = True  # the reply starts after the newlines that follow the tag (templates write their own)
             return True
-        keep = 0 if final else _partial_suffix(self.buf, (close,))
+        keep = 0 if final else partial_suffix(self.buf, (close,))
         self._reason(out, self.buf[: len(self.buf) - keep])
         self.buf = self.buf[len(self.buf) - keep :]
         return False
@@ -218,7 +256,7 @@ class OutputParser:
             self.buf = self.buf[at:]
             self.mode = Mode.CALLS
             return True
-        keep = 0 if final else _partial_suffix(self.buf, triggers)
+        keep = 0 if final else partial_suffix(self.buf, triggers)
         self._text(out, self.buf[: len(self.buf) - keep])
         self.buf = self.buf[len(self.buf) - keep :]
         return False
@@ -240,20 +278,59 @@ class OutputParser:
         return True
 
     def _in_calls(self, out: Piece, final: bool) -> None:
-        assert self.family is not None
-        if self.section_done or not (final or self.closed):
-            return  # every call syntax ends with `}`, `]` or `>`: parse again only once one has come
-        self.closed = False
-        for call, end in self.family.split(self.buf)[self.section_calls :]:
-            if call.name not in self.spec.tool_names:
-                self.section_done = True  # not one of the request's tools: reply text from here (finish keeps it)
+        f = self.family
+        assert f is not None
+        buf = self.buf
+        while self.section_end is None:
+            call = self.open
+            if call is None:
+                head = f.head(buf, self.section_used, self.section_calls, self.spec.strings)
+                if head is None:  # undecided: at the end, the section ends here
+                    if final:
+                        self.section_end = self.section_used
+                    return
+                if isinstance(head, int) or head.name not in self.spec.tool_names:
+                    # no call follows; or not one of the request's tools: reply text from here
+                    self.section_end = head if isinstance(head, int) else self.section_used
+                    return
+                call = OpenCall(len(self.calls), head.id or f.new_id(), head.name, head)
+                self.calls.append(call)
+                self.open = call
+                self.section_calls += 1
+                self.ws = ""  # a call follows the reply text: its trailing whitespace was the template's separator
+                out.calls.append(ToolCallDelta(index=call.index, id=call.id, name=call.name, arguments=""))
+            end = call.args_end
+            if end is None:
+                try:
+                    piece, end = call.head.args.read(buf, final)
+                except ValueError:  # not arguments after all: the call ends cut, the section with it
+                    self.open, self.section_end = None, len(buf)
+                    return
+                if piece:
+                    call.arguments += piece
+                    self._args(out, call.index, piece)
+                if end is None:
+                    return
+                call.args_end = end
+            after = end if call.head.whole else f.tail(buf, end)
+            if after is None:
+                if final:
+                    self._close(call, end)
                 return
-            entry = (len(self.calls), call.id or self.family.new_id(), call)
-            self.calls.append(entry)
-            out.calls.append(entry)
-            self.section_calls += 1
-            self.section_used = end
-            self.ws = ""  # a call follows the reply text: its trailing whitespace was the template's separator
+            self._close(call, after)
+
+    def _close(self, call: OpenCall, end: int) -> None:
+        call.done = True
+        self.open = None
+        self.section_used = end
+
+    @staticmethod
+    def _args(out: Piece, index: int, piece: str) -> None:
+        last = out.calls[-1] if out.calls else None
+        if last is not None and last.index == index:
+            last.arguments += piece
+        else:
+            out.calls.append(ToolCallDelta(index=index, arguments=piece))
 
     def _response(self, out: Piece, final: bool) -> None:
         """Stream the characters of the generic family's `{"response": "..."}` string as they complete."""

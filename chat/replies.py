@@ -4,18 +4,17 @@ by a client reading direct replies (kvroute/direct.py), so that both give the cl
 from __future__ import annotations
 
 from chat.output import OutputParser, Piece
-from protocol import Choice, Delta, FinishReason, JobDone, Result, Timings, TokenLogprob, ToolCall, ToolCallDelta, Usage
+from protocol import Choice, Delta, FinishReason, JobDone, Result, Timings, TokenLogprob, ToolCall, Usage
 
 
 def delta_of(rid: str, index: int, piece: Piece, tokens: bytes, logprobs: list[TokenLogprob]) -> Delta:
     """A delta of choice `index`: what the parser made of the job's new text."""
-    calls = [ToolCallDelta(index=i, id=call_id, name=c.name, arguments=c.arguments) for i, call_id, c in piece.calls]
     return Delta(
         id=rid,
         index=index,
         text=piece.content,
         reasoning=piece.reasoning,
-        tool_calls=calls,
+        tool_calls=piece.calls,
         tokens=tokens,
         logprobs=logprobs,
     )
@@ -23,7 +22,7 @@ def delta_of(rid: str, index: int, piece: Piece, tokens: bytes, logprobs: list[T
 
 def choice_of(index: int, parser: OutputParser, done: JobDone, logprobs: list[TokenLogprob]) -> Choice:
     """The reply of one choice, read by its parser (which has seen every delta and `finish`)."""
-    calls = [ToolCall(id=call_id, name=c.name, arguments=c.arguments) for _, call_id, c in parser.calls]
+    calls = [ToolCall(id=c.id or "", name=c.name, arguments=c.arguments) for c in parser.tool_calls]
     reason = done.finish_reason
     if calls and reason == FinishReason.STOP:
         reason = FinishReason.TOOL_CALLS

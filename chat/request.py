@@ -8,15 +8,21 @@ arguments are JSON objects. A problem is a ChatError naming the field (`messages
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
-from chat.families import Family, Generic, detect
+from chat.derive import derive_reasoning, detect, empty_thinking_block
+from chat.families import Family, Generic
 from chat.grammar import ChatError, constraint
+from chat.harmony import CLOSE as HARMONY_CLOSE
+from chat.harmony import OPEN as HARMONY_OPEN
 from chat.limits import MAX_NESTING, nesting
 from chat.output import OutputSpec, reasoning_tags
-from chat.template import ChatTemplate, RawJSON
+from chat.template import ChatTemplate, RawJSON, TemplateError
 from protocol import ChatMessage, Constraint, Submit, Tool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -32,12 +38,35 @@ class ChatFormat:
 
     def __init__(self, template: ChatTemplate) -> None:
         self.template = template
-        self.family: Family = detect(template.source)
-        self.reasoning = reasoning_tags(template.source)
+        self.family: Family = detect(template)
+        if self.family.name == "harmony":  # (its thinking is a channel: chat/harmony.py reads it)
+            self.reasoning: tuple[str, str] | None = (HARMONY_OPEN, HARMONY_CLOSE)
+        else:
+            self.reasoning = derive_reasoning(template, self.family.triggers) or reasoning_tags(template.source)
+        # a template that reads past thinking as `thinking` (gpt-oss) gets reasoning_content there too
+        self.thinking_field = "message.thinking" in template.source
+        # the empty thinking block the template writes before a reply without thinking, where the model opens its
+        # thinking itself (Kimi K2 Thinking's `<think></think>`): a forced call writes it too, or thinks first
+        self.empty_thinking = empty_thinking_block(template, self.reasoning)
 
     @property
     def name(self) -> str:
         return self.template.name
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
+    ) -> tuple[str, bool]:
+        """The template's text. A template that refuses the `reasoning_effort` an API's effort became (Hy3 takes
+        high, low and no_think; Codex sends medium) renders without it rather than failing the request."""
+        try:
+            return self.template.render(messages, tools, kwargs=kwargs)
+        except TemplateError:
+            if "reasoning_effort" not in kwargs:
+                raise
+            others = {k: v for k, v in kwargs.items() if k != "reasoning_effort"}
+            text = self.template.render(messages, tools, kwargs=others)
+            log.info("reasoning_effort %r refused by template %s: rendered without it", kwargs["reasoning_effort"], self.name)
+            return text
 
     def prepare(self, sub: Submit) -> Prepared:
         """Render `sub.messages` with its tools; the constraint and output spec its fields ask for."""
@@ -45,19 +74,30 @@ class ChatFormat:
         tools = sub.tools or []
         use_tools = bool(tools) and sub.tool_choice != "none"
         messages = template_messages(sub.messages)
+        if self.thinking_field:
+            messages = [{**m, "thinking": m["reasoning_content"]} if "reasoning_content" in m else m for m in messages]
         oai_tools = [tool_json(t) for t in tools] if tools else None
         if isinstance(self.family, Generic):
             messages = polyfill(messages, oai_tools)
             oai_tools = None
-        text, add_bos = self.template.render(messages, oai_tools, kwargs=sub.chat_template_kwargs)
+        text, add_bos = self.render(messages, oai_tools, sub.chat_template_kwargs)
         fam = self.family if tools else None
-        limit = constraint(fam, tools, sub.tool_choice, sub.parallel_tool_calls, sub.response_format, sub.grammar)
         in_reasoning = bool(self.reasoning) and text.rstrip().endswith(self.reasoning[0]) if self.reasoning else False
+        close = self.reasoning[1] if self.reasoning and in_reasoning else None
+        budget = sub.chat_template_kwargs.get("thinking_budget")  # (Seed-OSS's name; 0: no thinking before a forced call)
+        budget = budget if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0 else None
+        block = None
+        if self.reasoning and self.empty_thinking and not in_reasoning and not text.rstrip().endswith(self.reasoning[1]):
+            block = (self.reasoning[0], self.reasoning[1], self.empty_thinking)
+        limit = constraint(
+            fam, tools, sub.tool_choice, sub.parallel_tool_calls, sub.response_format, sub.grammar, close, budget, block
+        )
         spec = OutputSpec(
             family=self.family if (use_tools or (tools and isinstance(self.family, Generic))) else None,
             tool_names=frozenset(t.name for t in tools) if use_tools else frozenset(),
             reasoning=self.reasoning,
             in_reasoning=in_reasoning,
+            strings={t.name: string_params(t) for t in tools} if use_tools else {},
         )
         return Prepared(text, add_bos, limit, spec)
 
@@ -65,6 +105,12 @@ class ChatFormat:
 def prompt_constraint(sub: Submit) -> Constraint | None:
     """For a prompt (not chat): the constraint of `response_format` or `grammar`."""
     return constraint(None, None, "auto", True, sub.response_format, sub.grammar)
+
+
+def string_params(tool: Tool) -> frozenset[str]:
+    """The parameters the tool's schema says are strings (a tagged syntax writes their values raw)."""
+    props = (tool.parameters or {}).get("properties") or {}
+    return frozenset(k for k, v in props.items() if isinstance(v, dict) and v.get("type") == "string")
 
 
 def tool_json(tool: Tool) -> dict[str, Any]:

@@ -10,6 +10,12 @@ function tools, or undefined), `add_generation_prompt`, `bos_token`, `eos_token`
 expect, except that a tool call's arguments are written exactly as the model wrote them (`RawJSON`): the
 history an agent sends back then renders to the very text the model produced, and the next turn reuses
 its KV whole.
+
+What the vendored templates need beyond plain Jinja, as Hugging Face's and llama-server's renderers give it: HF's
+`{% generation %}` block (rendered as its body), the list and dict methods templates call (`list.append`,
+`dict.update`: a sandbox that lets a template change its own values, not the host's), `functions` (the tools as
+JSON text, which FireFunction's template reads), and a call's arguments as a JSON string for the templates that
+write them as text (functionary's `'...' + arguments`), found by rendering a probe call once.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import datetime
 import json
 import re
+import types
 import uuid
 from pathlib import Path
 from typing import Any
@@ -74,7 +81,7 @@ def tojson(
             return key
         if isinstance(v, dict):
             return {k: mark(x) for k, x in v.items()}
-        if isinstance(v, list | tuple):
+        if isinstance(v, list | tuple | types.GeneratorType):  # (`map` and `select` filters give generators)
             return [mark(x) for x in v]
         return v
 
@@ -89,11 +96,27 @@ def tojson(
 RAW_MARK = re.compile(r'"\\u0000raw[0-9a-f]{32}\\u0000"')  # a marked RawJSON's key as json.dumps writes it
 
 
-def _environment() -> Any:
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+def _generation_tag() -> Any:
+    """HF's `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens for training): its body."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
 
-    class Environment(ImmutableSandboxedEnvironment):
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return Generation
+
+
+def _environment() -> Any:
+    from jinja2.ext import do, loopcontrols
+    from jinja2.sandbox import SandboxedEnvironment
+
+    class Environment(SandboxedEnvironment):
         """Every value a template reads checks the running deadline now and then (chat/limits.py)."""
 
         def getattr(self, obj: Any, attribute: str) -> Any:
@@ -104,7 +127,8 @@ def _environment() -> Any:
             Deadline.read()
             return super().getitem(obj, argument)
 
-    env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    extensions = [loopcontrols, do, _generation_tag()]
+    env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=extensions)
 
     def raise_exception(message: str) -> None:
         raise TemplateError(str(message))
@@ -130,6 +154,7 @@ class ChatTemplate:
             raise ValueError(f"chat template {name} does not compile: {type(exc).__name__}: {exc}") from None
         self.system_role = self._takes_system()
         self.late_system = self.system_role and self._takes_late_system()
+        self.string_arguments = self._takes_string_arguments()
 
     @classmethod
     def choose(
@@ -177,6 +202,26 @@ class ChatTemplate:
         except Exception:
             return False
 
+    def _takes_string_arguments(self) -> bool:
+        """Whether the template writes a call's arguments as text (`'...' + arguments`) and fails on an object, where
+        it renders the same call given its arguments as a JSON string: probed once."""
+        probe = '{"probe_arg": "args-probe-value"}'
+
+        def call(arguments: Any) -> list[dict[str, Any]]:
+            c = {"id": "call00001", "type": "function", "function": {"name": "probe_tool", "arguments": arguments}}
+            return [{"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [c]}]
+
+        tools = [{"type": "function", "function": {"name": "probe_tool", "description": "", "parameters": {"type": "object"}}}]
+        try:
+            self._render(call(RawJSON(probe)), tools, False, {})
+            return False
+        except Exception:
+            pass
+        try:
+            return "args-probe" in self._render(call(probe), tools, False, {})
+        except Exception:
+            return False
+
     def _render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen: bool, kwargs: dict[str, Any]
     ) -> str:
@@ -188,6 +233,8 @@ class ChatTemplate:
         context.setdefault("eos_token", self.eos_text)
         if tools is not None:
             context["tools"] = tools
+        functions = json.dumps([t.get("function", t) for t in tools], indent=2, ensure_ascii=False) if tools else ""
+        context.setdefault("functions", functions)
         return str(self._jinja.render(**context))
 
     def render(
@@ -203,6 +250,8 @@ class ChatTemplate:
         System messages are folded into the first user message when the template does not take them (as
         llama-server does), and those after the first non-system message when it takes them only first (Claude Code
         and Codex put some there). Raises TemplateError quoting the template's own message."""
+        if self.string_arguments:
+            messages = string_arguments(messages)
         if not self.system_role:
             messages = fold_system(messages)
         elif not self.late_system:
@@ -215,6 +264,20 @@ class ChatTemplate:
             raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from None
         starts_with_bos = bool(self.bos_text) and text.startswith(self.bos_text)
         return text, not starts_with_bos
+
+
+def string_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every call's arguments as the JSON text the model wrote (for templates that write them as text)."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                args = c["function"]["arguments"]
+                calls.append({**c, "function": {**c["function"], "arguments": getattr(args, "raw", args)}})
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
 
 
 def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ from msgspec import Meta
 
 from gateway.blocks import Blocks, Kind
 from gateway.fields import Policy
+from gateway.keepalive import Tick
 from gateway.openai_schema import RequestError, Strict, context_shift, decode
 from protocol import (
     MAX_DEADLINE_MS,
@@ -385,8 +386,7 @@ def message_body(result: Result, model: str) -> dict[str, Any]:
         content.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
     if result.text or not result.tool_calls:
         content.append({"type": "text", "text": result.text})
-    # (the router gives out only calls whose arguments parsed as a JSON object)
-    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)} for c in result.tool_calls]
+    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input(c.arguments)} for c in result.tool_calls]
     u = result.usage
     return {
         "id": f"msg_{result.id}",
@@ -400,11 +400,20 @@ def message_body(result: Result, model: str) -> dict[str, Any]:
     }
 
 
+def tool_input(arguments: str) -> Any:
+    """A call's `input`: its arguments object; `{}` for a call cut off (max_tokens) before its arguments were whole
+    (`stop_reason` is then `max_tokens`; a stream gave out the arguments as far as they were written)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return {}
+
+
 def sse(event: str, data: dict[str, Any]) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
 
 
-async def message_events(messages: AsyncIterator[Delta | Result], rid: str, model: str) -> AsyncIterator[bytes]:
+async def message_events(messages: AsyncIterator[Delta | Result | Tick], rid: str, model: str) -> AsyncIterator[bytes]:
     """The stream in Anthropic's order: message_start, content blocks (start, deltas, stop), message_delta,
     message_stop."""
     blocks = Blocks()
@@ -417,6 +426,12 @@ async def message_events(messages: AsyncIterator[Delta | Result], rid: str, mode
         return sse("message_start", {"type": "message_start", "message": message})
 
     async for msg in messages:
+        if isinstance(msg, Tick):  # (Anthropic's keep-alive: gateway/keepalive.py)
+            if not started:
+                started = True
+                yield start()
+            yield sse("ping", {"type": "ping"})
+            continue
         if isinstance(msg, Delta):
             if not started:
                 if msg.usage is not None:

@@ -31,6 +31,7 @@ from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect, Er
 from gateway.embeddings import embed_message, embeddings_reply
 from gateway.fields import Policy
 from gateway.helpers import keep_alive_s
+from gateway.keepalive import IDLE_S, Clock, ticking
 from gateway.limits import (
     MAX_JSON_DEPTH,
     BoundedStream,
@@ -97,6 +98,7 @@ class Gateway:
         stall_s: float = STALL_S,
         pooling: str = "auto",
         body_timeout_s: float | None = None,
+        keep_alive_s: float = IDLE_S,
     ) -> None:
         """`api_key`: one key, or several comma-separated; `tenant_per_key`: each key is a tenant (its `cache_salt`);
         `aliases`: more names /v1/models lists; `strict_model_name`: a request naming another model gets 404;
@@ -114,6 +116,7 @@ class Gateway:
         self.max_body_bytes = max_body_bytes
         self.stall_s = stall_s
         self.body_timeout_s = body_timeout_s
+        self.keep_alive_s = keep_alive_s  # a stream writes something at least this often (gateway/keepalive.py)
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -335,7 +338,9 @@ class Gateway:
             try:
                 if isinstance(first, Result):
                     self._check_deadline(first, sub)
-                async for chunk in call.events(checked()):
+                clock = Clock(self.keep_alive_s)
+                async for chunk in call.events(ticking(checked(), clock)):
+                    clock.wrote()
                     yield chunk
             except KvrouteError as exc:
                 yield dialect.stream_error(error_text(exc), exc.code)

@@ -20,7 +20,7 @@ class Kind(enum.Enum):
 class Block:
     kind: Kind
     index: int  # among the reply's blocks
-    text: str = ""  # thinking or text so far (for a tool call: its arguments)
+    text: str = ""  # thinking or text so far (for a tool call: its arguments so far)
     call: ToolCall | None = None
 
 
@@ -46,13 +46,17 @@ class Blocks:
         if d.text:
             yield from self._add(Kind.TEXT, d.text)
         for c in d.tool_calls:
-            call = ToolCall(id=c.id or "", name=c.name or "", arguments=c.arguments)
-            yield from self._close()
-            block = self._new(Kind.TOOL)
-            block.call, block.text = call, call.arguments
-            yield Event("open", block)
-            yield Event("delta", block, call.arguments)  # a call comes whole: its arguments in one piece
-            yield from self._close()
+            if c.name is not None:  # a call's first piece: its block opens
+                yield from self._close()
+                block = self._new(Kind.TOOL)
+                block.call = ToolCall(id=c.id or "", name=c.name, arguments="")
+                yield Event("open", block)
+            elif self.open is None or self.open.kind is not Kind.TOOL:
+                raise ValueError(f"arguments of tool call {c.index} arrived with no call open")  # (the router's bug)
+            if c.arguments:
+                assert self.open is not None
+                self.open.text += c.arguments
+                yield Event("delta", self.open, c.arguments)
 
     def finish(self) -> Iterator[Event]:
         yield from self._close()

@@ -14,9 +14,10 @@ from starlette.responses import JSONResponse
 
 from gateway import anthropic, openai_schema, responses
 from gateway.fields import Policy
+from gateway.keepalive import Tick
 from protocol import Delta, ErrorCode, Result, Submit
 
-Events = Callable[[AsyncIterator[Delta | Result]], AsyncIterator[bytes]]
+Events = Callable[[AsyncIterator[Delta | Result | Tick]], AsyncIterator[bytes]]
 
 # protocol error code -> (HTTP status, OpenAI error type)
 OPENAI_STATUS: dict[str, tuple[int, str]] = {

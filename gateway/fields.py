@@ -46,7 +46,6 @@ _OPENAI_COMMON = (
 HINTS: dict[str, tuple[str, ...]] = {
     "chat": (
         *_OPENAI_COMMON,
-        "reasoning_effort",
         "verbosity",
         "prediction",  # a speed-up hint: the reply does not depend on it
         "web_search_options",  # a hosted tool

@@ -15,6 +15,7 @@ import msgspec
 
 from gateway import openai_types as t
 from gateway.fields import FieldError, Policy
+from gateway.keepalive import Tick
 from protocol import (
     ChatMessage,
     Choice,
@@ -27,6 +28,7 @@ from protocol import (
     TokenLogprob,
     Tool,
     ToolCall,
+    ToolCallDelta,
     pack_tokens,
 )
 
@@ -244,7 +246,7 @@ def chat_submit(raw: dict[str, Any], request_id: str, policy: Policy | None = No
         parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
         response_format=_response_format(body),
         grammar=body.grammar,
-        chat_template_kwargs=body.chat_template_kwargs or {},
+        chat_template_kwargs=thinking_kwargs(body.chat_template_kwargs, body.reasoning_effort),
         n=body.n or 1,
         cache_salt=body.cache_salt,
     )
@@ -408,13 +410,29 @@ def chat_delta(d: Delta, logprobs: bool) -> dict[str, Any] | None:
     if d.reasoning:
         delta["reasoning_content"] = d.reasoning
     if d.tool_calls:
-        delta["tool_calls"] = [
-            {"index": c.index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in d.tool_calls
-        ]
+        delta["tool_calls"] = [call_chunk(c) for c in d.tool_calls]
     if not delta and not (logprobs and d.logprobs):
         return None
     return {"index": d.index, "delta": delta, "logprobs": chat_logprobs(d.logprobs) if logprobs else None, "finish_reason": None}
+
+
+def thinking_kwargs(kwargs: dict[str, Any] | None, effort: str | None) -> dict[str, Any]:
+    """The template's variables with what an effort asks for (`chat_template_kwargs` win): `reasoning_effort` (gpt-oss
+    reads it), and `enable_thinking` off for "none" (Qwen 3, GLM, ... read that)."""
+    out = dict(kwargs or {})
+    if effort is not None:
+        if effort != "none":
+            out.setdefault("reasoning_effort", effort)
+        out.setdefault("enable_thinking", effort != "none")
+    return out
+
+
+def call_chunk(c: ToolCallDelta) -> dict[str, Any]:
+    """A streamed call's piece as OpenAI sends it: the first with its id, type and name, the others only with more
+    of the arguments."""
+    if c.name is None:
+        return {"index": c.index, "function": {"arguments": c.arguments}}
+    return {"index": c.index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
 
 
 def completion_delta(d: Delta, logprobs: bool) -> dict[str, Any] | None:
@@ -435,12 +453,15 @@ def now() -> int:
 # ---- streams ----------------------------------------------------------------------------------------------------
 
 
+KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment (gateway/keepalive.py)
+
+
 def sse_chunk(body: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\n"  # (one per token: msgspec is ~5x json's speed)
 
 
 async def openai_events(
-    messages: AsyncIterator[Delta | Result],
+    messages: AsyncIterator[Delta | Result | Tick],
     *,
     chat: bool,
     rid: str,
@@ -472,6 +493,9 @@ async def openai_events(
 
     opened: set[int] = set()  # chat choices whose first chunk (with the role) went out
     async for msg in messages:
+        if isinstance(msg, Tick):
+            yield KEEP_ALIVE
+            continue
         if isinstance(msg, Delta):
             if chat and msg.index not in opened:
                 opened.add(msg.index)

@@ -163,6 +163,8 @@ class ChatRequest(Common, kw_only=True):
     tool_choice: Literal["auto", "none", "required"] | NamedChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # the template's `reasoning_effort` (gpt-oss), and its `enable_thinking` off for "none" (llama-server's reading)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
 
 Prompt = str | Annotated[list[Any], Meta(min_length=1)]  # text, token ids, or a batch of one of either

@@ -4,8 +4,9 @@ Honoured: `model`, `input` (a string, or items: messages with `input_text` / `ou
 stands, `function_call`, `function_call_output`, `reasoning`), `instructions`, function `tools`, `namespace` tools
 (their functions offered as `NAMESPACE__NAME`, as Codex flattens them; a call comes back with `name` and
 `namespace` apart), `tool_choice`, `parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`),
-`max_output_tokens`, `temperature`, `top_p`, `top_logprobs`, `stream`, `reasoning.effort` (`none`: the template's
-`enable_thinking` off), llama.cpp's `top_k`, `min_p`, `chat_template_kwargs` and kvroute's `deadline_ms`.
+`max_output_tokens`, `temperature`, `top_p`, `top_logprobs`, `stream`, `reasoning.effort` (the template's
+`reasoning_effort`; `none`: its `enable_thinking` off), llama.cpp's `top_k`, `min_p`, `chat_template_kwargs` and
+kvroute's `deadline_ms`.
 
 Stateless, as llama-server is: a response is not kept, so `previous_response_id` and `conversation` are refused
 (send the whole conversation in `input`, which kvroute serves from cache anyway) and `store`, the API's default,
@@ -26,7 +27,8 @@ from msgspec import Meta
 
 from gateway.blocks import Blocks, Event, Kind
 from gateway.fields import Policy
-from gateway.openai_schema import RequestError, Strict, chat_logprobs, context_shift, decode, timings_body
+from gateway.keepalive import Tick
+from gateway.openai_schema import RequestError, Strict, chat_logprobs, context_shift, decode, thinking_kwargs, timings_body
 from protocol import (
     MAX_DEADLINE_MS,
     MAX_LOGPROBS,
@@ -296,9 +298,7 @@ def responses_submit(raw: dict[str, Any], request_id: str, policy: Policy | None
     policy = policy or Policy("responses")
     body: ResponsesRequest = decode(raw, ResponsesRequest, policy)
     tools, namespaced = function_tools(body.tools, policy)
-    kwargs = dict(body.chat_template_kwargs or {})
-    if body.reasoning is not None and body.reasoning.effort is not None:
-        kwargs.setdefault("enable_thinking", body.reasoning.effort != "none")
+    kwargs = thinking_kwargs(body.chat_template_kwargs, body.reasoning.effort if body.reasoning is not None else None)
     choice: Any = body.tool_choice or "auto"
     if isinstance(choice, NamedFunction):
         choice = NamedTool(name=choice.name)
@@ -393,7 +393,7 @@ def _item(block: Any, rid: str, asked: Asked, done: bool, logprobs: list[Any] | 
     if block.kind is Kind.TOOL:
         c = block.call
         return {"type": "function_call", "id": f"fc_{rid}_{block.index}", "call_id": c.id, **asked.call_names(c.name),
-                "arguments": c.arguments if done else "", "status": status}  # fmt: skip
+                "arguments": block.text if done else "", "status": status}  # fmt: skip
     if block.kind is Kind.THINKING:
         content = [{"type": "reasoning_text", "text": block.text}] if done else []
         return {"type": "reasoning", "id": f"rs_{rid}_{block.index}", "summary": [], "content": content, "status": status}
@@ -444,7 +444,7 @@ def error_event(message: str, code: str) -> bytes:
 
 
 async def response_events(
-    messages: AsyncIterator[Delta | Result], rid: str, model: str, asked: Asked, created: float
+    messages: AsyncIterator[Delta | Result | Tick], rid: str, model: str, asked: Asked, created: float
 ) -> AsyncIterator[bytes]:
     """The documented event sequence: response.created, response.in_progress, then per output item
     output_item.added, (content_part.added, output_text.delta..., output_text.done, content_part.done |
@@ -494,6 +494,9 @@ async def response_events(
         return out
 
     async for msg in messages:
+        if isinstance(msg, Tick):  # (what OpenAI's API sends on a long stream: gateway/keepalive.py)
+            yield event("keepalive")
+            continue
         if isinstance(msg, Delta):
             for ev in blocks.feed(msg):
                 for chunk in emit(ev):

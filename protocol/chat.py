@@ -116,8 +116,8 @@ class TokenLogprob(Struct, kw_only=True):
 
 
 class ToolCallDelta(Struct, kw_only=True):
-    """Part of a streamed tool call: `id` and `name` come on the first delta of call `index`, then `arguments`
-    arrives in pieces whose concatenation is the call's arguments text."""
+    """Part of a streamed tool call: `id` and `name` come on the first piece of call `index` (and only there), then
+    `arguments` arrives in pieces, as the model writes them, whose concatenation is the call's arguments text."""
 
     index: int
     id: str | None = None

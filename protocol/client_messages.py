@@ -210,10 +210,12 @@ class Deltas(Message, tag="deltas", kw_only=True):
 class ReplyFormat(Struct, kw_only=True):
     """How to read a job's raw output (chat/output.py's OutputSpec): the tool-call syntax, the thinking tags."""
 
-    family: str = ""  # tool-call syntax to look for ("": none): hermes, llama3, mistral, mistral-args, gemma ...
+    family: str = ""  # tool-call syntax to look for ("": none): hermes, llama3, mistral, mistral-args, gemma, derived:{...}
     tool_names: list[str] = []
     reasoning: list[str] = []  # the template's thinking tags, [open, close], if it has them
     in_reasoning: bool = False  # the prompt ended inside an open thinking tag
+    # [tool, parameter] for each string parameter of the tools (syntaxes that write values untyped, as Qwen3-Coder's)
+    string_args: list[list[str]] = []
 
 
 class Placed(Message, tag="placed", kw_only=True):

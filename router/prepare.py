@@ -8,6 +8,7 @@ was under way."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +26,12 @@ from router.prompt_tokens import PromptTokenizer, TokenizeCost
 from router.tokens import tokens_from_wire
 
 PLAIN = OutputSpec()
+
+
+def tenant_of(cache_salt: str | None) -> str:
+    """The tenant a request's `cache_salt` names, as the mirror and workers key on it: a digest (the salt may be
+    derived from an API key, so it never leaves the router or shows in a log); "" for none."""
+    return "" if not cache_salt else hashlib.blake2b(cache_salt.encode(), digest_size=12).hexdigest()
 
 
 class PrepareError(ValueError):
@@ -49,6 +56,8 @@ class Prepared:
     constraint: Constraint | None
     output: OutputSpec
     shift: Shift | None = None  # set when --context-shift had to shorten the messages
+    text: str = ""  # a chat prompt's rendered text (its reply is remembered with it: router/prompt_tokens.py)
+    add_bos: bool = False
 
 
 TokenizeFn = Callable[[str, bool], np.ndarray]
@@ -95,7 +104,7 @@ def prepare(
     `shift_to` (--context-shift): the slot size chat messages must fit, dropping the oldest ones if they do not.
     `deadline`: how long it may take (None: no limit)."""
     deadline = deadline or Deadline(None)
-    tenant = msg.cache_salt or ""
+    tenant = tenant_of(msg.cache_salt)  # (as Req.salt: the key a finished reply is remembered under)
 
     def tokenize(text: str, add_special: bool) -> np.ndarray:
         if prompts is not None:
@@ -130,7 +139,7 @@ def _chat(msg: Submit, chat: ChatFormat, tokenize: TokenizeFn, ctx: int | None) 
     Deadline.check_running("messages")
     tokens = tokenize(p.text, p.add_bos)
     if ctx is None or fits(len(tokens), msg.sampling.max_tokens, ctx):
-        return Prepared(tokens, p.constraint, p.output)
+        return Prepared(tokens, p.constraint, p.output, text=p.text, add_bos=p.add_bos)
     return _shift(msg, chat, tokenize, ctx, Prepared(tokens, p.constraint, p.output, Shift(0, 0)))
 
 

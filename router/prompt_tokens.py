@@ -17,6 +17,12 @@ with no such cut, is tokenized whole. The cuts are learnt from the prompts thems
 a prompt tokenized whole (a template's turn markers, out of Gemma's 6,250 control tokens) become cut points once
 checked.
 
+A finished chat reply is remembered too (`remember`): the next turn's prompt holds the prompt's text and the reply's
+(the template writes the reply back as the model wrote it), so that text is kept with the tokens the slot holds, the
+reply's as the model wrote them. Re-tokenizing the reply's text need not give those (a grammar's literals, a model
+spelling a word otherwise than the tokenizer would), and a prompt that differed from the slot there would recompute
+the reply and all after it. Such a head ends where the next prompt goes on with a control token (its turn end).
+
 The cache is per tenant (a request's `cache_salt`): how fast a prompt is tokenized tells nothing of another tenant's
 prompts.
 
@@ -179,6 +185,10 @@ class PromptTokenizer:
         self._lengths: Counter[int] = Counter()  # lengths of the kept heads: a cut of another length is no lookup
         self._lock = threading.Lock()
         self.reused_tokens = 0  # tokens taken from a kept head instead of tokenized again (for tests and metrics)
+        self.remembered = 0  # replies kept with their own tokens (`remember`)
+        self._reply_ends: Counter[int] = Counter()  # lengths of the kept replies' texts (cuts before a control token)
+        self._replies: set[tuple[str, bool, str]] = set()  # the kept entries that are replies
+        self._controls: re.Pattern[str] | None = None  # the control tokens a remembered reply may end before
         v = vocab.pointer
         kind = llama_cpp.llama_vocab_type(v)
         usable = kind in (
@@ -287,31 +297,81 @@ class PromptTokenizer:
             last = m.end() if m is not None else 0
         if self._word_cut is not None:
             m = _last_match(self._word_cut, text, 2)
-            return max(last, m.start() if m is not None else 0)
+            last = max(last, m.start() if m is not None else 0)
+        with self._lock:
+            ends = [c for c in self._reply_ends if last < c < len(text)]
+        for c in ends:  # (a remembered reply's end, where the next prompt goes on with its turn end)
+            if c > last and self._before_control(text, c):
+                last = c
         return last
 
     def _is_cut(self, text: str, c: int) -> bool:
-        """Whether `text` may be cut at `c` (see `_last_cut`)."""
+        """Whether `text` may be cut at `c` (see `_last_cut`): also just before a checked special token (the text up to
+        it is tokenized on its own, which is where a remembered reply ends)."""
         if self._safe and text.endswith(self._safe, 0, c):
             return True
+        if c in self._reply_ends and self._before_control(text, c):
+            return True
         return self._word_cut is not None and self._word_cut.match(text, c, c + 2) is not None and c > 0
+
+    def remember(self, prompt: str, add_special: bool, tokens: np.ndarray, reply: np.ndarray, tenant: str = "") -> None:
+        """A finished reply: the next turn's prompt holds the prompt's text and the reply's (the template writes the
+        reply back as the model wrote it), so that text is kept with the tokens the slot holds, the reply's as the
+        model wrote them, which re-tokenizing its text need not give (a grammar writes markers, or a model spells a
+        word, otherwise than the tokenizer would): the next prompt then starts with exactly the slot's tokens. Kept
+        only where a prompt may be cut (after a checked special token, or before one: the next prompt's turn end)."""
+        if not self._candidate.any() or not len(reply):
+            return
+        text = prompt + self.vocab.detokenize([int(t) for t in reply])
+        if "\ufffd" in text[len(prompt) :]:
+            return  # (a reply cut inside a character)
+        if not (self._safe and text.endswith(self._safe)) and not self._ends_before_special(text):
+            return
+        joined = np.concatenate([np.asarray(tokens, dtype=np.int32), np.asarray(reply, dtype=np.int32)])
+        self._keep(tenant, add_special, text, joined, reply=True)
+        self.remembered += 1
+
+    def _before_control(self, text: str, c: int) -> bool:
+        """Whether a control token that overlaps no other special token starts at text[c] (a cut just before it)."""
+        if self._controls is None:
+            texts = [self._text[int(t)] for t in np.flatnonzero(self._candidate)]
+            alone = sorted((t for t in texts if t and self._alone(t)), key=len, reverse=True)
+            self._controls = re.compile("|".join(re.escape(t) for t in alone)) if alone else re.compile(r"(?!)")
+        return self._controls.match(text, c) is not None
+
+    def _ends_before_special(self, text: str) -> bool:
+        """Whether a reply's text ends where the next prompt's text continues with a checked special token: the reply
+        ends with no special token of its own, and no special token's text could be cut in two there."""
+        if "\ufffd" in text[-8:]:
+            return False
+        return not any(text.endswith(s[:k]) for s in self._text.values() if s for k in range(1, len(s)))
 
     def _whole(self, text: str, add_special: bool, deadline: Deadline | None = None) -> np.ndarray:
         self.cost.check(text, deadline)
         return np.asarray(self.vocab.tokenize(text, add_special=add_special), dtype=np.int32)
 
-    def _keep(self, tenant: str, add_special: bool, head: str, tokens: np.ndarray) -> None:
+    def _keep(self, tenant: str, add_special: bool, head: str, tokens: np.ndarray, reply: bool = False) -> None:
         key = (tenant, add_special, head)
         with self._lock:
             if key in self._entries:
+                self._entries[key] = tokens if reply else self._entries[key]  # (a reply's own tokens win)
                 self._entries.move_to_end(key)
                 return
             self._entries[key] = tokens
             self._chars += len(head)
             self._lengths[len(head)] += 1
+            if reply:
+                self._replies.add(key)
+                self._reply_ends[len(head)] += 1
             while len(self._entries) > self.max_entries or self._chars > self.max_chars:
-                (_, _, old), _ = self._entries.popitem(last=False)
+                old_key, _ = self._entries.popitem(last=False)
+                old = old_key[2]
                 self._chars -= len(old)
                 self._lengths[len(old)] -= 1
                 if not self._lengths[len(old)]:
                     del self._lengths[len(old)]
+                if old_key in self._replies:
+                    self._replies.discard(old_key)
+                    self._reply_ends[len(old)] -= 1
+                    if not self._reply_ends[len(old)]:
+                        del self._reply_ends[len(old)]

@@ -4,7 +4,6 @@ connected worker."""
 from __future__ import annotations
 
 import enum
-import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -15,15 +14,10 @@ from chat.output import OutputParser, OutputSpec
 from protocol import Choice, Constraint, EngineCounters, Hello, Sampling, Timings, TokenLogprob, Usage
 from router.mirror import Slot
 from router.prepare import Shift, fits
+from router.prepare import tenant_of as tenant  # noqa: F401 (read from here by the scheduler and views)
 from router.select import WorkerLoad
 
 NO_TOKENS = np.zeros(0, dtype=np.int32)
-
-
-def tenant(cache_salt: str | None) -> str:
-    """The tenant a request's `cache_salt` names, as the mirror and workers key on it: a digest (the salt may be
-    derived from an API key, so it never leaves the router or shows in a log); "" for none."""
-    return "" if not cache_salt else hashlib.blake2b(cache_salt.encode(), digest_size=12).hexdigest()
 
 
 PREFILL_SAMPLE_MIN = 64  # a job prefilling fewer tokens says little about the worker's prefill speed
@@ -77,6 +71,8 @@ class Req:
     queue_ms: float = 0.0
     constraint: Constraint | None = None
     output: OutputSpec = field(default_factory=OutputSpec)
+    prompt_text: str = ""  # a chat prompt's text, whose reply the prompt tokenizer remembers (add_bos with it)
+    prompt_bos: bool = False
     index: int = 0  # which choice, when the client asked for n > 1
     group: list[Req] | None = None  # every choice of the request when n > 1 (one list, shared by all of them)
     choice: Choice | None = None  # this choice's reply, kept until every choice of the request has one

@@ -45,8 +45,11 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from kvroute import logs
 from protocol import (
@@ -85,7 +88,7 @@ from router.prepare import Prepared
 from router.replies import choice_of, delta_of, result_of
 from router.requests import Attempt, Req, ReqState, WorkerConn, WorkerState, tenant
 from router.select import Dispatch
-from router.tokens import tokens_to_list
+from router.tokens import tokens_from_wire, tokens_to_list
 from router.workers import Kill, WorkerTable
 
 WorkerReport = Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate | EmbedDone
@@ -134,6 +137,8 @@ class Scheduler:
         self.jobs: dict[str, Req] = {}
         self.embeds = Embeds(router_id)
         self.draining = False
+        # (prompt, add_bos, prompt tokens, reply tokens, tenant) of a finished chat job: router/prompt_tokens.py `remember`
+        self.remember_reply: Callable[[str, bool, np.ndarray, np.ndarray, str], None] = lambda *_: None
         self.outbox: list[Out] = []
         self._job_ids = itertools.count(1)
         self._rid = itertools.count(1)
@@ -319,6 +324,7 @@ class Scheduler:
             self._to_client(req, admission.prepare_failed(req, outcome))
             return
         req.tokens, req.constraint, req.output = outcome.tokens, outcome.constraint, outcome.output
+        req.prompt_text, req.prompt_bos = outcome.text, outcome.add_bos
         req.shift = outcome.shift
         if req.shift is not None:
             shift = req.shift
@@ -491,6 +497,8 @@ class Scheduler:
         self._leave_worker(req)
         attempt = req.attempt
         timings = outcomes.settle_done(self.mirror, self.metrics, self.params.min_match, conn, req, msg)
+        if req.prompt_text:  # the next turn's prompt may hold this reply: its tokens as the model wrote them
+            self.remember_reply(req.prompt_text, req.prompt_bos, req.tokens, tokens_from_wire(msg.tokens), req.salt)
         self._finish(req)
         if req.direct:  # its client has the job's output and end from the worker, and makes the result
             self._pump()

@@ -185,7 +185,9 @@ class Router:
             cfg, fingerprint=vocab.fingerprint, model=spec.name, router_id=self.router_id, weights=weights, metrics=metrics
         )
         # (PromptTokenizer: a conversation's next prompt, only its new part tokenized)
-        return ModelCore(spec, vocab, ChatFormat(template), PromptTokenizer(vocab), core)
+        prompts = PromptTokenizer(vocab)
+        core.remember_reply = prompts.remember  # (a chat reply's tokens, for the next turn's prompt)
+        return ModelCore(spec, vocab, ChatFormat(template), prompts, core)
 
     @property
     def cores(self) -> list[Scheduler]:

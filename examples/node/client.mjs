@@ -71,7 +71,10 @@ async function main() {
       if (msg.type === "delta") {
         streamed += unpackTokens(msg.tokens).length;
         process.stdout.write(msg.text);
-        for (const call of msg.tool_calls) streamedCalls.push(call); // each arrives whole: id, name, arguments
+        for (const piece of msg.tool_calls) { // a call's first piece has its id and name, the next ones more arguments
+          if (piece.name != null) streamedCalls[piece.index] = { index: piece.index, id: piece.id, name: piece.name, arguments: "" };
+          streamedCalls[piece.index].arguments += piece.arguments;
+        }
       } else if (msg.type === "result") {
         const u = msg.usage;
         process.stdout.write("\n");

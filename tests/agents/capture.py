@@ -4,7 +4,7 @@ Every request is forwarded to `upstream` unchanged (less hop-by-hop headers) and
 unchanged, chunk by chunk, as it arrives. Each exchange is recorded to `out_dir/NNN.json`:
 
     {"n", "method", "path" (with the query), "headers" (the credentials REDACTED), "body" (the JSON, or the text),
-     "response": {"status", "ttfb_s", "ttft_s", "total_s", "usage", "error"}}
+     "response": {"status", "ttfb_s", "ttft_s", "total_s", "longest_silence_s", "usage", "error"}}
 
 `ttfb_s` is when the first byte of the reply came, `ttft_s` when the first generated text or tool call came
 (an SSE delta, or the whole body of a reply that does not stream), `usage` is what the server said it counted
@@ -24,7 +24,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,11 +76,16 @@ class ReplyWatch:
         self.timings: dict[str, Any] | None = None  # llama-server's (and kvroute's), on a reply's last event or body
         self._buf = b""
         self._whole = bytearray()
+        self.silence = 0.0  # the longest time between two chunks of the reply (after its first)
+        self._last = 0.0
 
     def feed(self, chunk: bytes) -> None:
         now = time.monotonic() - self.start
         if self.ttfb is None:
             self.ttfb = now
+        else:
+            self.silence = max(self.silence, now - self._last)
+        self._last = now
         if not self.sse:
             if len(self._whole) < 4 << 20:
                 self._whole += chunk
@@ -127,6 +132,7 @@ class ReplyWatch:
     def finish(self) -> dict[str, Any]:
         total = time.monotonic() - self.start
         out: dict[str, Any] = {"status": self.status, "ttfb_s": _r(self.ttfb), "total_s": _r(total)}
+        out["longest_silence_s"] = _r(self.silence)
         body: Any = None
         if not self.sse and self._whole:
             try:
@@ -152,7 +158,15 @@ def _r(x: float | None) -> float | None:
 class CaptureProxy:
     """`CaptureProxy(upstream, out_dir).start()` serves on a free loopback port (`.url`); `.stop()` ends it."""
 
-    def __init__(self, upstream: str, out_dir: Path | str, port: int = 0) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        out_dir: Path | str,
+        port: int = 0,
+        rewrite: Callable[[str, Any], Any] | None = None,
+    ) -> None:
+        """`rewrite(path, body)`: a test's change to a JSON request body before it goes upstream (recorded as sent)."""
+        self.rewrite = rewrite
         self.upstream = upstream.rstrip("/")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -177,6 +191,10 @@ class CaptureProxy:
         except ValueError:
             body = raw.decode("utf-8", "replace")
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        if self.rewrite is not None and isinstance(body, dict):
+            changed = self.rewrite(path, body)
+            if changed is not body:
+                body, raw = changed, json.dumps(changed).encode()
         record: dict[str, Any] = {
             "n": n,
             "method": request.method,

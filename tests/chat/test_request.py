@@ -68,7 +68,9 @@ def test_a_well_formed_tool_history_renders_with_the_model_s_own_text() -> None:
 
 
 def test_developer_is_system_and_a_tool_result_gets_the_call_s_function_name() -> None:
-    src = "{# <tool_call> #}{% for m in messages %}[{{ m.role }}|{{ m.name }}|{{ m.content }}]{% endfor %}"
+    call = "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+    calls = "{% for c in m.tool_calls or [] %}<tool_call>\n" + call + "\n</tool_call>{% endfor %}"  # (Hermes calls)
+    src = "{% for m in messages %}[{{ m.role }}|{{ m.name }}|{{ m.content }}]" + calls + "{% endfor %}"
     fmt = ChatFormat(ChatTemplate(src, "probe"))
     text = fmt.prepare(
         Submit(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,34 @@ def test_a_template_that_takes_late_system_messages_renders_them_where_they_stan
     assert qwen.late_system
     text = render(qwen, CLAUDE_CODE_TURNS)
     assert "<|im_start|>system\nA reminder.<|im_end|>\n<|im_start|>assistant\nHello" in text
+
+
+def test_what_vendored_templates_need_beyond_plain_jinja() -> None:
+    """HF's generation block, list and dict methods, llama-server's `functions`, generators into tojson."""
+    t = ChatTemplate("{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}", "x")
+    assert render(t, [{"role": "user", "content": "a"}]) == "[a]"
+    t = ChatTemplate("{% set xs = [] %}{% do xs.append(1) if false %}{{ xs.append(2) or '' }}{{ xs | tojson }}", "x")
+    assert render(t, [{"role": "user", "content": "a"}]).endswith("[2]")
+    t = ChatTemplate("{% set d = {} %}{{ d.update({'k': 1}) or '' }}{{ d | tojson }}", "x")
+    assert render(t, [{"role": "user", "content": "a"}]) == '{"k": 1}'
+    t = ChatTemplate("{{ functions }}|{{ tools | map(attribute='function') | map(attribute='name') | list | tojson }}", "x")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    text = render(t, [{"role": "user", "content": "a"}], tools=tools)
+    assert text == json.dumps([tools[0]["function"]], indent=2) + '|["f"]'
+    t = ChatTemplate("{{ tools | map(attribute='function') | tojson }}", "x")
+    assert render(t, [{"role": "user", "content": "a"}], tools=tools) == json.dumps([tools[0]["function"]])
+    with pytest.raises(TemplateError, match="__class__"):  # (still a sandbox)
+        render(ChatTemplate("{{ messages.__class__.__base__ }}", "x"), [{"role": "user", "content": "a"}])
+
+
+def test_a_template_that_writes_arguments_as_text_gets_them_as_the_models_text() -> None:
+    src = (
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{{ '>>>' + c.function.name + '\\n' + c.function.arguments }}{% endfor %}{% endfor %}"
+    )
+    t = ChatTemplate(src, "x")
+    assert t.string_arguments
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": RawJSON('{"a":  1}')}}
+    msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    assert render(t, msgs) == '>>>f\n{"a":  1}'
+    assert not chat_format("Qwen-Qwen2.5-7B-Instruct").template.string_arguments

@@ -118,8 +118,9 @@ def test_an_unknown_field_is_a_hint_and_counted_unless_strict(api: str, submit: 
 def test_known_hints_pass_even_strict() -> None:
     policy = Policy("chat", strict=True)
     body = {"messages": USER, "user": "u", "metadata": {"k": "v"}, "prompt_cache_key": "p", "reasoning_effort": "low"}
-    chat_submit(body, "r", policy)
-    assert sorted(policy.ignored) == ["metadata", "prompt_cache_key", "reasoning_effort", "user"]
+    sub, _, _ = chat_submit(body, "r", policy)
+    assert sorted(policy.ignored) == ["metadata", "prompt_cache_key", "user"]
+    assert sub.chat_template_kwargs == {"reasoning_effort": "low", "enable_thinking": True}  # (honoured: it reaches the template)
 
 
 def test_nested_unknown_fields_are_named_by_pattern() -> None:
@@ -194,7 +195,7 @@ def test_codex_request_is_served_with_its_hints_named() -> None:
     sub, stream, asked = responses.responses_submit(codex_body(), "r", policy)
     assert stream and [t.name for t in sub.tools or []] == ["shell", "mcp__docs__search"]
     assert [m.role for m in sub.messages or []] == ["system", "developer", "user"]
-    assert sub.chat_template_kwargs == {"enable_thinking": True}
+    assert sub.chat_template_kwargs == {"reasoning_effort": "medium", "enable_thinking": True}
     assert set(policy.ignored) >= {
         "store",
         "include",
@@ -225,6 +226,10 @@ def test_a_namespaced_call_in_the_history_renders_as_offered() -> None:
 def test_reasoning_effort_none_turns_thinking_off() -> None:
     sub, _, _ = responses.responses_submit(codex_body(reasoning={"effort": "none"}), "r")
     assert sub.chat_template_kwargs == {"enable_thinking": False}
+    sub, _, _ = responses.responses_submit(codex_body(reasoning={"effort": "high"}), "r")
+    assert sub.chat_template_kwargs == {"reasoning_effort": "high", "enable_thinking": True}
+    sub, _, _ = chat_submit({"messages": USER, "reasoning_effort": "none", "chat_template_kwargs": {"x": 1}}, "r")
+    assert sub.chat_template_kwargs == {"x": 1, "enable_thinking": False}
 
 
 @pytest.mark.parametrize("field", ["previous_response_id", "conversation", "background"])

@@ -148,7 +148,7 @@ def test_sampling_and_template_fields() -> None:
                  deadline_ms=500, reasoning={"effort": "low"})  # fmt: skip
     s = sub.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.min_p, s.logprobs) == (64, 0.2, 0.9, 5, 0.05, 3)
-    assert (sub.deadline_ms, sub.chat_template_kwargs) == (500, {"enable_thinking": True})
+    assert (sub.deadline_ms, sub.chat_template_kwargs) == (500, {"reasoning_effort": "low", "enable_thinking": True})
     sub = submit(input="hi", reasoning={"effort": "none"}, chat_template_kwargs={"enable_thinking": True, "x": 1})
     assert sub.chat_template_kwargs == {"enable_thinking": True, "x": 1}  # the explicit kwargs win
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from kvroute.model import resolve_model
@@ -128,3 +129,20 @@ def test_only_the_most_recent_heads_are_kept(vocab: Vocab) -> None:
     assert pt.reused_tokens == before
     assert pt.tokenize(prompts[3] + "x", True).tolist() == vocab.tokenize(prompts[3] + "x")  # kept: reused
     assert pt.reused_tokens > before
+
+
+def test_a_remembered_reply_comes_back_with_the_tokens_the_model_wrote(vocab: Vocab) -> None:
+    """The next turn's prompt holds the reply as the template writes it back: its head is the prompt's tokens and the
+    reply's own (spelled here letter by letter, which re-tokenizing the text would not give); the rest is tokenized."""
+    pt = PromptTokenizer(vocab)
+    prompt = turn("user", "Say hello.") + "<start_of_turn>model\n"
+    first = pt.tokenize(prompt, True)
+    spelled = np.asarray([t for ch in "Hello there" for t in vocab.tokenize(ch, add_special=False)], dtype=np.int32)
+    assert spelled.tolist() != vocab.tokenize("Hello there", add_special=False)
+    pt.remember(prompt, True, first, spelled)
+    following = prompt + "Hello there<end_of_turn>\n" + turn("user", "Again.") + "<start_of_turn>model\n"
+    got = pt.tokenize(following, True).tolist()
+    assert got[: len(first) + len(spelled)] == first.tolist() + spelled.tolist()
+    assert vocab.detokenize(got[1:]) == following and pt.remembered == 1
+    other = prompt + "Hello there!<end_of_turn>\n"  # (the text differs from the reply's: tokenized as usual)
+    assert pt.tokenize(other, True).tolist() == vocab.tokenize(other)
