@@ -3,7 +3,10 @@ the longest wait of `/v1/models` (answered from the serve process's one event lo
 and the longest gap between the stream's tokens; then whether a normal request is still served, and the serve
 process's memory.
 
-    python -m bench.hostile [--case NAME ...] [--repeats N]
+    python -m bench.hostile [--case NAME ...] [--repeats N] [--source DIR]
+
+`--source` serves from another checkout (a commit before the fixes, for a baseline; this environment's packages):
+`python -m commands.cli` runs in that directory, so its modules are the ones imported.
 
 Each case is sent `repeats` times (a case with `times` sends that many requests at once each repeat). The figures
 are wall-clock times on a shared machine: noisy, the spread over the repeats is printed.
@@ -164,6 +167,7 @@ def main() -> None:
     ap.add_argument("--case", action="append", help="a case's name (default: all)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--log", default=None)
+    ap.add_argument("--source", default=None, help="serve from this checkout instead (a baseline)")
     args = ap.parse_args()
     cases = [c for c in CASES if not args.case or c.name in args.case]
     port = free_port()
@@ -174,7 +178,7 @@ def main() -> None:
            "--worker-endpoint", workers, "--workers", "1", "--slots", "4", "--ctx-per-slot", "4096",
            "--threads", "1"]  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # (the server is stopped on the way out)
-    proc = start(cmd, log)
+    proc = start(cmd, log, cwd=args.source)
     try:
         wait_ready(url, proc, log, CHAT, chat())
         print(f"serve pid {proc.pid}, log {log}; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")

@@ -13,9 +13,10 @@ from typing import Any
 import httpx
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+def start(cmd: list[str], log: Path, cwd: str | Path | None = None) -> subprocess.Popen[bytes]:
+    """`cmd` in its own session, its output appended to `log`; `cwd`: another checkout whose modules it runs."""
     with open(log, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
 
 
 def wait_ready(
