@@ -170,17 +170,31 @@ def _fields(struct: mi.StructType, at: str, seen: frozenset[type], depth: int) -
                 yield p, w or where, kind
 
 
-def _request_types() -> dict[str, tuple[str, list[Any]]]:
-    """Each API of gateway/fields.py: its endpoint and the request types its body is decoded as."""
+def _request_types() -> dict[str, tuple[str, list[tuple[str, Any]]]]:
+    """Each API of gateway/fields.py: its endpoint, and the types its body is decoded as: (where, type), where '' is
+    the body and `tools[]` each element of its `tools` (parts the gateway decodes on their own)."""
     from gateway import anthropic, embeddings, openai_types, rerank, responses
 
     return {
-        "chat": ("`POST /v1/chat/completions`", [openai_types.ChatRequest]),
-        "completions": ("`POST /v1/completions`", [openai_types.CompletionRequest]),
-        "responses": ("`POST /v1/responses`", [responses.ResponsesRequest]),
-        "messages": ("`POST /v1/messages` (`/v1/messages/count_tokens`)", [anthropic.MessagesRequest]),
-        "embeddings": ("`POST /v1/embeddings`", [embeddings.EmbeddingsBody]),
-        "rerank": (", ".join(f"`POST {p}`" for p in rerank.RERANK_PATHS), [rerank.RerankBody]),
+        "chat": ("`POST /v1/chat/completions`", [("", openai_types.ChatRequest)]),
+        "completions": ("`POST /v1/completions`", [("", openai_types.CompletionRequest)]),
+        "responses": (
+            "`POST /v1/responses`",
+            [
+                ("", responses.ResponsesRequest),
+                ("input[]", responses.EasyMessage),
+                ("input[]", responses.Item),
+                ("tools[]", responses.FunctionTool),
+                ("tools[]", responses.NamespaceTool),
+                ("tools[].tools[]", responses.FunctionTool),
+            ],
+        ),
+        "messages": (
+            "`POST /v1/messages` (`/v1/messages/count_tokens`)",
+            [("", anthropic.MessagesRequest), ("tools[]", anthropic.ToolDef)],
+        ),
+        "embeddings": ("`POST /v1/embeddings`", [("", embeddings.EmbeddingsBody)]),
+        "rerank": (", ".join(f"`POST {p}`" for p in rerank.RERANK_PATHS), [("", rerank.RerankBody)]),
     }
 
 
@@ -204,10 +218,22 @@ def field_tables() -> Iterator[str]:
         yield "| field | class | type, or why |"
         yield "| --- | --- | --- |"
         refused, hints = REFUSED[api], set(HINTS[api])
-        for kind in kinds:
-            for path, where, type_name in _fields(mi.type_info(kind), "", frozenset({kind}), 0):  # type: ignore[arg-type]
-                if path not in hints and path.split(".")[0].split("[")[0] not in refused:
-                    shown = f"`{path}` ({where})" if where else f"`{path}`"
+        listed: set[str] = set()
+        for at, kind in kinds:
+            for struct in _structs(mi.type_info(kind)):
+                tagged = (
+                    ""
+                    if not at
+                    else f"{at} with {struct.tag_field} `{struct.tag}`"
+                    if struct.tag_field
+                    else f"{at} as {struct.cls.__name__}"
+                )
+                prefix = f"{at}." if at else ""
+                for path, where, type_name in _fields(struct, prefix, frozenset({struct.cls}), 0):
+                    shown = f"`{path}` ({where or tagged})" if where or tagged else f"`{path}`"
+                    if path in hints or path.split(".")[0].split("[")[0] in refused or shown in listed:
+                        continue
+                    listed.add(shown)
                     yield f"| {_cell(shown)} | honoured | {_cell(type_name)} |"
         if api in generating:
             for name, why in _READ_FIRST.items():
