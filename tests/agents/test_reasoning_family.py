@@ -39,7 +39,9 @@ def agent_words() -> list[str]:
     """Each word of the agents' recorded requests (tests/fixtures/agents), once."""
     words: dict[str, None] = {}
     for name in AGENTS:
-        for path in sorted((FIXTURES / f"{name}-{CLIENTS[name].version}").glob("*.json")):
+        recorded = sorted((FIXTURES / f"{name}-{CLIENTS[name].version}").glob("*.json"))
+        assert recorded, f"no recorded requests of {name} {CLIENTS[name].version} (tests/agents/real_agents.py records them)"
+        for path in recorded:
             words |= dict.fromkeys(re.findall(r"[A-Za-z]+", path.read_text()))
     return list(words)
 
