@@ -77,7 +77,7 @@ def chat_model(
     embedding a long step along a dimension of its own and the next entry's output row along the same, so every
     sampler follows it (a real client's agent loop, run on noise, needs a reply that ends).
     `words`: more words made one token each (with and without a space before), as a real vocabulary covers the text
-    it is given (a real agent's system prompt is 170k tokens spelled byte by byte)."""
+    it is given (Claude Code's system prompt and tools are 44k tokens spelled byte by byte, 14k with its words)."""
     source = (TEMPLATES / f"{template}.jinja").read_text()
     rng = np.random.default_rng(seed)
     alphabet = _bytes_to_unicode()

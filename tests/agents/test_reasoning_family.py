@@ -2,7 +2,7 @@
 (issue 47). One `kvroute serve` holds a tiny random-weight GGUF with Qwen 3's template (hermes calls, `<think>` that
 the model opens itself), whose weights are made to write `<think>the weather</think>paris<|im_end|>` after any prompt
 (bench/tiny_chat.py's `says`: noise would never close its thinking nor end its turn), and whose vocabulary has a token
-for each word of the agents' recorded requests (byte by byte, Claude Code's prompt is 50k tokens; so, 15k).
+for each word of the agents' recorded requests (Claude Code's prompt, 44k tokens byte by byte, is 14k so).
 
 Each agent runs two turns through the capture proxy. From the traffic: turn 1's reply carried the reasoning as the API's
 reasoning object (Anthropic `thinking` block, Responses reasoning item) and only the answer as reply text; the agent
