@@ -29,6 +29,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}}}]  # fmt: skip
 KWARGS = {"enable_thinking": False, "thinking": False, "thinking_budget": 0}
 USER = [{"role": "user", "content": "weather in paris?"}]
+CTX = 8192
 
 
 def forced_call(url: str, model: str) -> dict[str, Any]:
@@ -66,6 +67,8 @@ def forced_call(url: str, model: str) -> dict[str, Any]:
                     "max_tokens": 2, "temperature": 0, "chat_template_kwargs": KWARGS}, timeout=300).json()  # fmt: skip
     turn1 = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
     out.update(turn1=turn1, prompt1=usage.get("prompt_tokens", 0), reused=r2.get("timings", {}).get("cache_n"))
+    if isinstance(r2.get("error"), dict):  # (llama-server answers 500 to a turn 2 whose noise its parser cannot read)
+        out["turn2_error"] = str(r2["error"].get("message"))[:70]
     return out
 
 
@@ -74,7 +77,7 @@ def kvroute_rows(paths: dict[str, Path], log: Path) -> dict[str, dict[str, Any]]
     from served import Served
 
     flags = [f for name, p in paths.items() for f in ("--model", f"{name}={p}")]
-    s = Served(*flags, "--ctx-per-slot", "8192", "--slots", "2", "--threads", "1", log=log)
+    s = Served(*flags, "--ctx-per-slot", str(CTX), "--slots", "2", "--threads", "1", log=log)
     try:
         return {name: forced_call(s.url, name) for name in paths}
     finally:
@@ -86,7 +89,7 @@ def llama_server_rows(paths: dict[str, Path]) -> dict[str, dict[str, Any]]:
     rows = {}
     for name, path in paths.items():
         port = 18190
-        proc = subprocess.Popen([str(binary), "-m", str(path), "--jinja", "--port", str(port), "-c", "8192", "-np", "1",
+        proc = subprocess.Popen([str(binary), "-m", str(path), "--jinja", "--port", str(port), "-c", str(CTX), "-np", "1",
                                  "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         try:
             url = f"http://127.0.0.1:{port}"
@@ -111,12 +114,15 @@ def cell(row: dict[str, Any]) -> list[str]:
     if not row.get("call"):
         return ["no (" + (row.get("error") or f"finish {row.get('finish')}") + ")", "-", "-"]
     reuse = f"{row['reused']} of {row['turn1']} (prompt {row['prompt1']})" if row.get("reused") is not None else "?"
+    if row.get("turn2_error"):
+        reuse = f"? (turn 2: {row['turn2_error']})"
     return ["yes", str(max(row["pieces"] - 1, 0)), reuse]
 
 
 def main(names: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {n: chat_model(Path(tmp) / f"{n}.gguf", FAMILIES[n]) for n in names}
+        # (a context as long as both servers are given: llama-server caps a slot at the model's own)
+        paths = {n: chat_model(Path(tmp) / f"{n}.gguf", FAMILIES[n], n_ctx=CTX) for n in names}
         ours = kvroute_rows(paths, Path(tmp) / "serve.log")
         theirs = llama_server_rows(paths)
     head = ["family", "kvroute: call", "arg pieces", "turn 2 reused", "llama-server: call", "arg pieces", "turn 2 reused"]

@@ -14,6 +14,7 @@ noise; forced by a grammar, it writes a call as the family's syntax says.
 # ruff: noqa: RUF001 (DeepSeek's markers are written with fullwidth bars)
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 from pathlib import Path
@@ -66,12 +67,21 @@ def chat_model(
     n_head: int = 4,
     n_head_kv: int = 2,
     head_dim: int = 16,
+    says: list[str] | None = None,
+    words: list[str] | None = None,
 ) -> Path:
-    """A tiny GGUF with the vendored template `template` (a file stem of tests/fixtures/templates)."""
+    """A tiny GGUF with the vendored template `template` (a file stem of tests/fixtures/templates).
+
+    `says`: vocabulary entries (byte-level spelling: "Ċ" is a newline, "Ġ" a space) the model writes one after the
+    other once its prompt ends with the first, whatever came before: a chain through the random weights, each entry's
+    embedding a long step along a dimension of its own and the next entry's output row along the same, so every
+    sampler follows it (a real client's agent loop, run on noise, needs a reply that ends).
+    `words`: more words made one token each (with and without a space before), as a real vocabulary covers the text
+    it is given (Claude Code's system prompt and tools are 44k tokens spelled byte by byte, 14k with its words)."""
     source = (TEMPLATES / f"{template}.jinja").read_text()
     rng = np.random.default_rng(seed)
     alphabet = _bytes_to_unicode()
-    merged, merges = _word_merges(alphabet, WORDS)
+    merged, merges = _word_merges(alphabet, WORDS + (words or []))
     marks = [m for m in markers(source) if m not in alphabet + merged]
     bos, eos = "<s>", next((m for m in marks if m in END_OF_TURN), "</s>")
     specials = [bos, *([eos] if eos not in marks else []), *marks]
@@ -101,9 +111,13 @@ def chat_model(
         w.add_tensor(name, np.ones(n, dtype=np.float32))
 
     n_vocab = len(tokens)
-    t("token_embd.weight", n_vocab, n_embd, scale=1.0)
+    embd = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
+    out = (rng.standard_normal((n_vocab, n_embd)) * 0.3).astype(np.float32)
+    if says:
+        chain(tokens, says, embd, out)
+    w.add_tensor("token_embd.weight", embd)
     ones("output_norm.weight", n_embd)
-    t("output.weight", n_vocab, n_embd, scale=0.3)
+    w.add_tensor("output.weight", out)
     for i in range(n_layer):
         ones(f"blk.{i}.attn_norm.weight", n_embd)
         t(f"blk.{i}.attn_q.weight", n_head * head_dim, n_embd)
@@ -118,6 +132,20 @@ def chat_model(
         t(f"blk.{i}.ffn_down.weight", n_embd, n_ff)
     _write(w)
     return path
+
+
+def chain(tokens: list[str], says: list[str], embd: np.ndarray, out: np.ndarray) -> None:
+    """Makes each entry of `says` the next token after the one before it (see chat_model)."""
+    missing = [s for s in says if s not in tokens]
+    if missing or len(set(says)) != len(says) or len(says) > embd.shape[1]:
+        raise ValueError(f"a chain names distinct vocabulary entries, at most one per dimension: {says} (missing: {missing})")
+    for dim, (a, b) in enumerate(itertools.pairwise(says)):
+        # 100 along one dimension outweighs what two layers add to the residual; after the RMS norm the next entry's
+        # logit is about 10 * sqrt(n_embd), the others' a few units
+        embd[tokens.index(a)] = 0.0
+        embd[tokens.index(a), dim] = 100.0
+        out[tokens.index(b)] = 0.0
+        out[tokens.index(b), dim] = 10.0
 
 
 if __name__ == "__main__":

@@ -4,12 +4,14 @@ Every request is forwarded to `upstream` unchanged (less hop-by-hop headers) and
 unchanged, chunk by chunk, as it arrives. Each exchange is recorded to `out_dir/NNN.json`:
 
     {"n", "method", "path" (with the query), "headers" (the credentials REDACTED), "body" (the JSON, or the text),
-     "response": {"status", "ttfb_s", "ttft_s", "total_s", "longest_silence_s", "usage", "error"}}
+     "response": {"status", "ttfb_s", "ttft_s", "total_s", "longest_silence_s", "usage", "error", "reasoning", "text"}}
 
 `ttfb_s` is when the first byte of the reply came, `ttft_s` when the first generated text or tool call came
 (an SSE delta, or the whole body of a reply that does not stream), `usage` is what the server said it counted
 (Anthropic `usage`, OpenAI chat `usage`, Responses `response.usage`), `timings` llama-server's figures where the
-reply has them (a stream that did not ask for its usage still does), `error` the body of a reply >= 400.
+reply has them (a stream that did not ask for its usage still does), `error` the body of a reply >= 400, `reasoning`
+and `text` what the reply carried as the API's reasoning object (Anthropic `thinking`, Responses reasoning items, Chat
+`reasoning_content`) and as its reply text (the first TEXT_KEPT characters of each).
 
 Run alone:  python tests/agents/capture.py --upstream http://127.0.0.1:8000 --out /tmp/cap [--port 0]
 """
@@ -55,6 +57,7 @@ TOKEN_EVENTS = (
     "response.function_call_arguments.delta",
     "response.reasoning_text.delta",
 )
+TEXT_KEPT = 4000
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
 REPLY_DROP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"}
 
@@ -78,6 +81,11 @@ class ReplyWatch:
         self._whole = bytearray()
         self.silence = 0.0  # the longest time between two chunks of the reply (after its first)
         self._last = 0.0
+        self.said = {"reasoning": "", "text": ""}  # what the reply carried as reasoning and as text
+
+    def _said(self, kind: str, piece: Any) -> None:
+        if isinstance(piece, str) and len(self.said[kind]) < TEXT_KEPT:
+            self.said[kind] += piece
 
     def feed(self, chunk: bytes) -> None:
         now = time.monotonic() - self.start
@@ -115,6 +123,8 @@ class ReplyWatch:
                     token = True
         if token and self.ttft is None:
             self.ttft = now
+        with contextlib.suppress(AttributeError, TypeError):  # (an event of another shape is the client's to judge)
+            self._content(ev)
         # usage, wherever this API puts it; later events add to (and override) earlier ones
         if kind == "message_start":
             self.usage.update((ev.get("message") or {}).get("usage") or {})
@@ -128,6 +138,36 @@ class ReplyWatch:
             self.timings = ev["timings"]
         if kind == "error" or (kind is None and "error" in ev):
             self.usage.setdefault("_stream_error", ev.get("error"))
+
+    def _content(self, ev: dict[str, Any]) -> None:
+        """The reasoning and the text a streamed event carries, whatever the API."""
+        kind = ev.get("type")
+        delta = ev.get("delta")
+        if kind == "content_block_delta" and isinstance(delta, dict):  # Anthropic
+            self._said("reasoning", delta.get("thinking"))
+            self._said("text", delta.get("text"))
+        elif kind in ("response.reasoning_text.delta", "response.reasoning_summary_text.delta"):
+            self._said("reasoning", delta)
+        elif kind == "response.output_text.delta":
+            self._said("text", delta)
+        elif isinstance(ev.get("choices"), list):  # OpenAI chat
+            for choice in ev["choices"]:
+                d = choice.get("delta") or {}
+                self._said("reasoning", d.get("reasoning_content"))
+                self._said("text", d.get("content"))
+
+    def _body_content(self, body: dict[str, Any]) -> None:
+        """The reasoning and the text of a reply that did not stream."""
+        for block in body.get("content") or [] if body.get("type") == "message" else []:  # Anthropic
+            self._said("reasoning", block.get("thinking"))
+            self._said("text", block.get("text"))
+        for item in body.get("output") or []:  # Responses
+            for part in (item.get("content") or []) + (item.get("summary") or []):
+                self._said("reasoning" if item.get("type") == "reasoning" else "text", part.get("text"))
+        for choice in body.get("choices") or []:  # OpenAI chat
+            message = choice.get("message") or {}
+            self._said("reasoning", message.get("reasoning_content"))
+            self._said("text", message.get("content"))
 
     def finish(self) -> dict[str, Any]:
         total = time.monotonic() - self.start
@@ -143,11 +183,15 @@ class ReplyWatch:
                 self.usage.update(body["usage"])
             if isinstance(body, dict) and isinstance(body.get("timings"), dict):
                 self.timings = body["timings"]
+            if isinstance(body, dict) and self.status < 400:
+                with contextlib.suppress(AttributeError, TypeError):
+                    self._body_content(body)
             self.ttft = total if self.status < 400 else None
         out["ttft_s"] = _r(self.ttft)
         out["usage"] = self.usage or None
         out["timings"] = self.timings
         out["error"] = body if self.status >= 400 else None
+        out |= self.said
         return out
 
 
