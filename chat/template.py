@@ -154,6 +154,7 @@ class ChatTemplate:
             raise ValueError(f"chat template {name} does not compile: {type(exc).__name__}: {exc}") from None
         self.system_role = self._takes_system()
         self.late_system = self.system_role and self._takes_late_system()
+        self.several_system = self.system_role and self._takes_several_system()
         self.string_arguments = self._takes_string_arguments()
 
     @classmethod
@@ -202,6 +203,17 @@ class ChatTemplate:
         except Exception:
             return False
 
+    def _takes_several_system(self) -> bool:
+        """Whether the template renders two system messages at the start (Qwen 3.5's raises "System message must be at
+        the beginning." at the second; Codex sends two developer messages): probed once."""
+        probes = "\x01first-system-probe\x01", "\x01second-system-probe\x01"
+        msgs = [{"role": "system", "content": p} for p in probes] + [{"role": "user", "content": "u"}]
+        try:
+            text = self._render(msgs, None, True, {})
+        except Exception:
+            return False
+        return all(p in text for p in probes)
+
     def _takes_string_arguments(self) -> bool:
         """Whether the template writes a call's arguments as text (`'...' + arguments`) and fails on an object, where
         it renders the same call given its arguments as a JSON string: probed once."""
@@ -249,13 +261,17 @@ class ChatTemplate:
 
         System messages are folded into the first user message when the template does not take them (as
         llama-server does), and those after the first non-system message when it takes them only first (Claude Code
-        and Codex put some there). Raises TemplateError quoting the template's own message."""
+        and Codex put some there); the ones at the start become one where the template takes a single one (Codex's
+        two developer messages). Raises TemplateError quoting the template's own message."""
         if self.string_arguments:
             messages = string_arguments(messages)
         if not self.system_role:
             messages = fold_system(messages)
-        elif not self.late_system:
-            messages = fold_late_system(messages)
+        else:
+            if not self.several_system:
+                messages = merge_leading_system(messages)
+            if not self.late_system:
+                messages = fold_late_system(messages)
         try:
             text = self._render(messages, tools, add_generation_prompt, kwargs or {})
         except (TemplateError, DeadlinePassed):
@@ -295,6 +311,17 @@ def fold_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if pending:
         out.append({"role": "user", "content": pending.rstrip()})
     return out
+
+
+def merge_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system messages before the conversation's first other message, as one (their texts joined by a blank line)."""
+    head = 0
+    while head < len(messages) and messages[head]["role"] == "system":
+        head += 1
+    if head < 2:
+        return messages
+    text = "\n\n".join(str(m.get("content") or "") for m in messages[:head])
+    return [{**messages[0], "content": text}, *messages[head:]]
 
 
 def fold_late_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

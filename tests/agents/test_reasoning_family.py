@@ -108,13 +108,9 @@ def test_reasoning_passes_through_the_agent_and_turn_2_reuses_turn_1(name: str, 
     assert reused >= first, (reused, first, main[1]["response"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Codex sends its instructions as two developer messages, which become two system messages, and Qwen 3.5's "
-    "template raises 'System message must be at the beginning.' at the second: every Codex request to a Qwen 3.5 model "
-    "is a 400 (llama-server maps developer to system the same way); leading system messages merged into one would serve it",
-)
 def test_codex_requests_render_with_qwen35(thinking_server: Served) -> None:
+    """Codex sends its instructions as two developer messages (two system messages); Qwen 3.5's template raises "System
+    message must be at the beginning." at the second, so they are merged into one (chat/template.py)."""
     body = json.loads((FIXTURES / f"codex-{CLIENTS['codex'].version}" / "001.json").read_text())["body"]
     body |= {"model": QWEN35, "stream": False}
     r = httpx.post(f"{thinking_server.url}/v1/responses", json=body, headers=thinking_server.headers, timeout=300)

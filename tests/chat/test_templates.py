@@ -125,6 +125,19 @@ def test_a_late_system_message_is_folded_in_order_where_the_template_takes_one_o
     assert text.startswith(turn_one)
 
 
+def test_system_messages_at_the_start_become_one_where_the_template_takes_a_single_one() -> None:
+    """Codex sends two developer messages first; Qwen 3.5's template raises at a second system message."""
+    qwen35 = chat_format("Qwen3.5-4B").template
+    assert qwen35.system_role and not qwen35.several_system
+    two = [{"role": "developer", "content": "Rules."}, {"role": "developer", "content": "More rules."}]
+    messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in two]
+    text = render(qwen35, [*messages, {"role": "user", "content": "Hi"}])
+    assert "<|im_start|>system\nRules.\n\nMore rules.<|im_end|>\n<|im_start|>user\nHi" in text
+    qwen = chat_format("Qwen-Qwen2.5-7B-Instruct").template  # takes both: rendered as they stand
+    assert qwen.several_system
+    assert "Rules.<|im_end|>\n<|im_start|>system\nMore rules." in render(qwen, [*messages, {"role": "user", "content": "Hi"}])
+
+
 def test_a_template_that_takes_late_system_messages_renders_them_where_they_stand() -> None:
     qwen = chat_format("Qwen-Qwen2.5-7B-Instruct").template
     assert qwen.late_system
