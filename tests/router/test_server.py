@@ -287,10 +287,10 @@ def test_heartbeat_disagreeing_with_the_mirror_is_a_mismatch(fake_router, vocab)
     w.close()
 
 
-def test_a_long_text_is_tokenized_while_the_router_keeps_serving(fake_router, vocab):
+def test_a_long_text_is_tokenized_while_the_router_keeps_serving(patient_router, vocab):
     """A prompt of ~400 kB takes the tokenizer a quarter of a second or more: the router answers others meanwhile,
     and a cancel that arrives first ends it for good."""
-    _rt, cep, wep = fake_router
+    _rt, cep, wep = patient_router
     w = FakeWorker(wep, "w0", vocab, slots=1)
     w.hello()
     c = RawClient(cep)
