@@ -11,7 +11,7 @@ import pytest
 
 from kvroute.model import resolve_model
 from kvroute.vocab import Vocab
-from router.prompt_tokens import PromptTokenizer
+from router.prompt_tokens import Overlaps, PromptTokenizer
 
 pytestmark = pytest.mark.model
 
@@ -146,3 +146,24 @@ def test_a_remembered_reply_comes_back_with_the_tokens_the_model_wrote(vocab: Vo
     assert vocab.detokenize(got[1:]) == following and pt.remembered == 1
     other = prompt + "Hello there!<end_of_turn>\n"  # (the text differs from the reply's: tokenized as usual)
     assert pt.tokenize(other, True).tolist() == vocab.tokenize(other)
+
+
+def test_which_special_texts_overlap_others_as_a_pairwise_comparison_says() -> None:
+    """Overlaps (an index, made once) says what comparing each text with every other one says: whether another
+    contains it, starts inside it or ends inside it (a long text compared one by one)."""
+
+    def pairwise(s: str, texts: list[str]) -> bool:
+        return not any(
+            t and t != s and (s in t or any(t.startswith(s[k:]) or t.endswith(s[:k]) for k in range(1, len(s))))
+            for t in texts
+        )
+
+    rng = random.Random(7)
+    texts = ["<end_of_turn>", "<start_of_turn>", "<eos>", "turn>x", "<start", "aa", "a", "<|im_end|>", "|im", "x" * 80]
+    texts += ["".join(rng.choice("cdefgh") for _ in range(rng.randint(2, 6))) for _ in range(300)]
+    index = Overlaps(texts)
+    verdicts = [index.alone(s) for s in texts]
+    assert verdicts == [pairwise(s, texts) for s in texts]
+    assert True in verdicts and False in verdicts
+    assert not index.alone("<start_of_turn>")  # "<start" is inside it
+    assert index.alone("<|im_end|>") is pairwise("<|im_end|>", texts)
