@@ -154,8 +154,7 @@ def test_which_special_texts_overlap_others_as_a_pairwise_comparison_says() -> N
 
     def pairwise(s: str, texts: list[str]) -> bool:
         return not any(
-            t and t != s and (s in t or any(t.startswith(s[k:]) or t.endswith(s[:k]) for k in range(1, len(s))))
-            for t in texts
+            t and t != s and (s in t or any(t.startswith(s[k:]) or t.endswith(s[:k]) for k in range(1, len(s)))) for t in texts
         )
 
     rng = random.Random(7)
