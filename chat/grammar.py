@@ -2,7 +2,7 @@
 
 llguidance compiles JSON Schemas itself (`%json {...}` inside Lark) and converts GBNF, so kvroute writes no
 schema converter; it computes a token mask in tens of microseconds where llama.cpp's grammar sampler takes tens
-of milliseconds over Gemma's 262k-token vocabulary (README, "Structured output").
+of milliseconds over Gemma's 262k-token vocabulary (docs/models.md, "Tool calls and structured output").
 
 | request | grammar | when it starts |
 | --- | --- | --- |

@@ -10,7 +10,7 @@
   naming the field.
 
 Fields are named by pattern: `tools[].defer_loading` is that field in any element of `tools`.
-README's "Request fields" table is this module written out.
+docs/apis.md's "Request fields" table and docs/reference.md (generated) are this module written out.
 """
 
 from __future__ import annotations
@@ -298,5 +298,5 @@ class Policy:
 
 
 def table() -> dict[str, dict[str, list[str]]]:
-    """The hints and refusals of every API (for the README and tests)."""
+    """The hints and refusals of every API (for docs/reference.md and tests)."""
     return {api: {"hints": list(HINTS[api]), "refused": list(REFUSED[api])} for api in HINTS}

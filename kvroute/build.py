@@ -5,7 +5,7 @@ Standard library only: `scripts/setup` runs this file before the virtual environ
     python kvroute/build.py ensure --python .venv/bin/python   # install the right build into that environment
     python kvroute/build.py show                                # the flags, the key and the cache directory
 
-The rule (README, "The llama.cpp build"):
+The rule (docs/setup.md, "The llama.cpp build"):
 - llama.cpp is built with `GGML_NATIVE` (llama-cpp-python's default): the instructions of the CPU it is built on.
 - On x86-64, AMX is always compiled out (`-mno-amx-tile -mno-amx-int8 -mno-amx-bf16`). llama.cpp's AMX kernels
   fault at their first tile instruction on common Sapphire Rapids and later Xeons (llama.cpp issue 20824: the

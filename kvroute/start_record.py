@@ -1,6 +1,6 @@
 """A worker's record of its own starts, read by its next start and by the supervisor that runs it.
 
-A llama.cpp built for the wrong CPU (llama.cpp's AMX kernels on some Xeons: README, "The llama.cpp build") does not
+A llama.cpp built for the wrong CPU (llama.cpp's AMX kernels on some Xeons: docs/setup.md, "The llama.cpp build") does not
 fail a call: it kills the process with a signal at its first matrix product. A worker therefore loads its model and
 decodes a few tokens (worker/startcheck.py) before it says hello, each stage inside `StartRecord.stage`.
 
@@ -33,7 +33,7 @@ CRASH_LIMIT = 3
 ADVICE = (
     "if other models run on this machine, this model file is the likely cause (llama.cpp aborts on a tensor or "
     "operation it cannot run: the worker's last log lines name it); else rebuild llama-cpp-python for this machine "
-    "with ./scripts/setup (README, 'The llama.cpp build'); if that does not help, run `kvroute doctor` and paste its "
+    "with ./scripts/setup (docs/setup.md, 'The llama.cpp build'); if that does not help, run `kvroute doctor` and paste its "
     "report into a bug report"
 )
 STAGES = {"load": "while loading the model", "first_decode": "in its first decode"}
