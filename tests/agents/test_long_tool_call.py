@@ -12,18 +12,20 @@ longest silence in its stream (the proxy's reads) stayed under IDLE_S."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from capture import CaptureProxy
-from real_agents import API_KEY, CLIENTS, Conversation
+from real_agents import API_KEY, CLIENTS, SERVE_FLAGS, Conversation
 from served import Served
 
 pytestmark = pytest.mark.model
 
 MODEL = "gemma-3-270m-q4_k_m"
 LONG_CHARS = 2500  # about 700 tokens of the default model's
+MAX_TOKENS = 4096  # (at least one token a character of the longest call the schema allows)
 IDLE_S = 20
 FORCED = {"claude-code": ("Write", "content"), "codex": ("exec_command", "cmd")}
 PROMPT = "Write a long essay (a few thousand words) about rivers into the file essay.md."
@@ -37,8 +39,10 @@ def forcing(name: str) -> Any:
 
     def rewrite(path: str, body: dict[str, Any]) -> dict[str, Any]:
         tools = body.get("tools") or []
-        if done or not any((t.get("name") or t.get("function", {}).get("name")) == tool for t in tools):
+        if not any((t.get("name") or t.get("function", {}).get("name")) == tool for t in tools):
             return body
+        if done:  # the long call was answered: the rest of the turn is the default model's noise, so it is ended
+            return ending(name, body)
         done.append(True)
         body = json.loads(json.dumps(body))
         for t in body["tools"]:
@@ -46,6 +50,7 @@ def forcing(name: str) -> Any:
                 continue
             schema = t.get("input_schema") or t.get("parameters") or t["function"]["parameters"]
             schema["properties"][param]["minLength"] = LONG_CHARS
+            schema["properties"][param]["maxLength"] = LONG_CHARS + 500  # (then it ends, within the server's cap)
         if name == "claude-code":
             body["tool_choice"] = {"type": "tool", "name": tool}
         else:
@@ -56,12 +61,39 @@ def forcing(name: str) -> Any:
     return rewrite
 
 
+DONE = {"type": "string", "enum": ["done"]}
+
+
+def ending(name: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A request after the long call (its result sent back) made to end the turn: no tool, a one-word reply (the 270M
+    model, left alone, writes call-like text until the output cap, and the agent resumes it for many minutes)."""
+    body = json.loads(json.dumps(body))
+    if name == "claude-code":
+        body["tool_choice"] = {"type": "none"}
+        body["output_config"] = {**(body.get("output_config") or {}), "format": {"type": "json_schema", "schema": DONE}}
+    else:
+        body["tool_choice"] = "none"
+        body["text"] = {**(body.get("text") or {}), "format": {"type": "json_schema", "name": "done", "schema": DONE}}
+    body["ended_by_test"] = True  # (a hint: counted, and marks the record)
+    return body
+
+
+@pytest.fixture(scope="module")
+def long_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """The agents' server with room for the long call (theirs caps every reply at 64 tokens)."""
+    flags = list(SERVE_FLAGS)
+    flags[flags.index("--max-tokens") + 1] = str(MAX_TOKENS)
+    s = Served(*flags, api_key=API_KEY, log=tmp_path_factory.mktemp("long-serve") / "serve.log")
+    yield s
+    s.stop()
+
+
 @pytest.mark.parametrize("name", list(FORCED))
-def test_a_long_tool_call_completes_without_a_reconnect(name: str, agent_server: Served, tmp_path: Path) -> None:
+def test_a_long_tool_call_completes_without_a_reconnect(name: str, long_server: Served, tmp_path: Path) -> None:
     client = CLIENTS[name]
     why = client.installed()
     assert why is None, why
-    proxy = CaptureProxy(agent_server.url, tmp_path / f"capture-{name}", rewrite=forcing(name)).start()
+    proxy = CaptureProxy(long_server.url, tmp_path / f"capture-{name}", rewrite=forcing(name)).start()
     try:
         conv = Conversation(client, proxy.url, API_KEY, MODEL, tmp_path)
         if name == "codex":  # give up on a silent stream after IDLE_S, and never send the request again
@@ -76,6 +108,8 @@ def test_a_long_tool_call_completes_without_a_reconnect(name: str, agent_server:
     reply = forced[0]["response"]
     print(json.dumps({"client": name, "rc": turn.rc, "errors": turn.errors, "forced": reply}, indent=1))
     assert reply["status"] == 200 and reply.get("longest_silence_s", 0) < IDLE_S, reply
+    assert (reply.get("usage") or {}).get("output_tokens", 0) >= LONG_CHARS // 8, reply  # the long call, whole
     same = [r for r in turn.requests if r["body"] == forced[0]["body"]]
     assert len(same) == 1
     assert not turn.errors and (turn.rc == 0 or turn.cut), (turn.rc, turn.errors, turn.stderr[-400:])
+    assert any(isinstance(r["body"], dict) and r["body"].get("ended_by_test") for r in turn.requests)  # the call ran
