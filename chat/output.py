@@ -310,6 +310,8 @@ class OutputParser:
                     call.arguments += piece
                     self._args(out, call.index, piece)
                 if end is None:
+                    if final:  # cut off inside its arguments: a cut call, and nothing of the section is reply text
+                        self.open, self.section_end = None, len(buf)
                     return
                 call.args_end = end
             after = end if call.head.whole else f.tail(buf, end)

@@ -1,8 +1,9 @@
 """A chat request, prepared for the model: the prompt text, the constraint on the reply, and how to read the reply.
 
 The history is checked the way the OpenAI API checks it: each tool message answers a call of the assistant
-message before it, every call of an assistant message is answered before the conversation goes on, and call
-arguments are JSON objects. A problem is a ChatError naming the field (`messages[3].tool_call_id`).
+message before it, and every call of an assistant message is answered before the conversation goes on. Call
+arguments that are not a JSON object (a call cut off at max_tokens, sent back as streamed) are rendered as written.
+A problem is a ChatError naming the field (`messages[3].tool_call_id`).
 """
 
 from __future__ import annotations
@@ -144,8 +145,10 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     where = f"messages[{i}].tool_calls[{j}].function.arguments"
                     try:
                         args = RawJSON(call.arguments or "{}")
-                    except (ValueError, RecursionError):  # (json.loads recurses: 10,000 levels pass its limit)
-                        raise ChatError(f"{where} is not a JSON object: {call.arguments[:80]!r}", where) from None
+                    except RecursionError:  # (json.loads recurses: 10,000 levels pass its limit)
+                        raise ChatError(f"{where} nests more than {MAX_NESTING} levels deep", where) from None
+                    except ValueError:  # a call cut off at max_tokens, sent back as it was streamed: kept as written
+                        args = RawJSON.cut(call.arguments)
                     if nesting(args) > MAX_NESTING:
                         raise ChatError(f"{where} nests more than {MAX_NESTING} levels deep", where)
                     d["tool_calls"].append(

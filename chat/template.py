@@ -67,6 +67,14 @@ class RawJSON(dict[str, Any]):
         super().__init__(value)
         self.raw = raw
 
+    @classmethod
+    def cut(cls, raw: str) -> RawJSON:
+        """Arguments that are not a JSON object, as a client sends back a call cut off at max_tokens: an empty mapping
+        for templates that read them, the text as written for `tojson` (so the prompt holds what the model wrote)."""
+        obj = cls("{}")
+        obj.raw = raw
+        return obj
+
 
 def tojson(
     value: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False, ensure_ascii: bool = False

@@ -480,10 +480,50 @@ class Conversation:
         return text
 
 
+DONE = {"type": "string", "enum": ["done"]}
+
+
+def ending(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A model request made to end the turn: no tool call, a one-word reply, in the API of `path`. (The prompt is
+    unchanged: tools render whatever tool_choice says, so what is cached is what it would be.)"""
+    body = json.loads(json.dumps(body))
+    if path.startswith("/v1/messages"):
+        body["tool_choice"] = {"type": "none"}
+        body["output_config"] = {**(body.get("output_config") or {}), "format": {"type": "json_schema", "schema": DONE}}
+    elif path.startswith("/v1/responses"):
+        body["tool_choice"] = "none"
+        body["text"] = {**(body.get("text") or {}), "format": {"type": "json_schema", "name": "done", "schema": DONE}}
+    else:  # Chat Completions
+        body["tool_choice"] = "none"
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "done", "schema": DONE}}
+    body["ended_by_test"] = True  # (a hint: counted, and marks the record)
+    return body
+
+
+def after_tool_result(body: dict[str, Any]) -> bool:
+    """The request sends a tool's result back (the agent ran a call the model wrote), in any of the three APIs."""
+    items = body.get("messages") if "messages" in body else body.get("input")
+    if not isinstance(items, list) or not items or not isinstance(items[-1], dict):
+        return False
+    last = items[-1]
+    if last.get("role") == "tool" or last.get("type") in ("function_call_output", "custom_tool_call_output"):
+        return True
+    content = last.get("content")
+    return isinstance(content, list) and any(isinstance(b, dict) and b.get("type") == "tool_result" for b in content)
+
+
+def one_tool_round(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The proxy's rewrite for the two-turn test: once the agent sends a tool's result back, that request ends the turn.
+    The 270M model answers an agent's prompt with a call (often cut at the 64-token cap); the agent runs it, gets an
+    error back, and the model writes the same call again, at temperature 0 forever (Claude Code made 76 requests in
+    its 900 s). One round trip of a call and its result is served as the client sent it; the loop is not."""
+    return ending(path, body) if after_tool_result(body) else body
+
+
 def run_conversation(
     client: Client, server_url: str, api_key: str, model: str, root: Path
 ) -> tuple[Conversation, list[Turn], CaptureProxy]:
-    proxy = CaptureProxy(server_url, root / f"capture-{client.name}").start()
+    proxy = CaptureProxy(server_url, root / f"capture-{client.name}", rewrite=one_tool_round).start()
     try:
         conv = Conversation(client, proxy.url, api_key, model, root)
         first = conv.turn(1, PROMPT_1, proxy)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from capture import CaptureProxy
-from real_agents import API_KEY, CLIENTS, SERVE_FLAGS, Conversation
+from real_agents import API_KEY, CLIENTS, SERVE_FLAGS, Conversation, ending
 from served import Served
 
 pytestmark = pytest.mark.model
@@ -42,7 +42,7 @@ def forcing(name: str) -> Any:
         if not any((t.get("name") or t.get("function", {}).get("name")) == tool for t in tools):
             return body
         if done:  # the long call was answered: the rest of the turn is the default model's noise, so it is ended
-            return ending(name, body)
+            return ending(path, body)
         done.append(True)
         body = json.loads(json.dumps(body))
         for t in body["tools"]:
@@ -59,23 +59,6 @@ def forcing(name: str) -> Any:
         return body
 
     return rewrite
-
-
-DONE = {"type": "string", "enum": ["done"]}
-
-
-def ending(name: str, body: dict[str, Any]) -> dict[str, Any]:
-    """A request after the long call (its result sent back) made to end the turn: no tool, a one-word reply (the 270M
-    model, left alone, writes call-like text until the output cap, and the agent resumes it for many minutes)."""
-    body = json.loads(json.dumps(body))
-    if name == "claude-code":
-        body["tool_choice"] = {"type": "none"}
-        body["output_config"] = {**(body.get("output_config") or {}), "format": {"type": "json_schema", "schema": DONE}}
-    else:
-        body["tool_choice"] = "none"
-        body["text"] = {**(body.get("text") or {}), "format": {"type": "json_schema", "name": "done", "schema": DONE}}
-    body["ended_by_test"] = True  # (a hint: counted, and marks the record)
-    return body
 
 
 @pytest.fixture(scope="module")
