@@ -290,10 +290,13 @@ class Scheduler:
         rid = msg.id or f"r{next(self._rid)}-{uuid.uuid4().hex[:8]}"
         waiting = len(self.queue) + sum(r.state is ReqState.TOKENIZING for r in self.requests.values())
         repeated = rid if (identity, rid, 0) in self.requests else None
-        limit, owned, share = self.table.queue_limit(), 0, 0
+        # (requests being prepared count as waiting, but as many of them as there are free slots will not queue: a
+        # burst on an idle server fills its slots and its queue, not its queue alone)
+        limit, free, owned, share = self.table.queue_limit(), self.table.free_slots(), 0, 0
         if msg.owner and self.cfg.queue_share < 1:
-            share = max(1, int(limit * self.cfg.queue_share))
+            share = max(1, int(limit * self.cfg.queue_share)) + free
             owned = sum(r.owner == msg.owner and r.state in WAITING for r in self.requests.values())
+        limit += free
         refusal = admission.at_submit(self.draining, repeated, waiting, msg.n, limit, owned, share)
         if refusal is None and msg.reply_to and msg.n == 1 and not envelope:
             in_use = {r.direct for r in self.requests.values() if r.client == identity and r.direct}

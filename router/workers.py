@@ -213,6 +213,10 @@ class WorkerTable:
     def idle_slot(self) -> bool:
         return any(w.state is WorkerState.READY and w.load.busy < len(w.slots) for w in self.workers.values())
 
+    def free_slots(self) -> int:
+        """Slots of ready workers with no job: a request being prepared now may take one instead of a queue place."""
+        return sum(max(0, len(w.slots) - w.load.busy) for w in self.workers.values() if w.state is WorkerState.READY)
+
     def queue_limit(self) -> int:
         """How many requests may wait (--queue-size; 0: DEFAULT_QUEUE, or four per slot when that is more)."""
         if self.cfg.queue_size > 0:

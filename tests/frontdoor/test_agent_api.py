@@ -30,6 +30,8 @@ TOOLS: list[Any] = [
     },
     {"type": "function", "function": {"name": "get_time", "description": "The time in a city", "parameters": {"type": "object"}}},
 ]
+# arguments nested past what a template may walk (a cut call's arguments, not JSON, are rendered as written instead)
+DEEP_ARGUMENTS = '{"a": ' + "[" * 10_000 + "]" * 10_000 + "}"
 ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
 
 
@@ -233,7 +235,7 @@ def test_bad_agent_requests_get_a_400_naming_the_field_while_others_stream(serve
                     {
                         "role": "assistant",
                         "tool_calls": [
-                            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{oops"}}
+                            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": DEEP_ARGUMENTS}}
                         ],
                     },
                     {"role": "tool", "tool_call_id": "c1", "content": "x"},

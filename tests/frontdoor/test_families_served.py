@@ -96,7 +96,7 @@ def test_a_forced_call_streams_on_every_api_and_turn_2_reuses_turn_1(served: Ser
 
     atools = [{"name": "get_weather", "input_schema": PARAMS}]
     body = {"model": family, "messages": USER, "tools": atools, "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
-            "stream": True, "max_tokens": 200, "chat_template_kwargs": KWARGS}  # fmt: skip
+            "stream": True, "max_tokens": 200, "temperature": 0, "chat_template_kwargs": KWARGS}  # fmt: skip
     with httpx.stream(
         "POST", f"{served.url}/v1/messages", json=body, timeout=300, headers={"anthropic-version": "2023-06-01"}
     ) as r:

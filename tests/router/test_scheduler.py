@@ -352,3 +352,14 @@ def test_a_worker_that_failed_at_start_is_reported_and_queued_requests_fail_once
     assert not s.queue and s.none_can_come() is not None
     hello(s, "w0")  # one came back after all (started by hand)
     assert s.none_can_come() is None and [f.worker for f in s.status(None).failed] == ["w1"]
+
+
+def test_a_burst_on_an_idle_worker_fills_its_free_slots_and_the_queue() -> None:
+    """Requests being prepared count as waiting; as many of them as there are free slots will take a slot, not a queue
+    place (a burst of 40 on 4 idle slots and a queue of 4 got 4 served: every one of them was still being prepared)."""
+    s = core(queue_size=1)
+    hello(s, slots=2)
+    taken = [s.accept(CLIENT, (), Submit(id=f"b{i}", prompt="hi")) for i in range(4)]  # (none prepared yet)
+    assert [r is not None for r in taken] == [True, True, True, False]
+    (err,) = to_client(s.take(), Error)
+    assert err.id == "b3" and err.code == "queue_full"
