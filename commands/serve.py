@@ -26,7 +26,7 @@ from typing import Any
 import zmq.asyncio
 
 from commands.models_config import ModelEntry, from_file, from_flags, seconds, worker_prefix
-from gateway.main import HttpConfig, parse_host_port, serve_http
+from gateway.server import HttpConfig, parse_host_port, serve_http
 from kvroute import logs
 from kvroute.config import ConfigFileError, UsageError, add_args, from_args, opt, to_flags
 from kvroute.files import runtime_dir

@@ -30,7 +30,7 @@ from msgspec import Meta
 from gateway.blocks import Blocks, Kind
 from gateway.fields import Policy
 from gateway.keepalive import Tick
-from gateway.openai_schema import RequestError, Strict, context_shift, decode
+from gateway.openai_chat import RequestError, Strict, context_shift, decode
 from protocol import (
     MAX_DEADLINE_MS,
     ChatMessage,

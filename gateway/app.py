@@ -41,7 +41,7 @@ from gateway.limits import (
     limited,
     too_large_message,
 )
-from gateway.openai_schema import RequestError, chat_submit
+from gateway.openai_chat import RequestError, chat_submit
 from gateway.openapi import OPENAPI
 from gateway.rerank import RERANK_PATHS, rerank_message, rerank_reply
 from kvroute import logs

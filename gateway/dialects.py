@@ -12,7 +12,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from gateway import anthropic, openai_schema, responses
+from gateway import anthropic, openai_chat, responses
 from gateway.fields import Policy
 from gateway.keepalive import Tick
 from protocol import Delta, ErrorCode, Result, Submit
@@ -115,23 +115,23 @@ class Dialect:
 
 
 def _chat(raw: dict[str, Any], rid: str, policy: Policy, model: str) -> Call:
-    sub, stream, include_usage = openai_schema.chat_submit(raw, rid, policy)
+    sub, stream, include_usage = openai_chat.chat_submit(raw, rid, policy)
     return _openai_call(sub, stream, include_usage, rid, model, chat=True)
 
 
 def _completions(raw: dict[str, Any], rid: str, policy: Policy, model: str) -> Call:
-    sub, stream, include_usage = openai_schema.completion_submit(raw, rid, policy)
+    sub, stream, include_usage = openai_chat.completion_submit(raw, rid, policy)
     return _openai_call(sub, stream, include_usage, rid, model, chat=False)
 
 
 def _openai_call(sub: Submit, stream: bool, include_usage: bool, rid: str, model: str, *, chat: bool) -> Call:
-    created, logprobs = openai_schema.now(), sub.sampling.logprobs is not None
-    make = openai_schema.chat_body if chat else openai_schema.completion_body
+    created, logprobs = openai_chat.now(), sub.sampling.logprobs is not None
+    make = openai_chat.chat_body if chat else openai_chat.completion_body
     return Call(
         sub,
         stream,
         lambda r: make(r, model, created, logprobs),
-        lambda msgs: openai_schema.openai_events(
+        lambda msgs: openai_chat.openai_events(
             msgs, chat=chat, rid=rid, model=model, created=created, include_usage=include_usage, logprobs=logprobs
         ),
     )

@@ -28,7 +28,7 @@ from msgspec import Meta
 from gateway.blocks import Blocks, Event, Kind
 from gateway.fields import Policy
 from gateway.keepalive import Tick
-from gateway.openai_schema import RequestError, Strict, chat_logprobs, context_shift, decode, thinking_kwargs, timings_body
+from gateway.openai_chat import RequestError, Strict, chat_logprobs, context_shift, decode, thinking_kwargs, timings_body
 from protocol import (
     MAX_DEADLINE_MS,
     MAX_LOGPROBS,

@@ -79,13 +79,13 @@ from protocol import (
     Usage,
 )
 from router import admission, handshake, outcomes, views
+from router.client_replies import choice_of, delta_of, result_of
 from router.config import RouterConfig
 from router.dispatch_queue import DispatchQueue, job_message
 from router.embeds import Embeds, EmbedWait
 from router.metrics import Metrics
 from router.mirror import Mirror
 from router.prepare import Prepared
-from router.replies import choice_of, delta_of, result_of
 from router.requests import Attempt, Req, ReqState, WorkerConn, WorkerState, tenant
 from router.select import Dispatch
 from router.tokens import tokens_from_wire, tokens_to_list

@@ -65,11 +65,11 @@ from protocol import (
 from worker.checkpoints import cuts
 from worker.config import WorkerConfig
 from worker.core import EngineCore
+from worker.direct_replies import ReplySockets
 from worker.embedder import Embedder, InputTooLong
 from worker.engine import Engine
 from worker.faults import Faults
 from worker.links import RouterLink, SlotClaims
-from worker.replies import ReplySockets
 from worker.startcheck import first_decode, identity
 
 log = logs.get(__name__)
@@ -383,7 +383,7 @@ class WorkerServer:
                 self.links[parts[0][0]].send(parts[1], may_drop=self.side_by_side)
 
     def _reply(self, endpoint: str, key: str, frame: bytes) -> None:
-        """To a client's endpoint; when it is stalled (worker/replies.py), the jobs still writing there are cancelled:
+        """To a client's endpoint; when it is stalled (worker/direct_replies.py), the jobs still writing there are cancelled:
         nobody reads what they make."""
         if self.replies.send(endpoint, key, frame):
             return

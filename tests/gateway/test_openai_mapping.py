@@ -9,7 +9,7 @@ import httpx
 import pytest
 from fake_router import FakeRouter, client_for
 
-from gateway.openai_schema import RequestError, chat_submit, completion_submit
+from gateway.openai_chat import RequestError, chat_submit, completion_submit
 from kvroute.client import KvrouteError
 from protocol import ErrorCode, pack_tokens
 
@@ -300,7 +300,7 @@ async def test_a_response_is_incomplete_only_at_its_own_max_output_tokens(fake: 
 
 
 def test_a_bad_sampling_default_stops_start_up_naming_its_flag() -> None:
-    from gateway.main import HttpConfig
+    from gateway.server import HttpConfig
 
     for kw, flag in (({"temp": 5.0}, "--temp"), ({"top_p": 0.0}, "--top-p"), ({"seed": -1}, "--seed")):
         with pytest.raises(ValueError, match=flag):

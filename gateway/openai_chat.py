@@ -1,6 +1,6 @@
 """OpenAI request bodies -> protocol `Submit`, and protocol replies -> OpenAI response bodies and stream chunks.
 
-Bodies are checked against gateway/openai_types.py under gateway/fields.py's policy: a refused field, or a value
+Bodies are checked against gateway/openai_bodies.py under gateway/fields.py's policy: a refused field, or a value
 kvroute cannot serve, is a 400 naming the field (`param`); hints are served, logged and counted.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from gateway import openai_types as t
+from gateway import openai_bodies as t
 from gateway.fields import FieldError, Policy
 from gateway.keepalive import Tick
 from protocol import (
