@@ -63,9 +63,14 @@ from protocol.common import (
     Sampling,
     Timings,
     Usage,
+)
+from protocol.tokens import (
+    outside_vocab,
     pack_tokens,
+    token_array,
     token_hash,
     unpack_tokens,
+    vocab_message,
 )
 from protocol.worker_messages import (
     Accept,
@@ -170,10 +175,13 @@ __all__ = [
     "client_request_decoder",
     "direct_reply_decoder",
     "encode",
+    "outside_vocab",
     "pack_tokens",
     "router_reply_decoder",
     "router_to_worker_decoder",
+    "token_array",
     "token_hash",
     "unpack_tokens",
+    "vocab_message",
     "worker_to_router_decoder",
 ]

@@ -8,7 +8,8 @@ import msgspec
 from msgspec import Meta
 
 from protocol.chat import MAX_TOOLS, ChatMessage, ResponseFormat, TokenLogprob, Tool, ToolCall, ToolCallDelta, ToolChoice
-from protocol.common import DeadlineMs, Message, NonNeg, Sampling, Struct, Timings, TokenBytes, Usage, check_token_bytes
+from protocol.common import DeadlineMs, Message, NonNeg, Sampling, Struct, Timings, TokenBytes, Usage
+from protocol.tokens import check_token_bytes
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
 ModelName = Annotated[str, Meta(min_length=1, max_length=256)]

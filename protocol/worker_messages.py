@@ -9,7 +9,8 @@ from msgspec import Meta
 
 from protocol.chat import TokenLogprob
 from protocol.client_messages import MAX_GRAMMAR_CHARS, RequestId
-from protocol.common import DeadlineMs, Message, NonNeg, Sampling, Struct, Timings, TokenBytes, check_token_bytes
+from protocol.common import DeadlineMs, Message, NonNeg, Sampling, Struct, Timings, TokenBytes
+from protocol.tokens import check_token_bytes
 
 WorkerId = Annotated[str, Meta(min_length=1, max_length=64)]
 CacheSalt = Annotated[str, Meta(max_length=64)]  # a digest of the client's cache_salt, never the salt itself

@@ -77,6 +77,8 @@ from protocol import (
     Submit,
     Timings,
     Usage,
+    token_array,
+    unpack_tokens,
 )
 from router import admission, handshake, outcomes, views
 from router.client_replies import choice_of, delta_of, result_of
@@ -88,7 +90,6 @@ from router.mirror import Mirror
 from router.prepare import Prepared
 from router.requests import Attempt, Req, ReqState, WorkerConn, WorkerState, tenant
 from router.select import Dispatch
-from router.tokens import tokens_from_wire, tokens_to_list
 from router.workers import Kill, WorkerTable
 
 WorkerReport = Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate | EmbedDone
@@ -498,7 +499,7 @@ class Scheduler:
         attempt = req.attempt
         timings = outcomes.settle_done(self.mirror, self.metrics, self.params.min_match, conn, req, msg)
         if req.prompt_text:  # the next turn's prompt may hold this reply: its tokens as the model wrote them
-            self.remember_reply(req.prompt_text, req.prompt_bos, req.tokens, tokens_from_wire(msg.tokens), req.salt)
+            self.remember_reply(req.prompt_text, req.prompt_bos, req.tokens, token_array(msg.tokens), req.salt)
         self._finish(req)
         if req.direct:  # its client has the job's output and end from the worker, and makes the result
             self._pump()
@@ -525,7 +526,7 @@ class Scheduler:
         self._leave_worker(req)
         slot = req.attempt.slot
         if req.direct:
-            req.attempt.streamed = tokens_to_list(msg.tokens)
+            req.attempt.streamed = unpack_tokens(msg.tokens)
         outcomes.settle_slot(self.mirror, self.metrics, req, msg)
         conn.refresh()
         if msg.code == ErrorCode.DRAINING and req.state is ReqState.RUNNING and not req.started:

@@ -71,7 +71,9 @@ from protocol import (
     Tokens,
     client_request_decoder,
     encode,
+    outside_vocab,
     unpack_tokens,
+    vocab_message,
     worker_to_router_decoder,
 )
 from router import exposition
@@ -535,12 +537,9 @@ class Router:
         def work() -> list[list[int]]:
             if msg.tokens is not None:
                 inputs = [unpack_tokens(t) for t in msg.tokens]
-                n_vocab = vocab.n_vocab
-                bad = next(((i, t) for i, ids in enumerate(inputs) for t in ids if not 0 <= t < n_vocab), None)
-                if bad is not None:
-                    raise PrepareError(
-                        f"token id {bad[1]} of input {bad[0]} is outside the vocabulary (0..{n_vocab - 1})", "tokens"
-                    )
+                for i, ids in enumerate(inputs):
+                    if (bad := outside_vocab(ids, vocab.n_vocab)) is not None:
+                        raise PrepareError(f"input {i}: {vocab_message(bad, vocab.n_vocab)}", "tokens")
                 return inputs
             deadline, out = Deadline(timeout), []
             for i, text in enumerate(msg.input or []):

@@ -44,7 +44,7 @@ def job(jid: str, prompt: list[int] | None = None, slot: int = -1, deadline_ms: 
         (job("a", [1, N_VOCAB]), ErrorCode.BAD_REQUEST, f"token id {N_VOCAB} is outside the vocabulary"),
         (job("a", [1] * N_CTX), ErrorCode.CONTEXT_OVERFLOW, f"does not fit a slot's context of {N_CTX}"),
         (job("a", [1] * 1000, max_tokens=100), ErrorCode.CONTEXT_OVERFLOW, "+ max_tokens 100 = 1100"),
-        (job("a", logit_bias={"5000": 1.0}), ErrorCode.BAD_REQUEST, "logit_bias token ids [5000]"),
+        (job("a", logit_bias={"5000": 1.0}), ErrorCode.BAD_REQUEST, "logit_bias: token id 5000 is outside the vocabulary"),
     ],
 )
 def test_a_job_that_cannot_run_is_refused_before_any_work(made: Job, code: ErrorCode, words: str) -> None:
