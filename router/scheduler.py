@@ -77,6 +77,7 @@ from protocol import (
     Submit,
     Timings,
     Usage,
+    kind_of,
     token_array,
     unpack_tokens,
 )
@@ -143,6 +144,7 @@ class Scheduler:
         self.outbox: list[Out] = []
         self._job_ids = itertools.count(1)
         self._rid = itertools.count(1)
+        self._worker_handlers = self._worker_table()
 
     def take(self) -> list[Out]:
         """The messages the last events produced (the outbox is emptied)."""
@@ -455,24 +457,33 @@ class Scheduler:
             self.outbox.append(Out(identity, Refuse(code=ErrorCode.NOT_FOUND, reason=reason), worker=True))
             return
         conn.last_seen = time.monotonic()
-        if isinstance(msg, Heartbeat):
-            self.table.heartbeat(conn, msg)
-        elif isinstance(msg, JobDelta):
-            self._job_delta(conn, msg)
-        elif isinstance(msg, JobDeltas):  # one engine step's deltas
-            for delta in msg.items:
-                self._job_delta(conn, delta)
-        elif isinstance(msg, JobDone):
-            self._job_done(conn, msg)
-        elif isinstance(msg, JobError):
-            self._job_error(conn, msg)
-        elif isinstance(msg, EmbedDone):
-            self._embed_reply(self.embeds.done(msg))
-        elif isinstance(msg, SlotTaken):  # (another router's job: routers side by side over one fleet)
-            self.table.slot_taken(conn, msg)
-        else:
-            self.table.slot_update(conn, msg)
-            self._pump()
+        handler = self._worker_handlers.get(type(msg))
+        if handler is None:  # (a type the decoder knows and this table does not: say so, never guess)
+            self.metrics.unknown_messages += 1
+            log.warning("unknown_worker_message", worker=conn.id, kind=kind_of(msg))
+            return
+        handler(conn, msg)
+
+    def _worker_table(self) -> dict[type, Callable[[WorkerConn, Any], None]]:
+        """Each message a worker sends after its hello, and its handler."""
+        return {
+            Heartbeat: self.table.heartbeat,
+            JobDelta: self._job_delta,
+            JobDeltas: self._job_deltas,
+            JobDone: self._job_done,
+            JobError: self._job_error,
+            EmbedDone: lambda conn, msg: self._embed_reply(self.embeds.done(msg)),
+            SlotTaken: self.table.slot_taken,  # (another router's job: routers side by side over one fleet)
+            SlotUpdate: self._slot_update,
+        }
+
+    def _job_deltas(self, conn: WorkerConn, msg: JobDeltas) -> None:
+        for delta in msg.items:  # one engine step's deltas
+            self._job_delta(conn, delta)
+
+    def _slot_update(self, conn: WorkerConn, msg: SlotUpdate) -> None:
+        self.table.slot_update(conn, msg)
+        self._pump()
 
     def _job_delta(self, conn: WorkerConn, msg: JobDelta) -> None:
         req = conn.jobs.get(msg.id)

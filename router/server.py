@@ -71,6 +71,7 @@ from protocol import (
     Tokens,
     client_request_decoder,
     encode,
+    kind_of,
     outside_vocab,
     unpack_tokens,
     vocab_message,
@@ -100,6 +101,7 @@ DECODE_INLINE_BYTES = 1 << 20  # a larger client frame is decoded on a preparing
 DECODING_MAX = 64  # frames of one client kept waiting behind its large frame being decoded
 BACKLOG_MAX = 100_000  # messages kept for one peer that does not read
 BACKLOG_TIMEOUT_S = 30.0  # how long a peer may stay behind
+NO_MODEL = frozenset({Invalid, Cancel, StatusRequest, MetricsRequest})  # client messages that name no model
 
 
 def batched(out: list[Out]) -> list[Out]:
@@ -161,6 +163,7 @@ class Router:
         self.client_sock: zmq.asyncio.Socket | None = None
         self.worker_sock: zmq.asyncio.Socket | None = None
         self._client_decoder = client_request_decoder(cfg.max_frame_bytes)
+        self._client_handlers = self._client_table()
         self._worker_decoder = worker_to_router_decoder()
         self._drain_deadline = 0.0
         self._next_status = 0.0
@@ -491,28 +494,51 @@ class Router:
         self.core.reply(identity, envelope, Error(id=rid, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id))
 
     def _on_client_message(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any) -> None:
-        if isinstance(msg, Invalid):
-            self.core.metrics.bad_frames += 1
-            log.info("bad_client_frame", code=msg.code, reason=msg.reason, request_id=msg.id)
-            self.core.reply(identity, envelope, Error(id=msg.id, code=msg.code, message=msg.reason))
-        elif isinstance(msg, Cancel):
-            for core in self.cores:
-                core.cancel(identity, msg.id)
-        elif isinstance(msg, StatusRequest):
-            self.core.reply(identity, envelope, status(self.models, msg.id, msg.cache_salt))
-        elif isinstance(msg, MetricsRequest):
-            text = exposition.text(self.cores, self.models)
-            self.core.reply(identity, envelope, MetricsReply(id=msg.id, text=text))
-        elif (model := self._model(identity, envelope, msg)) is None:
-            return  # (the client was told which models there are)
-        elif isinstance(msg, Submit):
-            self._on_submit(identity, envelope, msg, model)
-        elif isinstance(msg, Tokenize | Detokenize):
-            self._on_tokenize(identity, envelope, msg, model)
-        elif isinstance(msg, Embed):
-            self._on_embed(identity, envelope, msg, model)
-        else:
-            self._on_rerank(identity, envelope, msg, model)
+        handler = self._client_handlers.get(type(msg))
+        if handler is None:  # (a type the decoder knows and this table does not: say so, never guess)
+            self._unknown_message(identity, envelope, msg)
+        elif type(msg) in NO_MODEL:
+            handler(identity, envelope, msg)
+        elif (model := self._model(identity, envelope, msg)) is not None:  # (else the client was told which models)
+            handler(identity, envelope, msg, model)
+
+    def _client_table(self) -> dict[type, Callable[..., None]]:
+        """Each client message type and its handler; those in NO_MODEL take no model."""
+        return {
+            Invalid: self._on_invalid,
+            Cancel: self._on_cancel,
+            StatusRequest: self._on_status,
+            MetricsRequest: self._on_metrics,
+            Submit: self._on_submit,
+            Tokenize: self._on_tokenize,
+            Detokenize: self._on_tokenize,
+            Embed: self._on_embed,
+            Rerank: self._on_rerank,
+        }
+
+    def _unknown_message(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any) -> None:
+        self.core.metrics.unknown_messages += 1
+        kind = kind_of(msg)
+        log.warning("unknown_client_message", kind=kind, request_id=getattr(msg, "id", None))
+        error = Error(
+            id=getattr(msg, "id", "") or "", code=ErrorCode.BAD_REQUEST, message=f"this router does not serve {kind!r} messages"
+        )
+        self.core.reply(identity, envelope, error)
+
+    def _on_invalid(self, identity: bytes, envelope: tuple[bytes, ...], msg: Invalid) -> None:
+        self.core.metrics.bad_frames += 1
+        log.info("bad_client_frame", code=msg.code, reason=msg.reason, request_id=msg.id)
+        self.core.reply(identity, envelope, Error(id=msg.id, code=msg.code, message=msg.reason))
+
+    def _on_cancel(self, identity: bytes, envelope: tuple[bytes, ...], msg: Cancel) -> None:
+        for core in self.cores:
+            core.cancel(identity, msg.id)
+
+    def _on_status(self, identity: bytes, envelope: tuple[bytes, ...], msg: StatusRequest) -> None:
+        self.core.reply(identity, envelope, status(self.models, msg.id, msg.cache_salt))
+
+    def _on_metrics(self, identity: bytes, envelope: tuple[bytes, ...], msg: MetricsRequest) -> None:
+        self.core.reply(identity, envelope, MetricsReply(id=msg.id, text=exposition.text(self.cores, self.models)))
 
     def _model(
         self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit | Tokenize | Detokenize | Embed | Rerank

@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -58,6 +59,7 @@ from protocol import (
     SlotTaken,
     SlotUpdate,
     encode,
+    kind_of,
     pack_tokens,
     router_to_worker_decoder,
     unpack_tokens,
@@ -181,6 +183,8 @@ class WorkerServer:
         self._deltas_lock = threading.Lock()
         engine.after_step = self.flush_deltas
         self.decoder = router_to_worker_decoder()
+        self.handlers = self._table()
+        self.unknown_messages = 0  # (a message type with no handler: a bug, each logged and answered)
         self.ready_sent = False
         self.draining = False
         # every process start is a new incarnation, so a router never mistakes it for the process before it
@@ -498,42 +502,65 @@ class WorkerServer:
             log.warning("bad_frame", code=msg.code.value, reason=msg.reason, request_id=msg.id)
             link.send(encode(JobError(id=msg.id or "?", code=msg.code.value, message=msg.reason)), may_drop=self.side_by_side)
             return None
-        if isinstance(msg, Job):
-            self.take_job(link, msg)
-        elif isinstance(msg, EmbedJob):
-            link.jobs.add(msg.id)
-            self.engine.call(lambda core: self.embed(link, msg))
-        elif isinstance(msg, JobCancel):
-            if msg.id in link.jobs:
-                self.engine.cancel(msg.id)
-        elif isinstance(msg, Accept):
-            if not link.accepted:
-                log.info("accepted", router_id=msg.router_id, endpoint=link.endpoint)
-            if link.accept(msg.router_id, msg.features):
-                log.info("router_restarted", router_id=msg.router_id, slots_reported=link.told_held)
-                # the new router's mirror is empty: make it the truth (with other routers, their mirrors are; a
-                # router told nothing marks every slot unknown, and the next job on each clears it)
-                if not link.told_held and not self.side_by_side:
-                    self.engine.reset()  # (its jobs end without a word)
-                    link.jobs.clear()
-            if not self.ready_sent:  # model loaded and accepted: this worker can serve
-                self.ready_sent = True
-                notify(ready=True, status=self.status_line())
-        elif isinstance(msg, Refuse):
-            if msg.code == ErrorCode.NOT_FOUND:
-                if link.accepted:
-                    log.info("router_forgot_us", reason=msg.reason, endpoint=link.endpoint)
-                    # the router answered for our jobs already, or never knew them: end them, keep the KV; the
-                    # next hello says what each slot holds (the compute thread takes it after this)
-                    self.forget_jobs(link)
-                link.accepted = False
-                return None
-            log.error("refused", code=msg.code, reason=msg.reason, endpoint=link.endpoint)
-            return EXIT_REFUSED
-        elif isinstance(msg, Drain):
-            log.info("draining")
-            self.engine.drain()
-        return None
+        handler = self.handlers.get(type(msg))
+        if handler is None:  # (a type the decoder knows and this table does not: say so, never guess)
+            self.unknown_messages += 1
+            kind = kind_of(msg)
+            log.warning("unknown_message", kind=kind, endpoint=link.endpoint)
+            reason = f"this worker does not serve {kind!r} messages"
+            error = JobError(id=getattr(msg, "id", None) or "?", code=ErrorCode.BAD_REQUEST, message=reason)
+            link.send(encode(error), may_drop=self.side_by_side)
+            return None
+        return handler(link, msg)
+
+    def _table(self) -> dict[type, Callable[[RouterLink, Any], int | None]]:
+        """Each message a router sends, and its handler (an exit status stops the worker)."""
+        return {
+            Job: self.take_job,
+            EmbedJob: self.take_embed,
+            JobCancel: self.cancel,
+            Accept: self.on_accept,
+            Refuse: self.refused,
+            Drain: self.drain,
+        }
+
+    def take_embed(self, link: RouterLink, msg: EmbedJob) -> None:
+        link.jobs.add(msg.id)
+        self.engine.call(lambda core: self.embed(link, msg))
+
+    def cancel(self, link: RouterLink, msg: JobCancel) -> None:
+        if msg.id in link.jobs:
+            self.engine.cancel(msg.id)
+
+    def on_accept(self, link: RouterLink, msg: Accept) -> None:
+        if not link.accepted:
+            log.info("accepted", router_id=msg.router_id, endpoint=link.endpoint)
+        if link.accept(msg.router_id, msg.features):
+            log.info("router_restarted", router_id=msg.router_id, slots_reported=link.told_held)
+            # the new router's mirror is empty: make it the truth (with other routers, their mirrors are; a
+            # router told nothing marks every slot unknown, and the next job on each clears it)
+            if not link.told_held and not self.side_by_side:
+                self.engine.reset()  # (its jobs end without a word)
+                link.jobs.clear()
+        if not self.ready_sent:  # model loaded and accepted: this worker can serve
+            self.ready_sent = True
+            notify(ready=True, status=self.status_line())
+
+    def refused(self, link: RouterLink, msg: Refuse) -> int | None:
+        if msg.code == ErrorCode.NOT_FOUND:
+            if link.accepted:
+                log.info("router_forgot_us", reason=msg.reason, endpoint=link.endpoint)
+                # the router answered for our jobs already, or never knew them: end them, keep the KV; the
+                # next hello says what each slot holds (the compute thread takes it after this)
+                self.forget_jobs(link)
+            link.accepted = False
+            return None
+        log.error("refused", code=msg.code, reason=msg.reason, endpoint=link.endpoint)
+        return EXIT_REFUSED
+
+    def drain(self, link: RouterLink, msg: Drain) -> None:
+        log.info("draining")
+        self.engine.drain()
 
     def take_job(self, link: RouterLink, job: Job) -> None:
         """A job to the engine, unless another router's jobs hold the slot it names (or its id is another's)."""

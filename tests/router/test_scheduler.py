@@ -352,3 +352,12 @@ def test_a_worker_that_failed_at_start_is_reported_and_queued_requests_fail_once
     assert not s.queue and s.none_can_come() is not None
     hello(s, "w0")  # one came back after all (started by hand)
     assert s.none_can_come() is None and [f.worker for f in s.status(None).failed] == ["w1"]
+
+
+def test_a_worker_message_with_no_handler_is_counted_and_logged_not_taken_for_another() -> None:
+    from protocol import Accept
+
+    s = core()
+    hello(s)
+    s.worker_message(b"w0", Accept(worker_id="w0", router_id="r"))  # (a router's message: no worker sends it)
+    assert s.metrics.unknown_messages == 1 and s.take() == []
