@@ -46,6 +46,26 @@ def at_submit(
 MAX_REPLY_ENDPOINTS = 4  # reply endpoints one client's requests in flight may name (a client binds one)
 
 
+def not_generative(name: str, causal: bool, pooling: str | None) -> str | None:
+    """Why model `name` cannot take a submit: an encoder (its attention is bidirectional), whose slots would hold no
+    KV to generate from; None when it can."""
+    if causal:
+        return None
+    also = " and reranking" if pooling == "rank" else ""
+    return f"model {name!r} cannot generate text: it is an encoder (its attention is bidirectional); it serves embeddings{also}"
+
+
+def not_reranker(name: str, pooling: str | None) -> str | None:
+    """Why model `name` cannot rerank: its GGUF does not declare rank pooling; None when it can."""
+    if pooling == "rank":
+        return None
+    declared = f"declares {pooling} pooling" if pooling else "declares no pooling"
+    return (
+        f"model {name!r} is not a reranker: its GGUF {declared}, and reranking needs a model with rank pooling (a "
+        "cross-encoder such as bge-reranker or jina-reranker, or Qwen3-Reranker)"
+    )
+
+
 def reply_to_problem(reply_to: str, in_use: set[str]) -> str | None:
     """Why a submit's `reply_to` is not an endpoint workers may be told to connect to: not tcp://HOST:PORT (a port,
     not a wildcard host) or ipc://PATH, or one more than MAX_REPLY_ENDPOINTS for this client (`in_use`: those its

@@ -77,7 +77,7 @@ from protocol import (
     vocab_message,
     worker_to_router_decoder,
 )
-from router import exposition
+from router import admission, exposition
 from router.config import RouterConfig
 from router.metrics import Metrics
 from router.mirror import Mirror
@@ -616,12 +616,8 @@ class Router:
         """A reranker's (query, document) inputs made as llama-server makes them (kvroute/vocab.py), then placed like
         embed inputs; a model that is not a reranker is refused, naming what it is."""
         core, vocab = model.core, model.vocab
-        if vocab.pooling != "rank":
-            declared = f"declares {vocab.pooling} pooling" if vocab.pooling else "declares no pooling"
-            text = (
-                f"model {model.name!r} is not a reranker: its GGUF {declared}, and reranking needs a model with rank "
-                "pooling (a cross-encoder such as bge-reranker or jina-reranker, or Qwen3-Reranker)"
-            )
+        if (text := admission.not_reranker(model.name, vocab.pooling)) is not None:
+            core.metrics.requests[ErrorCode.BAD_REQUEST] += 1
             core.reply(identity, envelope, Error(id=msg.id, code=ErrorCode.BAD_REQUEST, message=text, param="model"))
             return
         self.models.used(model, None)
@@ -648,12 +644,8 @@ class Router:
 
     def _on_submit(self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit, model: ModelCore) -> None:
         core = model.core
-        if not model.vocab.causal:  # (its slots would hold no KV to generate from)
+        if (text := admission.not_generative(model.name, model.vocab.causal, model.vocab.pooling)) is not None:
             core.metrics.requests[ErrorCode.BAD_REQUEST] += 1
-            text = (
-                f"model {model.name!r} cannot generate text: it is an encoder (its attention is bidirectional); "
-                "it serves embeddings" + (" and reranking" if model.vocab.pooling == "rank" else "")
-            )
             core.reply(identity, envelope, Error(id=msg.id, code=ErrorCode.BAD_REQUEST, message=text, param="model"))
             return
         req = core.accept(identity, envelope, msg)
