@@ -62,13 +62,11 @@ from protocol import (
     kind_of,
     pack_tokens,
     router_to_worker_decoder,
-    unpack_tokens,
 )
 from worker.checkpoints import cuts
 from worker.config import WorkerConfig
 from worker.core import EngineCore
 from worker.direct_replies import ReplySockets
-from worker.embedder import Embedder, InputTooLong
 from worker.engine import Engine
 from worker.faults import Faults
 from worker.links import RouterLink, SlotClaims
@@ -179,7 +177,6 @@ class WorkerServer:
         self.replies = ReplySockets(self.zctx)  # to clients that read their jobs' output themselves (Job.reply_to)
         self.direct_jobs: dict[tuple[str, str], set[str]] = {}  # reply endpoint -> its jobs (I/O thread; pruned by sweep)
         self.reply_deltas: dict[tuple[str, str], list[JobDelta]] = {}  # this step's, by reply endpoint
-        self.embedders: dict[str, Embedder] = {}  # by pooling, made at first use (on the compute thread)
         self._deltas_lock = threading.Lock()
         engine.after_step = self.flush_deltas
         self.decoder = router_to_worker_decoder()
@@ -526,7 +523,7 @@ class WorkerServer:
 
     def take_embed(self, link: RouterLink, msg: EmbedJob) -> None:
         link.jobs.add(msg.id)
-        self.engine.call(lambda core: self.embed(link, msg))
+        self.engine.embed(msg, lambda done: self.sink(link, done))
 
     def cancel(self, link: RouterLink, msg: JobCancel) -> None:
         if msg.id in link.jobs:
@@ -587,36 +584,6 @@ class WorkerServer:
             self.engine.submit(job, self.direct_sink(link, job))
         else:
             self.engine.submit(job, self.sink_for(link))
-
-    def embed(self, link: RouterLink, job: EmbedJob, done: list[bytes] | None = None, t0: float = 0.0, reused: int = 0) -> None:
-        """An embed job, on the compute thread, one input per turn between two engine steps (the slots' jobs go on
-        between inputs: a request of many long inputs does not stall them for all of it)."""
-        done = done if done is not None else []
-        t0 = t0 or time.monotonic()
-        msg: EmbedDone | JobError
-        try:
-            embedder = self.embedders.get(job.pooling)
-            if embedder is None:
-                llama = self.engine.llama
-                embedder = self.embedders[job.pooling] = Embedder(llama.model, job.pooling, self.cfg.threads, llama.n_ctx_train)
-            if not done:
-                embedder.check([len(t) // 4 for t in job.inputs])  # (4 bytes a token id)
-            before = embedder.reused_tokens
-            (vector,) = embedder.embed([unpack_tokens(job.inputs[len(done)])], job.normalize)
-            done.append(vector.astype("<f4").tobytes())
-            reused += embedder.reused_tokens - before
-            if len(done) < len(job.inputs):
-                self.engine.call(lambda core: self.embed(link, job, done, t0, reused))
-                return
-            ms = (time.monotonic() - t0) * 1000
-            msg = EmbedDone(id=job.id, vectors=done, dims=embedder.dims, ms=ms, reused_tokens=reused)
-        except InputTooLong as exc:
-            msg = JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=str(exc))
-        except Exception as exc:  # a failure of this job's, not the worker's: its router gets the reason
-            error_id = uuid.uuid4().hex[:12]
-            log.exception("embed_failed", job=job.id, error_id=error_id)
-            msg = JobError(id=job.id, code=ErrorCode.INTERNAL, message=f"embeddings failed: {exc}", error_id=error_id)
-        self.sink(link, msg)
 
     def forget_jobs(self, link: RouterLink) -> None:
         """End this router's jobs without a word; other routers learn what the slots those jobs held hold now."""
