@@ -148,47 +148,6 @@ class CountTokensRequest(Strict):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-def error_body(message: str, type_: str = "invalid_request_error") -> dict[str, Any]:
-    """Anthropic's error shape."""
-    return {"type": "error", "error": {"type": type_, "message": message}}
-
-
-# protocol error code -> (HTTP status, Anthropic error type); 529 is Anthropic's "overloaded", which its SDKs retry
-ERROR_TYPES: dict[str, tuple[int, str]] = {
-    "bad_request": (400, "invalid_request_error"),
-    "context_overflow": (400, "invalid_request_error"),
-    "too_large": (413, "request_too_large"),
-    "unauthorized": (401, "authentication_error"),
-    "not_found": (404, "not_found_error"),
-    "queue_full": (429, "rate_limit_error"),
-    "no_workers": (529, "overloaded_error"),
-    "worker_lost": (529, "overloaded_error"),
-    "router_lost": (529, "overloaded_error"),
-    "reply_unreachable": (529, "overloaded_error"),
-    "draining": (529, "overloaded_error"),
-    "deadline_exceeded": (504, "timeout_error"),
-    "too_slow": (408, "timeout_error"),
-}
-
-
-_OVERFLOW = re.compile(r"prompt of (\d+) tokens.*?(?: \+ max_tokens (\d+))? does not fit a slot of (\d+) tokens")
-
-
-def error_message(message: str, code: str) -> str:
-    """The router's words in Anthropic's where a client reads them: a context overflow as `prompt is too long: N
-    tokens > M maximum`, which Claude Code recognizes and answers by compacting the conversation."""
-    found = _OVERFLOW.search(message) if code == "context_overflow" else None
-    if found is None:
-        return message
-    prompt, max_tokens, ctx = (int(x or 0) for x in found.groups())
-    return f"prompt is too long: {prompt + max_tokens} tokens > {ctx} maximum"
-
-
-def error_event(message: str, code: str) -> bytes:
-    """An error in the middle of a stream."""
-    return sse("error", error_body(error_message(message, code), ERROR_TYPES.get(code, (500, "api_error"))[1]))
-
-
 SERVER_TOOLS = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_", "mcp_toolset")
 CLIENT_SCHEMA_TOOLS = ("bash_", "text_editor_", "computer_", "memory_")
 

@@ -27,8 +27,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway import anthropic, helpers
-from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect, Errors, errors_for
+from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect
 from gateway.embeddings import embed_message, embeddings_reply
+from gateway.errors import Errors, errors_for
 from gateway.fields import Policy
 from gateway.helpers import keep_alive_s
 from gateway.keepalive import IDLE_S, Clock, ticking
@@ -71,9 +72,7 @@ def error_text(exc: KvrouteError) -> str:
 
 def kvroute_error_response(exc: KvrouteError, errors: Errors) -> JSONResponse:
     status, type_ = errors.status_of(exc.code)
-    message = error_text(exc)
-    if errors.anthropic:
-        message = anthropic.error_message(message, exc.code)
+    message = errors.message(error_text(exc), exc.code, exc.overflow)
     headers = None
     if exc.code == ErrorCode.QUEUE_FULL:
         headers = {"Retry-After": str(max(1, round((exc.retry_after_ms or 1000) / 1000)))}
@@ -343,7 +342,7 @@ class Gateway:
                     clock.wrote()
                     yield chunk
             except KvrouteError as exc:
-                yield dialect.stream_error(error_text(exc), exc.code)
+                yield dialect.stream_error(error_text(exc), exc.code, exc.overflow)
             finally:
                 await messages.aclose()  # on client disconnect this sends the cancel
 
@@ -352,7 +351,7 @@ class Gateway:
     def _stream(self, events: AsyncIterator[bytes], on_error: Any) -> BoundedStream:
         """An event stream cut, with `on_error`'s event last, when its reader stalls (gateway/limits.py)."""
         message = f"the reader took nothing for {self.stall_s:g} s; the generation was cancelled"
-        cut = on_error(message, ErrorCode.TOO_SLOW)
+        cut = on_error(message, ErrorCode.TOO_SLOW, None)
         return BoundedStream(events, stall_s=self.stall_s, cut_event=cut, media_type="text/event-stream", headers=SSE_HEADERS)
 
     @staticmethod

@@ -16,7 +16,6 @@ hints: the model is not offered them. Every hint is in gateway/fields.py.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -435,12 +434,6 @@ def response_body(result: Result, rid: str, model: str, asked: Asked, created: f
 
 def _call_delta(i: int, c: ToolCall) -> ToolCallDelta:
     return ToolCallDelta(index=i, id=c.id, name=c.name, arguments=c.arguments)
-
-
-def error_event(message: str, code: str) -> bytes:
-    """An error in the middle of a stream."""
-    data = {"type": "error", "code": code, "message": message, "param": None}
-    return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
 
 
 async def response_events(

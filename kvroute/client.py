@@ -50,6 +50,7 @@ from protocol import (
     Invalid,
     MetricsReply,
     MetricsRequest,
+    Overflow,
     Placed,
     Ranked,
     Rerank,
@@ -99,6 +100,7 @@ class KvrouteError(Exception):
         request_id: str | None = None,
         retry_after_ms: int | None = None,
         param: str | None = None,
+        overflow: Overflow | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code or self.code
@@ -107,6 +109,7 @@ class KvrouteError(Exception):
         self.request_id = request_id
         self.retry_after_ms = retry_after_ms
         self.param = param
+        self.overflow = overflow  # a context_overflow's numbers
 
     def __str__(self) -> str:
         tail = f" (error id {self.error_id})" if self.error_id else ""
@@ -179,7 +182,13 @@ def encode_checked(msg: Any, max_frame_bytes: int) -> bytes:
 def error_from(msg: Error) -> KvrouteError:
     cls = _ERRORS.get(msg.code, KvrouteError)
     return cls(
-        msg.message, code=msg.code, error_id=msg.error_id, request_id=msg.id, retry_after_ms=msg.retry_after_ms, param=msg.param
+        msg.message,
+        code=msg.code,
+        error_id=msg.error_id,
+        request_id=msg.id,
+        retry_after_ms=msg.retry_after_ms,
+        param=msg.param,
+        overflow=msg.overflow,
     )
 
 

@@ -8,7 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from protocol.chat import MAX_TOOLS, ChatMessage, ResponseFormat, TokenLogprob, Tool, ToolCall, ToolCallDelta, ToolChoice
-from protocol.common import DeadlineMs, Message, NonNeg, Sampling, Struct, Timings, TokenBytes, Usage
+from protocol.common import DeadlineMs, Message, NonNeg, Overflow, Sampling, Struct, Timings, TokenBytes, Usage
 from protocol.tokens import check_token_bytes
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
@@ -283,6 +283,7 @@ class Error(Message, tag="error", kw_only=True):
     error_id: str | None = None  # unique id for `internal` errors, also in the logs
     retry_after_ms: int | None = None  # set with `queue_full`
     param: str | None = None  # the request field to blame, when one is (`tools[0].function.parameters` ...)
+    overflow: Overflow | None = None  # with `context_overflow`: the numbers
 
 
 class SlotStatus(Struct, kw_only=True):

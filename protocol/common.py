@@ -114,6 +114,15 @@ class Usage(Struct, kw_only=True):
     completion_tokens: NonNeg
 
 
+class Overflow(Struct, kw_only=True):
+    """A `context_overflow`'s numbers, so that each API words its own message from them (Anthropic's clients read
+    "prompt is too long: N tokens > M maximum")."""
+
+    prompt_tokens: NonNeg
+    max_tokens: NonNeg | None = None  # what the request asked to generate, when it asked
+    context: NonNeg  # the largest slot's context, in tokens
+
+
 class Timings(Struct, kw_only=True):
     """Milliseconds spent in each phase of one request."""
 

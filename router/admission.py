@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from kvroute import logs
-from protocol import Error, ErrorCode, Sampling
+from protocol import Error, ErrorCode, Overflow, Sampling
 from router.prepare import PrepareError
 from router.requests import Req
 from router.workers import WorkerTable
@@ -93,7 +93,7 @@ def when_prepared(req: Req, workers: WorkerTable, queued: int, grace_s: float) -
     if not ready and workers.none_for(grace_s):
         return ErrorCode.NO_WORKERS, "no worker is connected", {}
     if ready and not any(w.fits(req) for w in ready):
-        return ErrorCode.CONTEXT_OVERFLOW, overflow(req, max(w.hello.ctx_per_slot for w in ready)), {}
+        return overflow_refusal(req, max(w.hello.ctx_per_slot for w in ready))
     if ready and (too_large := reply_too_large(req, max(w.hello.ctx_per_slot for w in ready))) is not None:
         return ErrorCode.BAD_REQUEST, too_large, {"param": "logprobs"}
     if queued + req.n > max(workers.queue_limit(), req.n):
@@ -134,6 +134,12 @@ def capped(sampling: Sampling, cap: int) -> Sampling:
     if cap > 0 and (sampling.max_tokens is None or sampling.max_tokens > cap):
         return msgspec.structs.replace(sampling, max_tokens=cap)
     return sampling
+
+
+def overflow_refusal(req: Req, ctx: int) -> Refusal:
+    """A context overflow: its words and its numbers (each API words its own message from them)."""
+    numbers = Overflow(prompt_tokens=len(req.tokens), max_tokens=req.sampling.max_tokens, context=ctx)
+    return ErrorCode.CONTEXT_OVERFLOW, overflow(req, ctx), {"overflow": numbers}
 
 
 def overflow(req: Req, ctx: int) -> str:

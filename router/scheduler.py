@@ -552,7 +552,7 @@ class Scheduler:
         elif req.state is ReqState.CANCELLING:
             self._finish_empty(req, "cancelled")
         else:
-            self._fail(req, msg.code, msg.message, error_id=msg.error_id)
+            self._fail(req, msg.code, msg.message, error_id=msg.error_id, overflow=msg.overflow)
         self._pump()
 
     def worker_dead(self, worker: str, reason: str) -> None:
@@ -639,7 +639,8 @@ class Scheduler:
             elif req.unfit_since is None:
                 req.unfit_since = now
             elif now - req.unfit_since >= self.cfg.no_workers_grace_s:
-                self._fail(req, ErrorCode.CONTEXT_OVERFLOW, admission.overflow(req, max(w.hello.ctx_per_slot for w in ready)))
+                code, message, extra = admission.overflow_refusal(req, max(w.hello.ctx_per_slot for w in ready))
+                self._fail(req, code, message, **extra)
 
     def take_kills(self) -> list[Kill]:
         return self.table.take_kills()

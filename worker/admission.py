@@ -12,7 +12,7 @@ import time
 
 from kvroute.slots import SlotPhase
 from kvroute.vocab import Vocab
-from protocol import EngineCounters, ErrorCode, Job, JobError, outside_vocab, unpack_tokens, vocab_message
+from protocol import EngineCounters, ErrorCode, Job, JobError, Overflow, outside_vocab, unpack_tokens, vocab_message
 from worker.guide import Guide, GuideError, GuideTokenizer
 from worker.prefix import Prefixes
 from worker.sampling import Sampler, SamplingError
@@ -48,7 +48,10 @@ class Admission:
         err = self.refusal(job, prompt)
         if err is not None:
             code, message = err
-            return JobError(id=job.id, code=code, message=message)
+            numbers = None
+            if code == ErrorCode.CONTEXT_OVERFLOW:
+                numbers = Overflow(prompt_tokens=len(prompt), max_tokens=job.sampling.max_tokens, context=self.n_ctx)
+            return JobError(id=job.id, code=code, message=message, overflow=numbers)
         max_tokens = job.sampling.max_tokens
         max_gen = self.n_ctx - len(prompt) if max_tokens is None else max_tokens
         deadline = t_arrival + job.deadline_ms / MS if job.deadline_ms else None

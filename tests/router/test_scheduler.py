@@ -21,6 +21,7 @@ from protocol import (
     Job,
     JobCancel,
     JobError,
+    Overflow,
     Refuse,
     Result,
     Sampling,
@@ -126,6 +127,7 @@ def test_refusals_at_accept_and_after_preparing() -> None:
     big = np.arange(5000, dtype=np.int32)
     (err,) = to_client(submit(s, "d", tokens=big), Error)
     assert err.code == "context_overflow" and "4096" in err.message
+    assert err.overflow == Overflow(prompt_tokens=5000, max_tokens=8, context=4096)  # (the numbers, for each API)
     tokenizing = s.accept(CLIENT, (), Submit(id="t", prompt="a long text"))  # counts against the queue already
     (err,) = to_client(submit(s, "c"), Error)
     assert tokenizing is not None and err.code == "queue_full" and err.retry_after_ms

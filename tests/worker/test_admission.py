@@ -10,7 +10,7 @@ import pytest
 from worker_prefix_fakes import FakeLlama, prefixes_for
 
 from kvroute.slots import SlotPhase
-from protocol import EngineCounters, ErrorCode, Job, Message, Sampling, pack_tokens
+from protocol import EngineCounters, ErrorCode, Job, Message, Overflow, Sampling, pack_tokens, unpack_tokens
 from worker.admission import Admission
 from worker.slots import SlotTable
 from worker.task import Task
@@ -52,6 +52,9 @@ def test_a_job_that_cannot_run_is_refused_before_any_work(made: Job, code: Error
     refused = admission.accept(made, sent.append, 0.0)
     assert refused is not None and refused.code == code and words in refused.message, refused
     assert not admission.waiting and not admission.by_id
+    if code == ErrorCode.CONTEXT_OVERFLOW:  # the numbers, for each API to word its own message
+        prompt_tokens = len(unpack_tokens(made.tokens))
+        assert refused.overflow == Overflow(prompt_tokens=prompt_tokens, max_tokens=made.sampling.max_tokens, context=N_CTX)
 
 
 def test_a_draining_worker_and_a_repeated_id_are_refused() -> None:
