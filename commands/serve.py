@@ -285,11 +285,6 @@ def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfi
         reply_endpoint=reply_endpoint_for(args.reply_endpoint, router_cfg.worker_endpoint),
         pooling=args.pooling,
         processes=args.processes or auto_http_processes(os.cpu_count() or 1, len(LocalWorkers(gpus=args.gpus).gpu_list())),
-        temp=args.temp,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
     )
 
 

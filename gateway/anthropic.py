@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from gateway import normalise
 from gateway.blocks import Blocks, Kind
 from gateway.fields import Policy
 from gateway.keepalive import Tick
@@ -39,7 +40,6 @@ from protocol import (
     NamedTool,
     ResponseFormat,
     Result,
-    Sampling,
     Submit,
     TextPart,
     Tokenize,
@@ -278,20 +278,20 @@ def messages_submit(raw: dict[str, Any], request_id: str, policy: Policy | None 
     if body.output_config is not None and body.output_config.format is not None:
         fmt = ResponseFormat(type="json_schema", schema=body.output_config.format.schema)
     try:
-        sampling = msgspec.convert(
+        sampling, unset = normalise.sampling(
             {
                 "max_tokens": body.max_tokens,
-                "temperature": 1.0 if body.temperature is None else body.temperature,
-                "top_k": body.top_k or 0,
-                "top_p": 1.0 if body.top_p is None else body.top_p,
+                "temperature": body.temperature,
+                "top_k": body.top_k,
+                "top_p": body.top_p,
                 "stop": [s for s in body.stop_sequences or [] if s],
-            },
-            Sampling,
+            }
         )
         sub = Submit(
             id=request_id,
             messages=to_messages(body.system, body.messages, policy),
             sampling=sampling,
+            sampling_unset=unset,
             deadline_ms=body.deadline_ms,
             tools=tools,
             tool_choice=choice,

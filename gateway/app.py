@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import anthropic, helpers
+from gateway import anthropic, helpers, normalise
 from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect
 from gateway.embeddings import embed_message, embeddings_reply
 from gateway.errors import Errors, errors_for
@@ -92,7 +92,6 @@ class Gateway:
         aliases: tuple[str, ...] = (),
         strict_model_name: bool = False,
         strict_api: bool = False,
-        sampling_defaults: dict[str, float | int] | None = None,
         max_body_bytes: int = MAX_FRAME_BYTES,
         stall_s: float = STALL_S,
         pooling: str = "auto",
@@ -101,15 +100,14 @@ class Gateway:
     ) -> None:
         """`api_key`: one key, or several comma-separated; `tenant_per_key`: each key is a tenant (its `cache_salt`);
         `aliases`: more names /v1/models lists; `strict_model_name`: a request naming another model gets 404;
-        `strict_api`: a field no API knows is a 400 rather than a hint (gateway/fields.py); `sampling_defaults`: the
-        sampling fields (`temperature`, `top_k`, `top_p`, `min_p`, `seed`) of a request that leaves them out."""
+        `strict_api`: a field no API knows is a 400 rather than a hint (gateway/fields.py). (The sampling a request
+        leaves out is the router's: --temp, --seed ... apply to every client, this one among them.)"""
         self.client = client
         self.pooling = pooling  # of /v1/embeddings (gateway/embeddings.py)
         self.model_name = model_name
         self.names = (model_name, *(a for a in aliases if a != model_name))
         self.strict_model_name = strict_model_name
         self.strict_api = strict_api
-        self.sampling_defaults = sampling_defaults or {}
         self.api_keys = [k.strip() for k in (api_key or "").split(",") if k.strip()]
         self.tenant_per_key = tenant_per_key
         self.max_body_bytes = max_body_bytes
@@ -294,17 +292,11 @@ class Gateway:
             if header in request.headers:
                 policy.hint(f"header:{header}")
         raw, size = await self.sized_body(request)
-        unset = {k: v for k, v in self.sampling_defaults.items() if k not in raw}  # (decoding strips hints from raw)
         asked, keep_alive = self.asked_model(raw), keep_alive_s(raw.pop("keep_alive", None))
         decode = functools.partial(dialect.decode, raw, rid, policy, asked if asked in self.names else self.model_name)
         call = decode() if size <= PARSE_INLINE_BYTES else await asyncio.to_thread(decode)  # (names the serving model)
         policy.report(rid)
-        sub = call.sub
-        sub.model, sub.keep_alive_s = asked, keep_alive
-        if unset:
-            sub.sampling = msgspec.structs.replace(sub.sampling, **unset)
-        sub.cache_salt = self.salt_of(request, sub.cache_salt)
-        sub.owner = self.owner_of(request)
+        sub = normalise.served(call.sub, asked, keep_alive, self.salt_of(request, call.sub.cache_salt), self.owner_of(request))
         t0 = asyncio.get_running_loop().time()
         messages = self.client.stream_submit(sub)
         first = await self._first(messages, request, sub)

@@ -17,6 +17,22 @@ from starlette.responses import JSONResponse
 from protocol import ErrorCode, Overflow
 
 
+class RequestError(Exception):
+    """A request body we cannot serve: HTTP status, OpenAI error type, param name."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type_
+
+
 @dataclass(frozen=True)
 class Kind:
     """What one protocol error code is in each API family: (HTTP status, error type)."""

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from gateway import normalise
 from gateway.blocks import Blocks, Event, Kind
 from gateway.fields import Policy
 from gateway.keepalive import Tick
@@ -37,7 +38,6 @@ from protocol import (
     NamedTool,
     ResponseFormat,
     Result,
-    Sampling,
     Submit,
     TextPart,
     Tool,
@@ -312,21 +312,21 @@ def responses_submit(raw: dict[str, Any], request_id: str, policy: Policy | None
             raise RequestError("text.format json_schema needs `schema`", param="text.format.schema")
         fmt = ResponseFormat(type="json_schema", schema=f.schema, name=f.name)
     try:
-        sampling = msgspec.convert(
+        sampling, unset = normalise.sampling(
             {
                 "max_tokens": body.max_output_tokens,
-                "temperature": 1.0 if body.temperature is None else body.temperature,
-                "top_p": 1.0 if body.top_p is None else body.top_p,
-                "top_k": body.top_k or 0,
-                "min_p": body.min_p or 0.0,
+                "temperature": body.temperature,
+                "top_p": body.top_p,
+                "top_k": body.top_k,
+                "min_p": body.min_p,
                 "logprobs": body.top_logprobs,
-            },
-            Sampling,
+            }
         )
         sub = Submit(
             id=request_id,
             messages=to_messages(body.instructions, body.input, policy),
             sampling=sampling,
+            sampling_unset=unset,
             deadline_ms=body.deadline_ms,
             tools=tools,
             tool_choice=choice,

@@ -44,13 +44,6 @@ class HttpConfig:
         "refuse (400) a request field no API of kvroute knows; by default such a field is a hint: served, logged and "
         "counted in kvroute_request_fields_ignored_total (new clients add fields every month)",
     )
-    temp: float | None = opt(
-        None, "the temperature of a request that sets none (llama-server's --temp; default: each API's own, 1.0)"
-    )
-    top_k: int | None = opt(None, "the top_k of a request that sets none (default: off)")
-    top_p: float | None = opt(None, "the top_p of a request that sets none (default: 1.0)")
-    min_p: float | None = opt(None, "the min_p of a request that sets none (default: off)")
-    seed: int | None = opt(None, "the seed of a request that sets none, so that it repeats (default: a random one)")
     api_key: str | None = opt(
         None,
         "require this key (Authorization: Bearer KEY) on every endpoint but /health; several: comma-separated; "
@@ -101,23 +94,9 @@ class HttpConfig:
         "its own connection to the router, and one that dies is started again",
     )
 
-    def sampling_defaults(self) -> dict[str, float | int]:
-        """The sampling fields a request that leaves them out gets, by their name in the request (and in `Sampling`)."""
-        given = {"temperature": self.temp, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p, "seed": self.seed}
-        return {k: v for k, v in given.items() if v is not None}
-
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024 or self.max_frame_bytes < 1024:
             raise ValueError("--max-body-bytes and --max-frame-bytes must be at least 1024")
-        for name, value, low, high in (
-            ("temp", self.temp, 0.0, 2.0),
-            ("top_k", self.top_k, 0, 1 << 20),
-            ("top_p", self.top_p, 1e-9, 1.0),
-            ("min_p", self.min_p, 0.0, 1.0),
-            ("seed", self.seed, 0, 2**32 - 2),
-        ):
-            if value is not None and not low <= value <= high:
-                raise ValueError(f"--{name.replace('_', '-')} must be between {low} and {high}, got {value}")
         if not 1 <= self.processes <= MAX_PROCESSES:
             raise ValueError(f"--processes must be between 1 and {MAX_PROCESSES}, got {self.processes}")
         reply_endpoint_of(self.reply_endpoint, self.router.split(",")[0])  # (ValueError naming what is wrong)
@@ -225,7 +204,6 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None, sig
         strict_model_name=cfg.strict_model_name,
         strict_api=cfg.strict_api,
         pooling=cfg.pooling,
-        sampling_defaults=cfg.sampling_defaults(),
         max_body_bytes=cfg.max_body_bytes,
         stall_s=cfg.stream_stall_s,
         body_timeout_s=cfg.body_timeout_s,

@@ -64,6 +64,7 @@ from protocol import (
     encode,
     pack_tokens,
     router_reply_decoder,
+    sampling_of,
 )
 
 DEFAULT_ENDPOINT = os.environ.get("KVROUTE_ENDPOINT", "tcp://127.0.0.1:5555")
@@ -218,10 +219,11 @@ def build_submit(
     **kwargs: Any,
 ) -> Submit:
     """A `submit` from keyword arguments: those of protocol.Submit (tools, tool_choice, response_format, grammar,
-    n, ...; as dicts or structs) and of protocol.Sampling (temperature, max_tokens, logprobs, ...)."""
+    n, ...; as dicts or structs) and of protocol.Sampling (temperature, max_tokens, logprobs, ...). Sampling fields not
+    given are the router's to default (--temp, --seed, ...), as for an HTTP request that leaves them out."""
     extra = {k: kwargs.pop(k) for k in SUBMIT_FIELDS if k in kwargs}
     try:
-        params = msgspec.convert(kwargs, Sampling)
+        params, unset = sampling_of({"max_tokens": Sampling().max_tokens, **kwargs})
         return msgspec.convert(
             {
                 **msgspec.to_builtins(extra),
@@ -230,6 +232,7 @@ def build_submit(
                 "messages": None if messages is None else msgspec.to_builtins(messages),
                 "tokens": None if tokens is None else pack_tokens(tokens),
                 "sampling": params,
+                "sampling_unset": unset,
                 "stream": stream,
                 "deadline_ms": deadline_ms,
             },

@@ -55,6 +55,7 @@ from protocol.codec import (
     worker_to_router_decoder,
 )
 from protocol.common import (
+    DEFAULTABLE,
     MAX_DEADLINE_MS,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -65,6 +66,7 @@ from protocol.common import (
     Sampling,
     Timings,
     Usage,
+    sampling_of,
 )
 from protocol.tokens import (
     outside_vocab,
@@ -101,6 +103,7 @@ from protocol.worker_messages import (
 )
 
 __all__ = [
+    "DEFAULTABLE",
     "MAX_CHOICES",
     "MAX_DEADLINE_MS",
     "MAX_EMBED_INPUTS",
@@ -183,6 +186,7 @@ __all__ = [
     "pack_tokens",
     "router_reply_decoder",
     "router_to_worker_decoder",
+    "sampling_of",
     "token_array",
     "token_hash",
     "unpack_tokens",

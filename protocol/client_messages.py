@@ -33,6 +33,9 @@ class Submit(Message, tag="submit", kw_only=True):
     messages: list[ChatMessage] | None = None  # chat, rendered with the router's chat template
     tokens: TokenBytes | None = None  # token ids, used as given
     sampling: Sampling = msgspec.field(default_factory=Sampling)
+    # the sampling fields the client left to the server (`Sampling` names of DEFAULTABLE): the router's --temp, --top-k,
+    # --top-p, --min-p, --seed replace them, where the operator set those
+    sampling_unset: list[Literal["temperature", "top_k", "top_p", "min_p", "seed"]] = []
     stream: bool = True  # send `delta` messages; the `result` comes either way
     deadline_ms: DeadlineMs | None = None  # relative to the router's receipt
     tools: list[Tool] | None = None  # functions the model may call (rendered by the template)

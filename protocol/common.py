@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -104,6 +104,18 @@ class Sampling(Struct, kw_only=True):
 
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(k): v for k, v in self.logit_bias.items()}
+
+
+# the sampling fields a server may default (--temp, --top-k, --top-p, --min-p, --seed) for requests that leave them out
+DEFAULTABLE = ("temperature", "top_k", "top_p", "min_p", "seed")
+
+
+def sampling_of(fields: dict[str, Any]) -> tuple[Sampling, list[str]]:
+    """A request's `Sampling` from the fields it set, by `Sampling`'s names (None: not set), and the DEFAULTABLE ones it
+    left to the server (Submit.sampling_unset). A field not set gets `Sampling`'s value, except `max_tokens`, which
+    is taken as given (None: no limit). Raises msgspec.ValidationError (naming the field) or ValueError."""
+    given = {k: v for k, v in fields.items() if v is not None or k == "max_tokens"}
+    return msgspec.convert(given, Sampling), [k for k in DEFAULTABLE if fields.get(k) is None]
 
 
 class Usage(Struct, kw_only=True):

@@ -129,6 +129,12 @@ def prepare_failed(req: Req, exc: BaseException) -> Error:
     return Error(id=req.rid, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id)
 
 
+def defaulted(sampling: Sampling, unset: list[str], defaults: dict[str, float | int]) -> Sampling:
+    """--temp, --top-k, --top-p, --min-p, --seed: the fields a request left to the server (`sampling_unset`) get them."""
+    given = {k: defaults[k] for k in unset if k in defaults}
+    return msgspec.structs.replace(sampling, **given) if given else sampling
+
+
 def capped(sampling: Sampling, cap: int) -> Sampling:
     """--max-tokens: a request asking for more (or for no limit) gets the cap."""
     if cap > 0 and (sampling.max_tokens is None or sampling.max_tokens > cap):

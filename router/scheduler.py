@@ -145,6 +145,7 @@ class Scheduler:
         self._job_ids = itertools.count(1)
         self._rid = itertools.count(1)
         self._worker_handlers = self._worker_table()
+        self.sampling_defaults = cfg.sampling_defaults()
 
     def take(self) -> list[Out]:
         """The messages the last events produced (the outbox is emptied)."""
@@ -309,7 +310,8 @@ class Scheduler:
             self.reply(identity, envelope, Error(id=rid, code=code, message=message, **extra))
             return None
         deadline = None if msg.deadline_ms is None else time.monotonic() + msg.deadline_ms / 1000.0
-        sampling = admission.capped(msg.sampling, self.cfg.max_tokens)
+        sampling = admission.defaulted(msg.sampling, msg.sampling_unset, self.sampling_defaults)
+        sampling = admission.capped(sampling, self.cfg.max_tokens)
         # REQ sockets take exactly one reply per request: no deltas for them
         req = Req(identity, list(envelope), rid, sampling, msg.stream and not envelope, deadline, msg.n)
         req.salt, req.owner, req.batch_deltas = tenant(msg.cache_salt), msg.owner or "", msg.batch_deltas

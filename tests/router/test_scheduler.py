@@ -363,3 +363,14 @@ def test_a_worker_message_with_no_handler_is_counted_and_logged_not_taken_for_an
     hello(s)
     s.worker_message(b"w0", Accept(worker_id="w0", router_id="r"))  # (a router's message: no worker sends it)
     assert s.metrics.unknown_messages == 1 and s.take() == []
+
+
+def test_server_sampling_defaults_fill_only_what_a_request_left_to_the_server() -> None:
+    """--temp, --top-k, --seed ... are the router's, so every client gets them (HTTP, ZMQ, any language)."""
+    s = core(temp=0.0, top_k=40, seed=7)
+    hello(s)
+    chosen = Sampling(temperature=0.5, top_k=3, max_tokens=8)
+    (job,) = jobs(submit(s, "a", sampling=chosen, sampling_unset=["seed"]))
+    assert (job.sampling.temperature, job.sampling.top_k, job.sampling.seed) == (0.5, 3, 7)
+    (job,) = jobs(submit(s, "b", sampling=Sampling(max_tokens=8), sampling_unset=["temperature", "top_k", "top_p", "seed"]))
+    assert (job.sampling.temperature, job.sampling.top_k, job.sampling.top_p, job.sampling.seed) == (0.0, 40, 1.0, 7)
