@@ -90,7 +90,7 @@ def worker(endpoint: str, worker_id: str, slots: int, model: str) -> None:
     running: dict[str, Running] = {}
     progress, last_beat = 0, 0.0
     delta_bytes = pack_tokens([TOKEN])
-    replies: dict[str, zmq.Socket[bytes]] = {}  # a job's client reads its output itself (Job.reply_to): worker/replies.py
+    replies: dict[str, zmq.Socket[bytes]] = {}  # a job's client reads its output itself (Job.reply_to): worker/direct_replies.py
 
     def reply_socket(endpoint: str) -> zmq.Socket[bytes]:
         if endpoint not in replies:

@@ -173,11 +173,11 @@ def _fields(struct: mi.StructType, at: str, seen: frozenset[type], depth: int) -
 def _request_types() -> dict[str, tuple[str, list[tuple[str, Any]]]]:
     """Each API of gateway/fields.py: its endpoint, and the types its body is decoded as: (where, type), where '' is
     the body and `tools[]` each element of its `tools` (parts the gateway decodes on their own)."""
-    from gateway import anthropic, embeddings, openai_types, rerank, responses
+    from gateway import anthropic, embeddings, openai_bodies, rerank, responses
 
     return {
-        "chat": ("`POST /v1/chat/completions`", [("", openai_types.ChatRequest)]),
-        "completions": ("`POST /v1/completions`", [("", openai_types.CompletionRequest)]),
+        "chat": ("`POST /v1/chat/completions`", [("", openai_bodies.ChatRequest)]),
+        "completions": ("`POST /v1/completions`", [("", openai_bodies.CompletionRequest)]),
         "responses": (
             "`POST /v1/responses`",
             [

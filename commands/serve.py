@@ -26,7 +26,7 @@ from typing import Any
 import zmq.asyncio
 
 from commands.models_config import ModelEntry, from_file, from_flags, seconds, worker_prefix
-from gateway.main import HttpConfig, parse_host_port, serve_http
+from gateway.server import HttpConfig, parse_host_port, serve_http
 from kvroute import logs
 from kvroute.config import ConfigFileError, UsageError, add_args, from_args, opt, to_flags
 from kvroute.files import runtime_dir
@@ -285,11 +285,6 @@ def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfi
         reply_endpoint=reply_endpoint_for(args.reply_endpoint, router_cfg.worker_endpoint),
         pooling=args.pooling,
         processes=args.processes or auto_http_processes(os.cpu_count() or 1, len(LocalWorkers(gpus=args.gpus).gpu_list())),
-        temp=args.temp,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
     )
 
 

@@ -27,10 +27,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from gateway import normalise
 from gateway.blocks import Blocks, Kind
 from gateway.fields import Policy
 from gateway.keepalive import Tick
-from gateway.openai_schema import RequestError, Strict, context_shift, decode
+from gateway.openai_chat import RequestError, Strict, context_shift, decode
 from protocol import (
     MAX_DEADLINE_MS,
     ChatMessage,
@@ -39,7 +40,6 @@ from protocol import (
     NamedTool,
     ResponseFormat,
     Result,
-    Sampling,
     Submit,
     TextPart,
     Tokenize,
@@ -146,47 +146,6 @@ class CountTokensRequest(Strict):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-
-
-def error_body(message: str, type_: str = "invalid_request_error") -> dict[str, Any]:
-    """Anthropic's error shape."""
-    return {"type": "error", "error": {"type": type_, "message": message}}
-
-
-# protocol error code -> (HTTP status, Anthropic error type); 529 is Anthropic's "overloaded", which its SDKs retry
-ERROR_TYPES: dict[str, tuple[int, str]] = {
-    "bad_request": (400, "invalid_request_error"),
-    "context_overflow": (400, "invalid_request_error"),
-    "too_large": (413, "request_too_large"),
-    "unauthorized": (401, "authentication_error"),
-    "not_found": (404, "not_found_error"),
-    "queue_full": (429, "rate_limit_error"),
-    "no_workers": (529, "overloaded_error"),
-    "worker_lost": (529, "overloaded_error"),
-    "router_lost": (529, "overloaded_error"),
-    "reply_unreachable": (529, "overloaded_error"),
-    "draining": (529, "overloaded_error"),
-    "deadline_exceeded": (504, "timeout_error"),
-    "too_slow": (408, "timeout_error"),
-}
-
-
-_OVERFLOW = re.compile(r"prompt of (\d+) tokens.*?(?: \+ max_tokens (\d+))? does not fit a slot of (\d+) tokens")
-
-
-def error_message(message: str, code: str) -> str:
-    """The router's words in Anthropic's where a client reads them: a context overflow as `prompt is too long: N
-    tokens > M maximum`, which Claude Code recognizes and answers by compacting the conversation."""
-    found = _OVERFLOW.search(message) if code == "context_overflow" else None
-    if found is None:
-        return message
-    prompt, max_tokens, ctx = (int(x or 0) for x in found.groups())
-    return f"prompt is too long: {prompt + max_tokens} tokens > {ctx} maximum"
-
-
-def error_event(message: str, code: str) -> bytes:
-    """An error in the middle of a stream."""
-    return sse("error", error_body(error_message(message, code), ERROR_TYPES.get(code, (500, "api_error"))[1]))
 
 
 SERVER_TOOLS = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_", "mcp_toolset")
@@ -319,20 +278,20 @@ def messages_submit(raw: dict[str, Any], request_id: str, policy: Policy | None 
     if body.output_config is not None and body.output_config.format is not None:
         fmt = ResponseFormat(type="json_schema", schema=body.output_config.format.schema)
     try:
-        sampling = msgspec.convert(
+        sampling, unset = normalise.sampling(
             {
                 "max_tokens": body.max_tokens,
-                "temperature": 1.0 if body.temperature is None else body.temperature,
-                "top_k": body.top_k or 0,
-                "top_p": 1.0 if body.top_p is None else body.top_p,
+                "temperature": body.temperature,
+                "top_k": body.top_k,
+                "top_p": body.top_p,
                 "stop": [s for s in body.stop_sequences or [] if s],
-            },
-            Sampling,
+            }
         )
         sub = Submit(
             id=request_id,
             messages=to_messages(body.system, body.messages, policy),
             sampling=sampling,
+            sampling_unset=unset,
             deadline_ms=body.deadline_ms,
             tools=tools,
             tool_choice=choice,

@@ -26,9 +26,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway import anthropic, helpers
-from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect, Errors, errors_for
+from gateway import anthropic, helpers, normalise
+from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect
 from gateway.embeddings import embed_message, embeddings_reply
+from gateway.errors import Errors, errors_for
 from gateway.fields import Policy
 from gateway.helpers import keep_alive_s
 from gateway.keepalive import IDLE_S, Clock, ticking
@@ -41,7 +42,7 @@ from gateway.limits import (
     limited,
     too_large_message,
 )
-from gateway.openai_schema import RequestError, chat_submit
+from gateway.openai_chat import RequestError, chat_submit
 from gateway.openapi import OPENAPI
 from gateway.rerank import RERANK_PATHS, rerank_message, rerank_reply
 from kvroute import logs
@@ -71,9 +72,7 @@ def error_text(exc: KvrouteError) -> str:
 
 def kvroute_error_response(exc: KvrouteError, errors: Errors) -> JSONResponse:
     status, type_ = errors.status_of(exc.code)
-    message = error_text(exc)
-    if errors.anthropic:
-        message = anthropic.error_message(message, exc.code)
+    message = errors.message(error_text(exc), exc.code, exc.overflow)
     headers = None
     if exc.code == ErrorCode.QUEUE_FULL:
         headers = {"Retry-After": str(max(1, round((exc.retry_after_ms or 1000) / 1000)))}
@@ -93,7 +92,6 @@ class Gateway:
         aliases: tuple[str, ...] = (),
         strict_model_name: bool = False,
         strict_api: bool = False,
-        sampling_defaults: dict[str, float | int] | None = None,
         max_body_bytes: int = MAX_FRAME_BYTES,
         stall_s: float = STALL_S,
         pooling: str = "auto",
@@ -102,15 +100,14 @@ class Gateway:
     ) -> None:
         """`api_key`: one key, or several comma-separated; `tenant_per_key`: each key is a tenant (its `cache_salt`);
         `aliases`: more names /v1/models lists; `strict_model_name`: a request naming another model gets 404;
-        `strict_api`: a field no API knows is a 400 rather than a hint (gateway/fields.py); `sampling_defaults`: the
-        sampling fields (`temperature`, `top_k`, `top_p`, `min_p`, `seed`) of a request that leaves them out."""
+        `strict_api`: a field no API knows is a 400 rather than a hint (gateway/fields.py). (The sampling a request
+        leaves out is the router's: --temp, --seed ... apply to every client, this one among them.)"""
         self.client = client
         self.pooling = pooling  # of /v1/embeddings (gateway/embeddings.py)
         self.model_name = model_name
         self.names = (model_name, *(a for a in aliases if a != model_name))
         self.strict_model_name = strict_model_name
         self.strict_api = strict_api
-        self.sampling_defaults = sampling_defaults or {}
         self.api_keys = [k.strip() for k in (api_key or "").split(",") if k.strip()]
         self.tenant_per_key = tenant_per_key
         self.max_body_bytes = max_body_bytes
@@ -295,17 +292,11 @@ class Gateway:
             if header in request.headers:
                 policy.hint(f"header:{header}")
         raw, size = await self.sized_body(request)
-        unset = {k: v for k, v in self.sampling_defaults.items() if k not in raw}  # (decoding strips hints from raw)
         asked, keep_alive = self.asked_model(raw), keep_alive_s(raw.pop("keep_alive", None))
         decode = functools.partial(dialect.decode, raw, rid, policy, asked if asked in self.names else self.model_name)
         call = decode() if size <= PARSE_INLINE_BYTES else await asyncio.to_thread(decode)  # (names the serving model)
         policy.report(rid)
-        sub = call.sub
-        sub.model, sub.keep_alive_s = asked, keep_alive
-        if unset:
-            sub.sampling = msgspec.structs.replace(sub.sampling, **unset)
-        sub.cache_salt = self.salt_of(request, sub.cache_salt)
-        sub.owner = self.owner_of(request)
+        sub = normalise.served(call.sub, asked, keep_alive, self.salt_of(request, call.sub.cache_salt), self.owner_of(request))
         t0 = asyncio.get_running_loop().time()
         messages = self.client.stream_submit(sub)
         first = await self._first(messages, request, sub)
@@ -343,7 +334,7 @@ class Gateway:
                     clock.wrote()
                     yield chunk
             except KvrouteError as exc:
-                yield dialect.stream_error(error_text(exc), exc.code)
+                yield dialect.stream_error(error_text(exc), exc.code, exc.overflow)
             finally:
                 await messages.aclose()  # on client disconnect this sends the cancel
 
@@ -352,7 +343,7 @@ class Gateway:
     def _stream(self, events: AsyncIterator[bytes], on_error: Any) -> BoundedStream:
         """An event stream cut, with `on_error`'s event last, when its reader stalls (gateway/limits.py)."""
         message = f"the reader took nothing for {self.stall_s:g} s; the generation was cancelled"
-        cut = on_error(message, ErrorCode.TOO_SLOW)
+        cut = on_error(message, ErrorCode.TOO_SLOW, None)
         return BoundedStream(events, stall_s=self.stall_s, cut_event=cut, media_type="text/event-stream", headers=SSE_HEADERS)
 
     @staticmethod

@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 
 from gateway.fields import Policy
-from gateway.openai_schema import RequestError, decode
+from gateway.openai_chat import RequestError, decode
 from protocol import MAX_EMBED_INPUTS, Embed, Embeddings, pack_tokens
 
 

@@ -1,6 +1,6 @@
 """The field policy of every HTTP API, in one place: each request field is honoured, accepted as a hint, or refused.
 
-- *honoured*: the field is in the API's request type (gateway/openai_types.py, responses.py, anthropic.py) and
+- *honoured*: the field is in the API's request type (gateway/openai_bodies.py, responses.py, anthropic.py) and
   changes what is computed or returned;
 - *hint* (`HINTS`): metadata, cache and session hints, knobs without meaning for this model, hosted tools the model
   cannot call. The request is served; the field is named in the log and counted in

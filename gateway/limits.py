@@ -25,7 +25,7 @@ import numpy as np
 from starlette.responses import StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from gateway.openai_schema import RequestError
+from gateway.openai_chat import RequestError
 from kvroute import logs
 
 log = logs.get(__name__)

@@ -1,5 +1,5 @@
 """The OpenAPI document served at /openapi.json, generated from the request types the gateway decodes with
-(gateway/openai_types.py): what it documents is what the code checks."""
+(gateway/openai_bodies.py): what it documents is what the code checks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import msgspec
 
 from gateway.anthropic import CountTokensRequest, MessagesRequest
 from gateway.helpers import TokenizeBody
-from gateway.openai_types import ChatRequest, CompletionRequest
+from gateway.openai_bodies import ChatRequest, CompletionRequest
 from gateway.responses import ResponsesRequest
 
 _error = {

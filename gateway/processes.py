@@ -1,5 +1,5 @@
 """More HTTP processes beside `kvroute http`'s own (`--processes N`): children serving the same port with
-SO_REUSEPORT (gateway/main.py `listen_socket`), so that the kernel spreads new connections over them and the HTTP
+SO_REUSEPORT (gateway/server.py `listen_socket`), so that the kernel spreads new connections over them and the HTTP
 work runs on as many cores. Each child has its own connection to the router. One that dies is started again, after a
 pause that doubles while children keep dying (a child that cannot start is not restarted at full speed); the
 children end with their parent, also when it is killed (PR_SET_PDEATHSIG)."""
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from kvroute import logs
 
 if TYPE_CHECKING:
-    from gateway.main import HttpConfig
+    from gateway.server import HttpConfig
 
 log = logs.get(__name__)
 
@@ -38,7 +38,7 @@ def _child(cfg: HttpConfig, index: int, parent: int) -> None:
         return  # the parent died before the signal was set
     import uvloop
 
-    from gateway.main import serve_http
+    from gateway.server import serve_http
 
     logs.setup(process=f"http-{index}")
     uvloop.run(serve_http(cfg))

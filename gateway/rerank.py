@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from gateway.fields import Policy
-from gateway.openai_schema import RequestError, decode
+from gateway.openai_chat import RequestError, decode
 from protocol import MAX_EMBED_INPUTS, Ranked, Rerank
 
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/reranking", "/v1/reranking", "/v2/rerank")  # llama-server's four, Cohere's

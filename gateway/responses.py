@@ -16,7 +16,6 @@ hints: the model is not offered them. Every hint is in gateway/fields.py.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,10 +24,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from gateway import normalise
 from gateway.blocks import Blocks, Event, Kind
 from gateway.fields import Policy
 from gateway.keepalive import Tick
-from gateway.openai_schema import RequestError, Strict, chat_logprobs, context_shift, decode, thinking_kwargs, timings_body
+from gateway.openai_chat import RequestError, Strict, chat_logprobs, context_shift, decode, thinking_kwargs, timings_body
 from protocol import (
     MAX_DEADLINE_MS,
     MAX_LOGPROBS,
@@ -38,7 +38,6 @@ from protocol import (
     NamedTool,
     ResponseFormat,
     Result,
-    Sampling,
     Submit,
     TextPart,
     Tool,
@@ -313,21 +312,21 @@ def responses_submit(raw: dict[str, Any], request_id: str, policy: Policy | None
             raise RequestError("text.format json_schema needs `schema`", param="text.format.schema")
         fmt = ResponseFormat(type="json_schema", schema=f.schema, name=f.name)
     try:
-        sampling = msgspec.convert(
+        sampling, unset = normalise.sampling(
             {
                 "max_tokens": body.max_output_tokens,
-                "temperature": 1.0 if body.temperature is None else body.temperature,
-                "top_p": 1.0 if body.top_p is None else body.top_p,
-                "top_k": body.top_k or 0,
-                "min_p": body.min_p or 0.0,
+                "temperature": body.temperature,
+                "top_p": body.top_p,
+                "top_k": body.top_k,
+                "min_p": body.min_p,
                 "logprobs": body.top_logprobs,
-            },
-            Sampling,
+            }
         )
         sub = Submit(
             id=request_id,
             messages=to_messages(body.instructions, body.input, policy),
             sampling=sampling,
+            sampling_unset=unset,
             deadline_ms=body.deadline_ms,
             tools=tools,
             tool_choice=choice,
@@ -435,12 +434,6 @@ def response_body(result: Result, rid: str, model: str, asked: Asked, created: f
 
 def _call_delta(i: int, c: ToolCall) -> ToolCallDelta:
     return ToolCallDelta(index=i, id=c.id, name=c.name, arguments=c.arguments)
-
-
-def error_event(message: str, code: str) -> bytes:
-    """An error in the middle of a stream."""
-    data = {"type": "error", "code": code, "message": message, "param": None}
-    return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
 
 
 async def response_events(

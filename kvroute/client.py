@@ -50,6 +50,7 @@ from protocol import (
     Invalid,
     MetricsReply,
     MetricsRequest,
+    Overflow,
     Placed,
     Ranked,
     Rerank,
@@ -63,6 +64,7 @@ from protocol import (
     encode,
     pack_tokens,
     router_reply_decoder,
+    sampling_of,
 )
 
 DEFAULT_ENDPOINT = os.environ.get("KVROUTE_ENDPOINT", "tcp://127.0.0.1:5555")
@@ -99,6 +101,7 @@ class KvrouteError(Exception):
         request_id: str | None = None,
         retry_after_ms: int | None = None,
         param: str | None = None,
+        overflow: Overflow | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code or self.code
@@ -107,6 +110,7 @@ class KvrouteError(Exception):
         self.request_id = request_id
         self.retry_after_ms = retry_after_ms
         self.param = param
+        self.overflow = overflow  # a context_overflow's numbers
 
     def __str__(self) -> str:
         tail = f" (error id {self.error_id})" if self.error_id else ""
@@ -179,7 +183,13 @@ def encode_checked(msg: Any, max_frame_bytes: int) -> bytes:
 def error_from(msg: Error) -> KvrouteError:
     cls = _ERRORS.get(msg.code, KvrouteError)
     return cls(
-        msg.message, code=msg.code, error_id=msg.error_id, request_id=msg.id, retry_after_ms=msg.retry_after_ms, param=msg.param
+        msg.message,
+        code=msg.code,
+        error_id=msg.error_id,
+        request_id=msg.id,
+        retry_after_ms=msg.retry_after_ms,
+        param=msg.param,
+        overflow=msg.overflow,
     )
 
 
@@ -209,10 +219,11 @@ def build_submit(
     **kwargs: Any,
 ) -> Submit:
     """A `submit` from keyword arguments: those of protocol.Submit (tools, tool_choice, response_format, grammar,
-    n, ...; as dicts or structs) and of protocol.Sampling (temperature, max_tokens, logprobs, ...)."""
+    n, ...; as dicts or structs) and of protocol.Sampling (temperature, max_tokens, logprobs, ...). Sampling fields not
+    given are the router's to default (--temp, --seed, ...), as for an HTTP request that leaves them out."""
     extra = {k: kwargs.pop(k) for k in SUBMIT_FIELDS if k in kwargs}
     try:
-        params = msgspec.convert(kwargs, Sampling)
+        params, unset = sampling_of({"max_tokens": Sampling().max_tokens, **kwargs})
         return msgspec.convert(
             {
                 **msgspec.to_builtins(extra),
@@ -221,6 +232,7 @@ def build_submit(
                 "messages": None if messages is None else msgspec.to_builtins(messages),
                 "tokens": None if tokens is None else pack_tokens(tokens),
                 "sampling": params,
+                "sampling_unset": unset,
                 "stream": stream,
                 "deadline_ms": deadline_ms,
             },

@@ -3,7 +3,7 @@
 The client binds a PULL socket and names it in each submit (`reply_to`). The router places the request and answers
 `placed` (the job, its worker, how to read the output); the worker sends the job's output straight here: `job_start`
 when it takes the job, each step's `job_delta`s, then `job_done`. This module turns them into the `delta`s and the
-`result` the router would have sent (chat/replies.py builds both, for the router too), so that a client's readers see
+`result` the router would have sent (chat/reply_messages.py builds both, for the router too), so that a client's readers see
 no difference, and the router spends nothing per token.
 
 The two paths are not ordered: a job's first messages may come before its `placed`, and wait for it (up to EARLY_MAX
@@ -26,7 +26,7 @@ from typing import Any
 
 import zmq
 
-from chat import replies
+from chat import reply_messages
 from chat.output import OutputParser, OutputSpec
 from kvroute import logs
 from kvroute.files import runtime_dir
@@ -223,7 +223,7 @@ class DirectReplies:
             job.started = job.began = True
             piece = job.parser.feed(msg.text)
             job.logprobs.extend(msg.logprobs)
-            delta = replies.delta_of(job.rid, 0, piece, msg.tokens, msg.logprobs)
+            delta = reply_messages.delta_of(job.rid, 0, piece, msg.tokens, msg.logprobs)
             if msg.reused_tokens is not None:  # the job's first token: what the prompt cost is known now
                 delta.usage = Usage(prompt_tokens=job.placed.prompt_tokens, cached_tokens=msg.reused_tokens, completion_tokens=0)
             self.on_reply(delta)
@@ -238,9 +238,9 @@ class DirectReplies:
     def _done(self, job: DirectJob, msg: JobDone) -> None:
         tail = job.parser.finish()
         if tail.content or tail.reasoning or tail.calls:
-            self.on_reply(replies.delta_of(job.rid, 0, tail, b"", []))
+            self.on_reply(reply_messages.delta_of(job.rid, 0, tail, b"", []))
         placed = job.placed
-        choice = replies.choice_of(0, job.parser, msg, job.logprobs)
+        choice = reply_messages.choice_of(0, job.parser, msg, job.logprobs)
         usage = Usage(prompt_tokens=msg.prompt_tokens, cached_tokens=msg.reused_tokens, completion_tokens=msg.generated_tokens)
         t = msg.timings
         timings = Timings(
@@ -250,7 +250,7 @@ class DirectReplies:
             ttft_ms=t.ttft_ms + placed.queue_ms,
             total_ms=(time.monotonic() - self.sent_at.get(job.rid, job.at)) * 1000,
         )
-        result = replies.result_of(job.rid, [choice], usage, timings, placed.worker, msg.slot)
+        result = reply_messages.result_of(job.rid, [choice], usage, timings, placed.worker, msg.slot)
         result.dropped_messages, result.dropped_tokens = placed.dropped_messages, placed.dropped_tokens
         self.forget(job.rid)
         self.on_reply(result)

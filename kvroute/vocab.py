@@ -20,6 +20,8 @@ from typing import Any
 
 import llama_cpp
 
+from protocol import vocab_message
+
 POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's enum llama_pooling_type
 
 _backend_lock = threading.Lock()
@@ -206,7 +208,7 @@ class Vocab:
         if cached is not None:
             return cached
         if not 0 <= token < self.n_vocab:
-            raise ValueError(f"token id {token} is outside the vocabulary (0..{self.n_vocab - 1})")
+            raise ValueError(vocab_message(token, self.n_vocab))
         buf = ctypes.create_string_buffer(256)  # (its own: the router's preparing threads call this side by side)
         n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
         if n < 0:

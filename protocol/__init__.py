@@ -49,23 +49,32 @@ from protocol.codec import (
     client_request_decoder,
     direct_reply_decoder,
     encode,
+    kind_of,
     router_reply_decoder,
     router_to_worker_decoder,
     worker_to_router_decoder,
 )
 from protocol.common import (
+    DEFAULTABLE,
     MAX_DEADLINE_MS,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     ErrorCode,
     FinishReason,
     Message,
+    Overflow,
     Sampling,
     Timings,
     Usage,
+    sampling_of,
+)
+from protocol.tokens import (
+    outside_vocab,
     pack_tokens,
+    token_array,
     token_hash,
     unpack_tokens,
+    vocab_message,
 )
 from protocol.worker_messages import (
     Accept,
@@ -94,6 +103,7 @@ from protocol.worker_messages import (
 )
 
 __all__ = [
+    "DEFAULTABLE",
     "MAX_CHOICES",
     "MAX_DEADLINE_MS",
     "MAX_EMBED_INPUTS",
@@ -136,6 +146,7 @@ __all__ = [
     "MetricsRequest",
     "ModelStatus",
     "NamedTool",
+    "Overflow",
     "Placed",
     "Ranked",
     "Refuse",
@@ -170,10 +181,15 @@ __all__ = [
     "client_request_decoder",
     "direct_reply_decoder",
     "encode",
+    "kind_of",
+    "outside_vocab",
     "pack_tokens",
     "router_reply_decoder",
     "router_to_worker_decoder",
+    "sampling_of",
+    "token_array",
     "token_hash",
     "unpack_tokens",
+    "vocab_message",
     "worker_to_router_decoder",
 ]

@@ -8,7 +8,8 @@ import msgspec
 from msgspec import Meta
 
 from protocol.chat import MAX_TOOLS, ChatMessage, ResponseFormat, TokenLogprob, Tool, ToolCall, ToolCallDelta, ToolChoice
-from protocol.common import DeadlineMs, Message, NonNeg, Sampling, Struct, Timings, TokenBytes, Usage, check_token_bytes
+from protocol.common import DeadlineMs, Message, NonNeg, Overflow, Sampling, Struct, Timings, TokenBytes, Usage
+from protocol.tokens import check_token_bytes
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
 ModelName = Annotated[str, Meta(min_length=1, max_length=256)]
@@ -32,6 +33,9 @@ class Submit(Message, tag="submit", kw_only=True):
     messages: list[ChatMessage] | None = None  # chat, rendered with the router's chat template
     tokens: TokenBytes | None = None  # token ids, used as given
     sampling: Sampling = msgspec.field(default_factory=Sampling)
+    # the sampling fields the client left to the server (`Sampling` names of DEFAULTABLE): the router's --temp, --top-k,
+    # --top-p, --min-p, --seed replace them, where the operator set those
+    sampling_unset: list[Literal["temperature", "top_k", "top_p", "min_p", "seed"]] = []
     stream: bool = True  # send `delta` messages; the `result` comes either way
     deadline_ms: DeadlineMs | None = None  # relative to the router's receipt
     tools: list[Tool] | None = None  # functions the model may call (rendered by the template)
@@ -282,6 +286,7 @@ class Error(Message, tag="error", kw_only=True):
     error_id: str | None = None  # unique id for `internal` errors, also in the logs
     retry_after_ms: int | None = None  # set with `queue_full`
     param: str | None = None  # the request field to blame, when one is (`tools[0].function.parameters` ...)
+    overflow: Overflow | None = None  # with `context_overflow`: the numbers
 
 
 class SlotStatus(Struct, kw_only=True):

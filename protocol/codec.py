@@ -20,6 +20,13 @@ M = TypeVar("M", bound=Message)
 _encoder = msgspec.msgpack.Encoder()
 
 
+def kind_of(msg: Any) -> str:
+    """A message's `type` on the wire (its tag); the class name for anything else."""
+    config = getattr(type(msg), "__struct_config__", None)
+    tag = getattr(config, "tag", None)
+    return tag if isinstance(tag, str) else type(msg).__name__
+
+
 def encode(msg: Message) -> bytes:
     """A message -> one msgpack frame."""
     return _encoder.encode(msg)

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import enum
-import hashlib
-import sys
-from array import array
 from typing import Annotated, Any
 
 import msgspec
@@ -109,12 +106,33 @@ class Sampling(Struct, kw_only=True):
         return {int(k): v for k, v in self.logit_bias.items()}
 
 
+# the sampling fields a server may default (--temp, --top-k, --top-p, --min-p, --seed) for requests that leave them out
+DEFAULTABLE = ("temperature", "top_k", "top_p", "min_p", "seed")
+
+
+def sampling_of(fields: dict[str, Any]) -> tuple[Sampling, list[str]]:
+    """A request's `Sampling` from the fields it set, by `Sampling`'s names (None: not set), and the DEFAULTABLE ones it
+    left to the server (Submit.sampling_unset). A field not set gets `Sampling`'s value, except `max_tokens`, which
+    is taken as given (None: no limit). Raises msgspec.ValidationError (naming the field) or ValueError."""
+    given = {k: v for k, v in fields.items() if v is not None or k == "max_tokens"}
+    return msgspec.convert(given, Sampling), [k for k in DEFAULTABLE if fields.get(k) is None]
+
+
 class Usage(Struct, kw_only=True):
     """Token counts of one request."""
 
     prompt_tokens: NonNeg
     cached_tokens: NonNeg  # prompt tokens whose KV was reused, not computed
     completion_tokens: NonNeg
+
+
+class Overflow(Struct, kw_only=True):
+    """A `context_overflow`'s numbers, so that each API words its own message from them (Anthropic's clients read
+    "prompt is too long: N tokens > M maximum")."""
+
+    prompt_tokens: NonNeg
+    max_tokens: NonNeg | None = None  # what the request asked to generate, when it asked
+    context: NonNeg  # the largest slot's context, in tokens
 
 
 class Timings(Struct, kw_only=True):
@@ -125,40 +143,3 @@ class Timings(Struct, kw_only=True):
     decode_ms: NonNegFloat = 0.0  # from first sampled token to the end
     ttft_ms: NonNegFloat = 0.0  # from arrival to first token
     total_ms: NonNegFloat = 0.0
-
-
-def check_token_bytes(field: str, data: bytes | None, *, empty_ok: bool = True) -> None:
-    """Raise ValueError unless `data` is packed int32 (length a multiple of 4; non-empty unless empty_ok)."""
-    if data is None:
-        return
-    if len(data) % 4:
-        raise ValueError(f"{field} must be little-endian int32 bytes: length {len(data)} is not a multiple of 4")
-    if not data and not empty_ok:
-        raise ValueError(f"{field} must hold at least one token")
-
-
-def pack_tokens(tokens: list[int] | array) -> bytes:
-    """Token ids -> little-endian int32 bytes."""
-    packed = tokens if isinstance(tokens, array) and tokens.typecode == "i" else array("i", tokens)
-    if sys.byteorder != "little":
-        packed = array("i", packed)
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def unpack_tokens(data: bytes) -> list[int]:
-    """Little-endian int32 bytes -> token ids. Raises ValueError on a length not divisible by 4."""
-    if len(data) % 4:
-        raise ValueError(f"token bytes length {len(data)} is not a multiple of 4")
-    out = array("i")
-    out.frombytes(data)
-    if sys.byteorder != "little":
-        out.byteswap()
-    return out.tolist()
-
-
-def token_hash(tokens: Any) -> str:
-    """Hash that a worker reports for a slot's tokens: blake2b-64 of the packed tokens, hex. `tokens`: a list of
-    ids, or an int32 array (numpy), hashed without a copy to a list."""
-    data = tokens.astype("<i4").tobytes() if hasattr(tokens, "astype") else pack_tokens(tokens)
-    return hashlib.blake2b(data, digest_size=8).hexdigest()

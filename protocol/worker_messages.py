@@ -9,7 +9,8 @@ from msgspec import Meta
 
 from protocol.chat import TokenLogprob
 from protocol.client_messages import MAX_GRAMMAR_CHARS, RequestId
-from protocol.common import DeadlineMs, Message, NonNeg, Sampling, Struct, Timings, TokenBytes, check_token_bytes
+from protocol.common import DeadlineMs, Message, NonNeg, Overflow, Sampling, Struct, Timings, TokenBytes
+from protocol.tokens import check_token_bytes
 
 WorkerId = Annotated[str, Meta(min_length=1, max_length=64)]
 CacheSalt = Annotated[str, Meta(max_length=64)]  # a digest of the client's cache_salt, never the salt itself
@@ -193,6 +194,7 @@ class JobError(Message, tag="job_error", kw_only=True):
     code: str
     message: str
     error_id: str | None = None
+    overflow: Overflow | None = None  # with `context_overflow`: the numbers
     slot: int = -1
     slot_tokens: NonNeg = 0
     slot_hash: str = ""

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from kvroute import logs
-from protocol import Error, ErrorCode, Sampling
+from protocol import Error, ErrorCode, Overflow, Sampling
 from router.prepare import PrepareError
 from router.requests import Req
 from router.workers import WorkerTable
@@ -46,6 +46,26 @@ def at_submit(
 MAX_REPLY_ENDPOINTS = 4  # reply endpoints one client's requests in flight may name (a client binds one)
 
 
+def not_generative(name: str, causal: bool, pooling: str | None) -> str | None:
+    """Why model `name` cannot take a submit: an encoder (its attention is bidirectional), whose slots would hold no
+    KV to generate from; None when it can."""
+    if causal:
+        return None
+    also = " and reranking" if pooling == "rank" else ""
+    return f"model {name!r} cannot generate text: it is an encoder (its attention is bidirectional); it serves embeddings{also}"
+
+
+def not_reranker(name: str, pooling: str | None) -> str | None:
+    """Why model `name` cannot rerank: its GGUF does not declare rank pooling; None when it can."""
+    if pooling == "rank":
+        return None
+    declared = f"declares {pooling} pooling" if pooling else "declares no pooling"
+    return (
+        f"model {name!r} is not a reranker: its GGUF {declared}, and reranking needs a model with rank pooling (a "
+        "cross-encoder such as bge-reranker or jina-reranker, or Qwen3-Reranker)"
+    )
+
+
 def reply_to_problem(reply_to: str, in_use: set[str]) -> str | None:
     """Why a submit's `reply_to` is not an endpoint workers may be told to connect to: not tcp://HOST:PORT (a port,
     not a wildcard host) or ipc://PATH, or one more than MAX_REPLY_ENDPOINTS for this client (`in_use`: those its
@@ -73,7 +93,7 @@ def when_prepared(req: Req, workers: WorkerTable, queued: int, grace_s: float) -
     if not ready and workers.none_for(grace_s):
         return ErrorCode.NO_WORKERS, "no worker is connected", {}
     if ready and not any(w.fits(req) for w in ready):
-        return ErrorCode.CONTEXT_OVERFLOW, overflow(req, max(w.hello.ctx_per_slot for w in ready)), {}
+        return overflow_refusal(req, max(w.hello.ctx_per_slot for w in ready))
     if ready and (too_large := reply_too_large(req, max(w.hello.ctx_per_slot for w in ready))) is not None:
         return ErrorCode.BAD_REQUEST, too_large, {"param": "logprobs"}
     if queued + req.n > max(workers.queue_limit(), req.n):
@@ -109,11 +129,23 @@ def prepare_failed(req: Req, exc: BaseException) -> Error:
     return Error(id=req.rid, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id)
 
 
+def defaulted(sampling: Sampling, unset: list[str], defaults: dict[str, float | int]) -> Sampling:
+    """--temp, --top-k, --top-p, --min-p, --seed: the fields a request left to the server (`sampling_unset`) get them."""
+    given = {k: defaults[k] for k in unset if k in defaults}
+    return msgspec.structs.replace(sampling, **given) if given else sampling
+
+
 def capped(sampling: Sampling, cap: int) -> Sampling:
     """--max-tokens: a request asking for more (or for no limit) gets the cap."""
     if cap > 0 and (sampling.max_tokens is None or sampling.max_tokens > cap):
         return msgspec.structs.replace(sampling, max_tokens=cap)
     return sampling
+
+
+def overflow_refusal(req: Req, ctx: int) -> Refusal:
+    """A context overflow: its words and its numbers (each API words its own message from them)."""
+    numbers = Overflow(prompt_tokens=len(req.tokens), max_tokens=req.sampling.max_tokens, context=ctx)
+    return ErrorCode.CONTEXT_OVERFLOW, overflow(req, ctx), {"overflow": numbers}
 
 
 def overflow(req: Req, ctx: int) -> str:

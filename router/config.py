@@ -79,6 +79,13 @@ class RouterConfig:
         "server-side cap on the tokens one request generates (llama-server's -n): a request asking for more, or for no "
         "limit, gets this many and ends with finish reason 'length'; 0 = no cap",
     )
+    temp: float | None = opt(
+        None, "the temperature of a request that sets none (llama-server's --temp; default: each API's own, 1.0)"
+    )
+    top_k: int | None = opt(None, "the top_k of a request that sets none (default: off)")
+    top_p: float | None = opt(None, "the top_p of a request that sets none (default: 1.0)")
+    min_p: float | None = opt(None, "the min_p of a request that sets none (default: off)")
+    seed: int | None = opt(None, "the seed of a request that sets none, so that it repeats (default: a random one)")
     queue_size: int = opt(
         0,
         "most requests waiting for a slot; 0 = 256, or 4 x total slots when that is more (agents arrive in dozens)",
@@ -126,7 +133,21 @@ class RouterConfig:
     )
     insecure_bind: bool = opt(False, "allow binding a non-loopback address without CURVE keys (logs a warning)")
 
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """The sampling a request that leaves a field to the server gets, by the field's name in `Sampling`."""
+        given = {"temperature": self.temp, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p, "seed": self.seed}
+        return {k: v for k, v in given.items() if v is not None}
+
     def __post_init__(self) -> None:
+        for name, value, low, high in (
+            ("temp", self.temp, 0.0, 2.0),
+            ("top_k", self.top_k, 0, 1 << 20),
+            ("top_p", self.top_p, 1e-9, 1.0),
+            ("min_p", self.min_p, 0.0, 1.0),
+            ("seed", self.seed, 0, 2**32 - 2),
+        ):
+            if value is not None and not low <= value <= high:
+                raise ValueError(f"--{name.replace('_', '-')} must be between {low} and {high}, got {value}")
         if self.max_tokens < 0:
             raise ValueError(f"--max-tokens must be 0 (no cap) or more, got {self.max_tokens}")
         if self.policy not in POLICIES:

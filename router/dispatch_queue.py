@@ -14,14 +14,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvroute import logs
-from protocol import Job
+from protocol import Job, pack_tokens
 from router.config import RouterConfig
 from router.metrics import Metrics
 from router.mirror import Mirror
 from router.queue_order import in_order
 from router.requests import Req, ReqState, WorkerConn, WorkerState
 from router.select import Dispatch, Params, Wait, WorkerLoad, coldest, expected_reuse, select
-from router.tokens import tokens_to_wire
 from router.workers import WorkerTable
 
 log = logs.get(__name__)
@@ -156,7 +155,7 @@ def job_message(req: Req, d: Dispatch, job: str, prefix_cache: bool, now: float)
     return Job(
         id=job,
         slot=slot.index,
-        tokens=tokens_to_wire(req.tokens),
+        tokens=pack_tokens(req.tokens),
         sampling=req.sampling,
         deadline_ms=None if req.deadline is None else max(1, int((req.deadline - now) * 1000)),
         predicted_reuse=d.reuse,

@@ -90,6 +90,9 @@ class _Collector:
         yield _counter("kvroute_worker_deaths", "Workers declared dead", m.dead_workers)
         yield _counter("kvroute_worker_restarts", "Local workers restarted by the supervisor", m.restarts)
         yield _counter("kvroute_bad_frames", "Client frames that could not be decoded", m.bad_frames)
+        yield _counter(
+            "kvroute_unknown_messages", "Messages of a type with no handler (a bug: each is logged)", m.unknown_messages
+        )
         yield _counter("kvroute_peers_cut", "Clients or workers cut for not reading their messages", m.peers_cut)
         if self.models is not None:
             yield from _per_model(self.models)

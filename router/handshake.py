@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from protocol import ErrorCode, Hello, Refuse
-from router.tokens import tokens_from_wire
+from protocol import ErrorCode, Hello, Refuse, token_array
 
 # slot -> (tokens, exact tokens, tenant, tokens it must keep, its checkpoints)
 Held = dict[int, tuple[np.ndarray, int, str, int, list[int]]]
@@ -32,4 +31,4 @@ def held(msg: Hello) -> Held | None:
     """What each slot holds, as the worker reports it (the mirror starts from it); None when it does not say."""
     if msg.held is None:
         return None
-    return {h.slot: (tokens_from_wire(h.tokens), h.n_exact, h.salt, h.min_keep, list(h.cuts)) for h in msg.held}
+    return {h.slot: (token_array(h.tokens), h.n_exact, h.salt, h.min_keep, list(h.cuts)) for h in msg.held}

@@ -90,6 +90,7 @@ class Metrics:
     slot_conflicts: int = 0  # jobs a worker refused: another router's job held the slot (placed again)
     direct_jobs: int = 0  # jobs whose output went from the worker straight to the client (Submit.reply_to)
     bad_frames: int = 0
+    unknown_messages: int = 0  # messages of a type the process decodes and has no handler for (a bug: each is logged)
     peers_cut: int = 0  # clients (or workers) that did not read their messages for too long
     queue_depth: int = 0
     worker_load: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -128,6 +129,7 @@ class Metrics:
             "slot_conflicts": self.slot_conflicts,
             "direct_jobs": self.direct_jobs,
             "bad_frames": self.bad_frames,
+            "unknown_messages": self.unknown_messages,
             "queue_depth": self.queue_depth,
             "worker_load": {k: dict(v) for k, v in self.worker_load.items()},
         }

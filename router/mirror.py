@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvroute.slots import SlotPhase
-from protocol import CacheEntry, token_hash
+from protocol import CacheEntry, token_array, token_hash
 from router.index import Index, Match, Tokens, as_tokens
-from router.tokens import tokens_from_wire
 
 EMPTY: Tokens = np.empty(0, dtype=np.int32)
 
@@ -213,7 +212,7 @@ class Mirror:
             if (e.tier, e.id) in saved:
                 continue  # known from the hello that listed it
             if e.tokens:
-                tokens, salt = tokens_from_wire(e.tokens), e.salt
+                tokens, salt = token_array(e.tokens), e.salt
             elif 0 <= e.slot < len(slots) and (before := self._before(slots[e.slot])) is not None:
                 tokens, salt = before
             else:

@@ -11,11 +11,10 @@ import numpy as np
 
 from chat.output import Piece
 from kvroute import logs
-from protocol import JobDelta, JobDone, JobError, Timings
+from protocol import JobDelta, JobDone, JobError, Timings, token_array, unpack_tokens
 from router.metrics import Metrics, RequestRecord, mispredicted
 from router.mirror import Mirror
 from router.requests import Req, WorkerConn
-from router.tokens import tokens_from_wire, tokens_to_list
 
 log = logs.get(__name__)
 
@@ -38,7 +37,7 @@ def delta_taken(conn: WorkerConn, req: Req, msg: JobDelta) -> Piece:
     if attempt.prefill_pending:
         attempt.prefill_pending = 0  # the prompt is computed: no longer this worker's queued prefill
         conn.refresh()
-    attempt.streamed.extend(tokens_to_list(msg.tokens))
+    attempt.streamed.extend(unpack_tokens(msg.tokens))
     attempt.logprobs.extend(msg.logprobs)
     return attempt.parser.feed(msg.text)
 
@@ -66,7 +65,7 @@ def settle_slot(mirror: Mirror, metrics: Metrics, req: Req, msg: JobDone | JobEr
     assert attempt is not None
     slot = attempt.slot
     if isinstance(msg, JobDone):
-        generated = tokens_from_wire(msg.tokens)
+        generated = token_array(msg.tokens)
         if msg.slot != slot.index:
             mm = mirror.fail(slot, msg.id, req.tokens, generated, True, 0, "not-this-slot")
         else:

@@ -21,9 +21,8 @@ from chat.output import OutputSpec
 from chat.request import ChatFormat, prompt_constraint, shift_points, shifted
 from chat.template import TemplateError
 from kvroute.vocab import Vocab
-from protocol import Constraint, Detokenize, Submit, Tokenize, Tokens, pack_tokens
+from protocol import Constraint, Detokenize, Submit, Tokenize, Tokens, outside_vocab, pack_tokens, token_array, vocab_message
 from router.prompt_tokens import PromptTokenizer, TokenizeCost
-from router.tokens import tokens_from_wire
 
 PLAIN = OutputSpec()
 
@@ -127,10 +126,9 @@ def prepare(
     except DeadlinePassed as exc:
         raise PrepareError(str(exc), exc.param) from None
     assert msg.tokens is not None
-    toks = tokens_from_wire(msg.tokens)
-    if len(toks) and (toks.min() < 0 or toks.max() >= vocab.n_vocab):
-        bad = int(toks[(toks < 0) | (toks >= vocab.n_vocab)][0])
-        raise PrepareError(f"token id {bad} is outside the vocabulary (0..{vocab.n_vocab - 1})", "tokens")
+    toks = token_array(msg.tokens)
+    if (bad := outside_vocab(toks, vocab.n_vocab)) is not None:
+        raise PrepareError(vocab_message(bad, vocab.n_vocab), "tokens")
     return Prepared(toks, limit, PLAIN)
 
 
@@ -184,11 +182,9 @@ def tokens_reply(
     `deadline` bound the work as `prepare`'s are."""
     deadline = deadline or Deadline(None)
     if isinstance(msg, Detokenize):
-        given = tokens_from_wire(msg.tokens)
-        outside = (given < 0) | (given >= vocab.n_vocab)
-        if outside.any():
-            bad = int(given[outside][0])
-            raise PrepareError(f"token id {bad} is outside the vocabulary (0..{vocab.n_vocab - 1})", "tokens")
+        given = token_array(msg.tokens)
+        if (bad := outside_vocab(given, vocab.n_vocab)) is not None:
+            raise PrepareError(vocab_message(bad, vocab.n_vocab), "tokens")
         return Tokens(id=msg.id, tokens=msg.tokens, text=vocab.detokenize(given.tolist()))
     check_nesting(msg)
     try:

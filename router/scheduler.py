@@ -77,18 +77,20 @@ from protocol import (
     Submit,
     Timings,
     Usage,
+    kind_of,
+    token_array,
+    unpack_tokens,
 )
 from router import admission, handshake, outcomes, views
+from router.client_replies import choice_of, delta_of, result_of
 from router.config import RouterConfig
 from router.dispatch_queue import DispatchQueue, job_message
 from router.embeds import Embeds, EmbedWait
 from router.metrics import Metrics
 from router.mirror import Mirror
 from router.prepare import Prepared
-from router.replies import choice_of, delta_of, result_of
 from router.requests import Attempt, Req, ReqState, WorkerConn, WorkerState, tenant
 from router.select import Dispatch
-from router.tokens import tokens_from_wire, tokens_to_list
 from router.workers import Kill, WorkerTable
 
 WorkerReport = Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate | EmbedDone
@@ -142,6 +144,8 @@ class Scheduler:
         self.outbox: list[Out] = []
         self._job_ids = itertools.count(1)
         self._rid = itertools.count(1)
+        self._worker_handlers = self._worker_table()
+        self.sampling_defaults = cfg.sampling_defaults()
 
     def take(self) -> list[Out]:
         """The messages the last events produced (the outbox is emptied)."""
@@ -309,7 +313,8 @@ class Scheduler:
             self.reply(identity, envelope, Error(id=rid, code=code, message=message, **extra))
             return None
         deadline = None if msg.deadline_ms is None else time.monotonic() + msg.deadline_ms / 1000.0
-        sampling = admission.capped(msg.sampling, self.cfg.max_tokens)
+        sampling = admission.defaulted(msg.sampling, msg.sampling_unset, self.sampling_defaults)
+        sampling = admission.capped(sampling, self.cfg.max_tokens)
         # REQ sockets take exactly one reply per request: no deltas for them
         req = Req(identity, list(envelope), rid, sampling, msg.stream and not envelope, deadline, msg.n)
         req.salt, req.owner, req.batch_deltas = tenant(msg.cache_salt), msg.owner or "", msg.batch_deltas
@@ -457,24 +462,33 @@ class Scheduler:
             self.outbox.append(Out(identity, Refuse(code=ErrorCode.NOT_FOUND, reason=reason), worker=True))
             return
         conn.last_seen = time.monotonic()
-        if isinstance(msg, Heartbeat):
-            self.table.heartbeat(conn, msg)
-        elif isinstance(msg, JobDelta):
-            self._job_delta(conn, msg)
-        elif isinstance(msg, JobDeltas):  # one engine step's deltas
-            for delta in msg.items:
-                self._job_delta(conn, delta)
-        elif isinstance(msg, JobDone):
-            self._job_done(conn, msg)
-        elif isinstance(msg, JobError):
-            self._job_error(conn, msg)
-        elif isinstance(msg, EmbedDone):
-            self._embed_reply(self.embeds.done(msg))
-        elif isinstance(msg, SlotTaken):  # (another router's job: routers side by side over one fleet)
-            self.table.slot_taken(conn, msg)
-        else:
-            self.table.slot_update(conn, msg)
-            self._pump()
+        handler = self._worker_handlers.get(type(msg))
+        if handler is None:  # (a type the decoder knows and this table does not: say so, never guess)
+            self.metrics.unknown_messages += 1
+            log.warning("unknown_worker_message", worker=conn.id, kind=kind_of(msg))
+            return
+        handler(conn, msg)
+
+    def _worker_table(self) -> dict[type, Callable[[WorkerConn, Any], None]]:
+        """Each message a worker sends after its hello, and its handler."""
+        return {
+            Heartbeat: self.table.heartbeat,
+            JobDelta: self._job_delta,
+            JobDeltas: self._job_deltas,
+            JobDone: self._job_done,
+            JobError: self._job_error,
+            EmbedDone: lambda conn, msg: self._embed_reply(self.embeds.done(msg)),
+            SlotTaken: self.table.slot_taken,  # (another router's job: routers side by side over one fleet)
+            SlotUpdate: self._slot_update,
+        }
+
+    def _job_deltas(self, conn: WorkerConn, msg: JobDeltas) -> None:
+        for delta in msg.items:  # one engine step's deltas
+            self._job_delta(conn, delta)
+
+    def _slot_update(self, conn: WorkerConn, msg: SlotUpdate) -> None:
+        self.table.slot_update(conn, msg)
+        self._pump()
 
     def _job_delta(self, conn: WorkerConn, msg: JobDelta) -> None:
         req = conn.jobs.get(msg.id)
@@ -501,7 +515,7 @@ class Scheduler:
         attempt = req.attempt
         timings = outcomes.settle_done(self.mirror, self.metrics, self.params.min_match, conn, req, msg)
         if req.prompt_text:  # the next turn's prompt may hold this reply: its tokens as the model wrote them
-            self.remember_reply(req.prompt_text, req.prompt_bos, req.tokens, tokens_from_wire(msg.tokens), req.salt)
+            self.remember_reply(req.prompt_text, req.prompt_bos, req.tokens, token_array(msg.tokens), req.salt)
         self._finish(req)
         if req.direct:  # its client has the job's output and end from the worker, and makes the result
             self._pump()
@@ -528,7 +542,7 @@ class Scheduler:
         self._leave_worker(req)
         slot = req.attempt.slot
         if req.direct:
-            req.attempt.streamed = tokens_to_list(msg.tokens)
+            req.attempt.streamed = unpack_tokens(msg.tokens)
         outcomes.settle_slot(self.mirror, self.metrics, req, msg)
         conn.refresh()
         if msg.code == ErrorCode.DRAINING and req.state is ReqState.RUNNING and not req.started:
@@ -543,7 +557,7 @@ class Scheduler:
         elif req.state is ReqState.CANCELLING:
             self._finish_empty(req, "cancelled")
         else:
-            self._fail(req, msg.code, msg.message, error_id=msg.error_id)
+            self._fail(req, msg.code, msg.message, error_id=msg.error_id, overflow=msg.overflow)
         self._pump()
 
     def worker_dead(self, worker: str, reason: str) -> None:
@@ -630,7 +644,8 @@ class Scheduler:
             elif req.unfit_since is None:
                 req.unfit_since = now
             elif now - req.unfit_since >= self.cfg.no_workers_grace_s:
-                self._fail(req, ErrorCode.CONTEXT_OVERFLOW, admission.overflow(req, max(w.hello.ctx_per_slot for w in ready)))
+                code, message, extra = admission.overflow_refusal(req, max(w.hello.ctx_per_slot for w in ready))
+                self._fail(req, code, message, **extra)
 
     def take_kills(self) -> list[Kill]:
         return self.table.take_kills()

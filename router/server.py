@@ -71,10 +71,13 @@ from protocol import (
     Tokens,
     client_request_decoder,
     encode,
+    kind_of,
+    outside_vocab,
     unpack_tokens,
+    vocab_message,
     worker_to_router_decoder,
 )
-from router import exposition
+from router import admission, exposition
 from router.config import RouterConfig
 from router.metrics import Metrics
 from router.mirror import Mirror
@@ -98,6 +101,7 @@ DECODE_INLINE_BYTES = 1 << 20  # a larger client frame is decoded on a preparing
 DECODING_MAX = 64  # frames of one client kept waiting behind its large frame being decoded
 BACKLOG_MAX = 100_000  # messages kept for one peer that does not read
 BACKLOG_TIMEOUT_S = 30.0  # how long a peer may stay behind
+NO_MODEL = frozenset({Invalid, Cancel, StatusRequest, MetricsRequest})  # client messages that name no model
 
 
 def batched(out: list[Out]) -> list[Out]:
@@ -159,6 +163,7 @@ class Router:
         self.client_sock: zmq.asyncio.Socket | None = None
         self.worker_sock: zmq.asyncio.Socket | None = None
         self._client_decoder = client_request_decoder(cfg.max_frame_bytes)
+        self._client_handlers = self._client_table()
         self._worker_decoder = worker_to_router_decoder()
         self._drain_deadline = 0.0
         self._next_status = 0.0
@@ -489,28 +494,51 @@ class Router:
         self.core.reply(identity, envelope, Error(id=rid, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id))
 
     def _on_client_message(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any) -> None:
-        if isinstance(msg, Invalid):
-            self.core.metrics.bad_frames += 1
-            log.info("bad_client_frame", code=msg.code, reason=msg.reason, request_id=msg.id)
-            self.core.reply(identity, envelope, Error(id=msg.id, code=msg.code, message=msg.reason))
-        elif isinstance(msg, Cancel):
-            for core in self.cores:
-                core.cancel(identity, msg.id)
-        elif isinstance(msg, StatusRequest):
-            self.core.reply(identity, envelope, status(self.models, msg.id, msg.cache_salt))
-        elif isinstance(msg, MetricsRequest):
-            text = exposition.text(self.cores, self.models)
-            self.core.reply(identity, envelope, MetricsReply(id=msg.id, text=text))
-        elif (model := self._model(identity, envelope, msg)) is None:
-            return  # (the client was told which models there are)
-        elif isinstance(msg, Submit):
-            self._on_submit(identity, envelope, msg, model)
-        elif isinstance(msg, Tokenize | Detokenize):
-            self._on_tokenize(identity, envelope, msg, model)
-        elif isinstance(msg, Embed):
-            self._on_embed(identity, envelope, msg, model)
-        else:
-            self._on_rerank(identity, envelope, msg, model)
+        handler = self._client_handlers.get(type(msg))
+        if handler is None:  # (a type the decoder knows and this table does not: say so, never guess)
+            self._unknown_message(identity, envelope, msg)
+        elif type(msg) in NO_MODEL:
+            handler(identity, envelope, msg)
+        elif (model := self._model(identity, envelope, msg)) is not None:  # (else the client was told which models)
+            handler(identity, envelope, msg, model)
+
+    def _client_table(self) -> dict[type, Callable[..., None]]:
+        """Each client message type and its handler; those in NO_MODEL take no model."""
+        return {
+            Invalid: self._on_invalid,
+            Cancel: self._on_cancel,
+            StatusRequest: self._on_status,
+            MetricsRequest: self._on_metrics,
+            Submit: self._on_submit,
+            Tokenize: self._on_tokenize,
+            Detokenize: self._on_tokenize,
+            Embed: self._on_embed,
+            Rerank: self._on_rerank,
+        }
+
+    def _unknown_message(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any) -> None:
+        self.core.metrics.unknown_messages += 1
+        kind = kind_of(msg)
+        log.warning("unknown_client_message", kind=kind, request_id=getattr(msg, "id", None))
+        error = Error(
+            id=getattr(msg, "id", "") or "", code=ErrorCode.BAD_REQUEST, message=f"this router does not serve {kind!r} messages"
+        )
+        self.core.reply(identity, envelope, error)
+
+    def _on_invalid(self, identity: bytes, envelope: tuple[bytes, ...], msg: Invalid) -> None:
+        self.core.metrics.bad_frames += 1
+        log.info("bad_client_frame", code=msg.code, reason=msg.reason, request_id=msg.id)
+        self.core.reply(identity, envelope, Error(id=msg.id, code=msg.code, message=msg.reason))
+
+    def _on_cancel(self, identity: bytes, envelope: tuple[bytes, ...], msg: Cancel) -> None:
+        for core in self.cores:
+            core.cancel(identity, msg.id)
+
+    def _on_status(self, identity: bytes, envelope: tuple[bytes, ...], msg: StatusRequest) -> None:
+        self.core.reply(identity, envelope, status(self.models, msg.id, msg.cache_salt))
+
+    def _on_metrics(self, identity: bytes, envelope: tuple[bytes, ...], msg: MetricsRequest) -> None:
+        self.core.reply(identity, envelope, MetricsReply(id=msg.id, text=exposition.text(self.cores, self.models)))
 
     def _model(
         self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit | Tokenize | Detokenize | Embed | Rerank
@@ -535,12 +563,9 @@ class Router:
         def work() -> list[list[int]]:
             if msg.tokens is not None:
                 inputs = [unpack_tokens(t) for t in msg.tokens]
-                n_vocab = vocab.n_vocab
-                bad = next(((i, t) for i, ids in enumerate(inputs) for t in ids if not 0 <= t < n_vocab), None)
-                if bad is not None:
-                    raise PrepareError(
-                        f"token id {bad[1]} of input {bad[0]} is outside the vocabulary (0..{n_vocab - 1})", "tokens"
-                    )
+                for i, ids in enumerate(inputs):
+                    if (bad := outside_vocab(ids, vocab.n_vocab)) is not None:
+                        raise PrepareError(f"input {i}: {vocab_message(bad, vocab.n_vocab)}", "tokens")
                 return inputs
             deadline, out = Deadline(timeout), []
             for i, text in enumerate(msg.input or []):
@@ -591,12 +616,8 @@ class Router:
         """A reranker's (query, document) inputs made as llama-server makes them (kvroute/vocab.py), then placed like
         embed inputs; a model that is not a reranker is refused, naming what it is."""
         core, vocab = model.core, model.vocab
-        if vocab.pooling != "rank":
-            declared = f"declares {vocab.pooling} pooling" if vocab.pooling else "declares no pooling"
-            text = (
-                f"model {model.name!r} is not a reranker: its GGUF {declared}, and reranking needs a model with rank "
-                "pooling (a cross-encoder such as bge-reranker or jina-reranker, or Qwen3-Reranker)"
-            )
+        if (text := admission.not_reranker(model.name, vocab.pooling)) is not None:
+            core.metrics.requests[ErrorCode.BAD_REQUEST] += 1
             core.reply(identity, envelope, Error(id=msg.id, code=ErrorCode.BAD_REQUEST, message=text, param="model"))
             return
         self.models.used(model, None)
@@ -623,12 +644,8 @@ class Router:
 
     def _on_submit(self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit, model: ModelCore) -> None:
         core = model.core
-        if not model.vocab.causal:  # (its slots would hold no KV to generate from)
+        if (text := admission.not_generative(model.name, model.vocab.causal, model.vocab.pooling)) is not None:
             core.metrics.requests[ErrorCode.BAD_REQUEST] += 1
-            text = (
-                f"model {model.name!r} cannot generate text: it is an encoder (its attention is bidirectional); "
-                "it serves embeddings" + (" and reranking" if model.vocab.pooling == "rank" else "")
-            )
             core.reply(identity, envelope, Error(id=msg.id, code=ErrorCode.BAD_REQUEST, message=text, param="model"))
             return
         req = core.accept(identity, envelope, msg)

@@ -17,13 +17,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvroute import logs
-from protocol import Heartbeat, Hello, JobDone, JobError, SlotTaken, SlotUpdate
+from protocol import Heartbeat, Hello, JobDone, JobError, SlotTaken, SlotUpdate, token_array
 from router import handshake
 from router.config import RouterConfig
 from router.metrics import Metrics
 from router.mirror import Mirror
 from router.requests import Req, WorkerConn, WorkerState
-from router.tokens import tokens_from_wire
 
 log = logs.get(__name__)
 
@@ -190,7 +189,7 @@ class WorkerTable:
         """Another router's jobs on a slot ended: the saved states that changed, then what the slot holds."""
         self.cache_changed(conn, msg)
         if 0 <= msg.slot < len(conn.slots):
-            tokens = tokens_from_wire(msg.tokens)
+            tokens = token_array(msg.tokens)
             slot = conn.slots[msg.slot]
             self.mirror.updated_by_other(slot, msg.epoch, tokens, msg.n_exact, msg.salt, msg.min_keep, msg.cuts)
             conn.refresh()

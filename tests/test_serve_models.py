@@ -12,7 +12,7 @@ from commands.cli import build_parser
 from commands.models_config import from_file, from_flags
 from commands.serve import LocalWorkers, served_models, worker_specs
 from gateway.helpers import keep_alive_s
-from gateway.openai_schema import RequestError
+from gateway.openai_chat import RequestError
 from kvroute.config import ConfigFileError, add_args, from_args
 from worker.config import WorkerConfig
 

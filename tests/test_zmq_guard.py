@@ -6,7 +6,7 @@ from __future__ import annotations
 import stat
 
 from commands.serve import guard_zmq_clients
-from gateway.main import HttpConfig
+from gateway.server import HttpConfig
 from router.config import RouterConfig
 
 

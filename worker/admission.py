@@ -12,7 +12,7 @@ import time
 
 from kvroute.slots import SlotPhase
 from kvroute.vocab import Vocab
-from protocol import EngineCounters, ErrorCode, Job, JobError, unpack_tokens
+from protocol import EngineCounters, ErrorCode, Job, JobError, Overflow, outside_vocab, unpack_tokens, vocab_message
 from worker.guide import Guide, GuideError, GuideTokenizer
 from worker.prefix import Prefixes
 from worker.sampling import Sampler, SamplingError
@@ -48,7 +48,10 @@ class Admission:
         err = self.refusal(job, prompt)
         if err is not None:
             code, message = err
-            return JobError(id=job.id, code=code, message=message)
+            numbers = None
+            if code == ErrorCode.CONTEXT_OVERFLOW:
+                numbers = Overflow(prompt_tokens=len(prompt), max_tokens=job.sampling.max_tokens, context=self.n_ctx)
+            return JobError(id=job.id, code=code, message=message, overflow=numbers)
         max_tokens = job.sampling.max_tokens
         max_gen = self.n_ctx - len(prompt) if max_tokens is None else max_tokens
         deadline = t_arrival + job.deadline_ms / MS if job.deadline_ms else None
@@ -70,10 +73,8 @@ class Admission:
             return ErrorCode.BAD_REQUEST, f"job id {job.id!r} is already running on this worker"
         if job.slot >= len(self.table):
             return ErrorCode.BAD_REQUEST, f"slot {job.slot} does not exist (this worker has slots 0..{len(self.table) - 1})"
-        n_vocab = self.vocab.n_vocab
-        if any(t < 0 or t >= n_vocab for t in prompt):
-            bad = next(t for t in prompt if t < 0 or t >= n_vocab)
-            return ErrorCode.BAD_REQUEST, f"prompt token id {bad} is outside the vocabulary (0..{n_vocab - 1})"
+        if (bad := outside_vocab(prompt, self.vocab.n_vocab)) is not None:
+            return ErrorCode.BAD_REQUEST, f"prompt: {vocab_message(bad, self.vocab.n_vocab)}"
         n, ctx = len(prompt), self.n_ctx
         if n >= ctx:
             return ErrorCode.CONTEXT_OVERFLOW, f"prompt of {n} tokens does not fit a slot's context of {ctx} tokens"

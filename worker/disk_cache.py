@@ -63,7 +63,7 @@ from worker.disk_format import (
 
 if TYPE_CHECKING:
     from worker.llama import StateData
-    from worker.saved import TierName
+    from worker.tier import TierName
 
     Buffer = StateData | bytes | bytearray | memoryview
 
@@ -150,7 +150,7 @@ class _Write:
 
 
 class DiskCache:
-    """Entries on disk by LRU within `capacity` bytes; 0 means off. A saved-state tier (worker/saved.py)."""
+    """Entries on disk by LRU within `capacity` bytes; 0 means off. A saved-state tier (worker/tier.py)."""
 
     name: TierName = "disk"
 
@@ -312,7 +312,7 @@ class DiskCache:
         data: Buffer | tuple[Buffer, ...],
         salt: str = "",
         checkpoints: Cuts = (),
-    ) -> int | None:  # (a saved-state tier's `put`: worker/saved.py; an id is true)
+    ) -> int | None:  # (a saved-state tier's `put`: worker/tier.py; an id is true)
         """Queue a state holding `tokens` for writing (`data`: the state, or the state then its `checkpoints`' states,
         written one after the other); returns its entry id, or None when nothing is queued (the tier is off, an entry
         covers them, it is over the capacity or the write queue is full). Never blocks on disk."""
@@ -413,7 +413,7 @@ class DiskCache:
         return events
 
     def changes(self) -> tuple[list[Added], list[int]]:
-        """The states added and the ids dropped since the last call (worker/saved.py)."""
+        """The states added and the ids dropped since the last call (worker/tier.py)."""
         events = self.drain_events()
         return [e for e in events if isinstance(e, Added)], [e.entry_id for e in events if isinstance(e, Dropped)]
 

@@ -20,7 +20,7 @@ import struct
 import zlib
 from io import FileIO
 
-from protocol.common import pack_tokens, unpack_tokens
+from protocol.tokens import pack_tokens, unpack_tokens
 
 MAGIC = b"KVRDISK\n"
 FORMAT_VERSION = 2  # 2: checkpoints

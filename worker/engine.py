@@ -12,6 +12,7 @@ import contextlib
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -20,10 +21,25 @@ import msgspec
 
 from kvroute import logs
 from kvroute.slots import SlotPhase
-from protocol import CacheEntry, EngineCounters, Job, JobDone, JobError, Message, SlotHeld, SlotState, pack_tokens
+from protocol import (
+    CacheEntry,
+    EmbedDone,
+    EmbedJob,
+    EngineCounters,
+    ErrorCode,
+    Job,
+    JobDone,
+    JobError,
+    Message,
+    SlotHeld,
+    SlotState,
+    pack_tokens,
+    unpack_tokens,
+)
 from worker.checkpoints import cuts
 from worker.config import WorkerConfig
 from worker.core import EngineCore
+from worker.embedder import Embedder, InputTooLong
 from worker.llama import Llama
 from worker.task import Sink
 
@@ -74,6 +90,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._running = False
         self.after_step: Callable[[], None] | None = None  # called on the compute thread after every step
+        self.embedders: dict[str, Embedder] = {}  # by pooling, made at first use (on the compute thread)
 
     @property
     def progress(self) -> int:
@@ -152,6 +169,39 @@ class Engine:
             return slots, e.saved.listing()
 
         return self.call(read)
+
+    def embed(self, job: EmbedJob, sink: Callable[[EmbedDone | JobError], None]) -> None:
+        """An embed job, on the compute thread, one input per turn between two engine steps (the slots' jobs go on
+        between inputs: a request of many long inputs does not stall them for all of it); its end to `sink`."""
+        self.call(lambda core: self._embed_one(job, sink, [], time.monotonic(), 0))
+
+    def _embed_one(
+        self, job: EmbedJob, sink: Callable[[EmbedDone | JobError], None], done: list[bytes], t0: float, reused: int
+    ) -> None:
+        msg: EmbedDone | JobError
+        try:
+            embedder = self.embedders.get(job.pooling)
+            if embedder is None:
+                llama = self.llama
+                embedder = self.embedders[job.pooling] = Embedder(llama.model, job.pooling, self.cfg.threads, llama.n_ctx_train)
+            if not done:
+                embedder.check([len(t) // 4 for t in job.inputs])  # (4 bytes a token id)
+            before = embedder.reused_tokens
+            (vector,) = embedder.embed([unpack_tokens(job.inputs[len(done)])], job.normalize)
+            done.append(vector.astype("<f4").tobytes())
+            reused += embedder.reused_tokens - before
+            if len(done) < len(job.inputs):
+                self.call(lambda core: self._embed_one(job, sink, done, t0, reused))
+                return
+            ms = (time.monotonic() - t0) * 1000
+            msg = EmbedDone(id=job.id, vectors=done, dims=embedder.dims, ms=ms, reused_tokens=reused)
+        except InputTooLong as exc:
+            msg = JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=str(exc))
+        except Exception as exc:  # a failure of this job's, not the worker's: its router gets the reason
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("embed_failed", job=job.id, error_id=error_id)
+            msg = JobError(id=job.id, code=ErrorCode.INTERNAL, message=f"embeddings failed: {exc}", error_id=error_id)
+        sink(msg)
 
     def call(self, fn: Callable[[EngineCore], Any]) -> Future[Any]:
         """Run `fn(core)` on the compute thread between two steps."""

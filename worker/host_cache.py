@@ -25,7 +25,7 @@ from kvroute.slots import common_prefix, restore_keep
 if TYPE_CHECKING:
     from worker.checkpoints import Checkpoint
     from worker.llama import StateData
-    from worker.saved import TierName
+    from worker.tier import TierName
 
 
 @dataclass(eq=False)
@@ -51,7 +51,7 @@ class Entry:
 
 class HostCache:
     """Entries by LRU within `capacity` bytes. No entry is a prefix of another (the longer one is kept). A saved-state
-    tier (worker/saved.py)."""
+    tier (worker/tier.py)."""
 
     name: TierName = "ram"
 

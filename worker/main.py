@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 
@@ -58,18 +59,17 @@ from protocol import (
     SlotTaken,
     SlotUpdate,
     encode,
+    kind_of,
     pack_tokens,
     router_to_worker_decoder,
-    unpack_tokens,
 )
 from worker.checkpoints import cuts
 from worker.config import WorkerConfig
 from worker.core import EngineCore
-from worker.embedder import Embedder, InputTooLong
+from worker.direct_replies import ReplySockets
 from worker.engine import Engine
 from worker.faults import Faults
 from worker.links import RouterLink, SlotClaims
-from worker.replies import ReplySockets
 from worker.startcheck import first_decode, identity
 
 log = logs.get(__name__)
@@ -177,10 +177,11 @@ class WorkerServer:
         self.replies = ReplySockets(self.zctx)  # to clients that read their jobs' output themselves (Job.reply_to)
         self.direct_jobs: dict[tuple[str, str], set[str]] = {}  # reply endpoint -> its jobs (I/O thread; pruned by sweep)
         self.reply_deltas: dict[tuple[str, str], list[JobDelta]] = {}  # this step's, by reply endpoint
-        self.embedders: dict[str, Embedder] = {}  # by pooling, made at first use (on the compute thread)
         self._deltas_lock = threading.Lock()
         engine.after_step = self.flush_deltas
         self.decoder = router_to_worker_decoder()
+        self.handlers = self._table()
+        self.unknown_messages = 0  # (a message type with no handler: a bug, each logged and answered)
         self.ready_sent = False
         self.draining = False
         # every process start is a new incarnation, so a router never mistakes it for the process before it
@@ -383,7 +384,7 @@ class WorkerServer:
                 self.links[parts[0][0]].send(parts[1], may_drop=self.side_by_side)
 
     def _reply(self, endpoint: str, key: str, frame: bytes) -> None:
-        """To a client's endpoint; when it is stalled (worker/replies.py), the jobs still writing there are cancelled:
+        """To a client's endpoint; when it is stalled (worker/direct_replies.py), the jobs still writing there are cancelled:
         nobody reads what they make."""
         if self.replies.send(endpoint, key, frame):
             return
@@ -498,42 +499,65 @@ class WorkerServer:
             log.warning("bad_frame", code=msg.code.value, reason=msg.reason, request_id=msg.id)
             link.send(encode(JobError(id=msg.id or "?", code=msg.code.value, message=msg.reason)), may_drop=self.side_by_side)
             return None
-        if isinstance(msg, Job):
-            self.take_job(link, msg)
-        elif isinstance(msg, EmbedJob):
-            link.jobs.add(msg.id)
-            self.engine.call(lambda core: self.embed(link, msg))
-        elif isinstance(msg, JobCancel):
-            if msg.id in link.jobs:
-                self.engine.cancel(msg.id)
-        elif isinstance(msg, Accept):
-            if not link.accepted:
-                log.info("accepted", router_id=msg.router_id, endpoint=link.endpoint)
-            if link.accept(msg.router_id, msg.features):
-                log.info("router_restarted", router_id=msg.router_id, slots_reported=link.told_held)
-                # the new router's mirror is empty: make it the truth (with other routers, their mirrors are; a
-                # router told nothing marks every slot unknown, and the next job on each clears it)
-                if not link.told_held and not self.side_by_side:
-                    self.engine.reset()  # (its jobs end without a word)
-                    link.jobs.clear()
-            if not self.ready_sent:  # model loaded and accepted: this worker can serve
-                self.ready_sent = True
-                notify(ready=True, status=self.status_line())
-        elif isinstance(msg, Refuse):
-            if msg.code == ErrorCode.NOT_FOUND:
-                if link.accepted:
-                    log.info("router_forgot_us", reason=msg.reason, endpoint=link.endpoint)
-                    # the router answered for our jobs already, or never knew them: end them, keep the KV; the
-                    # next hello says what each slot holds (the compute thread takes it after this)
-                    self.forget_jobs(link)
-                link.accepted = False
-                return None
-            log.error("refused", code=msg.code, reason=msg.reason, endpoint=link.endpoint)
-            return EXIT_REFUSED
-        elif isinstance(msg, Drain):
-            log.info("draining")
-            self.engine.drain()
-        return None
+        handler = self.handlers.get(type(msg))
+        if handler is None:  # (a type the decoder knows and this table does not: say so, never guess)
+            self.unknown_messages += 1
+            kind = kind_of(msg)
+            log.warning("unknown_message", kind=kind, endpoint=link.endpoint)
+            reason = f"this worker does not serve {kind!r} messages"
+            error = JobError(id=getattr(msg, "id", None) or "?", code=ErrorCode.BAD_REQUEST, message=reason)
+            link.send(encode(error), may_drop=self.side_by_side)
+            return None
+        return handler(link, msg)
+
+    def _table(self) -> dict[type, Callable[[RouterLink, Any], int | None]]:
+        """Each message a router sends, and its handler (an exit status stops the worker)."""
+        return {
+            Job: self.take_job,
+            EmbedJob: self.take_embed,
+            JobCancel: self.cancel,
+            Accept: self.on_accept,
+            Refuse: self.refused,
+            Drain: self.drain,
+        }
+
+    def take_embed(self, link: RouterLink, msg: EmbedJob) -> None:
+        link.jobs.add(msg.id)
+        self.engine.embed(msg, lambda done: self.sink(link, done))
+
+    def cancel(self, link: RouterLink, msg: JobCancel) -> None:
+        if msg.id in link.jobs:
+            self.engine.cancel(msg.id)
+
+    def on_accept(self, link: RouterLink, msg: Accept) -> None:
+        if not link.accepted:
+            log.info("accepted", router_id=msg.router_id, endpoint=link.endpoint)
+        if link.accept(msg.router_id, msg.features):
+            log.info("router_restarted", router_id=msg.router_id, slots_reported=link.told_held)
+            # the new router's mirror is empty: make it the truth (with other routers, their mirrors are; a
+            # router told nothing marks every slot unknown, and the next job on each clears it)
+            if not link.told_held and not self.side_by_side:
+                self.engine.reset()  # (its jobs end without a word)
+                link.jobs.clear()
+        if not self.ready_sent:  # model loaded and accepted: this worker can serve
+            self.ready_sent = True
+            notify(ready=True, status=self.status_line())
+
+    def refused(self, link: RouterLink, msg: Refuse) -> int | None:
+        if msg.code == ErrorCode.NOT_FOUND:
+            if link.accepted:
+                log.info("router_forgot_us", reason=msg.reason, endpoint=link.endpoint)
+                # the router answered for our jobs already, or never knew them: end them, keep the KV; the
+                # next hello says what each slot holds (the compute thread takes it after this)
+                self.forget_jobs(link)
+            link.accepted = False
+            return None
+        log.error("refused", code=msg.code, reason=msg.reason, endpoint=link.endpoint)
+        return EXIT_REFUSED
+
+    def drain(self, link: RouterLink, msg: Drain) -> None:
+        log.info("draining")
+        self.engine.drain()
 
     def take_job(self, link: RouterLink, job: Job) -> None:
         """A job to the engine, unless another router's jobs hold the slot it names (or its id is another's)."""
@@ -560,36 +584,6 @@ class WorkerServer:
             self.engine.submit(job, self.direct_sink(link, job))
         else:
             self.engine.submit(job, self.sink_for(link))
-
-    def embed(self, link: RouterLink, job: EmbedJob, done: list[bytes] | None = None, t0: float = 0.0, reused: int = 0) -> None:
-        """An embed job, on the compute thread, one input per turn between two engine steps (the slots' jobs go on
-        between inputs: a request of many long inputs does not stall them for all of it)."""
-        done = done if done is not None else []
-        t0 = t0 or time.monotonic()
-        msg: EmbedDone | JobError
-        try:
-            embedder = self.embedders.get(job.pooling)
-            if embedder is None:
-                llama = self.engine.llama
-                embedder = self.embedders[job.pooling] = Embedder(llama.model, job.pooling, self.cfg.threads, llama.n_ctx_train)
-            if not done:
-                embedder.check([len(t) // 4 for t in job.inputs])  # (4 bytes a token id)
-            before = embedder.reused_tokens
-            (vector,) = embedder.embed([unpack_tokens(job.inputs[len(done)])], job.normalize)
-            done.append(vector.astype("<f4").tobytes())
-            reused += embedder.reused_tokens - before
-            if len(done) < len(job.inputs):
-                self.engine.call(lambda core: self.embed(link, job, done, t0, reused))
-                return
-            ms = (time.monotonic() - t0) * 1000
-            msg = EmbedDone(id=job.id, vectors=done, dims=embedder.dims, ms=ms, reused_tokens=reused)
-        except InputTooLong as exc:
-            msg = JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=str(exc))
-        except Exception as exc:  # a failure of this job's, not the worker's: its router gets the reason
-            error_id = uuid.uuid4().hex[:12]
-            log.exception("embed_failed", job=job.id, error_id=error_id)
-            msg = JobError(id=job.id, code=ErrorCode.INTERNAL, message=f"embeddings failed: {exc}", error_id=error_id)
-        self.sink(link, msg)
 
     def forget_jobs(self, link: RouterLink) -> None:
         """End this router's jobs without a word; other routers learn what the slots those jobs held hold now."""

@@ -1,7 +1,7 @@
 """Prefix sourcing: where a job's prompt prefix comes from when it is not computed. A slot gives what it holds of the
 prompt (kvroute/slots.py `reused` and `restore_keep`, the rules the router predicts with: a memory that cannot be cut
 back anywhere, recurrent or a window cache of its window alone, is cut back to one of the slot's context checkpoints,
-worker/checkpoints.py); another slot's memory (a stream copy), or a state saved in host RAM or on disk (worker/saved.py,
+worker/checkpoints.py); another slot's memory (a stream copy), or a state saved in host RAM or on disk (worker/tier.py,
 with its checkpoints), gives more when it is worth the copy. Before a slot loses tokens worth keeping, they are saved
 to host RAM. A job whose prefix another slot is computing right now waits and copies it.
 
@@ -22,10 +22,10 @@ from worker.checkpoints import Budget, Checkpoint
 from worker.disk_cache import DiskEntry
 from worker.host_cache import Entry
 from worker.llama import Llama
-from worker.saved import SavedState
 from worker.saved_states import SAVE_MIN, SavedStates, from_disk
 from worker.slots import Slot, SlotTable
 from worker.task import Task
+from worker.tier import SavedState
 
 log = logs.get(__name__)
 

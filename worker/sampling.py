@@ -21,7 +21,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from protocol import Sampling, TokenLogprob, TopLogprob
+from protocol import Sampling, TokenLogprob, TopLogprob, outside_vocab, vocab_message
 from worker.guide import Guide
 
 BAN = -100.0
@@ -46,9 +46,8 @@ class Sampler:
         self.logprobs = params.logprobs
         self.chain = None
         bias = params.logit_bias_ids()
-        bad = [t for t in bias if t >= n_vocab]
-        if bad:
-            raise SamplingError(f"logit_bias token ids {bad[:5]} are outside the vocabulary (0..{n_vocab - 1})")
+        if (bad := outside_vocab(list(bias), n_vocab)) is not None:
+            raise SamplingError(f"logit_bias: {vocab_message(bad, n_vocab)}")
         plain = not params.penalized and params.top_k == 0 and params.top_p >= 1.0 and params.min_p <= 0.0
         self.fast = params.temperature == 0.0 and not params.penalized
         self.draw = Draw(params.temperature, params.seed, n_vocab) if plain and not self.fast else None

@@ -21,7 +21,7 @@ from worker.config import WorkerConfig
 from worker.disk_cache import DiskCache, DiskEntry, llama_state_version
 from worker.disk_format import Cuts
 from worker.host_cache import Entry, HostCache
-from worker.saved import SavedState, Tier, TierName
+from worker.tier import SavedState, Tier, TierName
 
 if TYPE_CHECKING:
     from collections.abc import Callable

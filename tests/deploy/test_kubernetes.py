@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from commands.cli import build_parser
-from gateway.main import HttpConfig
+from gateway.server import HttpConfig
 from kvroute.config import from_args, load_config_file
 from router.config import RouterConfig
 from worker.config import WorkerConfig

@@ -9,7 +9,7 @@ import pytest
 from fake_router import FakeRouter, ScriptedRouter, client_for, events, result
 
 from gateway import anthropic
-from gateway.openai_schema import RequestError
+from gateway.openai_chat import RequestError
 from kvroute.client import KvrouteError
 from protocol import (
     ChatMessage,

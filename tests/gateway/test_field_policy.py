@@ -11,8 +11,9 @@ from prometheus_client import REGISTRY
 
 from gateway import anthropic, responses
 from gateway.fields import HINTS, REFUSED, Policy, pattern
-from gateway.openai_schema import RequestError, chat_submit, completion_submit
+from gateway.openai_chat import RequestError, chat_submit, completion_submit
 from kvroute.client import KvrouteError
+from protocol import Overflow
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -32,7 +33,7 @@ def test_every_api_has_a_policy() -> None:
 
 def test_embeddings_fields_are_honoured_hinted_or_refused() -> None:
     from gateway.embeddings import embed_message
-    from gateway.openai_schema import RequestError
+    from gateway.openai_chat import RequestError
 
     policy = Policy("embeddings")
     msg, body = embed_message({"input": ["a", "b"], "user": "u1", "x_new_field": 1, "encoding_format": "base64"}, policy, "last")
@@ -330,15 +331,22 @@ def test_count_tokens_takes_the_same_body() -> None:
 
 
 @pytest.mark.anyio
-async def test_anthropic_context_overflow_reads_as_prompt_too_long() -> None:
-    # Claude Code compacts its conversation on Anthropic's wording, and stops on any other
+@pytest.mark.parametrize(
+    "words",
+    [
+        "prompt of 32729 tokens + max_tokens 64 does not fit a slot of 32768 tokens",  # the router's
+        "prompt of 32729 tokens + max_tokens 64 = 32793 is over a slot's context of 32768 tokens",  # a worker's
+    ],
+)
+async def test_anthropic_context_overflow_reads_as_prompt_too_long(words: str) -> None:
+    # Claude Code compacts its conversation on Anthropic's wording, and stops on any other; the wording is made from
+    # the error's numbers, whoever refused the prompt and in whatever words
     fake = FakeRouter()
-    fake.error = KvrouteError(
-        "prompt of 32729 tokens + max_tokens 64 does not fit a slot of 32768 tokens", code="context_overflow"
-    )
+    numbers = Overflow(prompt_tokens=32729, max_tokens=64, context=32768)
+    fake.error = KvrouteError(words, code="context_overflow", overflow=numbers)
     async with client_for(fake) as c:
         r = await c.post("/v1/messages", json={"max_tokens": 64, "messages": USER})
         assert r.status_code == 400
         assert r.json()["error"]["message"] == "prompt is too long: 32793 tokens > 32768 maximum"
         r = await c.post("/v1/chat/completions", json={"messages": USER})
-        assert r.json()["error"]["message"].startswith("prompt of 32729 tokens")
+        assert r.json()["error"]["message"] == words

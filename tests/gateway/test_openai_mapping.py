@@ -9,7 +9,7 @@ import httpx
 import pytest
 from fake_router import FakeRouter, client_for
 
-from gateway.openai_schema import RequestError, chat_submit, completion_submit
+from gateway.openai_chat import RequestError, chat_submit, completion_submit
 from kvroute.client import KvrouteError
 from protocol import ErrorCode, pack_tokens
 
@@ -275,16 +275,18 @@ async def test_health_is_503_until_a_worker_is_ready(fake: FakeRouter) -> None:
 
 
 @pytest.mark.anyio
-async def test_server_sampling_defaults_fill_only_what_a_request_leaves_out(fake: FakeRouter) -> None:
-    defaults = {"temperature": 0.0, "top_k": 40, "seed": 7}
-    async with client_for(fake, sampling_defaults=defaults) as c:
+async def test_every_api_lists_the_sampling_a_request_leaves_to_the_server(fake: FakeRouter) -> None:
+    # (the router fills them from --temp, --top-k, --top-p, --min-p, --seed: tests/router/test_scheduler.py)
+    async with client_for(fake) as c:
         await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "temperature": 0.5})
         await c.post("/v1/messages", json={"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
         await c.post("/v1/responses", json={"input": "hi", "top_k": 3})
-    chat, messages, responses = (s.sampling for s in fake.submits)
-    assert (chat.temperature, chat.top_k, chat.seed) == (0.5, 40, 7)
-    assert (messages.temperature, messages.top_k, messages.seed) == (0.0, 40, 7)
-    assert (responses.temperature, responses.top_k, responses.seed, responses.top_p) == (0.0, 3, 7, 1.0)
+        await c.post("/v1/completions", json={"prompt": "hi", "top_k": 0, "seed": 1})
+    chat, messages, responses, completions = fake.submits
+    assert (chat.sampling.temperature, chat.sampling_unset) == (0.5, ["top_k", "top_p", "min_p", "seed"])
+    assert (messages.sampling.temperature, messages.sampling_unset) == (1.0, ["temperature", "top_k", "top_p", "min_p", "seed"])
+    assert (responses.sampling.top_k, responses.sampling_unset) == (3, ["temperature", "top_p", "min_p", "seed"])
+    assert completions.sampling_unset == ["temperature", "top_p", "min_p"]  # (top_k 0 was asked for: it stays off)
 
 
 @pytest.mark.anyio
@@ -300,9 +302,9 @@ async def test_a_response_is_incomplete_only_at_its_own_max_output_tokens(fake: 
 
 
 def test_a_bad_sampling_default_stops_start_up_naming_its_flag() -> None:
-    from gateway.main import HttpConfig
+    from router.config import RouterConfig
 
     for kw, flag in (({"temp": 5.0}, "--temp"), ({"top_p": 0.0}, "--top-p"), ({"seed": -1}, "--seed")):
         with pytest.raises(ValueError, match=flag):
-            HttpConfig(**kw)  # type: ignore[arg-type]
-    assert HttpConfig(temp=0.0, top_k=40).sampling_defaults() == {"temperature": 0.0, "top_k": 40}
+            RouterConfig(**kw)  # type: ignore[arg-type]
+    assert RouterConfig(temp=0.0, top_k=40).sampling_defaults() == {"temperature": 0.0, "top_k": 40}

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from fake_router import FakeRouter, client_for
 
 from gateway.app import Gateway, build_app
-from gateway.main import HttpConfig, uvicorn_config
-from gateway.openai_types import ChatRequest
+from gateway.openai_bodies import ChatRequest
+from gateway.server import HttpConfig, uvicorn_config
 from kvroute.client import encode_checked
 from protocol import MAX_FRAME_BYTES, Delta, Result, Submit
 
@@ -240,7 +240,7 @@ def test_kvroute_http_with_a_key_in_front_of_an_open_router_socket_says_so(monke
     """Issue item 3: `kvroute router` with `kvroute http --api-key` left the client socket open, silently."""
     from structlog.testing import capture_logs
 
-    from gateway.main import warn_open_router
+    from gateway.server import warn_open_router
 
     monkeypatch.delenv("KVROUTE_API_KEY", raising=False)
     with capture_logs() as logged:

@@ -10,7 +10,7 @@ from hostile_helpers import Routed
 from router_client import RawClient
 
 from protocol import Error, Sampling, Submit, pack_tokens
-from worker.replies import QUEUE_MAX, ReplySockets
+from worker.direct_replies import QUEUE_MAX, ReplySockets
 
 
 def test_an_endpoint_that_does_not_read_holds_a_bounded_queue_then_is_dropped() -> None:

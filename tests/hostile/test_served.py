@@ -29,7 +29,7 @@ from hostile_helpers import STALL_S, LoopWatch, RouterThread, endpoints, wait_un
 from router_helpers import free_port
 
 from commands.serve import LocalWorkers, serve, serve_http_processes
-from gateway.main import HttpConfig
+from gateway.server import HttpConfig
 from router.config import RouterConfig
 from router.supervisor import SupervisorConfig
 

@@ -375,6 +375,17 @@ EXAMPLES: list[Example] = [
         {},
     ),
     Example(
+        "error_overflow",
+        "router_reply",
+        p.Error(
+            id="req-9",
+            code=p.ErrorCode.CONTEXT_OVERFLOW,
+            message="prompt of 4100 tokens + max_tokens 16 does not fit a slot of 4096 tokens",
+            overflow=p.Overflow(prompt_tokens=4100, max_tokens=16, context=4096),
+        ),
+        {},
+    ),
+    Example(
         "status_reply",
         "router_reply",
         p.StatusReply(
@@ -503,6 +514,7 @@ EXAMPLES: list[Example] = [
             code=p.ErrorCode.CONTEXT_OVERFLOW,
             message="prompt of 4100 tokens + max_tokens 16 > ctx_per_slot 4096",
             error_id=None,
+            overflow=p.Overflow(prompt_tokens=4100, max_tokens=16, context=4096),
             slot=-1,
             slot_tokens=0,
             slot_hash="",
@@ -654,6 +666,7 @@ ALL_STRUCTS: list[type[msgspec.Struct]] = [
     p.ReplyFormat,
     p.Usage,
     p.Timings,
+    p.Overflow,
     p.ChatMessage,
     p.TextPart,
     p.ToolCall,

@@ -21,6 +21,7 @@ from protocol import (
     Job,
     JobCancel,
     JobError,
+    Overflow,
     Refuse,
     Result,
     Sampling,
@@ -126,6 +127,7 @@ def test_refusals_at_accept_and_after_preparing() -> None:
     big = np.arange(5000, dtype=np.int32)
     (err,) = to_client(submit(s, "d", tokens=big), Error)
     assert err.code == "context_overflow" and "4096" in err.message
+    assert err.overflow == Overflow(prompt_tokens=5000, max_tokens=8, context=4096)  # (the numbers, for each API)
     tokenizing = s.accept(CLIENT, (), Submit(id="t", prompt="a long text"))  # counts against the queue already
     (err,) = to_client(submit(s, "c"), Error)
     assert tokenizing is not None and err.code == "queue_full" and err.retry_after_ms
@@ -363,3 +365,23 @@ def test_a_burst_on_an_idle_worker_fills_its_free_slots_and_the_queue() -> None:
     assert [r is not None for r in taken] == [True, True, True, False]
     (err,) = to_client(s.take(), Error)
     assert err.id == "b3" and err.code == "queue_full"
+
+
+def test_a_worker_message_with_no_handler_is_counted_and_logged_not_taken_for_another() -> None:
+    from protocol import Accept
+
+    s = core()
+    hello(s)
+    s.worker_message(b"w0", Accept(worker_id="w0", router_id="r"))  # (a router's message: no worker sends it)
+    assert s.metrics.unknown_messages == 1 and s.take() == []
+
+
+def test_server_sampling_defaults_fill_only_what_a_request_left_to_the_server() -> None:
+    """--temp, --top-k, --seed ... are the router's, so every client gets them (HTTP, ZMQ, any language)."""
+    s = core(temp=0.0, top_k=40, seed=7)
+    hello(s)
+    chosen = Sampling(temperature=0.5, top_k=3, max_tokens=8)
+    (job,) = jobs(submit(s, "a", sampling=chosen, sampling_unset=["seed"]))
+    assert (job.sampling.temperature, job.sampling.top_k, job.sampling.seed) == (0.5, 3, 7)
+    (job,) = jobs(submit(s, "b", sampling=Sampling(max_tokens=8), sampling_unset=["temperature", "top_k", "top_p", "seed"]))
+    assert (job.sampling.temperature, job.sampling.top_k, job.sampling.top_p, job.sampling.seed) == (0.0, 40, 1.0, 7)

@@ -368,3 +368,18 @@ def test_the_alive_file_is_touched_by_the_event_loop(vocab, tmp_path):
         assert alive.exists()
     finally:
         rt.stop()
+
+
+def test_a_client_message_with_no_handler_gets_an_error_naming_its_type(fake_router):
+    """The dispatch table ends in an explicit error: a type the decoder reads and no handler takes (here one taken
+    out of the table) is answered with its id, counted and logged, never handed to another handler."""
+    from protocol import StatusRequest
+
+    rt, cep, _ = fake_router
+    c = RawClient(cep)
+    del rt.router._client_handlers[StatusRequest]
+    c.send(StatusRequest(id="st"))
+    err = c.recv()
+    assert isinstance(err, Error) and err.id == "st" and err.code == "bad_request" and "'status'" in err.message, err
+    assert rt.router.metrics.unknown_messages == 1
+    c.close()

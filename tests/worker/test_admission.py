@@ -10,7 +10,7 @@ import pytest
 from worker_prefix_fakes import FakeLlama, prefixes_for
 
 from kvroute.slots import SlotPhase
-from protocol import EngineCounters, ErrorCode, Job, Message, Sampling, pack_tokens
+from protocol import EngineCounters, ErrorCode, Job, Message, Overflow, Sampling, pack_tokens, unpack_tokens
 from worker.admission import Admission
 from worker.slots import SlotTable
 from worker.task import Task
@@ -44,7 +44,7 @@ def job(jid: str, prompt: list[int] | None = None, slot: int = -1, deadline_ms: 
         (job("a", [1, N_VOCAB]), ErrorCode.BAD_REQUEST, f"token id {N_VOCAB} is outside the vocabulary"),
         (job("a", [1] * N_CTX), ErrorCode.CONTEXT_OVERFLOW, f"does not fit a slot's context of {N_CTX}"),
         (job("a", [1] * 1000, max_tokens=100), ErrorCode.CONTEXT_OVERFLOW, "+ max_tokens 100 = 1100"),
-        (job("a", logit_bias={"5000": 1.0}), ErrorCode.BAD_REQUEST, "logit_bias token ids [5000]"),
+        (job("a", logit_bias={"5000": 1.0}), ErrorCode.BAD_REQUEST, "logit_bias: token id 5000 is outside the vocabulary"),
     ],
 )
 def test_a_job_that_cannot_run_is_refused_before_any_work(made: Job, code: ErrorCode, words: str) -> None:
@@ -52,6 +52,9 @@ def test_a_job_that_cannot_run_is_refused_before_any_work(made: Job, code: Error
     refused = admission.accept(made, sent.append, 0.0)
     assert refused is not None and refused.code == code and words in refused.message, refused
     assert not admission.waiting and not admission.by_id
+    if code == ErrorCode.CONTEXT_OVERFLOW:  # the numbers, for each API to word its own message
+        prompt_tokens = len(unpack_tokens(made.tokens))
+        assert refused.overflow == Overflow(prompt_tokens=prompt_tokens, max_tokens=made.sampling.max_tokens, context=N_CTX)
 
 
 def test_a_draining_worker_and_a_repeated_id_are_refused() -> None:

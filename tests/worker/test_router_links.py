@@ -13,6 +13,7 @@ import zmq
 from protocol import (
     Accept,
     CacheEntry,
+    Drain,
     ErrorCode,
     Job,
     JobDone,
@@ -159,3 +160,25 @@ def test_each_job_on_a_slot_has_its_own_epoch_and_frees_the_slot_before_its_rout
 def test_a_connect_list_without_routers_or_with_one_twice_is_refused(connect: str) -> None:
     with pytest.raises(ValueError, match="--connect"):
         WorkerConfig(model="/nonexistent.gguf", connect=connect)
+
+
+def test_a_message_with_no_handler_is_answered_with_an_error_naming_its_type() -> None:
+    """The dispatch table ends in an explicit error: a message type the decoder reads and no handler takes (here one
+    taken out of the table) is logged, counted and answered, never ignored."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("inproc://router-u")
+    engine = SimpleNamespace(vocab=SimpleNamespace(path="/nonexistent.gguf"), after_step=None)
+    server = WorkerServer(WorkerConfig(model="/nonexistent.gguf", connect="inproc://router-u"), engine, ctx)  # type: ignore[arg-type]
+    (link,) = server.links
+    try:
+        del server.handlers[Drain]
+        assert server.on_frame(link, encode(Drain())) is None
+        assert server.unknown_messages == 1
+        (err,) = received(router)
+        assert isinstance(err, JobError) and err.code == ErrorCode.BAD_REQUEST and "'drain'" in err.message
+    finally:
+        link.dealer.close(0)
+        router.close(0)
+        server.pull.close(0)
+        ctx.destroy(linger=0)

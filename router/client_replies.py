@@ -1,21 +1,21 @@
 """What the router sends a client about a request: deltas as the reply is read, then one result for all choices
-(chat/replies.py builds them, as a client reading direct replies does)."""
+(chat/reply_messages.py builds them, as a client reading direct replies does)."""
 
 from __future__ import annotations
 
-from chat import replies
+from chat import reply_messages
 from chat.output import Piece
 from protocol import Choice, Delta, JobDone, Result, TokenLogprob, Usage
 from router.requests import Req
 
 
 def delta_of(req: Req, piece: Piece, tokens: bytes, logprobs: list[TokenLogprob]) -> Delta:
-    return replies.delta_of(req.rid, req.index, piece, tokens, logprobs)
+    return reply_messages.delta_of(req.rid, req.index, piece, tokens, logprobs)
 
 
 def choice_of(req: Req, done: JobDone) -> Choice:
     assert req.attempt is not None
-    return replies.choice_of(req.index, req.attempt.parser, done, req.attempt.logprobs)
+    return reply_messages.choice_of(req.index, req.attempt.parser, done, req.attempt.logprobs)
 
 
 def result_of(choices: list[Req], worker: str, slot: int) -> Result:
@@ -27,4 +27,4 @@ def result_of(choices: list[Req], worker: str, slot: int) -> Result:
     total = sum(r.usage.completion_tokens for r in choices if r.usage is not None)
     usage = Usage(prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens, completion_tokens=total)
     done = [r.choice for r in choices if r.choice is not None]
-    return replies.result_of(lead.rid, done, usage, lead.timings, worker, slot)
+    return reply_messages.result_of(lead.rid, done, usage, lead.timings, worker, slot)

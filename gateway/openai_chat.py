@@ -1,6 +1,6 @@
 """OpenAI request bodies -> protocol `Submit`, and protocol replies -> OpenAI response bodies and stream chunks.
 
-Bodies are checked against gateway/openai_types.py under gateway/fields.py's policy: a refused field, or a value
+Bodies are checked against gateway/openai_bodies.py under gateway/fields.py's policy: a refused field, or a value
 kvroute cannot serve, is a 400 naming the field (`param`); hints are served, logged and counted.
 """
 
@@ -13,7 +13,9 @@ from typing import Any
 
 import msgspec
 
-from gateway import openai_types as t
+from gateway import normalise
+from gateway import openai_bodies as t
+from gateway.errors import RequestError
 from gateway.fields import FieldError, Policy
 from gateway.keepalive import Tick
 from protocol import (
@@ -33,22 +35,6 @@ from protocol import (
 )
 
 OPENAI_COMPLETIONS_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
-
-
-class RequestError(Exception):
-    """A request body we cannot serve: HTTP status, OpenAI error type, param name."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        status: int = 400,
-        code: str | None = None,
-        type_: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type_
 
 
 class Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -90,31 +76,26 @@ def _submit(**fields: Any) -> Submit:
         raise RequestError(str(exc)) from None
 
 
-def _sampling(body: t.Common, max_tokens: int | None, logprobs: int | None) -> Sampling:
+def _sampling(body: t.Common, max_tokens: int | None, logprobs: int | None) -> tuple[Sampling, list[str]]:
     stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
-    fields: dict[str, Any] = {
-        "max_tokens": max_tokens,
-        "temperature": 1.0 if body.temperature is None else body.temperature,
-        "top_p": 1.0 if body.top_p is None else body.top_p,
-        "top_k": body.top_k or 0,
-        "min_p": body.min_p or 0.0,
-        "seed": body.seed,
-        "logit_bias": body.logit_bias or {},
-        "stop": [s for s in stop if s],
-        "ignore_eos": bool(body.ignore_eos),
-        "presence_penalty": body.presence_penalty or 0.0,
-        "frequency_penalty": body.frequency_penalty or 0.0,
-        "repeat_penalty": 1.0 if body.repeat_penalty is None else body.repeat_penalty,
-        "repeat_last_n": 64 if body.repeat_last_n is None else body.repeat_last_n,
-        "logprobs": logprobs,
-    }
-    try:
-        return msgspec.convert(fields, Sampling)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        at = re.search(r" - at `\$\.([A-Za-z_]+)", text)
-        named = at.group(1) if at else next((f for f in fields if f in text), None)
-        raise RequestError(f"invalid sampling parameter: {text}", param=named) from None
+    return normalise.sampling(
+        {
+            "max_tokens": max_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "min_p": body.min_p,
+            "seed": body.seed,
+            "logit_bias": body.logit_bias,
+            "stop": [s for s in stop if s],
+            "ignore_eos": body.ignore_eos,
+            "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty,
+            "repeat_penalty": body.repeat_penalty,
+            "repeat_last_n": body.repeat_last_n,
+            "logprobs": logprobs,
+        }
+    )
 
 
 def _response_format(body: t.Common) -> ResponseFormat | None:
@@ -150,12 +131,13 @@ def completion_submit(raw: dict[str, Any], request_id: str, policy: Policy | Non
     if body.echo:
         raise RequestError("`echo` is not supported (the reply never repeats the prompt)", param="echo")
     stream, include_usage = _stream_flags(body)
-    sampling = _sampling(body, body.max_tokens or OPENAI_COMPLETIONS_MAX_TOKENS, body.logprobs)
+    sampling, unset = _sampling(body, body.max_tokens or OPENAI_COMPLETIONS_MAX_TOKENS, body.logprobs)
     sub = _submit(
         id=request_id,
         prompt=prompt,
         tokens=None if tokens is None else pack_tokens(tokens),
         sampling=sampling,
+        sampling_unset=unset,
         stream=True,
         deadline_ms=body.deadline_ms,
         response_format=_response_format(body),
@@ -235,10 +217,12 @@ def chat_submit(raw: dict[str, Any], request_id: str, policy: Policy | None = No
         raise RequestError("`tool_choice` needs `tools`", param="tool_choice")
     stream, include_usage = _stream_flags(body)
     max_tokens = body.max_completion_tokens or body.max_tokens
+    sampling, unset = _sampling(body, max_tokens, logprobs)
     sub = _submit(
         id=request_id,
         messages=messages,
-        sampling=_sampling(body, max_tokens, logprobs),
+        sampling=sampling,
+        sampling_unset=unset,
         stream=True,
         deadline_ms=body.deadline_ms,
         tools=tools,

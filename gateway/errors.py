@@ -1,0 +1,145 @@
+"""Errors as each API gives them, in one place: the table from the protocol's error code to each API's HTTP status and
+error type, each API family's error body, and an error in the middle of each API's stream. A context overflow's words
+for Anthropic's clients are made from its numbers (protocol `Overflow`), never read back from the router's English.
+
+OpenAI's body is `{"error": {message, type, param, code}}`; Anthropic's `{"type": "error", "error": {type, message}}`
+(no `param`: the message names the field). Anthropic's 529 is its "overloaded", which its SDKs retry.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import msgspec
+from starlette.responses import JSONResponse
+
+from protocol import ErrorCode, Overflow
+
+
+class RequestError(Exception):
+    """A request body we cannot serve: HTTP status, OpenAI error type, param name."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type_
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What one protocol error code is in each API family: (HTTP status, error type)."""
+
+    openai: tuple[int, str]
+    anthropic: tuple[int, str]
+
+
+UNAVAILABLE = Kind((503, "service_unavailable"), (529, "overloaded_error"))
+TABLE: dict[str, Kind] = {
+    ErrorCode.BAD_REQUEST: Kind((400, "invalid_request_error"), (400, "invalid_request_error")),
+    ErrorCode.CONTEXT_OVERFLOW: Kind((400, "invalid_request_error"), (400, "invalid_request_error")),
+    ErrorCode.TOO_LARGE: Kind((413, "invalid_request_error"), (413, "request_too_large")),
+    ErrorCode.UNAUTHORIZED: Kind((401, "authentication_error"), (401, "authentication_error")),
+    ErrorCode.NOT_FOUND: Kind((404, "invalid_request_error"), (404, "not_found_error")),
+    ErrorCode.QUEUE_FULL: Kind((429, "rate_limit_error"), (429, "rate_limit_error")),
+    ErrorCode.NO_WORKERS: UNAVAILABLE,
+    ErrorCode.WORKER_LOST: UNAVAILABLE,
+    ErrorCode.ROUTER_LOST: UNAVAILABLE,
+    ErrorCode.REPLY_UNREACHABLE: UNAVAILABLE,
+    ErrorCode.DRAINING: UNAVAILABLE,
+    ErrorCode.DEADLINE_EXCEEDED: Kind((504, "timeout"), (504, "timeout_error")),
+    ErrorCode.TOO_SLOW: Kind((408, "timeout"), (408, "timeout_error")),
+    ErrorCode.CANCELLED: Kind((499, "cancelled"), (500, "api_error")),
+}
+INTERNAL = Kind((500, "internal_error"), (500, "api_error"))
+
+# errors the gateway makes itself (no protocol code): a kind -> (OpenAI's type, Anthropic's type)
+OWN = {
+    "auth": ("authentication_error", "authentication_error"),
+    "too_large": ("invalid_request_error", "request_too_large"),
+    "timeout": ("timeout", "timeout_error"),
+    "internal": ("internal_error", "api_error"),
+}
+
+
+def prompt_too_long(o: Overflow) -> str:
+    """Anthropic's words for a context overflow, which Claude Code recognizes and answers by compacting."""
+    return f"prompt is too long: {o.prompt_tokens + (o.max_tokens or 0)} tokens > {o.context} maximum"
+
+
+@dataclass(frozen=True)
+class Errors:
+    """An API family's errors: OpenAI's or Anthropic's."""
+
+    anthropic: bool
+
+    def status_of(self, code: str) -> tuple[int, str]:
+        """A protocol error code's (HTTP status, error type)."""
+        kind = TABLE.get(code, INTERNAL)
+        return kind.anthropic if self.anthropic else kind.openai
+
+    def message(self, message: str, code: str, overflow: Overflow | None = None) -> str:
+        """What a client of this family reads: the router's words, or Anthropic's for a context overflow."""
+        if self.anthropic and code == ErrorCode.CONTEXT_OVERFLOW and overflow is not None:
+            return prompt_too_long(overflow)
+        return message
+
+    def body(self, message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, object]:
+        if self.anthropic:
+            return {"type": "error", "error": {"type": type_, "message": message}}
+        return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+    def response(
+        self,
+        message: str,
+        status: int,
+        *,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> JSONResponse:
+        return JSONResponse(self.body(message, type_, code, param), status, headers=headers)
+
+    def of(self, kind: str, message: str, status: int, code: str | None = None) -> JSONResponse:
+        """An error the gateway makes itself, of a kind both families have (`OWN`), in this family's words."""
+        openai_type, anthropic_type = OWN[kind]
+        return self.response(message, status, type_=anthropic_type if self.anthropic else openai_type, code=code)
+
+
+OPENAI_ERRORS = Errors(anthropic=False)
+ANTHROPIC_ERRORS = Errors(anthropic=True)
+
+
+def errors_for(path: str) -> Errors:
+    """The error shape of the API a path belongs to (the one place that decides it)."""
+    return ANTHROPIC_ERRORS if path.startswith("/v1/messages") else OPENAI_ERRORS
+
+
+# ---- an error in the middle of a stream, and the end of it: one for each API's events ----
+
+
+def chat_stream_error(message: str, code: str, overflow: Overflow | None = None) -> bytes:
+    """Chat Completions and Completions: an `error` chunk, then `[DONE]`."""
+    body = OPENAI_ERRORS.body(message, OPENAI_ERRORS.status_of(code)[1], code)
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def responses_stream_error(message: str, code: str, overflow: Overflow | None = None) -> bytes:
+    """Responses: an `error` event."""
+    data = {"type": "error", "code": code, "message": message, "param": None}
+    return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def messages_stream_error(message: str, code: str, overflow: Overflow | None = None) -> bytes:
+    """Anthropic Messages: an `error` event."""
+    errors = ANTHROPIC_ERRORS
+    body = errors.body(errors.message(message, code, overflow), errors.status_of(code)[1])
+    return b"event: error\ndata: " + msgspec.json.encode(body) + b"\n\n"
