@@ -47,7 +47,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -144,7 +144,6 @@ class Scheduler:
         self.outbox: list[Out] = []
         self._job_ids = itertools.count(1)
         self._rid = itertools.count(1)
-        self._worker_handlers = self._worker_table()
         self.sampling_defaults = cfg.sampling_defaults()
 
     def take(self) -> list[Out]:
@@ -462,25 +461,33 @@ class Scheduler:
             self.outbox.append(Out(identity, Refuse(code=ErrorCode.NOT_FOUND, reason=reason), worker=True))
             return
         conn.last_seen = time.monotonic()
-        handler = self._worker_handlers.get(type(msg))
+        handler = self.WORKER_HANDLERS.get(type(msg))
         if handler is None:  # (a type the decoder knows and this table does not: say so, never guess)
             self.metrics.unknown_messages += 1
             log.warning("unknown_worker_message", worker=conn.id, kind=kind_of(msg))
             return
-        handler(conn, msg)
+        getattr(self, handler)(conn, msg)
 
-    def _worker_table(self) -> dict[type, Callable[[WorkerConn, Any], None]]:
-        """Each message a worker sends after its hello, and its handler."""
-        return {
-            Heartbeat: self.table.heartbeat,
-            JobDelta: self._job_delta,
-            JobDeltas: self._job_deltas,
-            JobDone: self._job_done,
-            JobError: self._job_error,
-            EmbedDone: lambda conn, msg: self._embed_reply(self.embeds.done(msg)),
-            SlotTaken: self.table.slot_taken,  # (another router's job: routers side by side over one fleet)
-            SlotUpdate: self._slot_update,
-        }
+    # each message a worker sends after its hello, and the name of its handler (a method, looked up at each call)
+    WORKER_HANDLERS: ClassVar[dict[type, str]] = {
+        Heartbeat: "_heartbeat",
+        JobDelta: "_job_delta",
+        JobDeltas: "_job_deltas",
+        JobDone: "_job_done",
+        JobError: "_job_error",
+        EmbedDone: "_embed_done",
+        SlotTaken: "_slot_taken",  # (another router's job: routers side by side over one fleet)
+        SlotUpdate: "_slot_update",
+    }
+
+    def _heartbeat(self, conn: WorkerConn, msg: Heartbeat) -> None:
+        self.table.heartbeat(conn, msg)
+
+    def _embed_done(self, conn: WorkerConn, msg: EmbedDone) -> None:
+        self._embed_reply(self.embeds.done(msg))
+
+    def _slot_taken(self, conn: WorkerConn, msg: SlotTaken) -> None:
+        self.table.slot_taken(conn, msg)
 
     def _job_deltas(self, conn: WorkerConn, msg: JobDeltas) -> None:
         for delta in msg.items:  # one engine step's deltas

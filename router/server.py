@@ -38,7 +38,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import zmq
 import zmq.asyncio
@@ -163,7 +163,7 @@ class Router:
         self.client_sock: zmq.asyncio.Socket | None = None
         self.worker_sock: zmq.asyncio.Socket | None = None
         self._client_decoder = client_request_decoder(cfg.max_frame_bytes)
-        self._client_handlers = self._client_table()
+        self.client_handlers = dict(self.CLIENT_HANDLERS)  # (a test takes one out)
         self._worker_decoder = worker_to_router_decoder()
         self._drain_deadline = 0.0
         self._next_status = 0.0
@@ -494,27 +494,27 @@ class Router:
         self.core.reply(identity, envelope, Error(id=rid, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id))
 
     def _on_client_message(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any) -> None:
-        handler = self._client_handlers.get(type(msg))
-        if handler is None:  # (a type the decoder knows and this table does not: say so, never guess)
+        name = self.client_handlers.get(type(msg))
+        if name is None:  # (a type the decoder knows and this table does not: say so, never guess)
             self._unknown_message(identity, envelope, msg)
         elif type(msg) in NO_MODEL:
-            handler(identity, envelope, msg)
+            getattr(self, name)(identity, envelope, msg)
         elif (model := self._model(identity, envelope, msg)) is not None:  # (else the client was told which models)
-            handler(identity, envelope, msg, model)
+            getattr(self, name)(identity, envelope, msg, model)
 
-    def _client_table(self) -> dict[type, Callable[..., None]]:
-        """Each client message type and its handler; those in NO_MODEL take no model."""
-        return {
-            Invalid: self._on_invalid,
-            Cancel: self._on_cancel,
-            StatusRequest: self._on_status,
-            MetricsRequest: self._on_metrics,
-            Submit: self._on_submit,
-            Tokenize: self._on_tokenize,
-            Detokenize: self._on_tokenize,
-            Embed: self._on_embed,
-            Rerank: self._on_rerank,
-        }
+    # each client message type and the name of its handler (a method, looked up at each call); those in NO_MODEL take
+    # no model
+    CLIENT_HANDLERS: ClassVar[dict[type, str]] = {
+        Invalid: "_on_invalid",
+        Cancel: "_on_cancel",
+        StatusRequest: "_on_status",
+        MetricsRequest: "_on_metrics",
+        Submit: "_on_submit",
+        Tokenize: "_on_tokenize",
+        Detokenize: "_on_tokenize",
+        Embed: "_on_embed",
+        Rerank: "_on_rerank",
+    }
 
     def _unknown_message(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any) -> None:
         self.core.metrics.unknown_messages += 1

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import ClassVar
 
 import zmq
 
@@ -180,7 +180,7 @@ class WorkerServer:
         self._deltas_lock = threading.Lock()
         engine.after_step = self.flush_deltas
         self.decoder = router_to_worker_decoder()
-        self.handlers = self._table()
+        self.handlers = dict(self.HANDLERS)  # (a test takes one out)
         self.unknown_messages = 0  # (a message type with no handler: a bug, each logged and answered)
         self.ready_sent = False
         self.draining = False
@@ -499,8 +499,8 @@ class WorkerServer:
             log.warning("bad_frame", code=msg.code.value, reason=msg.reason, request_id=msg.id)
             link.send(encode(JobError(id=msg.id or "?", code=msg.code.value, message=msg.reason)), may_drop=self.side_by_side)
             return None
-        handler = self.handlers.get(type(msg))
-        if handler is None:  # (a type the decoder knows and this table does not: say so, never guess)
+        name = self.handlers.get(type(msg))
+        if name is None:  # (a type the decoder knows and this table does not: say so, never guess)
             self.unknown_messages += 1
             kind = kind_of(msg)
             log.warning("unknown_message", kind=kind, endpoint=link.endpoint)
@@ -508,18 +508,18 @@ class WorkerServer:
             error = JobError(id=getattr(msg, "id", None) or "?", code=ErrorCode.BAD_REQUEST, message=reason)
             link.send(encode(error), may_drop=self.side_by_side)
             return None
-        return handler(link, msg)
+        return getattr(self, name)(link, msg)
 
-    def _table(self) -> dict[type, Callable[[RouterLink, Any], int | None]]:
-        """Each message a router sends, and its handler (an exit status stops the worker)."""
-        return {
-            Job: self.take_job,
-            EmbedJob: self.take_embed,
-            JobCancel: self.cancel,
-            Accept: self.on_accept,
-            Refuse: self.refused,
-            Drain: self.drain,
-        }
+    # each message a router sends, and the name of its handler (a method, looked up at each call; an exit status it
+    # returns stops the worker)
+    HANDLERS: ClassVar[dict[type, str]] = {
+        Job: "take_job",
+        EmbedJob: "take_embed",
+        JobCancel: "cancel",
+        Accept: "on_accept",
+        Refuse: "refused",
+        Drain: "drain",
+    }
 
     def take_embed(self, link: RouterLink, msg: EmbedJob) -> None:
         link.jobs.add(msg.id)

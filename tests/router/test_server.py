@@ -377,7 +377,7 @@ def test_a_client_message_with_no_handler_gets_an_error_naming_its_type(fake_rou
 
     rt, cep, _ = fake_router
     c = RawClient(cep)
-    del rt.router._client_handlers[StatusRequest]
+    del rt.router.client_handlers[StatusRequest]
     c.send(StatusRequest(id="st"))
     err = c.recv()
     assert isinstance(err, Error) and err.id == "st" and err.code == "bad_request" and "'status'" in err.message, err
