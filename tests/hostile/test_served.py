@@ -1,13 +1,13 @@
 """Hostile requests against a real `kvroute serve` (router, one real worker, HTTP API, all on one event loop in this
 process, as `serve` runs them) while a normal stream is being read beside them: for each, the loop's longest stall,
 that the stream kept getting tokens, and that the router's queue and requests, the HTTP API's client records and the
-process's memory are back to their idle size after it (asked twice: the first of a kind may set up what it keeps,
-the second must leave nothing).
+process's memory are back to their idle size after it (asked three times: the first of a kind may set up what it
+keeps; a leak grows with each of the others, so the smaller of their two growths must be allocator noise).
 
-The stall bound holds for the better of the two tries: the largest bodies (4-7 MB) are decoded by single C calls
+The stall bound holds for the best of the tries: the largest bodies (4-7 MB) are decoded by single C calls
 that hold the GIL 50-100 ms on this project's shared 2-core machine (msgspec's JSON parse of 100,000 messages: 75
 ms), and one try in a few also has that thread preempted by the machine's other work (its run-queue wait cannot be
-told apart from the loop's own); both tries' figures are in the message."""
+told apart from the loop's own); every try's figures are in the message."""
 
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ pytestmark = pytest.mark.model
 
 KEY = "hostile-suite-key"
 CHAT = "/v1/chat/completions"
-MEMORY_SLACK_MB = 24.0  # what the second of two equal requests may leave above the first (allocator noise)
+# what one of two equal requests after the first may leave above the one before (allocator noise: which preparing
+# thread's arena, and which of pymalloc's, a 1M-id request lands in, 5 or 23 MB at random); a leak grows every time
+MEMORY_SLACK_MB = 24.0
 
 
 def rss_mb() -> float:
@@ -195,7 +197,7 @@ def test_a_hostile_request_beside_a_stream(served: Serve, name: str) -> None:
     try:
         memory, stalls = [], []
         idle = served.held()  # (the stream's records)
-        for _ in range(2):
+        for _ in range(3):
             served.watch.reset()
             t0 = time.monotonic()
             r = httpx.post(f"{served.url}{path}", content=body, headers=headers, timeout=120)
@@ -208,8 +210,9 @@ def test_a_hostile_request_beside_a_stream(served: Serve, name: str) -> None:
             wait_until(lambda: served.held() <= idle, 10, f"{name}: the router and the HTTP API back to idle")
             memory.append(rss_mb())
         assert min(stalls)[0] < STALL_S, f"{name}: {[text for _, text in stalls]}"
-        assert memory[1] - memory[0] < MEMORY_SLACK_MB, f"{name}: memory grew {memory[1] - memory[0]:.1f} MB"
-        print(f"{name}: {[text for _, text in stalls]}, memory {memory[0]:.0f} -> {memory[1]:.0f} MB")
+        grew = min(memory[1] - memory[0], memory[2] - memory[1])
+        assert grew < MEMORY_SLACK_MB, f"{name}: memory grew {grew:.1f} MB with each request ({memory} MB)"
+        print(f"{name}: {[text for _, text in stalls]}, memory {' -> '.join(f'{m:.0f}' for m in memory)} MB")
     finally:
         stream.done.set()
 
