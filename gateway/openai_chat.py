@@ -475,6 +475,7 @@ async def openai_events(
             return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)}
         return {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason(reason)}
 
+    head, tail = chunk([{}]).rsplit(b"{}", 1)  # (before and after a one-choice chunk's choice: usage, if any, is null)
     opened: set[int] = set()  # chat choices whose first chunk (with the role) went out
     async for msg in messages:
         if isinstance(msg, Tick):
@@ -485,8 +486,8 @@ async def openai_events(
                 opened.add(msg.index)
                 yield chunk([opening(msg.index)])
             part = chat_delta(msg, logprobs) if chat else completion_delta(msg, logprobs)
-            if part is not None:
-                yield chunk([part])
+            if part is not None:  # (chunk's bytes, its fixed fields encoded once: this is per token)
+                yield head + msgspec.json.encode(part) + tail
             continue
         choices = choices_of(msg)
         for i, c in enumerate(choices):

@@ -16,7 +16,7 @@ import pytest
 from fake_router import ScriptedRouter, client_for, events, result
 
 from gateway.app import Gateway, build_app
-from gateway.keepalive import Clock, Tick, ticking
+from gateway.keepalive import Clock, Tick, Ticking
 from protocol import Delta, Result, Submit, ToolCall, ToolCallDelta
 
 ARGS = ['{"path": "a.py", ', '"content": "print(1)\\n', 'print(2)"}']
@@ -170,7 +170,7 @@ async def test_ticking_reads_the_source_whole_and_ticks_when_idle() -> None:
 
     clock = Clock(idle_s=0.1)
     got: list[Any] = []
-    async for item in ticking(slow(), clock):
+    async for item in Ticking(slow(), clock):
         got.append(item)
         if not isinstance(item, Tick):
             clock.wrote()
