@@ -13,8 +13,10 @@ blocks (opaque provider data). Refused with a 400 in Anthropic's error shape nam
 blocks (the served model reads text), and Anthropic-schema client tools (`bash_*`, `text_editor_*`, `computer_*`,
 `memory_*`) whose schema the model has never seen.
 
-Claude Code's system prompt opens with an `x-anthropic-billing-header` whose `cch=` stamp changes on every
-request; the stamp is written as `fffff` (as llama-server does), or no prefix would ever be reused.
+Claude Code's system prompt opens with an `x-anthropic-billing-header` whose stamps change: `cch=` on every request
+(older versions), the fingerprint after `cc_version=X.Y.Z.` with each session's first message. Each stamp is written
+as f's (llama-server does so for `cch=`), or no prefix would be reused from one request, or one session (a sub-agent's
+included), to the next: the ~12k tokens of system prompt and tools that follow the header are the same in all of them.
 """
 
 from __future__ import annotations
@@ -173,14 +175,27 @@ def tool_defs(tools: list[dict[str, Any]] | None, policy: Policy) -> list[ToolDe
     return out
 
 
-_CCH = re.compile(r"^(x-anthropic-billing-header:.*?cch=)[0-9a-f]{5};")
+BILLING_HEADER = "x-anthropic-billing-header:"
+_STAMPS = re.compile(r"(cch=)([0-9a-f]{5});|(cc_version=\d+\.\d+\.\d+\.)([0-9a-f]{1,8});")
+
+
+def unstamped(header: str) -> str:
+    """Claude Code's billing header with its per-request and per-session stamps written as f's (module docstring)."""
+    return _STAMPS.sub(lambda m: f"{m[1] or m[3]}{'f' * len(m[2] or m[4])};", header)
 
 
 def _system_text(system: str | list[Text] | None) -> str | None:
     if system is None:
         return None
-    text = system if isinstance(system, str) else "".join(b.text for b in system)
-    return _CCH.sub(r"\1fffff;", text, count=1)
+    if isinstance(system, str):
+        if not system.startswith(BILLING_HEADER):
+            return system
+        line, nl, rest = system.partition("\n")
+        return unstamped(line[:4096]) + line[4096:] + nl + rest
+    texts = [b.text for b in system]
+    if texts and texts[0].startswith(BILLING_HEADER):  # (the header is a block of its own)
+        texts[0] = unstamped(texts[0][:4096]) + texts[0][4096:]
+    return "".join(texts)
 
 
 def _refuse(block: Any, where: str) -> None:

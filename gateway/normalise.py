@@ -11,10 +11,10 @@ from typing import Any
 import msgspec
 
 from gateway.errors import RequestError
-from protocol import Sampling, Submit, sampling_of
+from protocol import Defaultable, Sampling, Submit, sampling_of
 
 
-def sampling(fields: dict[str, Any]) -> tuple[Sampling, list[str]]:
+def sampling(fields: dict[str, Any]) -> tuple[Sampling, list[Defaultable]]:
     """A request's `Sampling` from its API's values by `Sampling`'s names (None: the request did not set it), and the
     fields it left to the server (`Submit.sampling_unset`). A value out of range is a 400 naming its field."""
     try:

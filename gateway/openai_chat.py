@@ -21,6 +21,7 @@ from gateway.keepalive import Tick
 from protocol import (
     ChatMessage,
     Choice,
+    Defaultable,
     Delta,
     NamedTool,
     ResponseFormat,
@@ -76,7 +77,7 @@ def _submit(**fields: Any) -> Submit:
         raise RequestError(str(exc)) from None
 
 
-def _sampling(body: t.Common, max_tokens: int | None, logprobs: int | None) -> tuple[Sampling, list[str]]:
+def _sampling(body: t.Common, max_tokens: int | None, logprobs: int | None) -> tuple[Sampling, list[Defaultable]]:
     stop = body.stop if isinstance(body.stop, list) else [body.stop] if body.stop else []
     return normalise.sampling(
         {

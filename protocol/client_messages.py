@@ -8,7 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from protocol.chat import MAX_TOOLS, ChatMessage, ResponseFormat, TokenLogprob, Tool, ToolCall, ToolCallDelta, ToolChoice
-from protocol.common import DeadlineMs, Message, NonNeg, Overflow, Sampling, Struct, Timings, TokenBytes, Usage
+from protocol.common import DeadlineMs, Defaultable, Message, NonNeg, Overflow, Sampling, Struct, Timings, TokenBytes, Usage
 from protocol.tokens import check_token_bytes
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
@@ -35,7 +35,7 @@ class Submit(Message, tag="submit", kw_only=True):
     sampling: Sampling = msgspec.field(default_factory=Sampling)
     # the sampling fields the client left to the server (`Sampling` names of DEFAULTABLE): the router's --temp, --top-k,
     # --top-p, --min-p, --seed replace them, where the operator set those
-    sampling_unset: list[Literal["temperature", "top_k", "top_p", "min_p", "seed"]] = []
+    sampling_unset: list[Defaultable] = []
     stream: bool = True  # send `delta` messages; the `result` comes either way
     deadline_ms: DeadlineMs | None = None  # relative to the router's receipt
     tools: list[Tool] | None = None  # functions the model may call (rendered by the template)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -107,10 +107,11 @@ class Sampling(Struct, kw_only=True):
 
 
 # the sampling fields a server may default (--temp, --top-k, --top-p, --min-p, --seed) for requests that leave them out
-DEFAULTABLE = ("temperature", "top_k", "top_p", "min_p", "seed")
+Defaultable = Literal["temperature", "top_k", "top_p", "min_p", "seed"]
+DEFAULTABLE: tuple[Defaultable, ...] = ("temperature", "top_k", "top_p", "min_p", "seed")
 
 
-def sampling_of(fields: dict[str, Any]) -> tuple[Sampling, list[str]]:
+def sampling_of(fields: dict[str, Any]) -> tuple[Sampling, list[Defaultable]]:
     """A request's `Sampling` from the fields it set, by `Sampling`'s names (None: not set), and the DEFAULTABLE ones it
     left to the server (Submit.sampling_unset). A field not set gets `Sampling`'s value, except `max_tokens`, which
     is taken as given (None: no limit). Raises msgspec.ValidationError (naming the field) or ValueError."""

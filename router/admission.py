@@ -6,6 +6,7 @@ Pure checks (router/scheduler.py acts on them): a refusal is (error code, messag
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -129,7 +130,7 @@ def prepare_failed(req: Req, exc: BaseException) -> Error:
     return Error(id=req.rid, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id)
 
 
-def defaulted(sampling: Sampling, unset: list[str], defaults: dict[str, float | int]) -> Sampling:
+def defaulted(sampling: Sampling, unset: Sequence[str], defaults: dict[str, float | int]) -> Sampling:
     """--temp, --top-k, --top-p, --min-p, --seed: the fields a request left to the server (`sampling_unset`) get them."""
     given = {k: defaults[k] for k in unset if k in defaults}
     return msgspec.structs.replace(sampling, **given) if given else sampling

@@ -1,5 +1,9 @@
 """One `kvroute serve` shared by the real coding agents: a context long enough for their system prompts, a cap on
-generation so the small default model's rambling ends quickly (the agents ask for 32,000 tokens)."""
+generation so the small default model's rambling ends quickly (the agents ask for 32,000 tokens).
+
+Every test that runs an agent gives it the same home (`agent_homes`, real_agents.fresh_home): an agent's prompt names
+its working directory (Copilot's, its session folder too), so with one path a later test starts from the prefix an
+earlier one computed, as far as the two prompts agree (Copilot's Chat and Responses runs: ~4.7k tokens)."""
 
 from __future__ import annotations
 
@@ -12,6 +16,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontdoor"))
 from real_agents import API_KEY, SERVE_FLAGS
 from served import Served
+
+
+@pytest.fixture(scope="session")
+def agent_homes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(tmp_path_factory.mktemp("agents-homes"))
 
 
 @pytest.fixture(scope="session")

@@ -190,12 +190,12 @@ def refusal(record: dict[str, Any]) -> str:
 class Conversation:
     """One client's home, environment and commands; `turn(1)` then `turn(2)`."""
 
-    def __init__(self, client: Client, base_url: str, api_key: str, model: str, root: Path) -> None:
+    def __init__(self, client: Client, base_url: str, api_key: str, model: str, root: Path, home: Path | None = None) -> None:
         self.client = client
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.model = model
-        self.home = root / f"home-{client.name}"
+        self.home = home or root / f"home-{client.name}"
         self.work = self.home / "work"
         self.work.mkdir(parents=True, exist_ok=True)
         self.env = self._base_env()
@@ -520,12 +520,21 @@ def one_tool_round(path: str, body: dict[str, Any]) -> dict[str, Any]:
     return ending(path, body) if after_tool_result(body) else body
 
 
+def fresh_home(homes: Path, client: Client) -> Path:
+    """An empty home for `client` under `homes`, at one path per agent package: its prompts name its working directory,
+    so each test that runs the agent from there sends the same prompt, and a later one reuses what an earlier computed
+    (Copilot's Chat and Responses runs; tests/agents/conftest.py)."""
+    home = homes / f"home-{client.package.lstrip('@').replace('/', '-')}"
+    shutil.rmtree(home, ignore_errors=True)
+    return home
+
+
 def run_conversation(
-    client: Client, server_url: str, api_key: str, model: str, root: Path
+    client: Client, server_url: str, api_key: str, model: str, root: Path, home: Path | None = None
 ) -> tuple[Conversation, list[Turn], CaptureProxy]:
     proxy = CaptureProxy(server_url, root / f"capture-{client.name}", rewrite=one_tool_round).start()
     try:
-        conv = Conversation(client, proxy.url, api_key, model, root)
+        conv = Conversation(client, proxy.url, api_key, model, root, home)
         first = conv.turn(1, PROMPT_1, proxy)
         second = conv.turn(2, PROMPT_2, proxy)
     finally:

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from real_agents import API_KEY, CLIENTS, Turn, prompt_tokens, pypi_python, run_conversation
+from real_agents import API_KEY, CLIENTS, Turn, fresh_home, prompt_tokens, pypi_python, run_conversation
 from served import Served
 
 pytestmark = pytest.mark.model
@@ -26,13 +26,13 @@ MODEL = "gemma-3-270m-q4_k_m"
 
 
 @pytest.mark.parametrize("name", list(CLIENTS))
-def test_agent_runs_two_turns_the_second_from_cache(name: str, agent_server: Served, tmp_path: Path) -> None:
+def test_agent_runs_two_turns_the_second_from_cache(name: str, agent_server: Served, agent_homes: Path, tmp_path: Path) -> None:
     client = CLIENTS[name]
     why = client.installed()
     if why and client.pypi and pypi_python() is None:
         pytest.skip(f"{client.package} needs Python 3.10-3.12, and this machine has none: {why}")
     assert why is None, why
-    _, turns, _ = run_conversation(client, agent_server.url, API_KEY, MODEL, tmp_path)
+    _, turns, _ = run_conversation(client, agent_server.url, API_KEY, MODEL, tmp_path, fresh_home(agent_homes, client))
     first, second = (t.summary() for t in turns)
     report = {"client": f"{client.package}@{client.version}", "turn_1": first, "turn_2": second}
     print(json.dumps(report, indent=1))

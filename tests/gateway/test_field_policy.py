@@ -309,6 +309,25 @@ def test_claude_code_request_is_served_with_its_hints_named() -> None:
     assert "enable_thinking" not in sub.chat_template_kwargs  # adaptive: the template's default
 
 
+def test_claude_code_sessions_share_their_system_prompt() -> None:
+    """The billing header's session fingerprint (cc_version's fourth part, from the session's first message) and its
+    request stamp (cch) are written as f's: two sessions' prompts are the same up to their first message."""
+
+    def system_of(header: str, first: str) -> str:
+        body = claude_code_body(messages=[{"role": "user", "content": first}])
+        body["system"][0]["text"] = header
+        sub, _ = anthropic.messages_submit(body, "r", Policy("messages"))
+        return (sub.messages or [])[0].text()
+
+    a = system_of("x-anthropic-billing-header: cc_version=2.1.328.2c2; cc_entrypoint=sdk-cli;", "hello")
+    b = system_of("x-anthropic-billing-header: cc_version=2.1.328.3ba; cc_entrypoint=sdk-cli;", "write an essay")
+    assert a == b and a.startswith("x-anthropic-billing-header: cc_version=2.1.328.fff; cc_entrypoint=sdk-cli;")
+    c = system_of("x-anthropic-billing-header: cc_version=2.1.328; cc_entrypoint=sdk-cli; cch=0a1b2;", "hi")
+    assert c.startswith("x-anthropic-billing-header: cc_version=2.1.328; cc_entrypoint=sdk-cli; cch=fffff;")
+    plain = anthropic.messages_submit(claude_code_body(system="You are helpful. cc_version=1.2.3.abc;"), "r", Policy("messages"))
+    assert (plain[0].messages or [])[0].text() == "You are helpful. cc_version=1.2.3.abc;"  # (not a billing header)
+
+
 def test_anthropic_schema_client_tools_are_refused() -> None:
     body = claude_code_body(tools=[{"type": "bash_20250124", "name": "bash"}])
     with pytest.raises(RequestError, match="bash_20250124") as info:
