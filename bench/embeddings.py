@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
-    from kvroute.model import resolve_model
+    from common.model import resolve_model
 
     model = str(resolve_model(None))
     tmp = Path(tempfile.mkdtemp(prefix="bench-embeddings-"))

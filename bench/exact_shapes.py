@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import llama_cpp
 import numpy as np
 
-from kvroute.model import resolve_model
+from common.model import resolve_model
 from worker.llama import ALONE_ROWS_MIN, ALONE_ROWS_STEP, Llama
 
 SLOTS = 4

@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-from kvroute.model import resolve_model
+from common.model import resolve_model
 from worker.config import WorkerConfig
 from worker.llama import Llama
 

@@ -23,8 +23,8 @@ import numpy as np
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
 from chat.grammar import json_rule
-from kvroute.model import resolve_model
-from kvroute.vocab import Vocab
+from common.model import resolve_model
+from common.vocab import Vocab
 from protocol import Constraint
 from worker.guide import Guide, GuideTokenizer
 

@@ -1,6 +1,6 @@
 """llama-server, built from the llama.cpp vendored in the pinned llama-cpp-python sdist: the server kvroute is
 compared with. Built once (cmake, CPU, no network features; a few minutes on 2 cores) and cached, by the same rule as
-the workers' llama.cpp (kvroute/build.py: a native build with AMX compiled out on x86-64, the user's CMAKE_ARGS,
+the workers' llama.cpp (common/build.py: a native build with AMX compiled out on x86-64, the user's CMAKE_ARGS,
 CFLAGS and CXXFLAGS added), so that both run the same kernels, and neither crashes where llama.cpp's AMX kernels
 fault (found on an AMX Xeon: a native llama-server exited with SIGSEGV before it was ready).
 
@@ -18,7 +18,7 @@ import tempfile
 from importlib.metadata import version
 from pathlib import Path
 
-from kvroute.build import this_machine
+from common.build import this_machine
 
 LLAMA_CPP_PYTHON = version("llama-cpp-python")  # the pinned version: the same llama.cpp as the workers
 CMAKE_FLAGS = (

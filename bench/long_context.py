@@ -46,8 +46,8 @@ from bench.floor import _decode
 from bench.systems import Server, Setup
 from bench.warm_restart import endpoint_of
 from bench.workloads import model_tokenizer
+from common.model import resolve_model
 from kvroute.client import Client
-from kvroute.model import resolve_model
 from worker.config import WorkerConfig
 
 DEFAULT_N_BATCH = WorkerConfig.n_batch

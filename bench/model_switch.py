@@ -57,7 +57,7 @@ import httpx
 from bench.client import sse_events
 from bench.systems import Server, Setup, SystemError_, commands
 from bench.workloads import TextGen, grow, model_tokenizer
-from kvroute.model import resolve_model
+from common.model import resolve_model
 
 SYSTEMS = ("kvroute", "kvroute-disk", "llama-server")
 MODELS = ("alpha", "beta")

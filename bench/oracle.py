@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvroute.slots import common_prefix
+from common.slots import common_prefix
 
 BOS = -1  # stands for the BOS token the server puts first: the same in every prompt
 

@@ -218,7 +218,7 @@ async def run_policy(policy: str, args: argparse.Namespace) -> dict[str, float]:
 def policies_bench(args: argparse.Namespace) -> None:
     import os
 
-    from kvroute import logs
+    from common import logs
     from router.main import run_loop
 
     logs.setup(args.log_level, process="bench")

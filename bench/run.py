@@ -30,7 +30,7 @@ from bench import oracle, report
 from bench.client import CompletionClient, Sample, Series, metrics_delta, run_workload
 from bench.systems import DESCRIPTIONS, ROUTING, SYSTEMS, Server, Setup, SystemError_
 from bench.workloads import QUICK, WORKLOADS, Sizes, Workload, build, model_tokenizer
-from kvroute.config import add_args, from_args
+from common.config import add_args, from_args
 
 # A cold system on the long session computes every turn's whole history: hours at 300 turns on 2 cores.
 COLD_SKIPPED = {"long-session"}
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = list(SYSTEMS)  # the routing policies are skipped on workloads with one worker
     sizes = from_args(Sizes, args)
     if args.model is None:
-        from kvroute.model import resolve_model
+        from common.model import resolve_model
 
         args.model = str(resolve_model(None))
 

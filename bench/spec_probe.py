@@ -24,7 +24,7 @@ import httpx
 
 from bench.client import CompletionClient
 from bench.systems import Server, Setup
-from kvroute.model import resolve_model
+from common.model import resolve_model
 
 FILE = '''def load_settings(path):
     """Read the settings file and return a dict of its values."""

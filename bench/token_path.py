@@ -35,7 +35,7 @@ from typing import Any
 import zmq
 
 from bench.systems import free_port
-from kvroute.slots import common_prefix
+from common.slots import common_prefix
 from protocol import (
     Accept,
     Heartbeat,
@@ -73,7 +73,7 @@ class Running:
 
 def worker(endpoint: str, worker_id: str, slots: int, model: str) -> None:
     """Say hello, then stream every job's tokens as fast as the sockets take them."""
-    from kvroute.vocab import Vocab
+    from common.vocab import Vocab
 
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, worker_id.encode())
@@ -366,7 +366,7 @@ def main() -> None:
     ap.add_argument("--gateway-processes", default="1", help="comma-separated: the http path once per `kvroute http --processes`")
     ap.add_argument("--model", default=None, help="GGUF whose vocabulary the router loads (default: the default model)")
     args = ap.parse_args()
-    from kvroute.model import resolve_model
+    from common.model import resolve_model
     from worker.config import WorkerConfig
 
     model = str(resolve_model(args.model or WorkerConfig().model))

@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 
 from bench.systems import Server, Setup
+from common.model import resolve_model
 from kvroute.client import Client
-from kvroute.model import resolve_model
 
 SENTENCE = "The lighthouse keeper's log, autumn. The wind turned north before dawn and the sea rose against the rocks. "
 DOC = SENTENCE * 8  # about 200 tokens; --doc-sentences makes it longer

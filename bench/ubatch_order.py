@@ -16,7 +16,7 @@ import argparse
 import statistics
 import time
 
-from kvroute.model import resolve_model
+from common.model import resolve_model
 from worker.config import WorkerConfig
 from worker.llama import Llama
 

@@ -53,8 +53,8 @@ from bench.agent_loop import stream_step
 from bench.client import parse_metrics
 from bench.systems import Server, Setup
 from bench.workloads import TextGen, grow, model_tokenizer
+from common.model import resolve_model
 from kvroute.client import Client
-from kvroute.model import resolve_model
 
 GOAL = 0.1  # warm TTFT / cold TTFT after a restart, at most
 ALL_VARIANTS = ("warm", "cold", "live")

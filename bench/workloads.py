@@ -2,7 +2,7 @@
 
 Text comes from a fixed-seed sentence generator (real English words in sentence templates), so every run and
 every system sees exactly the same prompts. Sizes are measured by tokenizing with the model's own vocabulary
-(`kvroute.vocab.Vocab`): "1,500 tokens" means 1,500 tokens of the served model, give or take one sentence.
+(`common.vocab.Vocab`): "1,500 tokens" means 1,500 tokens of the served model, give or take one sentence.
 
 A workload is a set of sessions run `concurrency` at a time. A session is an opening text and one message per
 turn; turn k's prompt is the opening, then every earlier (message + completion), then message k. So a
@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from kvroute.config import opt
+from common.config import opt
 
 WORKLOADS = ("agent-long", "multi-agent", "many-agents", "throughput", "fanout", "long-session", "scale-out")
 
@@ -387,7 +387,7 @@ def build(name: str, sizes: Sizes, tokenize: Callable[[str], list[int]]) -> Work
 
 def model_tokenizer(model_path: str) -> Callable[[str], list[int]]:
     """Text -> tokens of the model at `model_path`, without BOS (so pieces add up)."""
-    from kvroute.vocab import Vocab
+    from common.vocab import Vocab
 
     vocab = Vocab.load(model_path)
     return lambda text: vocab.tokenize(text, add_special=False, parse_special=False)

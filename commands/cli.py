@@ -12,9 +12,9 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
+from common.config import ConfigFileError, UsageError, load_config_file
+from common.model import ModelError, resolve_model
 from kvroute import __version__
-from kvroute.config import ConfigFileError, UsageError, load_config_file
-from kvroute.model import ModelError, resolve_model
 
 # name -> (module, help, add_arguments name, run name)
 SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
@@ -34,7 +34,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str, str]] = {
         "run_complete",
     ),
     "chat": ("commands.talk", "chat with a running server, streaming to the terminal", "add_chat_arguments", "run_chat"),
-    "keys": ("kvroute.keys", "generate CurveZMQ key pairs for secured TCP between hosts", "add_arguments", "run"),
+    "keys": ("common.keys", "generate CurveZMQ key pairs for secured TCP between hosts", "add_arguments", "run"),
     "status": ("commands.talk", "show workers, slots and what each slot holds", "add_status_arguments", "run_status"),
     "doctor": (
         "commands.doctor",

@@ -23,9 +23,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvroute import __version__, build
-from kvroute.model import ModelError, resolve_model, sha256_of
-from kvroute.start_record import ADVICE, STAGES
+from common import build
+from common.model import ModelError, resolve_model, sha256_of
+from common.start_record import ADVICE, STAGES
+from kvroute import __version__
 from worker.context_size import llama_devices
 
 SMOKE_TIMEOUT_S = 300.0

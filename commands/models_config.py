@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvroute.config import ConfigFileError, keep_alive_seconds, read_toml
+from common.config import ConfigFileError, keep_alive_seconds, read_toml
 from router.models import ServedModel, from_flag
 
 # per-model keys that set a LocalWorkers field of the same name
@@ -59,7 +59,7 @@ def from_flags(values: list[str], keep_alive: float) -> list[ModelEntry]:
 
 
 def seconds(value: Any, where: str) -> float:
-    """A keep-alive (kvroute.config.keep_alive_seconds); ConfigFileError naming `where`."""
+    """A keep-alive (common.config.keep_alive_seconds); ConfigFileError naming `where`."""
     try:
         return keep_alive_seconds(value)
     except ValueError as exc:

@@ -1,7 +1,7 @@
 """The flag and field reference, written from the code that defines them: `python -m commands.reference >
 docs/reference.md`.
 
-Flags come from the parser `kvroute` itself builds (commands.cli.build_parser, whose flags kvroute/config.py makes
+Flags come from the parser `kvroute` itself builds (commands.cli.build_parser, whose flags common/config.py makes
 from the config dataclasses); request fields from each API's request type and gateway/fields.py's tables. The file
 is checked in; tests/test_reference.py fails when it differs from what this writes.
 """
@@ -44,7 +44,7 @@ def _help(action: argparse.Action) -> str:
         params = {**vars(action), "prog": ""}
         params = {k: getattr(v, "__name__", v) for k, v in params.items()}
         text = text % params
-    return re.sub(r"\s*\(default: [^()]*\)$", "", text)  # (kvroute/config.py's suffix: the table has a column for it)
+    return re.sub(r"\s*\(default: [^()]*\)$", "", text)  # (common/config.py's suffix: the table has a column for it)
 
 
 def _default(command: str, action: argparse.Action) -> str:

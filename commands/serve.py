@@ -26,12 +26,12 @@ from typing import Any
 import zmq.asyncio
 
 from commands.models_config import ModelEntry, from_file, from_flags, seconds, worker_prefix
+from common import logs
+from common.config import ConfigFileError, UsageError, add_args, from_args, opt, to_flags
+from common.files import runtime_dir
+from common.keys import generate, read_key
+from common.vocab import Vocab
 from gateway.server import HttpConfig, parse_host_port, serve_http
-from kvroute import logs
-from kvroute.config import ConfigFileError, UsageError, add_args, from_args, opt, to_flags
-from kvroute.files import runtime_dir
-from kvroute.keys import generate, read_key
-from kvroute.vocab import Vocab
 from router.config import DEFAULT_CLIENT_ENDPOINT, RouterConfig
 from router.main import add_model_argument, model_values
 from router.models import ServedModel
@@ -313,7 +313,7 @@ async def serve(
 
 def worker_keys_for_this_run(router_cfg: RouterConfig) -> tuple[RouterConfig, Path | None]:
     """Workers join `serve`'s router only with a key, on loopback too: without --worker-keys, a key pair made for this
-    run, in a directory only this user can enter (kvroute/files.py), is the one key the worker socket lets in (the
+    run, in a directory only this user can enter (common/files.py), is the one key the worker socket lets in (the
     local workers are given it); a process of another user cannot read it, so cannot join and receive every tenant's
     prompts. With --curve-key, that key is the one. Returns the directory made (removed at exit), or None. (With
     `--workers 0` workers join from elsewhere: the worker socket is then as `kvroute router`'s, router/security.py.)"""
@@ -341,7 +341,7 @@ async def _serve(
     models: list[ModelEntry] | None,
     models_cfg: ServeModels,
 ) -> None:
-    from kvroute.model import resolve_model
+    from common.model import resolve_model
     from router.main import handle_signals, load_router
 
     if models is None:
@@ -425,7 +425,7 @@ def guard_zmq_clients(router_cfg: RouterConfig, http: HttpConfig | None) -> tupl
 
 
 def private_dir() -> Path:
-    """A directory only this user can enter, for IPC sockets and keys (kvroute/files.py `runtime_dir`)."""
+    """A directory only this user can enter, for IPC sockets and keys (common/files.py `runtime_dir`)."""
     try:
         return runtime_dir()
     except OSError as exc:

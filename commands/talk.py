@@ -109,7 +109,7 @@ def _stream_out(client: Client, args: argparse.Namespace, **request: Any) -> Res
 
 def _client(args: argparse.Namespace) -> Client:
     """The ZMQ client the flags describe; a bad key setup is a one-line usage error."""
-    from kvroute.config import UsageError
+    from common.config import UsageError
 
     try:
         return Client(args.connect, timeout_s=args.timeout, curve_key=args.curve_key, router_key=args.router_key)

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from common import logs
 from gateway import anthropic, helpers, normalise
 from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect
 from gateway.embeddings import embed_message, embeddings_reply
@@ -45,7 +46,6 @@ from gateway.limits import (
 from gateway.openai_chat import RequestError, chat_submit
 from gateway.openapi import OPENAPI
 from gateway.rerank import RERANK_PATHS, rerank_message, rerank_reply
-from kvroute import logs
 from kvroute.client import AsyncClient, KvrouteError
 from protocol import MAX_FRAME_BYTES, Delta, ErrorCode, FinishReason, Result, Submit
 

@@ -23,7 +23,7 @@ import msgspec
 import msgspec.inspect as mi
 from prometheus_client import Counter
 
-from kvroute import logs
+from common import logs
 
 log = logs.get(__name__)
 

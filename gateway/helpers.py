@@ -6,8 +6,8 @@ from typing import Any
 
 import msgspec
 
+from common.config import keep_alive_seconds
 from gateway.openai_chat import RequestError, Strict, validation_problem
-from kvroute.config import keep_alive_seconds
 from protocol import Detokenize, StatusReply, Submit, Tokenize, Tokens, pack_tokens, unpack_tokens
 
 

@@ -25,8 +25,8 @@ import numpy as np
 from starlette.responses import StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from common import logs
 from gateway.openai_chat import RequestError
-from kvroute import logs
 
 log = logs.get(__name__)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+from common import logs
+from common.config import add_args, from_args
 from gateway.server import HttpConfig, parse_host_port, serve_http, warn_open_router
-from kvroute import logs
-from kvroute.config import add_args, from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.config import UsageError
+    from common.config import UsageError
 
     try:
         cfg = from_args(HttpConfig, args)

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
-from kvroute import logs
+from common import logs
 
 if TYPE_CHECKING:
     from gateway.server import HttpConfig

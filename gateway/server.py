@@ -12,9 +12,9 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from kvroute import logs
+from common import logs
+from common.config import opt
 from kvroute.client import reply_endpoint_of
-from kvroute.config import opt
 from protocol import MAX_FRAME_BYTES
 
 MAX_PROCESSES = 256  # --processes

@@ -1,5 +1,5 @@
-"""kvroute: what every process shares (config, logs, the default model, the vocabulary, keys, the rules of a slot)
-and the Python client of the protocol. The commands are in commands/, the layer above."""
+"""kvroute: the Python client of the protocol (client.py; direct.py reads a job's output straight from its worker)
+and the package's version. What every process shares is in common/, the layer below; the commands are in commands/."""
 
 from importlib.metadata import PackageNotFoundError, version
 

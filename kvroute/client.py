@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from kvroute import logs
+from common import logs
 from kvroute.direct import DirectReplies, auto_endpoint
 from protocol import (
     MAX_FRAME_BYTES,
@@ -80,7 +80,7 @@ def secure_client_socket(sock: zmq.Socket[Any], curve_key: str | None, router_ke
         return
     if curve_key is None or router_key is None:
         raise ValueError("CURVE needs both this peer's key file and the router's public key file")
-    from kvroute.keys import read_key
+    from common.keys import read_key
 
     sock.setsockopt(zmq.CURVE_SECRETKEY, read_key(curve_key, secret=True))
     sock.setsockopt(zmq.CURVE_PUBLICKEY, read_key(curve_key, secret=False))

@@ -28,9 +28,9 @@ import zmq
 
 from chat import reply_messages
 from chat.output import OutputParser, OutputSpec
-from kvroute import logs
-from kvroute.files import runtime_dir
-from kvroute.inbox import Inbox
+from common import logs
+from common.files import runtime_dir
+from common.inbox import Inbox
 from protocol import (
     Error,
     ErrorCode,

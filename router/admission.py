@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from kvroute import logs
+from common import logs
 from protocol import Error, ErrorCode, Overflow, Sampling
 from router.prepare import PrepareError
 from router.requests import Req

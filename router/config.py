@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvroute.config import opt
+from common.config import opt
 
 POLICIES = ["prefix", "round-robin", "least-loaded"]
 CHAT_FORMATS = ["gemma", "chatml"]

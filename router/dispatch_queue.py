@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kvroute import logs
+from common import logs
 from protocol import Job, pack_tokens
 from router.config import RouterConfig
 from router.metrics import Metrics

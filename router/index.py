@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvroute.slots import common_prefix
+from common.slots import common_prefix
 
 Tokens = np.ndarray  # int32, 1-D
 

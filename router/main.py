@@ -13,9 +13,9 @@ import signal
 
 import zmq
 
-from kvroute import logs
-from kvroute.config import add_args, from_args
-from kvroute.model import resolve_model
+from common import logs
+from common.config import add_args, from_args
+from common.model import resolve_model
 from router.config import RouterConfig
 from router.models import ServedModel, from_flag, model_name
 from router.server import Router
@@ -59,10 +59,10 @@ def load_router(
     models_max: int = 0,
     memory_mb: float = 0,
 ) -> Router:
-    """Load the vocabularies and bind both sockets; user errors raise kvroute.config.UsageError. `served`: the models
+    """Load the vocabularies and bind both sockets; user errors raise common.config.UsageError. `served`: the models
     (several: one core each, router/models.py); None: `cfg.model` alone, named by its file."""
-    from kvroute.config import UsageError
-    from kvroute.vocab import Vocab, VocabError
+    from common.config import UsageError
+    from common.vocab import Vocab, VocabError
 
     models: list[tuple[ServedModel, Vocab]] = []
     for spec in served or [ServedModel(name="", path=cfg.model or "")]:
@@ -112,7 +112,7 @@ def run_loop(coro: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logs.setup(process="router")
-    from kvroute.config import UsageError
+    from common.config import UsageError
 
     try:
         served = models_given(args)

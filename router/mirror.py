@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvroute.slots import SlotPhase
+from common.slots import SlotPhase
 from protocol import CacheEntry, token_array, token_hash
 from router.index import Index, Match, Tokens, as_tokens
 
@@ -53,12 +53,12 @@ class Slot:
     reused_total: int = 0
     before: Tokens | None = None  # contents before the running job, restored if the worker never touched it
     exact: bool = False  # the worker runs in deterministic mode (it reuses only KV computed in full-size ubatches)
-    n_exact: int = 0  # leading tokens a deterministic worker, or a seeded job on any worker, reuses (kvroute/slots.py)
+    n_exact: int = 0  # leading tokens a deterministic worker, or a seeded job on any worker, reuses (common/slots.py)
     before_exact: int = 0
     rev: list[int] = field(default_factory=lambda: [0])  # shared by a worker's slots; bumped on any change
     salt: str = ""  # the tenant whose prompt it holds (a digest of the client's cache_salt; "": none)
     before_salt: str = ""
-    min_keep: int = 0  # shortest prefix it can be cut to (a restored state, a recurrent memory: kvroute/slots.py restore_keep)
+    min_keep: int = 0  # shortest prefix it can be cut to (a restored state, a recurrent memory: common/slots.py restore_keep)
     cuts: tuple[int, ...] = ()  # shorter prefixes it can also be cut to: its context checkpoints, ascending
     before_cuts: tuple[int, ...] = ()  # (min_keep and cuts of the contents before the running job)
     before_min_keep: int = 0

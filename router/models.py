@@ -31,8 +31,8 @@ from enum import Enum
 from pathlib import Path
 
 from chat.request import ChatFormat
-from kvroute import logs
-from kvroute.vocab import Vocab
+from common import logs
+from common.vocab import Vocab
 from protocol import FailedWorker, ModelStatus, StatusReply
 from router import views
 from router.prompt_tokens import PromptTokenizer

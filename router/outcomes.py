@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from chat.output import Piece
-from kvroute import logs
+from common import logs
 from protocol import JobDelta, JobDone, JobError, Timings, token_array, unpack_tokens
 from router.metrics import Metrics, RequestRecord, mispredicted
 from router.mirror import Mirror

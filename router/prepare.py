@@ -20,7 +20,7 @@ from chat.limits import MAX_NESTING, Deadline, DeadlinePassed, nesting
 from chat.output import OutputSpec
 from chat.request import ChatFormat, prompt_constraint, shift_points, shifted
 from chat.template import TemplateError
-from kvroute.vocab import Vocab
+from common.vocab import Vocab
 from protocol import Constraint, Detokenize, Submit, Tokenize, Tokens, outside_vocab, pack_tokens, token_array, vocab_message
 from router.prompt_tokens import PromptTokenizer, TokenizeCost
 

@@ -52,7 +52,7 @@ import llama_cpp
 import numpy as np
 
 from chat.limits import Deadline, DeadlinePassed
-from kvroute.vocab import Vocab
+from common.vocab import Vocab
 
 CUTS_TRIED = 32  # cut points looked up per prompt, from its end: a next turn finds its previous prompt in a few
 SPACE = "\u2581"  # how SentencePiece writes a space inside a piece

@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kvroute import logs
+from common import logs
 from protocol import (
     Accept,
     Choice,

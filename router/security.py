@@ -26,8 +26,8 @@ import zmq.asyncio
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
-from kvroute import logs
-from kvroute.keys import read_key, read_public_keys
+from common import logs
+from common.keys import read_key, read_public_keys
 from router.config import RouterConfig
 
 log = logs.get(__name__)

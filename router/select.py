@@ -15,7 +15,7 @@ Cost of sending a prompt of L tokens to idle slot s of worker w, in prompt-token
     recency(s) = 0.5 ** (idle seconds of s / evict_half_life_s) a hot, recently used prefix is dear
 
 A state a worker saved in host RAM (`Saved`, in the same index) is a third kind of candidate: restoring it into
-that worker's cheapest slot to overwrite gives reuse(saved) (the worker's rule: kvroute/slots.py `restore_keep`,
+that worker's cheapest slot to overwrite gives reuse(saved) (the worker's rule: common/slots.py `restore_keep`,
 `worth_copy`) at an extra cost of its bytes x the worker's `restore_cost` (prompt-token equivalents per byte: its
 measured prefill speed / restore speed). The reuse a dispatch predicts includes the restore the worker will do on
 the chosen slot, whichever way it was chosen.
@@ -50,7 +50,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvroute.slots import restore_keep, reused, worth_copy
+from common.slots import restore_keep, reused, worth_copy
 from router.config import RouterConfig
 from router.index import Match
 from router.mirror import Saved, SavedKey, Slot
@@ -76,7 +76,7 @@ class Params:
     imbalance_rel: float = _CONFIG["imbalance_rel"]
     busy_wait_ms: float = float(_CONFIG["busy_wait_ms"])
     hold_ms: float = float(_CONFIG["hold_ms"])
-    seeded: bool = False  # the request has a seed: it reuses only KV computed for seeded jobs (kvroute/slots.py)
+    seeded: bool = False  # the request has a seed: it reuses only KV computed for seeded jobs (common/slots.py)
 
     @classmethod
     def from_config(cls, cfg: RouterConfig) -> Params:
@@ -124,7 +124,7 @@ Decision = Dispatch | Wait | None  # None: no idle slot anywhere
 
 
 def predicted_reuse(lcp: int, length: int, slot: Slot, params: Params) -> int:
-    """What the worker will reuse on `slot`: the rule both sides share (kvroute/slots.py `reused`; a slot holding a
+    """What the worker will reuse on `slot`: the rule both sides share (common/slots.py `reused`; a slot holding a
     restored state or a recurrent memory cannot be cut back before its `min_keep`, except to its checkpoints:
     `restore_keep`)."""
     if not params.prefix_cache or slot.dirty:
@@ -153,7 +153,7 @@ def expected_reuse(match: Match, slot: Slot, params: Params, saved: dict[SavedKe
 
 
 def best_saved(match: Match, saved: dict[SavedKey, Saved], seeded: bool) -> tuple[int, Saved | None]:
-    """The saved state giving the most of the prompt (kvroute/slots.py `restore_keep`), and that much; (0, None) when
+    """The saved state giving the most of the prompt (common/slots.py `restore_keep`), and that much; (0, None) when
     none gives any. As the worker chooses (worker/prefix.py `best_saved`): the most tokens, then the fewest to copy, then
     host RAM before disk. Walks the match's path deepest first and stops where no shallower state can give as much, so
     its cost is about the worker's entry count once, not an LCP per entry (with 100,000 entries indexed that scan was

@@ -46,11 +46,11 @@ import zmq.asyncio
 from chat.limits import Deadline, DeadlinePassed
 from chat.request import ChatFormat
 from chat.template import ChatTemplate
-from kvroute import logs
-from kvroute.inbox import Inbox
-from kvroute.notify import alive, notify, watchdog_interval_s
-from kvroute.vocab import Vocab
-from kvroute.weights import GGUFError, weights_fingerprint
+from common import logs
+from common.inbox import Inbox
+from common.notify import alive, notify, watchdog_interval_s
+from common.vocab import Vocab
+from common.weights import GGUFError, weights_fingerprint
 from protocol import (
     Cancel,
     Delta,
@@ -613,7 +613,7 @@ class Router:
         self._off_loop(work, settle)
 
     def _on_rerank(self, identity: bytes, envelope: tuple[bytes, ...], msg: Rerank, model: ModelCore) -> None:
-        """A reranker's (query, document) inputs made as llama-server makes them (kvroute/vocab.py), then placed like
+        """A reranker's (query, document) inputs made as llama-server makes them (common/vocab.py), then placed like
         embed inputs; a model that is not a reranker is refused, naming what it is."""
         core, vocab = model.core, model.vocab
         if (text := admission.not_reranker(model.name, vocab.pooling)) is not None:

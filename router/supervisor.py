@@ -8,7 +8,7 @@ hung (jobs and no engine progress), or silent long after it was declared dead (s
 `max_restarts` restarts within `restart_window_s` stop the restarts for that worker, with a log line
 saying so; exit status 3 (the router refused the worker) is not restarted either.
 
-A crash at start is told from a crash under load by the worker's start record (kvroute/start_record.py, one file per
+A crash at start is told from a crash under load by the worker's start record (common/start_record.py, one file per
 worker in a directory of this supervisor's): a worker that died inside a start stage is logged with the stage and
 signal; one that crashed there too often refuses to start (exit status 78) and is not restarted. Whenever a worker
 is given up on, the router is told why (`Router.worker_failed`: /health, `kvroute status` and the requests that no
@@ -27,9 +27,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvroute import logs
-from kvroute.config import opt
-from kvroute.start_record import START_FAILED_EXIT, read_crash, read_refusal
+from common import logs
+from common.config import opt
+from common.start_record import START_FAILED_EXIT, read_crash, read_refusal
 from router.server import Router
 from router.workers import Kill
 

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvroute import logs
+from common import logs
 from protocol import Heartbeat, Hello, JobDone, JobError, SlotTaken, SlotUpdate, token_array
 from router import handshake
 from router.config import RouterConfig

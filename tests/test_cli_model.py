@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from commands.cli import main
+from common.model import ModelError, default_model_path, resolve_model
 from kvroute import __version__
-from kvroute.model import ModelError, default_model_path, resolve_model
 
 KVROUTE = [sys.executable, "-m", "commands.cli"]
 

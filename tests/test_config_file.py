@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from commands.cli import build_parser
-from kvroute.config import ConfigFileError, load_config_file
+from common.config import ConfigFileError, load_config_file
 
 
 def http_parser():  # the `http` command exists from the foundation on; the others share the same code path
@@ -75,7 +75,7 @@ def test_local_worker_flags_are_written_from_the_worker_config() -> None:
     import argparse
 
     from commands.serve import LocalWorkers, worker_specs
-    from kvroute.config import add_args, from_args
+    from common.config import add_args, from_args
     from worker.config import WorkerConfig
 
     sizes = {"slots": 3, "ctx_per_slot": 2048, "threads": 4, "n_batch": 256, "host_cache_mb": 0}

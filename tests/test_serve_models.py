@@ -11,9 +11,9 @@ import pytest
 from commands.cli import build_parser
 from commands.models_config import from_file, from_flags
 from commands.serve import LocalWorkers, served_models, worker_specs
+from common.config import ConfigFileError, add_args, from_args
 from gateway.helpers import keep_alive_s
 from gateway.openai_chat import RequestError
-from kvroute.config import ConfigFileError, add_args, from_args
 from worker.config import WorkerConfig
 
 
@@ -53,8 +53,8 @@ def test_a_models_file_gives_each_model_its_workers_and_keep_alive(tmp_path: Pat
 
 def test_a_workers_footprint_is_its_file_and_its_kv() -> None:
     from commands.serve import footprint
-    from kvroute.model import default_model_path
-    from kvroute.vocab import Vocab
+    from common.model import default_model_path
+    from common.vocab import Vocab
     from router.models import ServedModel
 
     path = str(default_model_path())
@@ -114,7 +114,7 @@ def test_a_bad_keep_alive_is_refused_naming_it(value: object) -> None:
 
 
 def test_a_config_file_gives_one_model_or_several(tmp_path: Path) -> None:
-    from kvroute.config import load_config_file
+    from common.config import load_config_file
 
     parser, _, subs = build_parser()
     path = tmp_path / "kvroute.toml"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import collections
 import time
 
-from kvroute.slots import SlotPhase
-from kvroute.vocab import Vocab
+from common.slots import SlotPhase
+from common.vocab import Vocab
 from protocol import EngineCounters, ErrorCode, Job, JobError, Overflow, outside_vocab, unpack_tokens, vocab_message
 from worker.guide import Guide, GuideError, GuideTokenizer
 from worker.prefix import Prefixes

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvroute.slots import EXACT_ROWS
+from common.slots import EXACT_ROWS
 from worker.llama import ALONE_ROWS_MIN, alone_rows
 from worker.slots import Slot
 from worker.task import Task

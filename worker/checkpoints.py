@@ -17,7 +17,7 @@ Where a slot takes them while it reads a prompt (`positions`), as llama-server p
 - at its end (the reply re-sent otherwise next turn, as when a template drops past reasoning, resumes there).
 A prompt chunk ends at each (worker/batching.py), and the checkpoint is taken once the slot holds exactly that many
 tokens (worker/core.py). The router knows each slot's checkpoint positions (JobDone.slot_cuts) and predicts reuse
-with the rule the worker follows (kvroute/slots.py `restore_keep`).
+with the rule the worker follows (common/slots.py `restore_keep`).
 
 Budget: at most `max_count` checkpoints and `slot_bytes` bytes per slot, `total_bytes` for all slots of the worker;
 the oldest go first (the slot's own, then the least recently used slot's). A saved state in host RAM or on disk keeps
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from kvroute.slots import EXACT_ROWS
+from common.slots import EXACT_ROWS
 
 if TYPE_CHECKING:
     from worker.llama import StateData

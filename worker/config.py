@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvroute.config import opt
+from common.config import opt
 
 KV_TYPES = ("f16", "q8_0", "q4_0")  # --cache-type-k/-v: f16 as llama.cpp's default, or quantized (less memory)
 FLASH_ATTN = ("auto", "on", "off")

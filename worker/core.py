@@ -62,9 +62,9 @@ import time
 import uuid
 from collections.abc import Collection
 
-from kvroute import logs
-from kvroute.model import resolve_model
-from kvroute.slots import EXACT_ROWS
+from common import logs
+from common.model import resolve_model
+from common.slots import EXACT_ROWS
 from protocol import (
     EngineCounters,
     Error,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvroute import logs
+from common import logs
 
 log = logs.get(__name__)
 

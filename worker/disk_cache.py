@@ -10,7 +10,7 @@ restart, so the router can be told "entry 12 holds these tokens" and "entry 12 i
 Contract:
 - `load()` starts the tier (creates the directory, locks it against a second worker, scans it). The directory is this
   user's alone (mode 0700, its files 0600, none opened through a link: their headers hold token ids); one that is a
-  link or another user's turns the tier off (kvroute/files.py). Until then, and
+  link or another user's turns the tier off (common/files.py). Until then, and
   whenever the tier is off, `enabled` is False: `put` keeps nothing and `best` finds nothing. Entry files that are
   not ours to use (other model, other state format, truncated, corrupt) and stray temp files are logged and removed;
   files with other names are left alone. The entries kept are reported as `Added` events, like new ones.
@@ -44,9 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvroute import logs
-from kvroute.files import open_private, private_dir
-from kvroute.slots import common_prefix, restore_keep
+from common import logs
+from common.files import open_private, private_dir
+from common.slots import common_prefix, restore_keep
 from worker.disk_format import (
     CRC_BYTES,
     Bad,

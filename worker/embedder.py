@@ -26,7 +26,7 @@ import ctypes
 import llama_cpp
 import numpy as np
 
-from kvroute import logs
+from common import logs
 from worker.llama import Batch
 
 log = logs.get(__name__)

@@ -19,8 +19,8 @@ from typing import Any
 
 import msgspec
 
-from kvroute import logs
-from kvroute.slots import SlotPhase
+from common import logs
+from common.slots import SlotPhase
 from protocol import (
     CacheEntry,
     EmbedDone,

@@ -17,7 +17,7 @@ import signal
 import threading
 from dataclasses import dataclass
 
-from kvroute import logs
+from common import logs
 
 log = logs.get(__name__)
 

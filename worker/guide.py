@@ -18,8 +18,8 @@ import llguidance
 import llguidance.numpy as llnp
 import numpy as np
 
-from kvroute import logs
-from kvroute.vocab import Vocab
+from common import logs
+from common.vocab import Vocab
 from protocol import Constraint
 
 log = logs.get(__name__)

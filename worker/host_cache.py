@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvroute.slots import common_prefix, restore_keep
+from common.slots import common_prefix, restore_keep
 
 if TYPE_CHECKING:
     from worker.checkpoints import Checkpoint

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from kvroute import logs
+from common import logs
 from kvroute.client import secure_client_socket
 from protocol import JobDelta
 

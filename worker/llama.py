@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
-from kvroute import logs
-from kvroute.model import ModelError
-from kvroute.vocab import Vocab, init_backend
+from common import logs
+from common.model import ModelError
+from common.vocab import Vocab, init_backend
 from worker.context_size import (
     CtxChoice,
     SwaChoice,

@@ -29,13 +29,13 @@ from typing import ClassVar
 
 import zmq
 
-from kvroute import logs
+from common import logs
+from common.config import UsageError, add_args, from_args
+from common.model import ModelError, resolve_model
+from common.notify import alive, notify, watchdog_interval_s
+from common.start_record import START_FAILED_EXIT, StartRecord, default_path
+from common.weights import GGUFError, weights_fingerprint
 from kvroute.client import secure_client_socket
-from kvroute.config import UsageError, add_args, from_args
-from kvroute.model import ModelError, resolve_model
-from kvroute.notify import alive, notify, watchdog_interval_s
-from kvroute.start_record import START_FAILED_EXIT, StartRecord, default_path
-from kvroute.weights import GGUFError, weights_fingerprint
 from protocol import (
     Accept,
     CacheEntry,

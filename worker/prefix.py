@@ -1,5 +1,5 @@
 """Prefix sourcing: where a job's prompt prefix comes from when it is not computed. A slot gives what it holds of the
-prompt (kvroute/slots.py `reused` and `restore_keep`, the rules the router predicts with: a memory that cannot be cut
+prompt (common/slots.py `reused` and `restore_keep`, the rules the router predicts with: a memory that cannot be cut
 back anywhere, recurrent or a window cache of its window alone, is cut back to one of the slot's context checkpoints,
 worker/checkpoints.py); another slot's memory (a stream copy), or a state saved in host RAM or on disk (worker/tier.py,
 with its checkpoints), gives more when it is worth the copy. Before a slot loses tokens worth keeping, they are saved
@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from kvroute import logs
-from kvroute.slots import COPY_MIN, common_prefix, restore_keep, reused, worth_copy
+from common import logs
+from common.slots import COPY_MIN, common_prefix, restore_keep, reused, worth_copy
 from protocol import EngineCounters
 from worker import checkpoints
 from worker.checkpoints import Budget, Checkpoint
@@ -109,7 +109,7 @@ class Prefixes:
         )
 
     def held(self, slot: Slot, prompt: list[int], seeded: bool = False) -> int:
-        """Prompt tokens `slot` gives (the rules the router predicts with, kvroute/slots.py): their LCP, minus one on a
+        """Prompt tokens `slot` gives (the rules the router predicts with, common/slots.py): their LCP, minus one on a
         full match (logits are not cached: the last prompt token must be computed again); in deterministic mode only
         KV computed as prompt, leaving a full-size chunk to compute, and to a seeded job otherwise only KV computed as
         a seeded job's prompt (`n_exact` both); then where its memory can be cut back to (`min_keep`), or its longest

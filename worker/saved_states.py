@@ -11,10 +11,10 @@ import ctypes
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvroute import logs
-from kvroute.slots import COPY_MIN
-from kvroute.vocab import Vocab
-from kvroute.weights import GGUFError, weights_fingerprint
+from common import logs
+from common.slots import COPY_MIN
+from common.vocab import Vocab
+from common.weights import GGUFError, weights_fingerprint
 from protocol import MAX_FRAME_BYTES, CacheEntry, pack_tokens, token_hash
 from worker.checkpoints import Checkpoint
 from worker.config import WorkerConfig

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvroute.slots import SlotPhase, common_prefix
+from common.slots import SlotPhase, common_prefix
 
 if TYPE_CHECKING:
     from worker.checkpoints import Checkpoint

@@ -1,5 +1,5 @@
 """A worker checks its engine before it says hello: a llama.cpp that crashes on this machine is seen at start, not on
-a user's request (each stage is recorded by kvroute/start_record.py, which also says when to stop trying)."""
+a user's request (each stage is recorded by common/start_record.py, which also says when to stop trying)."""
 
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ def raw(model: str, gpu: int | None, slots: int, ctx: int, ubatch: int, unified:
     """Load the model and make a context with llama-cpp-python's bindings only, then decode 4 tokens."""
     import llama_cpp
 
-    from kvroute.vocab import init_backend
+    from common.vocab import init_backend
 
     init_backend()
     mp = llama_cpp.llama_model_default_params()
@@ -87,7 +87,7 @@ def main() -> int:
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # a child's one case, as JSON
     p.add_argument("--raw-case", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-    from kvroute.model import resolve_model
+    from common.model import resolve_model
 
     model = str(resolve_model(a.model))
     gpu = None if a.gpu < 0 else a.gpu

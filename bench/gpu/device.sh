@@ -4,7 +4,7 @@
 #   run(command="bash bench/gpu/device.sh", carry=[".gpu"], timeout_s=590)
 #
 # 1. builds the vendored llama.cpp once with CUDA (shared libraries for llama-cpp-python's package, and llama-server
-#    from the same tree), with kvroute's build rule (kvroute/build.py) plus -DGGML_CUDA=on for this one chip;
+#    from the same tree), with kvroute's build rule (common/build.py) plus -DGGML_CUDA=on for this one chip;
 #    (or unpacks the build an earlier session made, carried in .gpu/build/);
 # 2. then, in order of importance, each stage in its own log and cut at the deadline: which context settings the
 #    build survives (bench.gpu.context_probe), `kvroute doctor --gpu 0`,
@@ -53,7 +53,7 @@ MODEL_READY=$!
 FLAGS=$(python3 -c "from bench.llama_server import CMAKE_FLAGS; print(' '.join(CMAKE_FLAGS))")
 eval "$(CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" python3 -c "
 import shlex
-from kvroute.build import this_machine
+from common.build import this_machine
 r = this_machine()
 print('RULE=' + shlex.quote(r.cmake_args))
 print('export CFLAGS=' + shlex.quote(r.cflags) + ' CXXFLAGS=' + shlex.quote(r.cxxflags))

@@ -59,7 +59,7 @@ def unique_embedding(path: Path, seed: int = 0) -> None:
 
 
 def main() -> None:
-    from kvroute.model import default_model_path
+    from common.model import default_model_path
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path, help="the compressed GGUF to write (.gguf.xz), or with --unpack the one to read")

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from bench.systems import Server, Setup
-from kvroute.model import resolve_model
+from common.model import resolve_model
 
 CASES = {
     "all layers on the GPU": (1, ()),

@@ -14,7 +14,7 @@ from bench import report
 from bench.run import measure
 from bench.systems import Server, Setup
 from bench.workloads import Sizes, build, model_tokenizer
-from kvroute.model import resolve_model
+from common.model import resolve_model
 
 pytestmark = pytest.mark.model
 

@@ -1,4 +1,4 @@
-"""The competitor's build follows the workers' llama.cpp build rule (kvroute/build.py): on x86-64, AMX compiled out,
+"""The competitor's build follows the workers' llama.cpp build rule (common/build.py): on x86-64, AMX compiled out,
 so that llama-server runs where llama.cpp's AMX kernels fault (an AMX Xeon: SIGSEGV before it was ready)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import bench.llama_server as ls
-from kvroute.build import AMX_OFF, wanted
+from common.build import AMX_OFF, wanted
 
 
 def test_llama_server_is_built_with_the_workers_flags_and_cached_under_their_key(monkeypatch, tmp_path):

@@ -92,7 +92,7 @@ def test_floor_line_when_skipped() -> None:
 @pytest.mark.model
 def test_floor_times_each_point_in_the_order_given() -> None:
     from bench.floor import measure
-    from kvroute.model import resolve_model
+    from common.model import resolve_model
     from worker.llama import Llama
 
     llama = Llama(resolve_model(None), slots=2, ctx_per_slot=512, n_batch=64, threads=1)

@@ -15,7 +15,7 @@ from bench import run as bench_run
 from bench.client import metrics_delta, parse_metrics
 from bench.oracle import BOS, Oracle, Request, oracle
 from bench.workloads import QUICK, Sizes, build
-from kvroute.slots import common_prefix
+from common.slots import common_prefix
 
 _IDS: dict[str, int] = {}
 

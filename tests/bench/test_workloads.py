@@ -68,7 +68,7 @@ def test_prompt_is_opening_then_history_then_message() -> None:
 
 @pytest.mark.model
 def test_sizes_are_model_tokens() -> None:
-    from kvroute.model import resolve_model
+    from common.model import resolve_model
 
     tokenize = model_tokenizer(str(resolve_model(None)))
     sizes = Sizes()

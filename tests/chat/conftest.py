@@ -9,8 +9,8 @@ import pytest
 
 from chat.request import ChatFormat
 from chat.template import ChatTemplate
-from kvroute.model import resolve_model
-from kvroute.vocab import Vocab
+from common.model import resolve_model
+from common.vocab import Vocab
 from worker.guide import GuideTokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"

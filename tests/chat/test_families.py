@@ -16,8 +16,8 @@ from chat.families import Generic
 from chat.grammar import ChatError, constraint
 from chat.output import OutputParser, OutputSpec
 from chat.template import ChatTemplate
-from kvroute.slots import common_prefix
-from kvroute.vocab import Vocab
+from common.slots import common_prefix
+from common.vocab import Vocab
 from protocol import ChatMessage, NamedTool, Submit, Tool, ToolCall
 from worker.guide import Guide, GuideTokenizer
 

@@ -34,10 +34,10 @@ import pytest
 import yaml
 import zmq
 
+from common.keys import generate, read_key
+from common.model import cache_dir, resolve_model
+from common.vocab import Vocab
 from kvroute.client import secure_client_socket
-from kvroute.keys import generate, read_key
-from kvroute.model import cache_dir, resolve_model
-from kvroute.vocab import Vocab
 from protocol import (
     Delta,
     Hello,

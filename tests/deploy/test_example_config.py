@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from commands.cli import build_parser
-from kvroute.config import load_config_file
+from common.config import load_config_file
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "deploy" / "kvroute.toml")
 

@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from commands.cli import build_parser
+from common.config import from_args, load_config_file
 from gateway.server import HttpConfig
-from kvroute.config import from_args, load_config_file
 from router.config import RouterConfig
 from worker.config import WorkerConfig
 

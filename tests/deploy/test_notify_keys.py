@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.keys import generate, read_key, read_public_keys
-from kvroute.notify import notify
+from common.keys import generate, read_key, read_public_keys
+from common.notify import notify
 
 
 def test_notify_sends_one_datagram(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

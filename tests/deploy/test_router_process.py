@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvroute.keys import generate
+from common.keys import generate
 
 KVROUTE = str(Path(sys.executable).parent / "kvroute")
 

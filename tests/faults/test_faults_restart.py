@@ -19,9 +19,9 @@ import pytest
 import zmq
 from fault_helpers import BOUND_S, all_ready, free_port, wait_for
 
+from common.model import resolve_model
+from common.weights import tensor_data_starts
 from kvroute.client import Client, ContextOverflow
-from kvroute.model import resolve_model
-from kvroute.weights import tensor_data_starts
 from protocol import Cancel, ChatMessage, Submit, encode
 
 pytestmark = pytest.mark.model

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from fault_helpers import BOUND_S, Served, status, wait_for
 
-from kvroute.start_record import ADVICE, CRASH_LIMIT
+from common.start_record import ADVICE, CRASH_LIMIT
 
 pytestmark = pytest.mark.model
 

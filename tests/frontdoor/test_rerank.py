@@ -22,8 +22,8 @@ from served import Served
 from test_several_models import states, wait_for
 
 from bench.tiny_models import bert_reranker, qwen3_reranker
+from common.model import default_model_path
 from kvroute.client import AsyncClient, Client
-from kvroute.model import default_model_path
 from protocol import Rerank
 
 QUERY = "what is the capital of france?"

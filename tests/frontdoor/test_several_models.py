@@ -16,8 +16,8 @@ import httpx
 import pytest
 from served import Served
 
+from common.model import default_model_path
 from kvroute.client import Client, KvrouteError
-from kvroute.model import default_model_path
 from protocol import Result, StatusReply
 
 SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly and check every fact twice." for i in range(30))

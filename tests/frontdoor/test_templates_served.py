@@ -15,7 +15,7 @@ import openai
 import pytest
 from served import Served
 
-from kvroute.model import resolve_model
+from common.model import resolve_model
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
 PARAMS = {

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 from hostile_helpers import Routed
 
-from kvroute.model import resolve_model
-from kvroute.vocab import Vocab
+from common.model import resolve_model
+from common.vocab import Vocab
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
 
 from router_helpers import FakeWorker, RouterThread, endpoints, start_router
 
-from kvroute.vocab import Vocab
+from common.vocab import Vocab
 from router.config import RouterConfig
 
 STALL_S = 0.1  # the longest a loop may stall while a hostile request is handled (the bound)

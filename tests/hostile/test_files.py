@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvroute import start_record
-from kvroute.files import private_dir
+from common import start_record
+from common.files import private_dir
 from worker.disk_cache import DiskCache
 
 FP, SV = "a1b2c3d4e5f6a7b8", "llama-cpp-python=0.3.36;seq=0x67677371/3"

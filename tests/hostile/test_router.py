@@ -293,7 +293,7 @@ def test_a_rerank_query_is_tokenized_once_and_refused_when_no_pair_could_fit(
     """Issue item 4: the query was tokenized again for each document (a 4 MB query with 2,048 documents: ~8 GB of
     token ids); now once, and a query longer than the model's context is refused before any pair is made."""
     from bench.tiny_models import bert_reranker
-    from kvroute.vocab import Vocab
+    from common.vocab import Vocab
     from protocol import Rerank
 
     vocab = Vocab.load(bert_reranker(tmp_path / "rerank.gguf"))

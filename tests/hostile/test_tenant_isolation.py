@@ -3,7 +3,7 @@ fast a prompt is tokenized does not say whether another tenant sent the same hea
 
 from __future__ import annotations
 
-from kvroute.vocab import Vocab
+from common.vocab import Vocab
 from router.prompt_tokens import PromptTokenizer
 
 

@@ -13,9 +13,9 @@ import zmq
 from hostile_helpers import FakeWorker, endpoints, start_router
 
 from commands.serve import worker_keys_for_this_run
+from common.keys import generate
+from common.vocab import Vocab
 from kvroute.client import secure_client_socket
-from kvroute.keys import generate
-from kvroute.vocab import Vocab
 from protocol import Accept, Hello, encode
 from router.config import RouterConfig
 

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 from router_helpers import RouterThread, endpoints, start_router
 
-from kvroute.model import resolve_model
-from kvroute.vocab import Vocab
+from common.model import resolve_model
+from common.vocab import Vocab
 from router.config import RouterConfig
 
 

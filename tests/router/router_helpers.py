@@ -12,7 +12,7 @@ from typing import Any
 
 import zmq
 
-from kvroute.vocab import Vocab
+from common.vocab import Vocab
 from protocol import (
     Heartbeat,
     Hello,

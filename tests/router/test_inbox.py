@@ -1,4 +1,4 @@
-"""The router reads its sockets without pyzmq's asyncio wrapper (kvroute/inbox.py `Inbox`): a socket's descriptor is
+"""The router reads its sockets without pyzmq's asyncio wrapper (common/inbox.py `Inbox`): a socket's descriptor is
 edge-triggered and a send on the socket may take the edge, so a reader that did not look again after its sends would
 sleep with messages waiting (the router once stalled so: every worker looked dead). Peers that send while the
 router answers each message on the same socket must all be answered."""
@@ -11,7 +11,7 @@ import threading
 import zmq
 import zmq.asyncio
 
-from kvroute.inbox import Inbox
+from common.inbox import Inbox
 
 PEERS, EACH = 4, 500
 

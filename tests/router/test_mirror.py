@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvroute.slots import common_prefix
+from common.slots import common_prefix
 from protocol import token_hash
 from router.metrics import mispredicted
 from router.mirror import EMPTY, Mirror

@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from kvroute.model import resolve_model
-from kvroute.vocab import Vocab
+from common.model import resolve_model
+from common.vocab import Vocab
 from router.prompt_tokens import Overlaps, PromptTokenizer
 
 pytestmark = pytest.mark.model

@@ -17,7 +17,7 @@ import pytest
 from router_client import RawClient
 from router_helpers import FakeWorker, endpoints
 
-from kvroute.vocab import Vocab
+from common.vocab import Vocab
 from protocol import Accept, Error, Job, JobCancel, Result, Sampling, Submit
 
 KVROUTE = str(Path(sys.executable).parent / "kvroute")

@@ -218,7 +218,7 @@ def test_the_saved_state_giving_most_is_the_one_a_scan_of_every_entry_finds():
     """`best_saved` walks the match's path instead of taking an LCP per entry: the same answer as the worker's scan
     (the most tokens given, then the fewest to copy, then host RAM before disk), entries that cannot be cut back
     (recurrent: min_keep = their length) with checkpoints (`cuts`) included."""
-    from kvroute.slots import restore_keep, reused
+    from common.slots import restore_keep, reused
     from router.index import Index
     from router.mirror import Saved
     from router.select import best_saved

@@ -1,4 +1,4 @@
-"""The llama.cpp build rule and its wheel cache (kvroute/build.py): what the setup scripts do, given a machine's CPU
+"""The llama.cpp build rule and its wheel cache (common/build.py): what the setup scripts do, given a machine's CPU
 features, the user's flags and what an environment and the cache hold. No build is run here."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroute import build
+from common import build
 
 REQ = "llama-cpp-python==0.3.36"
 SPR = ("avx2", "avx512f", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16")  # a Sapphire Rapids Xeon
@@ -99,14 +99,14 @@ def test_the_pin_is_read_from_pyproject_and_cache_dir_follows_the_environment(tm
 
 
 def test_this_environment_holds_the_build_the_rule_wants():
-    """The README's commands ran kvroute/build.py: the environment's build is the one wanted for this machine, and its
+    """The README's commands ran common/build.py: the environment's build is the one wanted for this machine, and its
     llama.cpp has no AMX kernels."""
     assert build.installed_key(Path(sys.prefix)) == build.this_machine().key
     assert "AMX" not in build.system_info(sys.executable)
 
 
 def test_show_runs_with_the_standard_library_alone():
-    out = subprocess.run([sys.executable, "-S", "-I", str(build.ROOT / "kvroute" / "build.py"), "show"],
+    out = subprocess.run([sys.executable, "-S", "-I", str(build.ROOT / "common" / "build.py"), "show"],
                          capture_output=True, text=True, check=True)  # fmt: skip
     assert json.loads(out.stdout)["key"] == build.this_machine().key
 

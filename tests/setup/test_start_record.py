@@ -1,4 +1,4 @@
-"""A worker's start record (kvroute/start_record.py): a process that dies inside a start stage is counted by the next
+"""A worker's start record (common/start_record.py): a process that dies inside a start stage is counted by the next
 start, with the signal it died of; after CRASH_LIMIT the start is refused with the reason and what to try; a Python
 exception, a start still running, and another build or model do not count. Real child processes, no model."""
 
@@ -10,12 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvroute.start_record import ADVICE, CRASH_LIMIT, StartRecord, read_crash, read_refusal
+from common.start_record import ADVICE, CRASH_LIMIT, StartRecord, read_crash, read_refusal
 
 CHILD = """
 import os, signal, sys
 from pathlib import Path
-from kvroute.start_record import StartRecord
+from common.start_record import StartRecord
 record = StartRecord(Path(sys.argv[1]), sys.argv[2])
 with record.stage(sys.argv[3]):
     if sys.argv[4] == "segv":

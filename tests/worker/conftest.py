@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvroute.vocab import Vocab
+from common.vocab import Vocab
 from worker.config import WorkerConfig
 from worker.engine import Engine
 

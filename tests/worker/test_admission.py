@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from worker_prefix_fakes import FakeLlama, prefixes_for
 
-from kvroute.slots import SlotPhase
+from common.slots import SlotPhase
 from protocol import EngineCounters, ErrorCode, Job, Message, Overflow, Sampling, pack_tokens, unpack_tokens
 from worker.admission import Admission
 from worker.slots import SlotTable

@@ -1,7 +1,7 @@
 """The engine on tiny random-weight models of the hybrid, recurrent and sliding-window architectures (issue 48:
 bench/tiny_archs.py writes them from llama.cpp's own test layouts). Prompts are token ids (the models have no real
 vocabulary). Each turn is also run cold in another slot: cached must equal cold, token for token; and each reuse
-must be what the router predicts from what the worker reported (kvroute/slots.py `restore_keep`)."""
+must be what the router predicts from what the worker reported (common/slots.py `restore_keep`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from worker_helpers import complete
 
 from bench import tiny_archs
-from kvroute.slots import common_prefix, restore_keep, reused
+from common.slots import common_prefix, restore_keep, reused
 from protocol import JobDone
 from worker.config import WorkerConfig
 from worker.core import ROLLBACK

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvroute.slots import EXACT_ROWS, SlotPhase
+from common.slots import EXACT_ROWS, SlotPhase
 from protocol import Job, Sampling, pack_tokens
 from worker.batching import EXACT_OUTPUTS, PAD_TOKEN, PREFILL_PATIENCE_STEPS, Batcher, prefill_order
 from worker.llama import ALONE_ROWS_MIN, alone_rows

@@ -1,5 +1,5 @@
 """Context checkpoints with plain data, no model (issue 48): where a slot takes them, their budget, the rule both the
-worker and the router follow (kvroute/slots.py `restore_keep`), and prefix sourcing on a memory that cannot be cut
+worker and the router follow (common/slots.py `restore_keep`), and prefix sourcing on a memory that cannot be cut
 back (a fake recurrent memory: worker_prefix_fakes.FakeLlama)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import itertools
 import pytest
 from worker_prefix_fakes import FakeLlama, prefixes_for
 
-from kvroute.slots import EXACT_ROWS, restore_keep
+from common.slots import EXACT_ROWS, restore_keep
 from protocol import Job, Sampling, pack_tokens
 from worker.checkpoints import Budget, Checkpoint, cuts, positions
 from worker.prefix import Prefixes

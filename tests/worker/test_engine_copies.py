@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from worker_helpers import assert_slot_invariant, complete, start
 
-from kvroute.slots import COPY_MIN
+from common.slots import COPY_MIN
 from protocol import JobDone
 from worker.config import WorkerConfig
 from worker.engine import Engine

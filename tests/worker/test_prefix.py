@@ -7,7 +7,7 @@ import ctypes
 
 from worker_prefix_fakes import FakeLlama, prefixes_for
 
-from kvroute.slots import COPY_MIN, SlotPhase
+from common.slots import COPY_MIN, SlotPhase
 from protocol import Job, Sampling, pack_tokens
 from worker.host_cache import HostCache
 from worker.prefix import Prefixes

@@ -1,4 +1,4 @@
-"""A reranker's scores on a worker (worker/embedder.py, `rank` pooling) and its inputs (kvroute/vocab.py
+"""A reranker's scores on a worker (worker/embedder.py, `rank` pooling) and its inputs (common/vocab.py
 `rerank_prompt`), on the tiny reranker GGUFs of bench/tiny_models.py (seeded random weights: no reranker can be
 downloaded here; the front-door test compares the served scores with llama-server's). No default model needed."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bench.tiny_models import bert_reranker, qwen3_reranker
-from kvroute.vocab import Vocab, init_backend
+from common.vocab import Vocab, init_backend
 from worker.embedder import MIN_REUSE, Embedder
 
 QUERY = "what is the capital of france?"

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 from worker_helpers import Run, assert_slot_invariant, complete, decodes, start
 
-from kvroute.slots import common_prefix
+from common.slots import common_prefix
 from protocol import JobDone
 from worker.batching import EXACT_OUTPUTS
 from worker.config import WorkerConfig

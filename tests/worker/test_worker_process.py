@@ -13,8 +13,8 @@ import msgpack
 import pytest
 import zmq
 
-from kvroute.model import resolve_model
-from kvroute.vocab import Vocab
+from common.model import resolve_model
+from common.vocab import Vocab
 from protocol import (
     Accept,
     Drain,

@@ -2,8 +2,8 @@
 
 Standard library only: `scripts/setup` runs this file before the virtual environment holds anything.
 
-    python kvroute/build.py ensure --python .venv/bin/python   # install the right build into that environment
-    python kvroute/build.py show                                # the flags, the key and the cache directory
+    python common/build.py ensure --python .venv/bin/python   # install the right build into that environment
+    python common/build.py show                                # the flags, the key and the cache directory
 
 The rule (docs/setup.md, "The llama.cpp build"):
 - llama.cpp is built with `GGML_NATIVE` (llama-cpp-python's default): the instructions of the CPU it is built on.
@@ -204,7 +204,7 @@ def system_info(python: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvroute/build.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="common/build.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=["ensure", "show"])
     parser.add_argument("--python", default=sys.executable, help="the environment's Python (ensure)")
     args = parser.parse_args(argv)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from kvroute import logs
-from kvroute.files import open_private, private_dir, runtime_base, write_private
+from common import logs
+from common.files import open_private, private_dir, runtime_base, write_private
 
 log = logs.get(__name__)
 
@@ -49,7 +49,7 @@ FAULT_SIGNALS = {  # the first line Python's fault handler writes, per signal it
 
 def default_path(worker_id: str) -> Path:
     """Where a worker keeps its start record: systemd's RuntimeDirectory, else the user's runtime or temp directory,
-    in a `kvroute` directory only this user can enter (kvroute/files.py: checked when written and read)."""
+    in a `kvroute` directory only this user can enter (common/files.py: checked when written and read)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in worker_id)
     return runtime_base() / f"worker-{safe}.start.json"
 

@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.config import UsageError
+    from common.config import UsageError
 
     try:
         key_path, pub_path = generate(Path(args.dir), args.name)
