@@ -69,6 +69,7 @@ from protocol.common import (
     Usage,
     sampling_of,
 )
+from protocol.refusal import Refusal
 from protocol.tokens import (
     outside_vocab,
     pack_tokens,
@@ -151,6 +152,7 @@ __all__ = [
     "Overflow",
     "Placed",
     "Ranked",
+    "Refusal",
     "Refuse",
     "ReplyFormat",
     "Rerank",

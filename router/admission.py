@@ -1,29 +1,27 @@
 """A client request's admission: what it is refused for, before and after its prompt is prepared, and its caps.
 
-Pure checks (router/scheduler.py acts on them): a refusal is (error code, message, extra Error fields).
+Pure checks (router/scheduler.py acts on them): a refusal is a `protocol.Refusal`, the worker's shape too.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 
 from common import logs
-from protocol import Error, ErrorCode, Overflow, Sampling
+from protocol import Error, ErrorCode, Overflow, Refusal, Sampling
 from router.prepare import PrepareError
 from router.requests import Req
 from router.workers import WorkerTable
 
 log = logs.get(__name__)
 
-Refusal = tuple[str, str, dict[str, Any]]
-
 # logprob entries (a token's own and its alternatives) one reply may carry, all choices together: each is ~100 bytes
 # in the router and the client, and more in JSON; n=16 x 20 alternatives x 32k tokens would be gigabytes
 MAX_REPLY_LOGPROBS = 1 << 19
+RETRY_AFTER_MS = 1000  # what a `queue_full` tells the client to wait
 
 
 def at_submit(
@@ -33,38 +31,40 @@ def at_submit(
     flight already, `waiting` requests are ahead of it (queued or being tokenized: a flood of long prompts cannot
     pile up behind the tokenizer either), or `owned` of them are its owner's, who may hold `share` (0: no share)."""
     if draining:
-        return ErrorCode.DRAINING, "the router is shutting down", {}
+        return Refusal(ErrorCode.DRAINING, "the router is shutting down")
     if repeated_id is not None:
-        return ErrorCode.BAD_REQUEST, f"request id {repeated_id!r} is already in flight", {}
+        return Refusal(ErrorCode.BAD_REQUEST, f"request id {repeated_id!r} is already in flight")
     if waiting + n > max(limit, n):
-        return ErrorCode.QUEUE_FULL, f"{waiting} requests are already waiting", {"retry_after_ms": 1000}
+        return Refusal(ErrorCode.QUEUE_FULL, f"{waiting} requests are already waiting", retry_after_ms=RETRY_AFTER_MS)
     if share and owned + n > max(share, n):
         text = f"{owned} requests of this API key are already waiting: its share of the queue is {share} (--queue-share)"
-        return ErrorCode.QUEUE_FULL, text, {"retry_after_ms": 1000}
+        return Refusal(ErrorCode.QUEUE_FULL, text, retry_after_ms=RETRY_AFTER_MS)
     return None
 
 
 MAX_REPLY_ENDPOINTS = 4  # reply endpoints one client's requests in flight may name (a client binds one)
 
 
-def not_generative(name: str, causal: bool, pooling: str | None) -> str | None:
+def not_generative(name: str, causal: bool, pooling: str | None) -> Refusal | None:
     """Why model `name` cannot take a submit: an encoder (its attention is bidirectional), whose slots would hold no
     KV to generate from; None when it can."""
     if causal:
         return None
     also = " and reranking" if pooling == "rank" else ""
-    return f"model {name!r} cannot generate text: it is an encoder (its attention is bidirectional); it serves embeddings{also}"
+    text = f"model {name!r} cannot generate text: it is an encoder (its attention is bidirectional); it serves embeddings{also}"
+    return Refusal(ErrorCode.BAD_REQUEST, text, param="model")
 
 
-def not_reranker(name: str, pooling: str | None) -> str | None:
+def not_reranker(name: str, pooling: str | None) -> Refusal | None:
     """Why model `name` cannot rerank: its GGUF does not declare rank pooling; None when it can."""
     if pooling == "rank":
         return None
     declared = f"declares {pooling} pooling" if pooling else "declares no pooling"
-    return (
+    text = (
         f"model {name!r} is not a reranker: its GGUF {declared}, and reranking needs a model with rank pooling (a "
         "cross-encoder such as bge-reranker or jina-reranker, or Qwen3-Reranker)"
     )
+    return Refusal(ErrorCode.BAD_REQUEST, text, param="model")
 
 
 def reply_to_problem(reply_to: str, in_use: set[str]) -> str | None:
@@ -89,16 +89,16 @@ def reply_to_problem(reply_to: str, in_use: set[str]) -> str | None:
 def when_prepared(req: Req, workers: WorkerTable, queued: int, grace_s: float) -> Refusal | None:
     """Why a request with its prompt ready cannot be queued, or None."""
     if not len(req.tokens):
-        return ErrorCode.BAD_REQUEST, "the prompt has no tokens", {}
+        return Refusal(ErrorCode.BAD_REQUEST, "the prompt has no tokens")
     ready = workers.ready()
     if not ready and workers.none_for(grace_s):
-        return ErrorCode.NO_WORKERS, "no worker is connected", {}
+        return Refusal(ErrorCode.NO_WORKERS, "no worker is connected")
     if ready and not any(w.fits(req) for w in ready):
         return overflow_refusal(req, max(w.hello.ctx_per_slot for w in ready))
     if ready and (too_large := reply_too_large(req, max(w.hello.ctx_per_slot for w in ready))) is not None:
-        return ErrorCode.BAD_REQUEST, too_large, {"param": "logprobs"}
+        return Refusal(ErrorCode.BAD_REQUEST, too_large, param="logprobs")
     if queued + req.n > max(workers.queue_limit(), req.n):
-        return ErrorCode.QUEUE_FULL, f"{queued} requests are already waiting", {"retry_after_ms": 1000}
+        return Refusal(ErrorCode.QUEUE_FULL, f"{queued} requests are already waiting", retry_after_ms=RETRY_AFTER_MS)
     return None
 
 
@@ -124,7 +124,7 @@ def prepare_failed(req: Req, exc: BaseException) -> Error:
     """The reply to a request whose prompt could not be prepared: the client's mistake, named, or an internal error
     with an id (logged)."""
     if isinstance(exc, PrepareError):
-        return Error(id=req.rid, code=ErrorCode.BAD_REQUEST, message=str(exc), param=exc.param)
+        return Refusal(ErrorCode.BAD_REQUEST, str(exc), param=exc.param).error(req.rid)
     error_id = uuid.uuid4().hex[:12]
     log.error("tokenize_crashed", error_id=error_id, request_id=req.rid, error=repr(exc))
     return Error(id=req.rid, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id)
@@ -146,7 +146,7 @@ def capped(sampling: Sampling, cap: int) -> Sampling:
 def overflow_refusal(req: Req, ctx: int) -> Refusal:
     """A context overflow: its words and its numbers (each API words its own message from them)."""
     numbers = Overflow(prompt_tokens=len(req.tokens), max_tokens=req.sampling.max_tokens, context=ctx)
-    return ErrorCode.CONTEXT_OVERFLOW, overflow(req, ctx), {"overflow": numbers}
+    return Refusal(ErrorCode.CONTEXT_OVERFLOW, overflow(req, ctx), overflow=numbers)
 
 
 def overflow(req: Req, ctx: int) -> str:

@@ -69,6 +69,7 @@ from protocol import (
     JobDone,
     JobError,
     Placed,
+    Refusal,
     Refuse,
     Rerank,
     SlotTaken,
@@ -242,6 +243,16 @@ class Scheduler:
             del conn.jobs[req.job]
             conn.refresh()
 
+    def _refuse(self, req: Req, refusal: Refusal) -> None:
+        self._fail(
+            req,
+            refusal.code,
+            refusal.message,
+            param=refusal.param,
+            retry_after_ms=refusal.retry_after_ms,
+            overflow=refusal.overflow,
+        )
+
     def _fail(self, req: Req, code: str, message: str, **extra: Any) -> None:
         """End the request with an error: every choice of it (the others' jobs are cancelled), one reply."""
         if req.state is ReqState.DONE:
@@ -304,12 +315,11 @@ class Scheduler:
         if refusal is None and msg.reply_to and msg.n == 1 and not envelope:
             in_use = {r.direct for r in self.requests.values() if r.client == identity and r.direct}
             problem = admission.reply_to_problem(msg.reply_to, in_use)
-            refusal = None if problem is None else (ErrorCode.BAD_REQUEST, problem, {"param": "reply_to"})
+            refusal = None if problem is None else Refusal(ErrorCode.BAD_REQUEST, problem, param="reply_to")
         if refusal is not None:
-            code, message, extra = refusal
-            if code != ErrorCode.BAD_REQUEST:  # (a repeated id is the client's bug, not an answer to its load)
-                self.metrics.requests[code] += 1
-            self.reply(identity, envelope, Error(id=rid, code=code, message=message, **extra))
+            if refusal.code != ErrorCode.BAD_REQUEST:  # (a repeated id is the client's bug, not an answer to its load)
+                self.metrics.requests[refusal.code] += 1
+            self.reply(identity, envelope, refusal.error(rid))
             return None
         deadline = None if msg.deadline_ms is None else time.monotonic() + msg.deadline_ms / 1000.0
         sampling = admission.defaulted(msg.sampling, msg.sampling_unset, self.sampling_defaults)
@@ -337,11 +347,10 @@ class Scheduler:
             shift = req.shift
             log.info("context_shift", request_id=req.rid, dropped_messages=shift.messages, dropped_tokens=shift.tokens)
         refusal = admission.when_prepared(req, self.table, len(self.queue), self.cfg.no_workers_grace_s)
-        if refusal:
-            code, text, extra = refusal
+        if refusal is not None:
             self._finish(req)
-            self.metrics.requests[code] += 1
-            self._to_client(req, Error(id=req.rid, code=code, message=text, **extra))
+            self.metrics.requests[refusal.code] += 1
+            self._to_client(req, refusal.error(req.rid))
             return
         if req.n > 1:
             req.group = [req]
@@ -651,8 +660,7 @@ class Scheduler:
             elif req.unfit_since is None:
                 req.unfit_since = now
             elif now - req.unfit_since >= self.cfg.no_workers_grace_s:
-                code, message, extra = admission.overflow_refusal(req, max(w.hello.ctx_per_slot for w in ready))
-                self._fail(req, code, message, **extra)
+                self._refuse(req, admission.overflow_refusal(req, max(w.hello.ctx_per_slot for w in ready)))
 
     def take_kills(self) -> list[Kill]:
         return self.table.take_kills()

@@ -64,6 +64,7 @@ from protocol import (
     JobDeltas,
     MetricsReply,
     MetricsRequest,
+    Refusal,
     Rerank,
     StatusRequest,
     Submit,
@@ -600,8 +601,7 @@ class Router:
         def settle(outcome: Any) -> None:
             if isinstance(outcome, PrepareError | DeadlinePassed):
                 self.core.metrics.requests[ErrorCode.BAD_REQUEST] += 1
-                error = Error(id=rid, code=ErrorCode.BAD_REQUEST, message=str(outcome), param=outcome.param)
-                self.core.reply(identity, envelope, error)
+                self.core.reply(identity, envelope, Refusal(ErrorCode.BAD_REQUEST, str(outcome), param=outcome.param).error(rid))
             elif isinstance(outcome, BaseException):
                 self._crashed(identity, envelope, rid, outcome)
             else:
@@ -616,9 +616,9 @@ class Router:
         """A reranker's (query, document) inputs made as llama-server makes them (common/vocab.py), then placed like
         embed inputs; a model that is not a reranker is refused, naming what it is."""
         core, vocab = model.core, model.vocab
-        if (text := admission.not_reranker(model.name, vocab.pooling)) is not None:
-            core.metrics.requests[ErrorCode.BAD_REQUEST] += 1
-            core.reply(identity, envelope, Error(id=msg.id, code=ErrorCode.BAD_REQUEST, message=text, param="model"))
+        if (refusal := admission.not_reranker(model.name, vocab.pooling)) is not None:
+            core.metrics.requests[refusal.code] += 1
+            core.reply(identity, envelope, refusal.error(msg.id))
             return
         self.models.used(model, None)
         query, documents, timeout = msg.query, msg.documents, self.cfg.prepare_timeout_s
@@ -644,9 +644,9 @@ class Router:
 
     def _on_submit(self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit, model: ModelCore) -> None:
         core = model.core
-        if (text := admission.not_generative(model.name, model.vocab.causal, model.vocab.pooling)) is not None:
-            core.metrics.requests[ErrorCode.BAD_REQUEST] += 1
-            core.reply(identity, envelope, Error(id=msg.id, code=ErrorCode.BAD_REQUEST, message=text, param="model"))
+        if (refusal := admission.not_generative(model.name, model.vocab.causal, model.vocab.pooling)) is not None:
+            core.metrics.requests[refusal.code] += 1
+            core.reply(identity, envelope, refusal.error(msg.id))
             return
         req = core.accept(identity, envelope, msg)
         if req is None:

@@ -12,7 +12,7 @@ import time
 
 from common.slots import SlotPhase
 from common.vocab import Vocab
-from protocol import EngineCounters, ErrorCode, Job, JobError, Overflow, outside_vocab, unpack_tokens, vocab_message
+from protocol import EngineCounters, ErrorCode, Job, JobError, Overflow, Refusal, outside_vocab, unpack_tokens, vocab_message
 from worker.guide import Guide, GuideError, GuideTokenizer
 from worker.prefix import Prefixes
 from worker.sampling import Sampler, SamplingError
@@ -45,13 +45,9 @@ class Admission:
     def accept(self, job: Job, sink: Sink, t_arrival: float) -> JobError | None:
         """Queue a job; or the error that answers it before any work."""
         prompt = unpack_tokens(job.tokens)
-        err = self.refusal(job, prompt)
-        if err is not None:
-            code, message = err
-            numbers = None
-            if code == ErrorCode.CONTEXT_OVERFLOW:
-                numbers = Overflow(prompt_tokens=len(prompt), max_tokens=job.sampling.max_tokens, context=self.n_ctx)
-            return JobError(id=job.id, code=code, message=message, overflow=numbers)
+        refusal = self.refusal(job, prompt)
+        if refusal is not None:
+            return refusal.job_error(job.id)
         max_tokens = job.sampling.max_tokens
         max_gen = self.n_ctx - len(prompt) if max_tokens is None else max_tokens
         deadline = t_arrival + job.deadline_ms / MS if job.deadline_ms else None
@@ -61,29 +57,30 @@ class Admission:
             guide = None if job.constraint is None else Guide(job.constraint, self.guide_tokenizer)
             task.sampler = Sampler(job.sampling, self.vocab.n_vocab, guide=guide, max_gen=max_gen, piece=self.vocab.piece)
         except (SamplingError, GuideError) as exc:
-            return JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=str(exc))
+            return Refusal(ErrorCode.BAD_REQUEST, str(exc)).job_error(job.id)
         self.by_id[job.id] = task
         self.waiting.append(task)
         return None
 
-    def refusal(self, job: Job, prompt: list[int]) -> tuple[ErrorCode, str] | None:
+    def refusal(self, job: Job, prompt: list[int]) -> Refusal | None:
         if self.draining:
-            return ErrorCode.DRAINING, "this worker is draining and takes no new jobs"
+            return Refusal(ErrorCode.DRAINING, "this worker is draining and takes no new jobs")
         if job.id in self.by_id:
-            return ErrorCode.BAD_REQUEST, f"job id {job.id!r} is already running on this worker"
+            return Refusal(ErrorCode.BAD_REQUEST, f"job id {job.id!r} is already running on this worker")
         if job.slot >= len(self.table):
-            return ErrorCode.BAD_REQUEST, f"slot {job.slot} does not exist (this worker has slots 0..{len(self.table) - 1})"
-        if (bad := outside_vocab(prompt, self.vocab.n_vocab)) is not None:
-            return ErrorCode.BAD_REQUEST, f"prompt: {vocab_message(bad, self.vocab.n_vocab)}"
-        n, ctx = len(prompt), self.n_ctx
-        if n >= ctx:
-            return ErrorCode.CONTEXT_OVERFLOW, f"prompt of {n} tokens does not fit a slot's context of {ctx} tokens"
-        mt = job.sampling.max_tokens
-        if mt is not None and n + mt > ctx:
-            return (
-                ErrorCode.CONTEXT_OVERFLOW,
-                f"prompt of {n} tokens + max_tokens {mt} = {n + mt} is over a slot's context of {ctx} tokens",
+            return Refusal(
+                ErrorCode.BAD_REQUEST, f"slot {job.slot} does not exist (this worker has slots 0..{len(self.table) - 1})"
             )
+        if (bad := outside_vocab(prompt, self.vocab.n_vocab)) is not None:
+            return Refusal(ErrorCode.BAD_REQUEST, f"prompt: {vocab_message(bad, self.vocab.n_vocab)}")
+        n, ctx, mt = len(prompt), self.n_ctx, job.sampling.max_tokens
+        numbers = Overflow(prompt_tokens=n, max_tokens=mt, context=ctx)
+        if n >= ctx:
+            text = f"prompt of {n} tokens does not fit a slot's context of {ctx} tokens"
+            return Refusal(ErrorCode.CONTEXT_OVERFLOW, text, overflow=numbers)
+        if mt is not None and n + mt > ctx:
+            text = f"prompt of {n} tokens + max_tokens {mt} = {n + mt} is over a slot's context of {ctx} tokens"
+            return Refusal(ErrorCode.CONTEXT_OVERFLOW, text, overflow=numbers)
         return None
 
     def cancel(self, job_id: str) -> None:

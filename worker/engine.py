@@ -31,6 +31,7 @@ from protocol import (
     JobDone,
     JobError,
     Message,
+    Refusal,
     SlotHeld,
     SlotState,
     pack_tokens,
@@ -196,7 +197,7 @@ class Engine:
             ms = (time.monotonic() - t0) * 1000
             msg = EmbedDone(id=job.id, vectors=done, dims=embedder.dims, ms=ms, reused_tokens=reused)
         except InputTooLong as exc:
-            msg = JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=str(exc))
+            msg = Refusal(ErrorCode.BAD_REQUEST, str(exc)).job_error(job.id)
         except Exception as exc:  # a failure of this job's, not the worker's: its router gets the reason
             error_id = uuid.uuid4().hex[:12]
             log.exception("embed_failed", job=job.id, error_id=error_id)

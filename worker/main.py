@@ -55,6 +55,7 @@ from protocol import (
     JobError,
     JobStart,
     Message,
+    Refusal,
     Refuse,
     SlotTaken,
     SlotUpdate,
@@ -504,9 +505,8 @@ class WorkerServer:
             self.unknown_messages += 1
             kind = kind_of(msg)
             log.warning("unknown_message", kind=kind, endpoint=link.endpoint)
-            reason = f"this worker does not serve {kind!r} messages"
-            error = JobError(id=getattr(msg, "id", None) or "?", code=ErrorCode.BAD_REQUEST, message=reason)
-            link.send(encode(error), may_drop=self.side_by_side)
+            refusal = Refusal(ErrorCode.BAD_REQUEST, f"this worker does not serve {kind!r} messages")
+            link.send(encode(refusal.job_error(getattr(msg, "id", None) or "?")), may_drop=self.side_by_side)
             return None
         return getattr(self, name)(link, msg)
 
@@ -563,15 +563,15 @@ class WorkerServer:
         """A job to the engine, unless another router's jobs hold the slot it names (or its id is another's)."""
         if self.side_by_side:
             if any(job.id in other.jobs for other in self.links if other is not link):
-                reason = "job id in use by another router"
-                link.send(encode(JobError(id=job.id, code=ErrorCode.BAD_REQUEST, message=reason)), may_drop=True)
+                refusal = Refusal(ErrorCode.BAD_REQUEST, "job id in use by another router")
+                link.send(encode(refusal.job_error(job.id)), may_drop=True)
                 return
             if job.slot >= 0:
                 epoch = self.claims.claim(link.index, job.id, job.slot)
                 if epoch is None:
                     log.info("slot_conflict", job=job.id, slot=job.slot, endpoint=link.endpoint)
-                    reason = f"slot {job.slot} runs another router's job"
-                    link.send(encode(JobError(id=job.id, code=ErrorCode.SLOT_BUSY, message=reason)), may_drop=True)
+                    refusal = Refusal(ErrorCode.SLOT_BUSY, f"slot {job.slot} runs another router's job")
+                    link.send(encode(refusal.job_error(job.id)), may_drop=True)
                     return
                 taken = encode(SlotTaken(slot=job.slot, epoch=epoch))
                 for other in self.links:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from scheduler_helpers import core, hello, jobs, submit
 
-from protocol import ErrorCode, Heartbeat, Hello, Sampling, SlotState
+from protocol import ErrorCode, Heartbeat, Hello, Refusal, Sampling, SlotState
 from router import admission
 from router.config import RouterConfig
 from router.metrics import Metrics
@@ -94,24 +94,24 @@ def test_another_choice_goes_beside_its_first_on_the_same_worker() -> None:
 
 
 def test_a_submit_is_refused_for_draining_a_repeated_id_or_a_full_queue_in_that_order() -> None:
-    assert admission.at_submit(True, "x", 10**6, 1, 4) == (ErrorCode.DRAINING, "the router is shutting down", {})
+    assert admission.at_submit(True, "x", 10**6, 1, 4) == Refusal(ErrorCode.DRAINING, "the router is shutting down")
     repeated = admission.at_submit(False, "x", 10**6, 1, 4)
-    assert repeated is not None and repeated[0] == ErrorCode.BAD_REQUEST and "'x' is already in flight" in repeated[1]
+    assert repeated is not None and repeated.code == ErrorCode.BAD_REQUEST and "'x' is already in flight" in repeated.message
     full = admission.at_submit(False, None, 4, 1, 4)
-    assert full == (ErrorCode.QUEUE_FULL, "4 requests are already waiting", {"retry_after_ms": 1000})
+    assert full == Refusal(ErrorCode.QUEUE_FULL, "4 requests are already waiting", retry_after_ms=1000)
     assert admission.at_submit(False, None, 0, 8, 4) is None  # n choices over the bound still go in alone
 
 
 def test_a_prepared_request_is_refused_when_empty_unfit_or_without_workers() -> None:
     t = table(no_workers_grace_s=0.0)
     req = Req(b"c", [], "r", Sampling(max_tokens=100), False, None, 1, np.zeros(0, dtype=np.int32))
-    assert admission.when_prepared(req, t, 0, 0.0) == (ErrorCode.BAD_REQUEST, "the prompt has no tokens", {})
+    assert admission.when_prepared(req, t, 0, 0.0) == Refusal(ErrorCode.BAD_REQUEST, "the prompt has no tokens")
     req.tokens = np.arange(5000, dtype=np.int32)
-    assert admission.when_prepared(req, t, 0, 0.0) == (ErrorCode.NO_WORKERS, "no worker is connected", {})
+    assert admission.when_prepared(req, t, 0, 0.0) == Refusal(ErrorCode.NO_WORKERS, "no worker is connected")
     join(t)
-    code, message, _ = admission.when_prepared(req, t, 0, 0.0) or ("", "", {})
-    assert code == ErrorCode.CONTEXT_OVERFLOW
-    assert message == "prompt of 5000 tokens + max_tokens 100 does not fit a slot of 4096 tokens"
+    refusal = admission.when_prepared(req, t, 0, 0.0)
+    assert refusal is not None and refusal.code == ErrorCode.CONTEXT_OVERFLOW
+    assert refusal.message == "prompt of 5000 tokens + max_tokens 100 does not fit a slot of 4096 tokens"
     assert admission.capped(Sampling(max_tokens=None), 50).max_tokens == 50
     assert admission.capped(Sampling(max_tokens=10), 50).max_tokens == 10
     assert admission.capped(Sampling(max_tokens=None), 0).max_tokens is None
