@@ -50,7 +50,11 @@ class Ticking(Generic[T]):
     One reader task drains the source into a buffer for the stream's whole life (a task and a timer per item cost a
     tenth of the gateway's CPU per streamed token), and `ready` says whether an item waits there: a writer joins what
     it writes until none does, so what arrived together goes out in one write. The source is never cancelled mid-item
-    except by `aclose` (its own cleanup runs as usual); an exception it raises comes after the items before it."""
+    except by `aclose` (its own cleanup runs as usual); an exception it raises comes after the items before it. At most
+    AHEAD items wait in the buffer: then the reader waits too, and the source's own bound applies (kvroute's client
+    cuts a request whose reader leaves its replies untaken)."""
+
+    AHEAD = 1024
 
     def __init__(self, source: AsyncIterator[T], clock: Clock) -> None:
         self.source, self.clock = source, clock
@@ -58,6 +62,7 @@ class Ticking(Generic[T]):
         self._ended = False
         self._error: BaseException | None = None
         self._wake: asyncio.Future[None] | None = None
+        self._room: asyncio.Future[None] | None = None
         self._reader: asyncio.Task[None] | None = None
 
     def ready(self) -> bool:
@@ -74,6 +79,8 @@ class Ticking(Generic[T]):
                 self.clock.wrote()  # (a writer that writes nothing for a tick is not ticked again at once)
                 return TICK
             if self._items:
+                if self._room is not None and not self._room.done():
+                    self._room.set_result(None)
                 return self._items.popleft()
             if self._ended:
                 if self._error is not None:
@@ -89,6 +96,9 @@ class Ticking(Generic[T]):
             async for item in self.source:
                 self._items.append(item)
                 self._notify()
+                if len(self._items) >= self.AHEAD:
+                    self._room = asyncio.get_running_loop().create_future()
+                    await self._room
         except Exception as exc:  # (for the writer, after the items before it)
             self._error = exc
         finally:

@@ -176,3 +176,23 @@ async def test_ticking_reads_the_source_whole_and_ticks_when_idle() -> None:
             clock.wrote()
     assert [g for g in got if not isinstance(g, Tick)] == [0, 1, 2]
     assert 3 <= sum(isinstance(g, Tick) for g in got) <= 9
+
+
+@pytest.mark.anyio
+async def test_ticking_reads_at_most_its_bound_ahead_of_the_writer() -> None:
+    """A writer that takes nothing leaves the source waiting once AHEAD items are buffered (the source's own bound
+    then applies), and every item still comes, in order, once it takes them."""
+    read: list[int] = []
+
+    async def fast() -> AsyncIterator[int]:
+        for i in range(3 * Ticking.AHEAD):
+            read.append(i)
+            yield i
+
+    ticks = Ticking(fast(), Clock(idle_s=60))
+    assert await anext(ticks) == 0
+    await asyncio.sleep(0.05)  # (the reader runs while the writer takes nothing)
+    assert len(read) <= Ticking.AHEAD + 2
+    got = [item async for item in ticks]
+    assert got == list(range(1, 3 * Ticking.AHEAD))
+    await ticks.aclose()
