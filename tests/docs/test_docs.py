@@ -64,3 +64,16 @@ def test_the_link_reader_finds_links_and_anchors():
         "a",
         "a-1",
     }
+
+
+def test_architecture_names_every_module_of_every_package() -> None:
+    """ARCHITECTURE.md goes one level below the README's map: each package's modules, every one of them named."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    packages = sorted(p.parent for p in ROOT.glob("*/__init__.py") if p.parent.name not in ("tests", "bench"))
+    missing = [
+        f"{m.parent.name}/{m.name}"
+        for pkg in packages
+        for m in sorted(pkg.glob("*.py"))
+        if m.name != "__init__.py" and f"`{m.name}`" not in text
+    ]
+    assert not missing, f"modules ARCHITECTURE.md does not name: {missing}"
