@@ -18,6 +18,7 @@ class Refusal:
     param: str | None = None  # the request field to blame, when one is
     retry_after_ms: int | None = None  # with `queue_full`
     overflow: Overflow | None = None  # with `context_overflow`: the numbers
+    error_id: str | None = None  # with `internal`: the id in the logs
 
     def error(self, request_id: str | None) -> Error:
         """The client's `error`."""
@@ -28,8 +29,9 @@ class Refusal:
             param=self.param,
             retry_after_ms=self.retry_after_ms,
             overflow=self.overflow,
+            error_id=self.error_id,
         )
 
     def job_error(self, job_id: str) -> JobError:
         """The worker's `job_error` (it names no field and asks for no retry: the router decides those)."""
-        return JobError(id=job_id, code=self.code, message=self.message, overflow=self.overflow)
+        return JobError(id=job_id, code=self.code, message=self.message, overflow=self.overflow, error_id=self.error_id)

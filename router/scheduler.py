@@ -243,17 +243,7 @@ class Scheduler:
             del conn.jobs[req.job]
             conn.refresh()
 
-    def _refuse(self, req: Req, refusal: Refusal) -> None:
-        self._fail(
-            req,
-            refusal.code,
-            refusal.message,
-            param=refusal.param,
-            retry_after_ms=refusal.retry_after_ms,
-            overflow=refusal.overflow,
-        )
-
-    def _fail(self, req: Req, code: str, message: str, **extra: Any) -> None:
+    def _fail(self, req: Req, refusal: Refusal) -> None:
         """End the request with an error: every choice of it (the others' jobs are cancelled), one reply."""
         if req.state is ReqState.DONE:
             return  # already ended (another choice of it failed first)
@@ -264,10 +254,10 @@ class Scheduler:
                 self._finish(r)
             elif r.state is ReqState.RUNNING:
                 self._cancel(r)  # its job's end still updates the mirror, then finishes it
-        self.metrics.requests[code] += 1
-        log.info("request_failed", request_id=req.rid, job=req.job, code=code, message=message)
+        self.metrics.requests[refusal.code] += 1
+        log.info("request_failed", request_id=req.rid, job=req.job, code=refusal.code, message=refusal.message)
         if reply_to is not None:
-            self.outbox.append(Out(reply_to, Error(id=req.rid, code=code, message=message, **extra), tuple(req.envelope)))
+            self.outbox.append(Out(reply_to, refusal.error(req.rid), tuple(req.envelope)))
 
     def _on_worker(self, req: Req) -> bool:
         """Whether the request's job is on a connected worker (its end is still to come)."""
@@ -425,7 +415,7 @@ class Scheduler:
             self.jobs.pop(r.job or "", None)
         lead = next((r for r in req.choices if r.state is not ReqState.DONE), None)
         if lead is not None:
-            self._fail(lead, ErrorCode.INTERNAL, "internal error", error_id=error_id)
+            self._fail(lead, Refusal(ErrorCode.INTERNAL, "internal error", error_id=error_id))
 
     def client_gone(self, identity: bytes) -> None:
         """The client's connection is gone: its requests end, silently."""
@@ -573,7 +563,7 @@ class Scheduler:
         elif req.state is ReqState.CANCELLING:
             self._finish_empty(req, "cancelled")
         else:
-            self._fail(req, msg.code, msg.message, error_id=msg.error_id, overflow=msg.overflow)
+            self._fail(req, Refusal(msg.code, msg.message, overflow=msg.overflow, error_id=msg.error_id))
         self._pump()
 
     def worker_dead(self, worker: str, reason: str) -> None:
@@ -590,14 +580,16 @@ class Scheduler:
             if req.state is ReqState.CANCELLING:
                 self._finish_empty(req, "cancelled")
             elif req.started:
-                self._fail(req, ErrorCode.WORKER_LOST, f"worker {worker} died ({reason}) while streaming this request")
+                self._fail(req, Refusal(ErrorCode.WORKER_LOST, f"worker {worker} died ({reason}) while streaming this request"))
             elif req.deaths >= self.cfg.max_worker_deaths:
                 log.warning("poison_request", request_id=req.rid, deaths=req.deaths)
                 self._fail(
                     req,
-                    ErrorCode.WORKER_LOST,
-                    f"{req.deaths} workers died while running this request (the last: {worker}, {reason}); it is not"
-                    f" sent to another (--max-worker-deaths {self.cfg.max_worker_deaths})",
+                    Refusal(
+                        ErrorCode.WORKER_LOST,
+                        f"{req.deaths} workers died while running this request (the last: {worker}, {reason}); it is"
+                        f" not sent to another (--max-worker-deaths {self.cfg.max_worker_deaths})",
+                    ),
                 )
             else:
                 self._requeue(req)
@@ -615,7 +607,7 @@ class Scheduler:
         if failed is None:
             return False
         for req in list(self.queue):
-            self._fail(req, ErrorCode.NO_WORKERS, f"no worker can serve this request: {failed}")
+            self._fail(req, Refusal(ErrorCode.NO_WORKERS, f"no worker can serve this request: {failed}"))
         return True
 
     def none_can_come(self) -> str | None:
@@ -636,13 +628,13 @@ class Scheduler:
             if req.deadline is None or now < req.deadline or req.state is ReqState.DONE or req.ended:
                 continue
             if req.state is ReqState.QUEUED:
-                self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was queued")
+                self._fail(req, Refusal(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was queued"))
             elif req.state is ReqState.RUNNING and now >= req.deadline + DEADLINE_GRACE_S:
-                self._fail(req, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was running")
+                self._fail(req, Refusal(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was running"))
         self._unfit(now)
         if not self._fail_hopeless() and self.queue and not self.workers and self.table.none_for(self.cfg.no_workers_grace_s):
             for req in list(self.queue):
-                self._fail(req, ErrorCode.NO_WORKERS, f"no worker connected for {self.cfg.no_workers_grace_s:g} s")
+                self._fail(req, Refusal(ErrorCode.NO_WORKERS, f"no worker connected for {self.cfg.no_workers_grace_s:g} s"))
         if any(r.wait_since is not None for r in self.queue):
             self._pump()
         if self.embeds.waiting:
@@ -660,7 +652,7 @@ class Scheduler:
             elif req.unfit_since is None:
                 req.unfit_since = now
             elif now - req.unfit_since >= self.cfg.no_workers_grace_s:
-                self._refuse(req, admission.overflow_refusal(req, max(w.hello.ctx_per_slot for w in ready)))
+                self._fail(req, admission.overflow_refusal(req, max(w.hello.ctx_per_slot for w in ready)))
 
     def take_kills(self) -> list[Kill]:
         return self.table.take_kills()
@@ -679,7 +671,7 @@ class Scheduler:
             if req.state is ReqState.CANCELLING:
                 self._finish_empty(req, "cancelled")  # what a cancelled request gets, a little early
             else:  # (a running choice's job is cancelled)
-                self._fail(req, ErrorCode.DRAINING, "the router stopped before this request finished (drain timeout)")
+                self._fail(req, Refusal(ErrorCode.DRAINING, "the router stopped before this request finished (drain timeout)"))
         for job in list(self.embeds.running):
             self._embed_reply(self.embeds.failed(job, ErrorCode.DRAINING, "the router stopped before these embeddings", None))
         self._embed_replies(self.embeds.fail_waiting(ErrorCode.DRAINING, "the router stopped before these embeddings"))
