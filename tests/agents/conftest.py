@@ -1,5 +1,5 @@
-"""One `kvroute serve` shared by the real coding agents: a context long enough for their system prompts, a cap on
-generation so the small default model's rambling ends quickly (the agents ask for 32,000 tokens).
+"""One `kvroute serve` shared by the real coding agents and the long tool call: a context long enough for their system
+prompts, and room for that call (the capture proxy caps every other reply: `real_agents.capped`).
 
 Every test that runs an agent gives it the same home (`agent_homes`, real_agents.fresh_home): an agent's prompt names
 its working directory (Copilot's, its session folder too), so with one path a later test starts from the prefix an

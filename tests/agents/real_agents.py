@@ -44,9 +44,16 @@ TURN_TIMEOUT_S = 900
 # Where every connection that is not to loopback goes: a closed port, so it fails at once.
 DEAD_PROXY = "http://127.0.0.1:9"
 API_KEY = "sk-kvroute-agents"
-# the server the agents run against: a context for their long system prompts, generation capped (they ask for 32k),
-# greedy (they send no temperature): sampled at 1.0, the small model sometimes calls tools until the context is full
-SERVE_FLAGS = ("--workers", "1", "--slots", "2", "--ctx-per-slot", "32768", "--max-tokens", "64", "--temp", "0", "--threads", "2")
+# the server the agents run against: a context for their long system prompts, greedy (they send no temperature):
+# sampled at 1.0, the small model sometimes calls tools until the context is full. Its output cap leaves room for the
+# long tool call (test_long_tool_call.py runs on the same server, so it shares the agents' prompts); every other reply
+# is capped at REPLY_CAP tokens by the proxy (`capped`): the agents ask for 32k, and the default model seldom ends one.
+SERVER_CAP = 2048
+REPLY_CAP = 64
+SERVE_FLAGS = (
+    *("--workers", "1", "--slots", "2", "--ctx-per-slot", "32768"),
+    *("--max-tokens", str(SERVER_CAP), "--temp", "0", "--threads", "2"),
+)
 
 
 def pypi_python() -> str | None:
@@ -104,7 +111,15 @@ CLIENTS = {
             "/v1/messages",
             cut_at_cap=r"response exceeded the \d+ output token maximum",
         ),
-        Client("codex", "@openai/codex", "0.169.0", "codex", "/v1/responses"),
+        # (a Responses reply cut at the request's own max_output_tokens is `incomplete`, which Codex reports)
+        Client(
+            "codex",
+            "@openai/codex",
+            "0.169.0",
+            "codex",
+            "/v1/responses",
+            cut_at_cap="Incomplete response returned, reason: max_output_tokens",
+        ),
         Client("opencode", "opencode-ai", "1.18.33", "opencode", "/v1/chat/completions"),
         Client("qwen-code", "@qwen-code/qwen-code", "0.24.4", "qwen", "/v1/chat/completions"),
         Client("pi", "@mariozechner/pi-coding-agent", "0.73.1", "pi", "/v1/chat/completions"),
@@ -514,10 +529,28 @@ def after_tool_result(body: dict[str, Any]) -> bool:
 
 def one_tool_round(path: str, body: dict[str, Any]) -> dict[str, Any]:
     """The proxy's rewrite for the two-turn test: once the agent sends a tool's result back, that request ends the turn.
-    The 270M model answers an agent's prompt with a call (often cut at the 64-token cap); the agent runs it, gets an
+    The 270M model answers an agent's prompt with a call (often cut at the REPLY_CAP); the agent runs it, gets an
     error back, and the model writes the same call again, at temperature 0 forever (Claude Code made 76 requests in
     its 900 s). One round trip of a call and its result is served as the client sent it; the loop is not."""
+    body = capped(path, body)
     return ending(path, body) if after_tool_result(body) else body
+
+
+MODEL_PATHS = {"/v1/messages": "max_tokens", "/v1/responses": "max_output_tokens", "/v1/chat/completions": "max_tokens"}
+
+
+def capped(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A model request's output cap lowered to REPLY_CAP, in the field its API reads (set where the client sent none;
+    Chat's `max_completion_tokens` where the client uses that one). Any other request passes unchanged."""
+    key = MODEL_PATHS.get(path.split("?", 1)[0])
+    if key is None:
+        return body
+    if key == "max_tokens" and "max_completion_tokens" in body:
+        key = "max_completion_tokens"
+    asked = body.get(key)
+    if isinstance(asked, int) and asked <= REPLY_CAP:
+        return body
+    return {**body, key: REPLY_CAP}
 
 
 def fresh_home(homes: Path, client: Client) -> Path:

@@ -7,25 +7,29 @@ turn's first model request force one: its tool_choice names the client's write t
 `exec_command`) and the text parameter gets a `minLength` of LONG_CHARS, which the grammar holds the model to. Codex
 is told to give up on a stream silent for IDLE_S (its `stream_idle_timeout_ms`, 300 s by default) and never to retry:
 a silent call that long fails the turn. The test checks the forced request was answered once, with a call, and that the
-longest silence in its stream (the proxy's reads) stayed under IDLE_S."""
+longest silence in its stream (the proxy's reads) stayed under IDLE_S.
+
+It runs on the agents' server, from the agents' home (tests/agents/conftest.py): the agent's system prompt and tools,
+up to the forced tool's schema, are computed once for this test and the two-turn one (Claude Code's `Write` is its last
+tool). The server's cap leaves room for the long call; the client's other requests are capped as the two-turn test's
+are (`real_agents.capped`)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from capture import CaptureProxy
-from real_agents import API_KEY, CLIENTS, SERVE_FLAGS, Conversation, ending
+from real_agents import API_KEY, CLIENTS, SERVER_CAP, Conversation, capped, ending, fresh_home
 from served import Served
 
 pytestmark = pytest.mark.model
 
 MODEL = "gemma-3-270m-q4_k_m"
 LONG_CHARS = 1500  # about 430 tokens of the default model's, 8-10 s of writing on a 2-core machine
-MAX_TOKENS = 2048  # (at least one token a character of the longest call the schema allows)
+assert SERVER_CAP >= LONG_CHARS + 500  # (room for the longest call the schema allows, at least a character a token)
 IDLE_S = 6
 FORCED = {"claude-code": ("Write", "content"), "codex": ("exec_command", "cmd")}
 PROMPT = "Write a long essay (a few thousand words) about rivers into the file essay.md."
@@ -40,9 +44,9 @@ def forcing(name: str) -> Any:
     def rewrite(path: str, body: dict[str, Any]) -> dict[str, Any]:
         tools = body.get("tools") or []
         if not any((t.get("name") or t.get("function", {}).get("name")) == tool for t in tools):
-            return body
+            return capped(path, body)
         if done:  # the long call was answered: the rest of the turn is the default model's noise, so it is ended
-            return ending(path, body)
+            return ending(path, capped(path, body))
         done.append(True)
         body = json.loads(json.dumps(body))
         for t in body["tools"]:
@@ -61,24 +65,16 @@ def forcing(name: str) -> Any:
     return rewrite
 
 
-@pytest.fixture(scope="module")
-def long_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """The agents' server with room for the long call (theirs caps every reply at 64 tokens)."""
-    flags = list(SERVE_FLAGS)
-    flags[flags.index("--max-tokens") + 1] = str(MAX_TOKENS)
-    s = Served(*flags, api_key=API_KEY, log=tmp_path_factory.mktemp("long-serve") / "serve.log")
-    yield s
-    s.stop()
-
-
 @pytest.mark.parametrize("name", list(FORCED))
-def test_a_long_tool_call_completes_without_a_reconnect(name: str, long_server: Served, tmp_path: Path) -> None:
+def test_a_long_tool_call_completes_without_a_reconnect(
+    name: str, agent_server: Served, agent_homes: Path, tmp_path: Path
+) -> None:
     client = CLIENTS[name]
     why = client.installed()
     assert why is None, why
-    proxy = CaptureProxy(long_server.url, tmp_path / f"capture-{name}", rewrite=forcing(name)).start()
+    proxy = CaptureProxy(agent_server.url, tmp_path / f"capture-{name}", rewrite=forcing(name)).start()
     try:
-        conv = Conversation(client, proxy.url, API_KEY, MODEL, tmp_path)
+        conv = Conversation(client, proxy.url, API_KEY, MODEL, tmp_path, fresh_home(agent_homes, client))
         if name == "codex":  # give up on a silent stream after IDLE_S, and never send the request again
             path = conv.home / ".codex" / "config.toml"
             idle = f"stream_max_retries = 0\nstream_idle_timeout_ms = {IDLE_S * 1000}\n"

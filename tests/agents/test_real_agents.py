@@ -1,12 +1,13 @@
-"""The real coding agents, pinned in package.json (npm) and requirements.txt (PyPI) and installed by scripts/test, run
-two turns each against a real `kvroute serve`: the first completes with no API error (every model request answered
-200 and its reply ended with its usage), the second resumes the session and is served from the first one's cached
-prefix (all of it, or where the second request does not start with the first's whole prompt, all the two share). The one
-error a client may report is its own for replies cut at the server's output cap (`Client.cut_at_cap`): the default
-model seldom ends a reply by itself. The default model answers an agent's prompt with a tool call, often cut at the cap,
-and at temperature 0 writes the same call again whatever the agent sends back: so once the agent sends a tool's result
-back, the capture proxy makes that request end the turn (`real_agents.one_tool_round`). Each turn's figures (TTFT,
-prompt tokens, of them cached) are printed and written to `$KVROUTE_AGENT_RESULTS` (JSON) when that is set."""
+"""The real coding agents, pinned in package.json (npm) and requirements.txt (PyPI) and installed by scripts/test, run two
+turns each against a real `kvroute serve`: the first completes with no API error (every model request answered 200 and
+its reply ended with its usage), the second resumes the session and is served from the first one's cached prefix (all of
+it, or where the second request does not start with the first's whole prompt, all the two share). The one error a client
+may report is its own for replies cut at the output cap (`Client.cut_at_cap`; REPLY_CAP tokens, set by the capture
+proxy: `real_agents.capped`): the default model seldom ends a reply by itself. The default model answers an agent's
+prompt with a tool call, often cut at the cap, and at temperature 0 writes the same call again whatever the agent sends
+back: so once the agent sends a tool's result back, the capture proxy makes that request end the turn
+(`real_agents.one_tool_round`). Each turn's figures (TTFT, prompt tokens, of them cached) are printed and written to
+`$KVROUTE_AGENT_RESULTS` (JSON) when that is set."""
 
 from __future__ import annotations
 
