@@ -23,7 +23,7 @@ log = logs.get(__name__)
 IDLE_S = 300.0  # an endpoint unused this long is closed (its client is gone, or idle)
 MAX_OPEN = 256  # endpoints open at once; past it the least recently used closes
 QUEUE_MAX = 4096  # messages waiting for one endpoint (a step's deltas are one): about a minute of a stream
-LINGER_MS = 2000  # the last replies leave when the worker exits right after a job
+LINGER_MS = 500  # the last replies leave when the worker exits right after a job (a connected client takes them at once)
 
 
 @dataclass(eq=False)

@@ -21,6 +21,10 @@ from protocol import JobDelta
 
 log = logs.get(__name__)
 
+# The last results and heartbeat leave even when the worker exits right after: a connected router takes them in
+# milliseconds; one that is gone (it stopped first, as `kvroute serve`'s does) never will, and the exit waits this long.
+LINGER_MS = 500
+
 
 @dataclass(eq=False)
 class RouterLink:
@@ -44,7 +48,7 @@ class RouterLink:
     ) -> RouterLink:
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IDENTITY, worker_id.encode())
-        dealer.setsockopt(zmq.LINGER, 2000)  # the last results leave even when the worker exits right after
+        dealer.setsockopt(zmq.LINGER, LINGER_MS)
         secure_client_socket(dealer, curve_key, router_key)
         dealer.connect(endpoint)
         return cls(index, endpoint, dealer)

@@ -70,7 +70,7 @@ from worker.core import EngineCore
 from worker.direct_replies import ReplySockets
 from worker.engine import Engine
 from worker.faults import Faults
-from worker.links import RouterLink, SlotClaims
+from worker.links import LINGER_MS, RouterLink, SlotClaims
 from worker.startcheck import first_decode, identity
 
 log = logs.get(__name__)
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         return server.serve(stop)
     finally:
         engine.stop()
-        server.zctx.destroy(linger=2000)  # the last results and heartbeat leave before the process does
+        server.zctx.destroy(linger=LINGER_MS)  # (the links and reply sockets close with theirs)
 
 
 def checked_engine(cfg: WorkerConfig) -> Engine | None:
