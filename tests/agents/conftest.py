@@ -2,8 +2,9 @@
 prompts, and room for that call (the capture proxy caps every other reply: `real_agents.capped`).
 
 Every test that runs an agent gives it the same home (`agent_homes`, real_agents.fresh_home): an agent's prompt names
-its working directory (Copilot's, its session folder too), so with one path a later test starts from the prefix an
-earlier one computed, as far as the two prompts agree (Copilot's Chat and Responses runs: ~4.7k tokens)."""
+its working directory (Copilot's, its session folder too: its id is fixed, real_agents.COPILOT_SESSION), so with one
+path a later test starts from the prefix an earlier one computed, as far as the two prompts agree (Copilot's Chat and
+Responses runs: its system prompt and tools, ~11.6k tokens)."""
 
 from __future__ import annotations
 

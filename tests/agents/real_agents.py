@@ -56,6 +56,9 @@ SERVE_FLAGS = (
 )
 
 
+COPILOT_SESSION = "6b1f0c8e-2d4a-4e57-9a3c-5f7e8d9b0a12"  # Copilot's session id on turn 1 (its `--session-id`)
+
+
 def pypi_python() -> str | None:
     """An interpreter the PyPI agents install with (aider: 3.10-3.12), as scripts/test looks for one; None if none."""
     for name in (str(REPO / ".venv" / "bin" / "python"), "python3.12", "python3.11", "python3.10"):
@@ -346,6 +349,9 @@ class Conversation:
             "telemetry": {"enabled": False},
             "ui": {"enableUserFeedback": False},
             "security": {"auth": {"selectedType": "openai"}},
+            # its background memory extraction resends the turn under a prompt of its own, sharing no prefix with the
+            # main one (a cold ~11k tokens, ~45 s here): off, as the many-agents tests cover unrelated prompts
+            "memory": {"enableManagedAutoMemory": False},
         }
         self.config[".qwen/settings.json"] = json.dumps(settings, indent=2) + "\n"
         self.env |= {
@@ -387,8 +393,10 @@ class Conversation:
         self._setup_copilot("responses")
 
     def _argv_copilot(self, n: int, prompt: str) -> list[str]:
-        # -p: one prompt, then exit; without --allow-all-tools every tool needing permission is refused
-        cont = ["--continue"] if n == 2 else []
+        # -p: one prompt, then exit; without --allow-all-tools every tool needing permission is refused. The session's
+        # folder (session-state/<id>) is in the system prompt before the tools: one id (the home is fresh each test)
+        # lets the Responses run reuse the whole ~11.6k-token prefix the Chat run computed, not its first 4.7k
+        cont = ["--continue"] if n == 2 else ["--session-id", COPILOT_SESSION]
         return [str(self.client.exe), "-p", prompt, *cont, "--output-format", "json", "--disable-client-telemetry"]
 
     _argv_copilot_responses = _argv_copilot
