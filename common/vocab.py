@@ -2,8 +2,8 @@
 
 Shared by the router (which loads the vocab alone, no weights) and the worker (which wraps its already
 loaded model), so both sides turn text into exactly the same tokens. The fingerprint is a hash of the
-whole vocabulary (every token's text and attributes plus the special ids): equal on both sides iff they
-tokenize alike.
+whole vocabulary (the GGUF's tokenizer metadata, every token's text, type and score, plus the special ids llama.cpp
+took from it): equal on both sides iff they tokenize alike.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 import llama_cpp
 
+from common.weights import tokenizer_fingerprint
 from protocol import vocab_message
 
 POOLING_TYPES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's enum llama_pooling_type
@@ -145,10 +146,7 @@ class Vocab:
                 self.add_bos,
             )
         )
-        get_text, get_attr = llama_cpp.llama_vocab_get_text, llama_cpp.llama_vocab_get_attr
-        for t in range(self.n_vocab):
-            h.update(get_text(v, t) or b"")
-            h.update(struct.pack("<Bi", 0, get_attr(v, t)))
+        h.update(tokenizer_fingerprint(self.path).encode())  # (what llama.cpp built the vocabulary from)
         return h.hexdigest()
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
