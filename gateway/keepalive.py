@@ -64,6 +64,7 @@ class Ticking(Generic[T]):
         self._wake: asyncio.Future[None] | None = None
         self._room: asyncio.Future[None] | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None  # (one at a time: a timer per wait was a tenth of a token's cost)
 
     def ready(self) -> bool:
         return bool(self._items)
@@ -87,9 +88,20 @@ class Ticking(Generic[T]):
                     raise self._error
                 raise StopAsyncIteration
             self._wake = asyncio.get_running_loop().create_future()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(self.clock.left(), 0.0)):
-                    await self._wake
+            if self._timer is None:
+                self._timer = asyncio.get_running_loop().call_at(self.clock.last + self.clock.idle_s, self._on_timer)
+            await self._wake
+
+    def _on_timer(self) -> None:
+        """The clock's deadline as it was when the timer was set: wake a waiting writer if nothing was written since,
+        else wait on for the deadline as it is now (writes only move it later)."""
+        self._timer = None
+        if self._wake is None or self._wake.done():
+            return  # (no writer waits: the next wait sets a timer)
+        if self.clock.left() <= 0:
+            self._wake.set_result(None)
+        else:
+            self._timer = asyncio.get_running_loop().call_at(self.clock.last + self.clock.idle_s, self._on_timer)
 
     async def _read(self) -> None:
         try:
@@ -111,6 +123,9 @@ class Ticking(Generic[T]):
 
     async def aclose(self) -> None:
         """Stop reading (a source still waiting for its next item is cancelled there)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._reader is not None and not self._reader.done():
             self._reader.cancel()
             with contextlib.suppress(BaseException):

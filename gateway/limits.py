@@ -6,7 +6,7 @@ body may take to arrive, how deep its JSON may nest, and how long its streaming 
   event loop nothing.
 - Headers must arrive within `header_timeout_s` of a connection's first byte (or of the next request's, on a kept
   connection), else the connection is closed; a body within `body_timeout_s` of its headers, else 408. A client
-  sending one byte a minute holds no socket for long (`guarded_protocol`).
+  sending one byte a minute holds no socket for long; headers over MAX_HEADER_BYTES get 431 (`guarded_protocol`).
 - A body whose JSON nests deeper than MAX_JSON_DEPTH levels is refused with 400 before it is parsed (`json_depth`:
   the parser, and every reader after it, recurse; 10,000 levels were a 500).
 - A streamed reply whose reader takes nothing for `stall_s` (one write waited that long) is cut: the generation is
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 from starlette.responses import StreamingResponse
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from common import logs
 from gateway.openai_chat import RequestError
@@ -107,13 +107,23 @@ def json_depth(raw: bytes) -> int:
     return int(np.cumsum(steps[brackets[outside]], dtype=np.int64).max(initial=0))
 
 
-def guarded_protocol(header_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's HTTP/1.1 protocol with a deadline on headers: a connection whose request headers have not all come
-    `header_timeout_s` after its first byte (or after the connection opened) is closed. Between requests uvicorn's
-    own keep-alive timeout applies; the deadline starts again with the next request's first byte."""
+MAX_HEADER_BYTES = 64 * 1024  # a request's line and headers (h11's own bound was 16 KiB; httptools has none)
+TOO_LARGE_HEADERS = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+    b"content-length: 43\r\n\r\nrequest line and headers over 65536 bytes\r\n"
+)
 
-    class GuardedH11(H11Protocol):
+
+def guarded_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
+    """uvicorn's HTTP/1.1 protocol (httptools: its per-event cost is a fraction of h11's, the pure-Python parser and
+    framer, and a streamed token is an event) with bounds on headers: a connection whose request headers have not all
+    come `header_timeout_s` after its first byte (or after the connection opened) is closed, and one whose headers
+    pass MAX_HEADER_BYTES gets 431 and is closed. Between requests uvicorn's own keep-alive timeout applies; the
+    deadline and the count start again with the next request's first byte."""
+
+    class Guarded(HttpToolsProtocol):
         _headers_due: asyncio.TimerHandle | None = None
+        _header_bytes = 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -124,9 +134,17 @@ def guarded_protocol(header_timeout_s: float) -> type[H11Protocol]:
             if waiting and self._headers_due is None:
                 self._headers_due = self.loop.call_later(header_timeout_s, self._headers_late)
             super().data_received(data)
-            if self._headers_due is not None and self.cycle is not None and not self.cycle.response_complete:
-                self._headers_due.cancel()  # (its headers are in: the request is being served)
-                self._headers_due = None
+            if self.cycle is not None and not self.cycle.response_complete:  # its headers are in: it is being served
+                self._header_bytes = 0
+                if self._headers_due is not None:
+                    self._headers_due.cancel()
+                    self._headers_due = None
+            elif waiting and not self.transport.is_closing():  # (all of `data` was request line and headers)
+                self._header_bytes += len(data)
+                if self._header_bytes > MAX_HEADER_BYTES:
+                    log.warning("http_headers_too_large", client=str(self.client), bytes=self._header_bytes)
+                    self.transport.write(TOO_LARGE_HEADERS)
+                    self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._headers_due is not None:
@@ -140,7 +158,7 @@ def guarded_protocol(header_timeout_s: float) -> type[H11Protocol]:
                 log.warning("http_headers_too_slow", client=str(self.client), timeout_s=header_timeout_s)
                 self.transport.close()
 
-    return GuardedH11
+    return Guarded
 
 
 class StalledReader(Exception):
@@ -158,22 +176,37 @@ class BoundedStream(StreamingResponse):
     async def stream_response(self, send: Callable[[Message], Awaitable[None]]) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         loop = asyncio.get_running_loop()
-        # one timer, armed only while a write waits for the reader (asyncio.wait_for made a task per chunk: a fifth of
-        # the gateway's CPU per streamed token)
+        # A check every quarter of stall_s expires `watch` once one write has waited stall_s: a write costs a clock
+        # read, where re-arming a timer around each (asyncio.wait_for made a task per chunk) was a fifth of the
+        # gateway's CPU per streamed token. A stall is cut after 1 to 1.25 stall_s.
         watch = asyncio.timeout(None)
+        began = -1.0  # when the write that waits now began (-1: none waits)
+        checking: asyncio.TimerHandle | None = None
+
+        def check() -> None:
+            nonlocal checking
+            if began >= 0 and loop.time() - began >= self.stall_s:
+                watch.reschedule(loop.time())
+            else:
+                checking = loop.call_later(self.stall_s / 4, check)
+
+        check()
         try:
             async with watch:
                 async for chunk in self.body_iterator:
                     body = chunk if isinstance(chunk, bytes | memoryview) else chunk.encode(self.charset)
-                    watch.reschedule(loop.time() + self.stall_s)
+                    began = loop.time()
                     await send({"type": "http.response.body", "body": body, "more_body": True})
-                    watch.reschedule(None)
+                    began = -1.0
         except TimeoutError:
             if not watch.expired():
                 raise  # (the body's own, not a stalled reader)
         else:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
+        finally:
+            if checking is not None:
+                checking.cancel()
         log.warning("http_reader_stalled", stall_s=self.stall_s, action="generation cancelled, reply cut")
         await self.body_iterator.aclose()  # type: ignore[attr-defined]  # (an async generator: this cancels the job)
         try:

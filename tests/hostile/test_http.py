@@ -5,6 +5,7 @@ the attack is the connection itself."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import socket
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
 from fake_router import FakeRouter, client_for
 
 from gateway.app import Gateway, build_app
+from gateway.limits import MAX_HEADER_BYTES
 from gateway.openai_bodies import ChatRequest
 from gateway.server import HttpConfig, uvicorn_config
 from kvroute.client import encode_checked
@@ -167,6 +169,25 @@ def test_headers_that_dawdle_are_cut(slow: Any) -> None:
     assert conn.recv(1024) == b"", "the server closed the connection"
     assert time.monotonic() - t0 < 3
     conn.close()
+
+
+def test_headers_past_the_cap_get_431_and_the_connection_is_closed(slow: Any) -> None:
+    """httptools parses headers without a bound of its own: a client sending header lines forever held memory."""
+    live, _ = slow
+    conn = live.connect()
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    line = b"X-Filler: " + b"a" * 1000 + b"\r\n"
+    with contextlib.suppress(OSError):  # (the server may close while lines are still being sent)
+        for _ in range(MAX_HEADER_BYTES // len(line) + 8):
+            conn.sendall(line)
+    conn.settimeout(5)
+    answer = b""
+    with contextlib.suppress(OSError):
+        while chunk := conn.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    conn.close()
+    assert httpx.get(f"{live.url}/health", timeout=5).status_code == 200  # (and everyone else is served)
 
 
 def test_a_body_that_dawdles_gets_408(slow: Any) -> None:
