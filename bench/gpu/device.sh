@@ -7,9 +7,11 @@
 #    from the same tree), with kvroute's build rule (common/build.py) plus -DGGML_CUDA=on for this one chip;
 #    (or unpacks the build an earlier session made, carried in .gpu/build/);
 # 2. then, in order of importance, each stage in its own log and cut at the deadline: which context settings the
-#    build survives (bench.gpu.context_probe), `kvroute doctor --gpu 0`,
-#    bench.gpu.smoke, llama.cpp alone (llama-batched-bench), throughput at 8/32/64 concurrent vs llama-server, the
-#    engine's time outside llama_decode, the agent workloads, the worker tests on the GPU, the long session;
+#    build survives (bench.gpu.context_probe, with native stacks), and the flags of the first worker-shaped context
+#    that lived, which every kvroute run after it takes; bench.gpu.smoke (`kvroute serve` on the GPU); the first
+#    crash again under cuda-gdb; llama.cpp alone (llama-batched-bench); throughput at 32/8/64 concurrent vs
+#    llama-server; the worker tests on the GPU; the engine's time outside llama_decode; the agent workloads; the
+#    long session;
 #    GPU_ONLY=REGEX runs only the stages it matches (and the build, a no-op on a machine that still has it);
 # 3. everything lands in $OUT/results.tgz (rewritten after every stage, so a cut run still returns what it did),
 #    and the built libraries in $OUT/build-* (xz pieces): carried back in .gpu/build/, they replace the build.
@@ -48,6 +50,7 @@ export PYTHONPATH=/tmp/site:$PWD/.gpu/site:$PWD
 export KVROUTE_MODEL=/tmp/model.gguf
 python3 -m bench.gpu.shaped_model --unpack .gpu/model.gguf.xz "$KVROUTE_MODEL" &
 MODEL_READY=$!
+cc -shared -fPIC -O1 -o /tmp/segv_trace.so bench/gpu/segv_trace.c || log "segv_trace: not built (no native stacks)"
 
 # --- 1. build
 FLAGS=$(python3 -c "from bench.llama_server import CMAKE_FLAGS; print(' '.join(CMAKE_FLAGS))")
@@ -79,22 +82,32 @@ mkdir -p .gpu/site/llama_cpp/lib && cp -a /tmp/b/bin/*.so* .gpu/site/llama_cpp/l
 export KVROUTE_LLAMA_SERVER=/tmp/b/bin/llama-server
 
 # --- 2. the GPU path
-TAIL=40 stage context-probe 120 python3 -m bench.gpu.context_probe --gpu 0
-TAIL=14 stage doctor 60 python3 -m commands.cli doctor --gpu 0
-TAIL=40 stage smoke 120 python3 -m bench.gpu.smoke --gpu 0
+TAIL=60 stage context-probe 150 python3 -m bench.gpu.context_probe --gpu 0 --preload /tmp/segv_trace.so \
+  --failed-out "$RES/failed-case.json"
+# the first worker-shaped context that lived gives the flags of every kvroute run after it ("" = the defaults)
+KVFLAGS=$(sed -n 's/^PICK: //p' "$RES/context-probe.log" | tail -1)
+case $KVFLAGS in "(defaults)" | none | "") KVFLAGS="" ;; esac
+log "kvroute flags for the runs below: '${KVFLAGS}'"
+TAIL=40 stage smoke 100 python3 -m bench.gpu.smoke --gpu 0 --kvroute-flags "$KVFLAGS"
+if [ -f "$RES/failed-case.json" ] && command -v cuda-gdb >/dev/null; then # the native stack with gdb's names
+  mapfile -t ARGV < <(python3 -c 'import json, sys; print("\n".join(json.load(open(sys.argv[1]))))' "$RES/failed-case.json")
+  TAIL=40 stage gdb 75 env KVROUTE_LLAMA_VERBOSE=1 cuda-gdb -q -batch -ex "set pagination off" -ex run -ex bt \
+    -ex "info threads" --args "${ARGV[@]}"
+fi
 TAIL=12 stage llama-alone 60 /tmp/b/bin/llama-batched-bench -m "$KVROUTE_MODEL" -c 32768 -b 2048 -ub 512 \
   -npp 200 -ntg 256 -npl 8,32,64 -ngl 99 -fa auto
-for n in 8 32 64; do
-  TAIL=6 stage "throughput-$n" 100 python3 -m bench.run --gpu 0 --threads 8 --workloads throughput \
+for n in 32 8 64; do
+  TAIL=6 stage "throughput-$n" 90 python3 -m bench.run --gpu 0 --threads 8 --workloads throughput \
     --systems kvroute,llama-server --slots "$n" --concurrency "$n" --requests $((2 * n)) --throughput-max-tokens 256 \
-    --repeats 2 --out "$RES/throughput-$n"
+    --repeats 2 --kvroute-flags "$KVFLAGS" --out "$RES/throughput-$n"
 done
-TAIL=6 stage engine-64 90 python3 bench/worker_bench.py --gpu 0 --slots 64 --gen 128 --repeats 1
-TAIL=10 stage agents 150 python3 -m bench.run --gpu 0 --threads 8 --workloads agent-long,many-agents,fanout \
-  --systems kvroute,llama-server --repeats 1 --out "$RES/agents"
-TAIL=15 stage worker-tests 150 env KVROUTE_GPU=0 python3 -m pytest tests/worker -m model -q -p no:cacheprovider
-TAIL=10 stage long-session 150 python3 -m bench.run --gpu 0 --threads 8 --workloads long-session \
-  --systems kvroute,llama-server --repeats 1 --out "$RES/long-session"
+TAIL=15 stage worker-tests 120 env KVROUTE_GPU=0 python3 -m pytest tests/worker -m model -q -p no:cacheprovider --continue-on-collection-errors \
+  --timeout 60
+TAIL=6 stage engine-64 60 python3 bench/worker_bench.py --gpu 0 --slots 64 --gen 128 --repeats 1
+TAIL=10 stage agents 120 python3 -m bench.run --gpu 0 --threads 8 --workloads agent-long,many-agents,fanout \
+  --systems kvroute,llama-server --repeats 1 --kvroute-flags "$KVFLAGS" --out "$RES/agents"
+TAIL=10 stage long-session 120 python3 -m bench.run --gpu 0 --threads 8 --workloads long-session \
+  --systems kvroute,llama-server --repeats 1 --kvroute-flags "$KVFLAGS" --out "$RES/long-session"
 
 wait
 save

@@ -37,7 +37,7 @@ cp -r "$site/llama_cpp" .gpu/site/
 rm -rf .gpu/site/llama_cpp/lib .gpu/site/llama_cpp/__pycache__ .gpu/site/llama_cpp/*/__pycache__
 cp -r "$site"/llama_cpp_python-"$VER".dist-info .gpu/site/
 
-for req in pyzmq msgspec structlog starlette uvicorn llguidance diskcache gguf; do
+for req in pyzmq msgspec structlog starlette uvicorn httptools llguidance diskcache gguf; do
   pin=$($PY -m pip list --format freeze 2>/dev/null | grep -i "^$req==")
   ls .gpu/whl | grep -qi "^${req}-" || $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

@@ -8,6 +8,7 @@ each worker's device and KV size. Prints what it saw; exit status 1 if any of th
 from __future__ import annotations
 
 import argparse
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -52,12 +53,13 @@ def main() -> int:
     p.add_argument("--gpu", type=int, default=0, help="GPU index (-1: CPU, to try the script where there is no GPU)")
     p.add_argument("--model", default=None)
     p.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "kvroute-gpu-smoke")
+    p.add_argument("--kvroute-flags", default="", help="more `kvroute serve` flags for every case (context_probe's PICK)")
     a = p.parse_args()
     model = str(resolve_model(a.model))
     ok = True
     gpu = None if a.gpu < 0 else a.gpu
     for name, (workers, flags) in CASES.items():
-        flags = flags if gpu is not None else ()
+        flags = (flags if gpu is not None else ()) + tuple(shlex.split(a.kvroute_flags))
         setup = Setup(model=model, threads=2, workers=workers, slots=4, ctx_per_slot=2048, kvroute_flags=flags, gpu=gpu)
         ok = check(name, setup, a.logs) and ok
     print("smoke:", "ok" if ok else "FAILED")
