@@ -17,7 +17,6 @@ import time
 
 import msgspec
 
-from chat.grammar import constraint
 from protocol import Constraint, Job, JobDone, ResponseFormat, Sampling, pack_tokens
 from worker.config import WorkerConfig
 from worker.engine import Engine
@@ -111,6 +110,8 @@ def main() -> None:
 
     # 4. grammar: every slot decoding, one of them under a JSON-array grammar that never ends by itself
     schema = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1000}  # longer than --gen
+    from chat.grammar import constraint  # llguidance after the model loads (worker/guide.py says why)
+
     guided = constraint(None, None, "auto", True, ResponseFormat(type="json_schema", schema=schema), None)
     assert guided is not None
     free, constrained = [], []

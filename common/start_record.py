@@ -54,9 +54,9 @@ def default_path(worker_id: str) -> Path:
     return runtime_base() / f"worker-{safe}.start.json"
 
 
-def crash_reason(stage: str, signum: int | None) -> str:
+def crash_reason(stage: str, signum: int | None, device: str = "this CPU") -> str:
     what = f"signal {signum}" if signum else "it died without a word"
-    return f"the worker's llama.cpp crashed ({what}) {STAGES.get(stage, 'at start')} on this CPU"
+    return f"the worker's llama.cpp crashed ({what}) {STAGES.get(stage, 'at start')} on {device}"
 
 
 def _alive(pid: int) -> bool:
@@ -73,6 +73,7 @@ def _alive(pid: int) -> bool:
 class StartRecord:
     path: Path
     identity: str  # the build and the model: crashes of another build or model do not count
+    device: str = "this CPU"  # where the model runs, as the reason names it ("GPU 0")
 
     @property
     def fault_path(self) -> Path:
@@ -116,7 +117,7 @@ class StartRecord:
         stage, pid = data.get("stage"), int(data.get("pid", 0))
         if stage in STAGES and pid != os.getpid() and not _alive(pid):  # the previous start died in this stage
             count += 1
-            reason = crash_reason(stage, self.fault_signal())
+            reason = crash_reason(stage, self.fault_signal(), self.device)
         return count, reason
 
     def refusal(self) -> str | None:
@@ -158,6 +159,7 @@ class StartRecord:
 
     def _write(self, crashes: int, reason: str | None, stage: str | None, refused: str | None = None) -> None:
         data = {"identity": self.identity, "pid": os.getpid(), "stage": stage, "crashes": crashes, "reason": reason}
+        data["device"] = self.device
         data["refused"] = refused or refusal(crashes, reason)
         try:
             private_dir(self.path.parent)
@@ -189,4 +191,4 @@ def read_crash(path: Path, pid: int) -> str | None:
         return None
     if not isinstance(data, dict) or data.get("pid") != pid or data.get("stage") not in STAGES:
         return None
-    return crash_reason(str(data["stage"]), StartRecord(path, "").fault_signal())
+    return crash_reason(str(data["stage"]), StartRecord(path, "").fault_signal(), str(data.get("device", "this CPU")))

@@ -14,8 +14,6 @@ import threading
 from typing import Any
 
 import llama_cpp
-import llguidance
-import llguidance.numpy as llnp
 import numpy as np
 
 from common import logs
@@ -24,6 +22,11 @@ from protocol import Constraint
 from worker.guide_pieces import Stopped, guide_pieces
 
 log = logs.get(__name__)
+
+# llguidance is imported where it is used, after the worker has loaded its model: on an H200 (2026-11-28) every
+# process that had loaded llguidance's native library before its first CUDA model load (a worker, worker_bench.py,
+# the in-process tests) died in llama_model_load_from_file, while the same loads without it lived
+# (bench/gpu/context_probe.py's import cases check that on the next GPU machine)
 
 
 class GuideError(ValueError):
@@ -62,6 +65,8 @@ class GuideTokenizer:
                 pieces = guide_pieces(v, self._closing)
             except Stopped as exc:
                 raise GuideError(str(exc)) from None
+            import llguidance
+
             fn = ctypes.cast(llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
             self._tok = llguidance.LLTokenizer.from_llamacpp(  # type: ignore[attr-defined]
                 tokens=pieces, vocab_ptr=v.pointer, tokenize_fptr=fn, eos_token=sorted(v.eog_tokens), slices=None
@@ -91,6 +96,8 @@ class Guide:
     complete and allows nothing more."""
 
     def __init__(self, constraint: Constraint, tokenizer: GuideTokenizer) -> None:
+        import llguidance
+
         self.constraint = constraint
         self.tokenizer = tokenizer
         self.vocab = tokenizer.vocab
@@ -108,6 +115,8 @@ class Guide:
         self._bits: np.ndarray | None = None
 
     def _new_matcher(self) -> Any:
+        import llguidance
+
         m = llguidance.LLMatcher(self.tokenizer.get(), self.grammar, log_level=0)
         if m.is_error():
             raise GuideError(f"grammar does not compile: {m.get_error().strip()}")
@@ -121,6 +130,8 @@ class Guide:
         """Set the logits of tokens the grammar does not allow next to -inf (in place)."""
         if not self.active:
             return
+        import llguidance.numpy as llnp
+
         if self._bits is None:
             self._bits = llnp.allocate_token_bitmask(1, self.vocab.n_vocab)
         llnp.fill_next_token_bitmask(self.matcher, self._bits)

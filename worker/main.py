@@ -124,7 +124,8 @@ def checked_engine(cfg: WorkerConfig) -> Engine | None:
         model = resolve_model(cfg.model)
     except ModelError as exc:
         model, missing = Path(cfg.model or ""), exc
-    record = StartRecord(Path(cfg.start_record) if cfg.start_record else default_path(cfg.worker_id), identity(str(model)))
+    path = Path(cfg.start_record) if cfg.start_record else default_path(cfg.worker_id)
+    record = StartRecord(path, identity(str(model)), "this CPU" if cfg.gpu is None else f"GPU {cfg.gpu}")
     if missing is not None:
         refused(record, cfg, str(missing))
         return None

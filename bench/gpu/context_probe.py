@@ -63,6 +63,20 @@ WORKER = [
     Case("worker, --swa-full off --flash-attn off", _kv(4, 2048, 512, fa="off", swa="off"), "--swa-full off --flash-attn off"),
 ]
 LARGE = [Case("64 x 3072, n_batch 512 (bench/worker_bench.py's)", _kv(64, 3072, 512))]
+# a process's imports before its first model load (2026-11-28, an H200: every worker, worker_bench.py and in-process
+# test died in `llama_model_load_from_file` while each case above lived; the one native library those processes had
+# loaded and these had not was llguidance's). `import` is imported before the model loads, `import_after` after it
+IMPORTS = [
+    Case("worker's defaults, llguidance imported first", {**_kv(4, 2048, 512), "imports": ["llguidance"]}),
+    Case("worker's defaults, llguidance._lib alone first", {**_kv(4, 2048, 512), "imports": ["llguidance._lib"]}),
+    Case("worker's defaults, worker.engine imported first", {**_kv(4, 2048, 512), "imports": ["worker.engine"]}),
+    Case("worker's defaults, zmq imported first", {**_kv(4, 2048, 512), "imports": ["zmq"]}),
+    Case("worker's defaults, llguidance imported after the load", {**_kv(4, 2048, 512), "imports_after": ["llguidance"]}),
+    Case(
+        "worker's defaults, llguidance imported after the load, then a second load",
+        {**_kv(4, 2048, 512), "imports_after": ["llguidance"], "load_again": True},
+    ),
+]
 
 
 def _raw(slots: int, ctx: int, ubatch: int, unified: bool, swa_full: bool, fa: int = -1) -> Case:
@@ -83,7 +97,7 @@ RAW = [
     _raw(1, 2048, 516, False, True),
     _raw(1, 256, 64, False, True),
 ]
-CASES = BISECT + WORKER + LARGE + RAW
+CASES = BISECT + WORKER + LARGE + IMPORTS + RAW
 
 
 def raw(
@@ -114,12 +128,28 @@ def raw(
         llama_cpp.llama_model_free(model_p)
 
 
-def one(model: str, gpu: int | None, **kwargs: object) -> dict[str, object]:
+def one(
+    model: str,
+    gpu: int | None,
+    imports: tuple[str, ...] = (),
+    imports_after: tuple[str, ...] = (),
+    load_again: bool = False,
+    **kwargs: object,
+) -> dict[str, object]:
+    import importlib
+
     from worker.llama import Llama
     from worker.startcheck import first_decode
 
+    for name in imports:
+        importlib.import_module(name)
     llama = Llama(model, gpu=gpu, **kwargs)  # type: ignore[arg-type]
     try:
+        for name in imports_after:
+            importlib.import_module(name)
+        if load_again:
+            llama.close()
+            llama = Llama(model, gpu=gpu, **kwargs)  # type: ignore[arg-type]
         return {"tokens": first_decode(llama), "rows": llama.rows, "kv_mib": llama.info.kv_bytes >> 20}
     finally:
         llama.close()

@@ -70,7 +70,7 @@ if [ ! -x /tmp/b/bin/llama-server ]; then
   TAIL=3 stage build 480 bash -c "cmake -S .gpu/llama.cpp -B /tmp/b -G Ninja $FLAGS -DBUILD_SHARED_LIBS=ON \
     -DGGML_CUDA_NCCL=OFF $RULE && cmake --build /tmp/b --target llama mtmd llama-server llama-batched-bench -j $(nproc)"
   # kept for a later session, which carries it in .gpu/build/ and skips the build (a few minutes of its 15)
-  (cd /tmp/b/bin && tar cf - *.so* llama-server llama-batched-bench | nice -n 19 xz -T4 -3 | split -b 15M - "$OUT/build-") &
+  (cd /tmp/b/bin && tar cf - *.so* llama-server llama-batched-bench | nice -n 19 xz -T8 -9e | split -b 15M - "$OUT/build-") &
 fi
 wait $MODEL_READY
 if [ ! -x /tmp/b/bin/llama-server ] || [ ! -f /tmp/b/bin/libggml-cuda.so ]; then
@@ -80,6 +80,8 @@ if [ ! -x /tmp/b/bin/llama-server ] || [ ! -f /tmp/b/bin/libggml-cuda.so ]; then
 fi
 mkdir -p .gpu/site/llama_cpp/lib && cp -a /tmp/b/bin/*.so* .gpu/site/llama_cpp/lib/ # as an installed wheel has it
 export KVROUTE_LLAMA_SERVER=/tmp/b/bin/llama-server
+# every process from here on prints its native stack if it crashes (bench/gpu/segv_trace.c)
+[ -f /tmp/segv_trace.so ] && export LD_PRELOAD=/tmp/segv_trace.so
 
 # --- 2. the GPU path
 TAIL=60 stage context-probe 150 python3 -m bench.gpu.context_probe --gpu 0 --preload /tmp/segv_trace.so \
@@ -101,7 +103,7 @@ for n in 32 8 64; do
     --systems kvroute,llama-server --slots "$n" --concurrency "$n" --requests $((2 * n)) --throughput-max-tokens 256 \
     --repeats 2 --kvroute-flags "$KVFLAGS" --out "$RES/throughput-$n"
 done
-TAIL=15 stage worker-tests 120 env KVROUTE_GPU=0 python3 -m pytest tests/worker -m model -q -p no:cacheprovider --continue-on-collection-errors \
+TAIL=15 stage worker-tests 120 env KVROUTE_GPU=0 python3 -m pytest tests/worker -m model -q -p no:cacheprovider -p bench.gpu.first_load --continue-on-collection-errors \
   --timeout 60
 TAIL=6 stage engine-64 60 python3 bench/worker_bench.py --gpu 0 --slots 64 --gen 128 --repeats 1
 TAIL=10 stage agents 120 python3 -m bench.run --gpu 0 --threads 8 --workloads agent-long,many-agents,fanout \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What a GPU device command needs, in .gpu/ (ignored; `carry: [".gpu"]`), all under the 64 MiB a command takes:
-#   .gpu/build       a CUDA build made on the device by an earlier session (~/.cache/kvroute/gpu-build, 44 MB: its
+#   .gpu/build       a CUDA build made on the device by an earlier session (~/.cache/kvroute/gpu-build, 42 MiB: its
 #                    libraries, llama-server, llama-batched-bench), when there is one; else
 #   .gpu/llama.cpp   the llama.cpp vendored in the pinned llama-cpp-python sdist, without its models, docs, tests,
 #                    examples and other backends' sources (30 MB), built there (about 200 s of device time)

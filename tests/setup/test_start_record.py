@@ -16,7 +16,7 @@ CHILD = """
 import os, signal, sys
 from pathlib import Path
 from common.start_record import StartRecord
-record = StartRecord(Path(sys.argv[1]), sys.argv[2])
+record = StartRecord(Path(sys.argv[1]), sys.argv[2], *sys.argv[5:])
 with record.stage(sys.argv[3]):
     if sys.argv[4] == "segv":
         os.kill(os.getpid(), signal.SIGSEGV)
@@ -26,8 +26,9 @@ record.passed() if sys.argv[4] == "pass" else None
 """
 
 
-def start(path: Path, identity: str, stage: str, what: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", CHILD, str(path), identity, stage, what], capture_output=True, text=True)
+def start(path: Path, identity: str, stage: str, what: str, *device: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-c", CHILD, str(path), identity, stage, what, *device]
+    return subprocess.run(argv, capture_output=True, text=True)
 
 
 def test_crashes_in_a_stage_are_counted_with_their_signal_and_the_limit_refuses_with_what_to_try(tmp_path):
@@ -44,6 +45,16 @@ def test_crashes_in_a_stage_are_counted_with_their_signal_and_the_limit_refuses_
         assert (refusal is None) == (n < CRASH_LIMIT)
     assert refusal is not None and "signal 11" in refusal and "first decode" in refusal and ADVICE in refusal
     assert read_refusal(path) == refusal  # what a supervisor reads
+
+
+def test_a_crash_on_a_gpu_names_the_gpu_not_the_cpu(tmp_path):
+    # (2026-11-28, an H200: the workers' crashes at load said "on this CPU")
+    path = tmp_path / "w.start.json"
+    child = start(path, "b", "load", "segv", "GPU 0")
+    assert child.returncode == -signal.SIGSEGV
+    expected = "the worker's llama.cpp crashed (signal 11) while loading the model on GPU 0"
+    assert read_crash(path, int(StartRecord(path, "b").read()["pid"])) == expected  # the supervisor's reading
+    assert StartRecord(path, "b", "GPU 0").crashes() == (1, expected)  # the next start's
 
 
 def test_a_python_error_a_passing_start_and_another_build_do_not_count(tmp_path):
