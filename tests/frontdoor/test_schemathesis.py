@@ -34,10 +34,19 @@ schema = schemathesis.openapi.from_dict(bounded_schema())
 
 
 @pytest.fixture(scope="module")
-def session(served: Served):
-    with httpx.Client(base_url=served.url, headers=served.headers, timeout=120) as client:
-        assert client.get("/openapi.json").json() == OPENAPI  # what we fuzz from is what is served
-    yield served
+def session(tmp_path_factory: pytest.TempPathFactory):
+    """A server of its own that caps every reply at 16 tokens (`--max-tokens`): schemathesis also sends requests without
+    a max_tokens (or with null), which are valid and would otherwise write up to the slot's 1024 tokens (33 s each on
+    2 cores). Statuses are what this test checks, not lengths."""
+    log = tmp_path_factory.mktemp("schemathesis") / "serve.log"
+    s = Served("--workers", "1", "--slots", "2", "--ctx-per-slot", "1024", "--threads", "2", "--queue-size", "2",
+               "--hold-ms", "0", "--max-tokens", "16", api_key="schemathesis-key", log=log)  # fmt: skip
+    try:
+        with httpx.Client(base_url=s.url, headers=s.headers, timeout=120) as client:
+            assert client.get("/openapi.json").json() == OPENAPI  # what we fuzz from is what is served
+        yield s
+    finally:
+        s.stop()
 
 
 @schema.parametrize()
