@@ -98,9 +98,12 @@ if [ -f "$RES/failed-case.json" ] && command -v cuda-gdb >/dev/null; then # the 
 fi
 TAIL=12 stage llama-alone 60 /tmp/b/bin/llama-batched-bench -m "$KVROUTE_MODEL" -c 32768 -b 2048 -ub 512 \
   -npp 200 -ntg 256 -npl 8,32,64 -ngl 99 -fa auto
-for n in 32 8 64; do
-  TAIL=6 stage "throughput-$n" 90 python3 -m bench.run --gpu 0 --threads 8 --workloads throughput \
-    --systems kvroute,llama-server --slots "$n" --concurrency "$n" --requests $((2 * n)) --throughput-max-tokens 256 \
+# one wave of n requests per repeat (2026-11-28: llama-server alone took 48 s for two waves of 64, so a stage of 90 s
+# cut it before kvroute's turn); the stage's seconds by n
+for n_s in 32:110 8:60 64:150; do
+  n=${n_s%:*}
+  TAIL=6 stage "throughput-$n" "${n_s#*:}" python3 -m bench.run --gpu 0 --threads 8 --workloads throughput \
+    --systems kvroute,llama-server --slots "$n" --concurrency "$n" --requests "$n" --throughput-max-tokens 256 \
     --repeats 2 --kvroute-flags "$KVFLAGS" --out "$RES/throughput-$n"
 done
 TAIL=15 stage worker-tests 120 env KVROUTE_GPU=0 python3 -m pytest tests/worker -m model -q -p no:cacheprovider -p bench.gpu.first_load --continue-on-collection-errors \
