@@ -15,13 +15,15 @@ from __future__ import annotations
 import hashlib
 import mmap
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 SAMPLE_BYTES = 1024  # of each tensor's data
 # GGUF metadata value types -> fixed size in bytes (8 = string, 9 = array: variable)
 _SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
+T = TypeVar("T")
 _U64 = struct.Struct("<Q")
 _TOKENIZER = b"tokenizer.ggml."
 
@@ -33,41 +35,44 @@ class GGUFError(ValueError):
 def weights_fingerprint(path: str | Path) -> str:
     """Hex digest of the tensor table and a sample of every tensor's data. Raises GGUFError (OSError when the
     file cannot be read)."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        table, starts = _read(m, path)
+
+    def digest(m: mmap.mmap) -> str:
+        table, starts = _Reader(m).tensors()
         h = hashlib.blake2b(table, digest_size=16)
         for start in starts:
             h.update(m[start : start + SAMPLE_BYTES])
         return h.hexdigest()
+
+    return _mapped(path, digest)
 
 
 def tokenizer_fingerprint(path: str | Path) -> str:
     """Hex digest of the file's `tokenizer.ggml.*` metadata (each key with its type and stored value, in key order):
     the token texts, types, scores, merges and special ids. Milliseconds, where reading each of 262k tokens through
     llama.cpp took 0.6 s. Raises GGUFError (OSError when the file cannot be read)."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        try:
-            entries = sorted(entry for entry in _Reader(m).metadata() if entry[0].startswith(_TOKENIZER))
-        except (struct.error, IndexError) as exc:
-            raise GGUFError(f"{path}: malformed GGUF header ({exc})") from None
+
+    def digest(m: mmap.mmap) -> str:
         h = hashlib.blake2b(digest_size=16)
-        for key, kind, start, end in entries:
+        for key, kind, start, end in sorted(entry for entry in _Reader(m).metadata() if entry[0].startswith(_TOKENIZER)):
             h.update(struct.pack("<QIQ", len(key), kind, end - start) + key)
             h.update(m[start:end])
         return h.hexdigest()
 
+    return _mapped(path, digest)
+
 
 def tensor_data_starts(path: str | Path) -> list[int]:
     """Where each tensor's data starts in the file (the fault tests alter weights there)."""
+    return _mapped(path, lambda m: _Reader(m).tensors()[1])
+
+
+def _mapped(path: str | Path, read: Callable[[mmap.mmap], T]) -> T:
+    """`read` over the file mapped read-only; a header cut short or malformed is a GGUFError naming the file."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        return _read(m, path)[1]
-
-
-def _read(m: mmap.mmap, path: str | Path) -> tuple[bytes, list[int]]:
-    try:
-        return _Reader(m).tensors()
-    except (struct.error, IndexError) as exc:
-        raise GGUFError(f"{path}: malformed GGUF header ({exc})") from None
+        try:
+            return read(m)
+        except (struct.error, IndexError) as exc:
+            raise GGUFError(f"{path}: malformed GGUF header ({exc})") from None
 
 
 class _Reader:
