@@ -52,7 +52,11 @@ class HarmonyParser(OutputParser):
         self.kind = "content"  # of the current body: content | reasoning | call
         self.call: OpenCall | None = None
 
-    def feed(self, text: str) -> Piece:
+    @property
+    def in_reasoning(self) -> bool:
+        return self.state == "body" and self.kind == "reasoning"
+
+    def _feed(self, text: str) -> Piece:
         out = Piece()
         self.buf += text
         while self._step(out, final=False):

@@ -140,6 +140,7 @@ class OutputParser:
         self.open: OpenCall | None = None  # the call being read
         self.resp_raw = 0  # RESPONSE mode: characters of the JSON string already decoded
         self.lead = False  # newlines at the start of the reply text are dropped (after a reasoning block)
+        self.reasoning_tokens = 0  # tokens fed that opened, continued or closed the reasoning (`feed`)
         self.mode = self._start_mode()
 
     def _start_mode(self) -> Mode:
@@ -160,7 +161,19 @@ class OutputParser:
 
     # ---- public ----
 
-    def feed(self, text: str) -> Piece:
+    def feed(self, text: str, tokens: int = 1) -> Piece:
+        """The reply's next text, `tokens` generated tokens' worth: what of it can be given out now."""
+        inside = self.in_reasoning
+        out = self._feed(text)
+        if inside or out.reasoning or self.in_reasoning:
+            self.reasoning_tokens += tokens
+        return out
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self.mode is Mode.REASONING
+
+    def _feed(self, text: str) -> Piece:
         out = Piece()
         if self.mode is Mode.TEXT:  # (no call or thinking tag to look for: the common case, per token)
             self._text(out, text)

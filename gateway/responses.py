@@ -43,6 +43,7 @@ from protocol import (
     Tool,
     ToolCall,
     ToolCallDelta,
+    Usage,
 )
 
 
@@ -342,13 +343,13 @@ def responses_submit(raw: dict[str, Any], request_id: str, policy: Policy | None
 # ---- replies ----------------------------------------------------------------------------------------------------
 
 
-def _usage(prompt: int, cached: int, output: int) -> dict[str, Any]:
+def _usage(u: Usage) -> dict[str, Any]:
     return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached},
-        "output_tokens": output,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt + output,
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
     }
 
 
@@ -427,7 +428,7 @@ def response_body(result: Result, rid: str, model: str, asked: Asked, created: f
         status=status,
         incomplete_details=incomplete,
         output=[_item(ev.block, rid, asked, True, lps) for ev in events if ev.what == "close"],
-        usage=_usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens) | context_shift(result),
+        usage=_usage(u) | context_shift(result),
     )
     return out
 
@@ -501,7 +502,7 @@ async def response_events(
         status, incomplete = finish(msg, asked)
         u = msg.usage
         final = {**base, "status": status, "incomplete_details": incomplete, "output": done_items,
-                 "usage": _usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens) | context_shift(msg)}  # fmt: skip
+                 "usage": _usage(u) | context_shift(msg)}  # fmt: skip
         kind = "response.completed" if status == "completed" else "response.incomplete"
         yield event(kind, response=final, timings=timings_body(msg))  # (llama-server's, beside the response)
 

@@ -221,7 +221,7 @@ class DirectReplies:
         job.heard = time.monotonic()
         if isinstance(msg, JobDelta):
             job.started = job.began = True
-            piece = job.parser.feed(msg.text)
+            piece = job.parser.feed(msg.text, len(msg.tokens) // 4)  # (int32 ids: PROTOCOL.md 2)
             job.logprobs.extend(msg.logprobs)
             delta = reply_messages.delta_of(job.rid, 0, piece, msg.tokens, msg.logprobs)
             if msg.reused_tokens is not None:  # the job's first token: what the prompt cost is known now
@@ -241,7 +241,12 @@ class DirectReplies:
             self.on_reply(reply_messages.delta_of(job.rid, 0, tail, b"", []))
         placed = job.placed
         choice = reply_messages.choice_of(0, job.parser, msg, job.logprobs)
-        usage = Usage(prompt_tokens=msg.prompt_tokens, cached_tokens=msg.reused_tokens, completion_tokens=msg.generated_tokens)
+        usage = Usage(
+            prompt_tokens=msg.prompt_tokens,
+            cached_tokens=msg.reused_tokens,
+            completion_tokens=msg.generated_tokens,
+            reasoning_tokens=job.parser.reasoning_tokens,
+        )
         t = msg.timings
         timings = Timings(
             queue_ms=placed.queue_ms + t.queue_ms,

@@ -119,12 +119,13 @@ def sampling_of(fields: dict[str, Any]) -> tuple[Sampling, list[Defaultable]]:
     return msgspec.convert(given, Sampling), [k for k in DEFAULTABLE if fields.get(k) is None]
 
 
-class Usage(Struct, kw_only=True):
+class Usage(Struct, kw_only=True, omit_defaults=True):
     """Token counts of one request."""
 
     prompt_tokens: NonNeg
     cached_tokens: NonNeg  # prompt tokens whose KV was reused, not computed
     completion_tokens: NonNeg
+    reasoning_tokens: NonNeg = 0  # of the completion tokens, those of the model's thinking (its tags included)
 
 
 class Overflow(Struct, kw_only=True):

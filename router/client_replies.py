@@ -25,6 +25,9 @@ def result_of(choices: list[Req], worker: str, slot: int) -> Result:
     usage = lead.usage
     assert usage is not None and lead.timings is not None
     total = sum(r.usage.completion_tokens for r in choices if r.usage is not None)
-    usage = Usage(prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens, completion_tokens=total)
+    reasoning = sum(r.usage.reasoning_tokens for r in choices if r.usage is not None)
+    usage = Usage(
+        prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens, completion_tokens=total, reasoning_tokens=reasoning
+    )
     done = [r.choice for r in choices if r.choice is not None]
     return reply_messages.result_of(lead.rid, done, usage, lead.timings, worker, slot)

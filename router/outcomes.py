@@ -37,9 +37,10 @@ def delta_taken(conn: WorkerConn, req: Req, msg: JobDelta) -> Piece:
     if attempt.prefill_pending:
         attempt.prefill_pending = 0  # the prompt is computed: no longer this worker's queued prefill
         conn.refresh()
-    attempt.streamed.extend(unpack_tokens(msg.tokens))
+    tokens = unpack_tokens(msg.tokens)
+    attempt.streamed.extend(tokens)
     attempt.logprobs.extend(msg.logprobs)
-    return attempt.parser.feed(msg.text)
+    return attempt.parser.feed(msg.text, len(tokens))
 
 
 def settle_done(mirror: Mirror, metrics: Metrics, min_match: int, conn: WorkerConn, req: Req, msg: JobDone) -> Timings:

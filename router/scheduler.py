@@ -531,7 +531,10 @@ class Scheduler:
             self._to_client(req, delta_of(req, tail, b"", []))
         req.choice = choice_of(req, msg)
         req.usage = Usage(
-            prompt_tokens=msg.prompt_tokens, cached_tokens=msg.reused_tokens, completion_tokens=msg.generated_tokens
+            prompt_tokens=msg.prompt_tokens,
+            cached_tokens=msg.reused_tokens,
+            completion_tokens=msg.generated_tokens,
+            reasoning_tokens=attempt.parser.reasoning_tokens,
         )
         req.timings = timings
         self._complete(req)

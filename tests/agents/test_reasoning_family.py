@@ -117,3 +117,5 @@ def test_codex_requests_render_with_qwen35(thinking_server: Served) -> None:
     assert r.status_code == 200, r.text[:400]
     said = [i for i in r.json()["output"] if i["type"] == "reasoning"]
     assert said and said[0]["content"][0]["text"] == REASONING, r.json()["output"]
+    usage = r.json()["usage"]  # the thinking's tokens (its tags too) counted apart from the answer's
+    assert 0 < usage["output_tokens_details"]["reasoning_tokens"] < usage["output_tokens"], usage

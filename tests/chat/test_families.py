@@ -302,6 +302,34 @@ def test_thinking_is_split_from_the_reply() -> None:
     assert parse(opened, "still thinking") == ("", "still thinking", [])
 
 
+def test_the_tokens_of_the_thinking_are_counted_with_its_tags() -> None:
+    """(the Responses API's `output_tokens_details.reasoning_tokens`)"""
+    qwen3 = spec_for(chat_format("Qwen-Qwen3-0.6B"))
+    p = qwen3.parser()
+    for token in ["<think>", "\nThe", " user", " asks.\n", "</think>", "\n\n", "Hello", "."]:
+        p.feed(token)
+    assert p.reasoning_tokens == 5 and p.text == "Hello." and p.reasoning_text == "\nThe user asks.\n"
+    p = qwen3.parser()
+    p.feed("<think>plan</think>", tokens=3)  # a delta of several tokens (speculation): all of them
+    p.feed("Answer", tokens=2)
+    assert p.reasoning_tokens == 3
+    p = qwen3.parser()
+    for token in ["Plain", " answer", "."]:
+        p.feed(token)
+    assert p.reasoning_tokens == 0
+    opened = OutputSpec(reasoning=("<think>", "</think>"), in_reasoning=True).parser()  # the prompt opened the tag
+    for token in ["hmm", "</think>", "Answer"]:
+        opened.feed(token)
+    assert opened.reasoning_tokens == 2
+    harmony = spec_for(chat_format("openai-gpt-oss-120b")).parser()
+    tokens = ["<|channel|>", "analysis", "<|message|>", "Think", " more", "<|end|>", "<|start|>", "assistant", "<|channel|>",
+              "final", "<|message|>", "Hi"]  # fmt: skip
+    for token in tokens:
+        harmony.feed(token)
+    harmony.finish()
+    assert (harmony.reasoning_tokens, harmony.reasoning_text, harmony.text) == (4, "Think more", "Hi")
+
+
 @settings(max_examples=60, deadline=None)
 @given(cuts=st.lists(st.integers(min_value=0, max_value=12), max_size=40))
 def test_any_chunking_reads_the_same(cuts: list[int]) -> None:

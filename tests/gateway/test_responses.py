@@ -21,6 +21,7 @@ from protocol import (
     Tool,
     ToolCall,
     ToolCallDelta,
+    Usage,
 )
 
 TOOLS = [
@@ -209,7 +210,8 @@ async def test_reply_body() -> None:
 
 def test_reply_items_in_order_with_namespaced_calls_apart() -> None:
     _, _, asked = responses.responses_submit({"input": "hi", "tools": TOOLS, "tool_choice": "required"}, "r")
-    res = result(finish_reason="tool_calls", text="ok", reasoning="hm", tool_calls=CALLS)
+    usage = Usage(prompt_tokens=10, cached_tokens=4, completion_tokens=3, reasoning_tokens=2)
+    res = result(finish_reason="tool_calls", text="ok", reasoning="hm", tool_calls=CALLS, usage=usage)
     body = responses.response_body(res, "r", "m", asked, 0.0, False)
     assert body["output"] == [
         {"type": "reasoning", "id": "rs_r_0", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}],
@@ -221,6 +223,7 @@ def test_reply_items_in_order_with_namespaced_calls_apart() -> None:
     ]  # fmt: skip
     assert (body["status"], body["tool_choice"]) == ("completed", "required")
     assert body["usage"]["input_tokens_details"] == {"cached_tokens": 4} and body["usage"]["total_tokens"] == 13
+    assert body["usage"]["output_tokens_details"] == {"reasoning_tokens": 2}  # (the router's count of the thinking)
 
 
 @pytest.mark.anyio
