@@ -248,6 +248,7 @@ def usage_body(result: Result) -> dict[str, Any]:
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},  # (the thinking's, tags included)
     }
     return body | context_shift(result)
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import httpx
 import pytest
-from fake_router import FakeRouter, client_for
+from fake_router import FakeRouter, client_for, result
 
-from gateway.openai_chat import RequestError, chat_submit, completion_submit
+from gateway.openai_chat import RequestError, chat_submit, completion_submit, usage_body
 from kvroute.client import KvrouteError
-from protocol import ErrorCode, pack_tokens
+from protocol import ErrorCode, Usage, pack_tokens
 
 
 def test_completion_defaults_follow_openai() -> None:
@@ -155,7 +155,14 @@ async def test_completion_response_carries_cached_tokens(fake: FakeRouter) -> No
         "completion_tokens": 2,
         "total_tokens": 9,
         "prompt_tokens_details": {"cached_tokens": 5},
+        "completion_tokens_details": {"reasoning_tokens": 0},
     }
+
+
+def test_usage_gives_the_thinking_s_tokens() -> None:
+    usage = Usage(prompt_tokens=10, cached_tokens=4, completion_tokens=9, reasoning_tokens=6)
+    body = usage_body(result(usage=usage, reasoning="hm"))
+    assert (body["completion_tokens"], body["completion_tokens_details"]) == (9, {"reasoning_tokens": 6})
 
 
 @pytest.mark.anyio
