@@ -65,7 +65,7 @@ WORKER = [
 LARGE = [Case("64 x 3072, n_batch 512 (bench/worker_bench.py's)", _kv(64, 3072, 512))]
 # a process's imports before its first model load (2026-11-28, an H200: every worker, worker_bench.py and in-process
 # test died in `llama_model_load_from_file` while each case above lived; the one native library those processes had
-# loaded and these had not was llguidance's). `import` is imported before the model loads, `import_after` after it
+# loaded and these had not was llguidance's): `imports` are imported before the model loads, `imports_after` after it
 IMPORTS = [
     Case("worker's defaults, llguidance imported first", {**_kv(4, 2048, 512), "imports": ["llguidance"]}),
     Case("worker's defaults, llguidance._lib alone first", {**_kv(4, 2048, 512), "imports": ["llguidance._lib"]}),
