@@ -344,10 +344,19 @@ async def _serve(
     from common.model import resolve_model
     from router.main import handle_signals, load_router
 
+    early: Supervisor | None = None
     if models is None:
         model = str(resolve_model(router_cfg.model))
-        router = load_router(dataclasses.replace(router_cfg, model=model))
-        specs = worker_specs(local, model)
+        # the workers start loading the model while the router loads its vocabulary (router/supervisor.py `spawn`)
+        early = Supervisor(
+            None, with_keys(worker_specs(local, model), router_cfg), sup_cfg, connect_endpoint(router_cfg.worker_endpoint)
+        )
+        await early.spawn()
+        try:
+            router = load_router(dataclasses.replace(router_cfg, model=model))
+        except BaseException:
+            await early.stop()
+            raise
         names = [Path(model).stem]
     else:
         defaults = [e.served.name for e in models if e.default]
@@ -369,10 +378,11 @@ async def _serve(
             m.spec = footprint(m.spec, m.vocab, own)
         model = router.models.cores[0].spec.path
         names = [name for m in router.models for name in (m.name, *m.spec.aliases)]
-    if router_cfg.worker_keys and router_cfg.curve_key:  # local workers hold the router's own key
-        keys = ("--curve-key", router_cfg.curve_key, "--router-key", router_cfg.curve_key)
-        specs = [dataclasses.replace(s, flags=(*s.flags, *keys)) for s in specs]
-    sup = Supervisor(router, specs, sup_cfg, connect_endpoint(router_cfg.worker_endpoint))
+    if early is not None:
+        sup = early
+        sup.attach(router)
+    else:
+        sup = Supervisor(router, with_keys(specs, router_cfg), sup_cfg, connect_endpoint(router_cfg.worker_endpoint))
     if signals:
         handle_signals(router)
     sup.start()
@@ -393,6 +403,14 @@ async def _serve(
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await http_task
         await sup.stop()
+
+
+def with_keys(specs: list[WorkerSpec], router_cfg: RouterConfig) -> list[WorkerSpec]:
+    """Local workers hold the router's own key (when `serve` made or was given one for its workers)."""
+    if not (router_cfg.worker_keys and router_cfg.curve_key):
+        return specs
+    keys = ("--curve-key", router_cfg.curve_key, "--router-key", router_cfg.curve_key)
+    return [dataclasses.replace(s, flags=(*s.flags, *keys)) for s in specs]
 
 
 async def serve_http_processes(http: HttpConfig) -> None:

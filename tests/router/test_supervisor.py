@@ -110,3 +110,42 @@ def test_a_model_unloaded_is_stopped_and_not_restarted_and_loads_again_as_a_new_
         await sup.stop()
 
     asyncio.run(main())
+
+
+def test_workers_spawned_before_the_router_exists_are_kept_and_their_exits_reported_once_it_is_attached():
+    """`kvroute serve` spawns its workers before the router loads its vocabulary (commands/serve.py)."""
+    quick = [sys.executable, "-c", "import sys; sys.exit(1)"]
+    sup = Supervisor(None, [WorkerSpec("w0")], SupervisorConfig(restart_backoff_s=0.01, max_restarts=1), "tcp://127.0.0.1:1",
+                     program=quick)  # fmt: skip
+    router = StubRouter()
+
+    async def main() -> None:
+        await sup.spawn()
+        child = sup.children["w0"]
+        assert child.proc is not None and child.incarnation == 1
+        await child.proc.wait()
+        await asyncio.sleep(0.05)
+        assert child.incarnation == 1  # exited, not yet restarted: its exit waits for the router
+        sup.attach(router)  # type: ignore[arg-type]
+        assert router.expected == {"w0"}
+        sup.start()  # the running task is kept, not doubled
+        assert child.task is not None
+        await asyncio.wait_for(child.task, timeout=30)
+
+    asyncio.run(main())
+    assert router.exits == [("w0", 1, 1), ("w0", 2, 1)]  # the first exit reported after attach, then the restart's
+    assert router.failed[0] == "w0"
+
+
+def test_stopping_before_the_router_is_attached_ends_the_spawned_workers():
+    """The router failed to load (a bad file, a port in use): the workers spawned for it are stopped."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    sup = Supervisor(None, [WorkerSpec("w0"), WorkerSpec("w1")], SupervisorConfig(), "tcp://127.0.0.1:1", program=sleeper)
+
+    async def main() -> list[int | None]:
+        await sup.spawn()
+        procs = [c.proc for c in sup.children.values()]
+        await asyncio.wait_for(sup.stop(), timeout=30)
+        return [p.returncode for p in procs if p is not None]
+
+    assert asyncio.run(main()) == [-15, -15]
