@@ -16,7 +16,7 @@ worker is left for say it).
 
 Workers may be spawned before the router exists (`spawn`, then `attach`): a worker needs only the router's endpoint,
 so its imports and model load overlap the router's own vocabulary load (`kvroute serve` of one model does this:
-1.5-2 s of a 4.5 s start on 2 cores). What a worker does before the router binds waits in ZMQ's queue; an exit
+~1.5 s of a 4.5-5 s start on 2 cores). What a worker does before the router binds waits in ZMQ's queue; an exit
 before `attach` is reported once the router is there.
 """
 
