@@ -201,15 +201,18 @@ class ChatTemplate:
         return probe in text
 
     def _takes_late_system(self) -> bool:
-        """Whether the template renders a system message after the conversation began (Gemma's and others raise on
-        it, or drop it): probed once."""
-        probe = "\x01late-system-probe\x01"
-        msgs = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}, {"role": "system", "content": probe},
-                {"role": "user", "content": "v"}]  # fmt: skip
+        """Whether the template renders a system message after the conversation began where it stands (Gemma's and
+        others raise on it, or drop it): probed once. One that holds it back for the next user message (kvroute's
+        built-in gemma) is folded too: Claude Code sends one after its first user message, and held back it would
+        render after the model's reply on the next request, so no request of a turn could reuse the one before."""
+        probe, reply = "\x01late-system-probe\x01", "\x01reply-probe\x01"
+        msgs = [{"role": "user", "content": "u"}, {"role": "system", "content": probe},
+                {"role": "assistant", "content": reply}, {"role": "user", "content": "v"}]  # fmt: skip
         try:
-            return probe in self._render(msgs, None, True, {})
+            text = self._render(msgs, None, True, {})
         except Exception:
             return False
+        return probe in text and reply in text and text.index(probe) < text.index(reply)
 
     def _takes_several_system(self) -> bool:
         """Whether the template renders two system messages at the start (Qwen 3.5's raises "System message must be at

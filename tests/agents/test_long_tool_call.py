@@ -37,7 +37,8 @@ PROMPT = "Write a long essay (a few thousand words) about rivers into the file e
 
 def forcing(name: str) -> Any:
     """The proxy's rewrite: the first model request (the one with the tools) is made to call the write tool with a long
-    text; the others pass unchanged."""
+    text; the others pass unchanged but for that tool's schema, which stays as the forced request had it (the prompt
+    renders the schema, so the next request reuses the whole of the one before)."""
     tool, param = FORCED[name]
     done: list[bool] = []
 
@@ -45,9 +46,6 @@ def forcing(name: str) -> Any:
         tools = body.get("tools") or []
         if not any((t.get("name") or t.get("function", {}).get("name")) == tool for t in tools):
             return capped(path, body)
-        if done:  # the long call was answered: the rest of the turn is the default model's noise, so it is ended
-            return ending(path, capped(path, body))
-        done.append(True)
         body = json.loads(json.dumps(body))
         for t in body["tools"]:
             if (t.get("name") or t.get("function", {}).get("name")) != tool:
@@ -55,6 +53,9 @@ def forcing(name: str) -> Any:
             schema = t.get("input_schema") or t.get("parameters") or t["function"]["parameters"]
             schema["properties"][param]["minLength"] = LONG_CHARS
             schema["properties"][param]["maxLength"] = LONG_CHARS + 500  # (then it ends, within the server's cap)
+        if done:  # the long call was answered: the rest of the turn is the default model's noise, so it is ended
+            return ending(path, capped(path, body))
+        done.append(True)
         if name == "claude-code":
             body["tool_choice"] = {"type": "tool", "name": tool}
         else:

@@ -138,6 +138,17 @@ def test_system_messages_at_the_start_become_one_where_the_template_takes_a_sing
     assert "Rules.<|im_end|>\n<|im_start|>system\nMore rules." in render(qwen, [*messages, {"role": "user", "content": "Hi"}])
 
 
+def test_a_template_that_holds_a_late_system_message_back_gets_it_folded_so_each_request_extends_the_last() -> None:
+    """The built-in gemma prepends a system message to the next user message: Claude Code's, sent after its first
+    user message, rendered last on a turn's first request and after the model's call on the next one, so the second
+    reused only what came before it (2.2k tokens computed again per request). Folded into the user message before."""
+    gemma = ChatTemplate.choose(None, None, "gemma")
+    assert gemma.system_role and not gemma.late_system
+    first = render(gemma, CLAUDE_CODE_TURNS[:3])
+    assert first.endswith("<start_of_turn>user\nYou are Claude Code.\n\nHi\n\nA reminder.<end_of_turn>\n<start_of_turn>model\n")
+    assert render(gemma, CLAUDE_CODE_TURNS).startswith(first)
+
+
 def test_a_template_that_takes_late_system_messages_renders_them_where_they_stand() -> None:
     qwen = chat_format("Qwen-Qwen2.5-7B-Instruct").template
     assert qwen.late_system
