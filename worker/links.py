@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from common import logs
 from kvroute.client import secure_client_socket
@@ -22,7 +23,7 @@ from protocol import JobDelta
 log = logs.get(__name__)
 
 # The last results and heartbeat leave even when the worker exits right after: a connected router takes them in
-# milliseconds; one that is gone (it stopped first, as `kvroute serve`'s does) never will, and the exit waits this long.
+# milliseconds. One that is gone (it stopped first, as `kvroute serve`'s does) never will: its link closes at once.
 LINGER_MS = 500
 
 
@@ -33,6 +34,8 @@ class RouterLink:
     index: int
     endpoint: str
     dealer: zmq.Socket
+    events: zmq.Socket | None = None  # the dealer's connects and disconnects (`reachable`)
+    gone: bool = False  # the router's connection closed and did not come back (unknown, inproc too: not gone)
     accepted: bool = False
     router_id: str | None = None
     step_deltas: bool = False  # it reads job_deltas (its accept said so)
@@ -50,8 +53,25 @@ class RouterLink:
         dealer.setsockopt(zmq.IDENTITY, worker_id.encode())
         dealer.setsockopt(zmq.LINGER, LINGER_MS)
         secure_client_socket(dealer, curve_key, router_key)
+        events = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         dealer.connect(endpoint)
-        return cls(index, endpoint, dealer)
+        return cls(index, endpoint, dealer, events)
+
+    def reachable(self) -> bool:
+        """Whether the router may still take what is sent (not known gone), from the dealer's events so far."""
+        while self.events is not None:
+            try:
+                event = recv_monitor_message(self.events, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.gone = event["event"] == zmq.EVENT_DISCONNECTED
+        return not self.gone
+
+    def close(self) -> None:
+        """Close; what waits to be sent gets LINGER_MS to leave, unless the router is gone."""
+        self.dealer.close(LINGER_MS if self.reachable() else 0)
+        if self.events is not None:
+            self.events.close(0)
 
     def send(self, frame: bytes, *, may_drop: bool) -> None:
         """Send a message. With routers side by side (`may_drop`) a router that does not read (killed, or stalled: about

@@ -463,6 +463,8 @@ class WorkerServer:
                         log.warning("heartbeat_late", late_s=round(now - next_beat, 2))
                     self._beat()
                     self.replies.sweep(now)
+                    for link in self.links:
+                        link.reachable()  # (reads its connection events: they do not pile up)
                     self._prune_direct_jobs()
                     next_beat = now + BEAT_S
                     notify(status=self.status_line())
@@ -490,7 +492,7 @@ class WorkerServer:
             return 0
         finally:
             for link in self.links:
-                link.dealer.close()
+                link.close()
             self.replies.close()
             self.pull.close(linger=0)
 

@@ -4,6 +4,7 @@ changed; a job naming a slot the other router's job holds is refused with slot_b
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,6 +29,7 @@ from protocol import (
     worker_to_router_decoder,
 )
 from worker.config import WorkerConfig
+from worker.links import LINGER_MS, RouterLink
 from worker.main import WorkerServer
 
 DECODER = worker_to_router_decoder()
@@ -181,4 +183,45 @@ def test_a_message_with_no_handler_is_answered_with_an_error_naming_its_type() -
         link.dealer.close(0)
         router.close(0)
         server.pull.close(0)
+        ctx.destroy(linger=0)
+
+
+def test_a_link_whose_router_is_gone_closes_at_once_and_one_still_there_gets_what_waits() -> None:
+    """`kvroute serve` stops its router before its workers: a worker's last heartbeat to it can never leave, and the
+    close waited LINGER_MS (500 ms) for it on every stop. A link knows its router is gone from its socket's events."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    links = [RouterLink.open(i, f"tcp://127.0.0.1:{port}", ctx, f"w{i}", None, None) for i in range(2)]
+    try:
+        for link in links:
+            link.dealer.send(b"hello")
+        assert [router.recv_multipart()[1] for _ in links] == [b"hello", b"hello"]
+        assert all(link.reachable() for link in links)
+        links[0].dealer.send(b"last")  # the router is there: it gets it
+        links[0].close()
+        assert router.recv_multipart() == [b"w0", b"last"]
+        router.close(0)
+        deadline = time.monotonic() + 10
+        while links[1].reachable():
+            assert time.monotonic() < deadline, "no disconnect seen in 10 s"
+            time.sleep(0.01)
+        links[1].dealer.send(b"never taken")
+        t0 = time.monotonic()
+        links[1].close()
+        assert time.monotonic() - t0 < LINGER_MS / 1000 / 2
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_link_to_a_router_not_started_yet_keeps_its_messages() -> None:
+    """Not gone is not the same as seen: a worker that says hello before its router binds (`kvroute serve` starts it
+    first) has seen no connection, and its messages wait for the router as before."""
+    ctx = zmq.Context()
+    try:
+        link = RouterLink.open(0, "tcp://127.0.0.1:1", ctx, "w", None, None)
+        assert link.reachable()
+        inproc = RouterLink.open(1, "inproc://router-later", ctx, "w", None, None)  # (inproc has no connection events)
+        assert inproc.reachable()
+    finally:
         ctx.destroy(linger=0)
