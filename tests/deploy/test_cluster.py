@@ -418,29 +418,33 @@ def test_curve_lets_allowed_keys_in_and_keeps_others_out(cluster: Cluster) -> No
     ok = cluster.client()
     assert {w.worker for w in ok.status().workers} == {"wa", "wb"}
     ok.close()
-    # a worker with a key the router does not know never gets an answer, and is logged
+    # Who must get no answer is asked at once, and each silence waited for side by side (from its own send): a worker
+    # with a key the router does not know (logged), clients with no key at all or a key not allowed, the CLI without keys
+    cli = [sys.executable, "-m", "commands.cli", "status", "--connect", cluster.client_ep, "--timeout", "3"]
+    without = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     fingerprint = Vocab.load(resolve_model(None)).fingerprint
     intruder = Peer(cluster.worker_ep, key=cluster.keys["intruder.key"], router_pub=cluster.keys["router.pub"], identity="evil")
     hello = Hello(worker_id="evil", incarnation=1, slots=2, ctx_per_slot=512, model_fingerprint=fingerprint, device="cpu")
     intruder.send(hello, refused_ok=True)
-    assert intruder.sock.poll(3000) == 0
-    intruder.close()
-    # clients: no key at all, or a key not allowed: no reply to a submit
     wrong = {"key": cluster.keys["intruder.key"], "router_pub": cluster.keys["router.pub"]}
-    for peer in (Peer(cluster.client_ep), Peer(cluster.client_ep, **wrong)):
+    peers = [Peer(cluster.client_ep), Peer(cluster.client_ep, **wrong)]
+    for peer in peers:
         peer.send(Submit(id="nokey", prompt="Hello", sampling=Sampling(max_tokens=2)), refused_ok=True)
-        assert peer.recv(2) is None
-        peer.close()
-    ok = cluster.client()
-    assert {w.worker for w in ok.status().workers} == {"wa", "wb"}  # "evil" never joined
-    ok.close()
-    # the CLI with the allowed client key gets in; without keys it gets no answer
-    cli = [sys.executable, "-m", "commands.cli", "status", "--connect", cluster.client_ep, "--timeout", "3"]
+    sent = time.monotonic()
+    # meanwhile the CLI with the allowed client key gets in
     keys = ["--curve-key", str(cluster.keys["client.key"]), "--router-key", str(cluster.keys["router.pub"])]
     with_keys = subprocess.run([*cli, *keys], capture_output=True, text=True, timeout=60)
     assert with_keys.returncode == 0 and "wa" in with_keys.stdout, with_keys.stderr
-    without = subprocess.run(cli, capture_output=True, text=True, timeout=60)
-    assert without.returncode == 1 and "cannot reach the router" in without.stderr
+    for peer in peers:
+        assert peer.recv(max(0.0, sent + 2 - time.monotonic())) is None
+        peer.close()
+    assert intruder.sock.poll(max(0, int((sent + 3 - time.monotonic()) * 1000))) == 0
+    intruder.close()
+    _, err = without.communicate(timeout=60)
+    assert without.returncode == 1 and "cannot reach the router" in err
+    ok = cluster.client()
+    assert {w.worker for w in ok.status().workers} == {"wa", "wb"}  # "evil" never joined
+    ok.close()
     log = cluster.log("router")
     refused = [line for line in log.splitlines() if '"peer_refused"' in line]
     intruder_key = read_key(cluster.keys["intruder.pub"], secret=False).decode()

@@ -22,6 +22,7 @@ import pytest
 from fault_helpers import BOUND_S, all_ready, free_port, status, wait_for
 from served import Served
 
+from kvroute import direct
 from kvroute.client import AsyncClient, KvrouteError
 from protocol import Delta, Result
 
@@ -56,9 +57,25 @@ async def scenario(a: Served, b: Served) -> tuple[str, Result, Result]:
     return code, moved, after
 
 
-def test_requests_move_to_the_other_router_when_the_one_in_use_dies(tmp_path) -> None:
-    a = Served(*FLAGS, log=tmp_path / "a.log")
-    b = Served(*FLAGS, log=tmp_path / "b.log")
+def two_serves(tmp_path: Path) -> tuple[Served, Served]:
+    """`kvroute serve` A and B, started side by side."""
+    a = Served(*FLAGS, log=tmp_path / "a.log", wait_ready=False)
+    b = Served(*FLAGS, log=tmp_path / "b.log", wait_ready=False)
+    try:
+        a.wait_health(200)
+        b.wait_health(200)
+    except BaseException:
+        a.stop()
+        b.stop()
+        raise
+    return a, b
+
+
+def test_requests_move_to_the_other_router_when_the_one_in_use_dies(tmp_path, monkeypatch) -> None:
+    # A's worker died with A: the story's end is known once it has been silent ORPHAN_STALL_S (10 s), 2 s here (no
+    # delta is late by that much while A lives: the limit applies only once A is gone)
+    monkeypatch.setattr(direct, "ORPHAN_STALL_S", 2.0)
+    a, b = two_serves(tmp_path)
     try:
         code, moved, after = asyncio.run(scenario(a, b))
         # its output had begun at A, whose worker died with it: not sent again, the reason named (with direct replies,
@@ -96,8 +113,7 @@ async def drain_scenario(a: Served, b: Served) -> tuple[str, Result]:
 
 
 def test_a_router_that_drains_sends_new_requests_to_the_other_and_finishes_its_own(tmp_path) -> None:
-    a = Served(*FLAGS, log=tmp_path / "a.log")
-    b = Served(*FLAGS, log=tmp_path / "b.log")
+    a, b = two_serves(tmp_path)
     try:
         ended, after = asyncio.run(drain_scenario(a, b))
         assert ended.startswith("completed")  # the request A was streaming finished there
@@ -179,7 +195,7 @@ async def two_routers_one_fleet(fleet: Fleet) -> dict[str, object]:
     # conversations' next turns through B: conversation 1's turn before went through A
     moving = AsyncClient(f"{za},{zb}", timeout_s=BOUND_S)
     begun = asyncio.Event()
-    story = asyncio.create_task(long_story(moving, 400, begun))
+    story = asyncio.create_task(long_story(moving, 160, begun))  # (streaming for seconds after A dies)
     await asyncio.wait_for(begun.wait(), BOUND_S)
     os.kill(fleet.routers[0].pid, signal.SIGKILL)
     story_end = await asyncio.wait_for(story, BOUND_S)

@@ -3,10 +3,11 @@ metadata): a forced call parses and validates, its round trip stays cached, a te
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -15,7 +16,7 @@ import openai
 import pytest
 from served import Served
 
-from common.model import resolve_model
+from common.model import cache_dir, resolve_model
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
 PARAMS = {
@@ -80,14 +81,21 @@ def test_a_family_template_served(template: str, marker: str, stable: bool, tmp_
 
 
 @pytest.fixture(scope="module")
-def hermes_gguf(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A copy of the default model whose GGUF carries Qwen 2.5's chat template (written with the `gguf` package)."""
-    out = tmp_path_factory.mktemp("gguf") / "gemma-with-qwen-template.gguf"
-    cmd = [sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(resolve_model(None)), str(out), "--force",
-           "--chat-template-file", str(TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja")]  # fmt: skip
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-    yield out
-    out.unlink()
+def hermes_gguf() -> Path:
+    """A copy of the default model whose GGUF carries Qwen 2.5's chat template (written with the `gguf` package, ~12 s
+    on 2 cores), kept in the model cache beside the tiny architectures' (bench/tiny_archs.py), named by what it is
+    made of: the model's file and the template's text."""
+    model, template = resolve_model(None), TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"
+    made_of = f"{model.name}:{model.stat().st_size}:".encode() + template.read_bytes()
+    out = cache_dir() / "derived" / f"{model.stem}-qwen-template-{hashlib.sha256(made_of).hexdigest()[:12]}.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(model), str(tmp), "--force",
+               "--chat-template-file", str(template)]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+        os.replace(tmp, out)  # (whole or not at all)
+    return out
 
 
 def test_the_family_is_detected_from_the_gguf_s_own_template(hermes_gguf: Path, tmp_path: Path) -> None:
