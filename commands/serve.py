@@ -342,8 +342,9 @@ async def _serve(
     models_cfg: ServeModels,
 ) -> None:
     from common.model import resolve_model
-    from router.main import handle_signals, load_router
+    from router.main import check_keys, handle_signals, load_router
 
+    check_keys(router_cfg)  # (before any worker starts)
     early: Supervisor | None = None
     if models is None:
         model = str(resolve_model(router_cfg.model))

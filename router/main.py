@@ -18,6 +18,7 @@ from common.config import add_args, from_args
 from common.model import resolve_model
 from router.config import RouterConfig
 from router.models import ServedModel, from_flag, model_name
+from router.security import Security
 from router.server import Router
 
 
@@ -64,6 +65,7 @@ def load_router(
     from common.config import UsageError
     from common.vocab import Vocab, VocabError
 
+    check_keys(cfg)
     models: list[tuple[ServedModel, Vocab]] = []
     for spec in served or [ServedModel(name="", path=cfg.model or "")]:
         path = resolve_model(spec.path or None)
@@ -86,6 +88,16 @@ def load_router(
     except zmq.ZMQError as exc:
         raise UsageError(f"cannot bind {cfg.client_endpoint} / {cfg.worker_endpoint}: {exc}") from None
     return router
+
+
+def check_keys(cfg: RouterConfig) -> None:
+    """A key setup `bind` would refuse, refused before anything loads (a vocabulary takes a second or more)."""
+    from common.config import UsageError
+
+    try:
+        Security.from_config(cfg)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def handle_signals(router: Router) -> None:

@@ -75,3 +75,7 @@ def test_non_loopback_bind_without_keys_stops_with_one_line(tmp_path: Path) -> N
     ):
         out = subprocess.run([KVROUTE, "router", *flags], capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    # serve says so before it starts a worker (or loads a vocabulary)
+    out = subprocess.run([KVROUTE, "serve", "--curve-key", str(tmp_path / "none.key"), "--worker-keys", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 1 and "cannot read key file" in out.stderr and "worker_spawned" not in out.stderr, out.stderr
