@@ -123,8 +123,8 @@ def held_script() -> list[Delta | Result]:
 
 @pytest.mark.anyio
 async def test_held_output_gets_each_apis_keep_alive_and_the_sdks_read_through_it() -> None:
-    router = SlowRouter(*held_script(), pause=1.0)
-    async with client_for(router, keep_alive_s=0.2) as c:
+    router = SlowRouter(*held_script(), pause=0.6)
+    async with client_for(router, keep_alive_s=0.12) as c:
         chat = (await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "stream": True})).text
         resp = (await c.post("/v1/responses", json={"input": "x", "stream": True})).text
         msgs = (
@@ -137,7 +137,7 @@ async def test_held_output_gets_each_apis_keep_alive_and_the_sdks_read_through_i
     assert seqs == list(range(len(seqs)))  # (keep-alives take their place in the sequence)
     assert sum(k == "ping" for k, _ in events(msgs)) >= 3
 
-    async with client_for(router, keep_alive_s=0.2) as http:
+    async with client_for(router, keep_alive_s=0.12) as http:
         oai = openai.AsyncOpenAI(base_url="http://test/v1", api_key="-", http_client=http)
         stream = await oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True)
         assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == "Hi"
@@ -145,7 +145,7 @@ async def test_held_output_gets_each_apis_keep_alive_and_the_sdks_read_through_i
             kinds = [e.type async for e in rs]
             final = await rs.get_final_response()
         assert "keepalive" in kinds and final.output_text == "Hi"
-    app = build_app(Gateway(router, "gemma", keep_alive_s=0.2))  # type: ignore[arg-type]
+    app = build_app(Gateway(router, "gemma", keep_alive_s=0.12))  # type: ignore[arg-type]
     async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://test") as http2:
         ant = anthropic.AsyncAnthropic(base_url="http://test", api_key="-", http_client=http2)  # (its SDK speaks httpx2)
         async with ant.messages.stream(model="m", max_tokens=9, messages=[{"role": "user", "content": "x"}]) as ms:

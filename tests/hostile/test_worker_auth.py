@@ -47,10 +47,13 @@ def test_a_process_without_the_key_cannot_join_as_a_worker(vocab: Vocab, tmp_pat
             worker(worker_ep, "foreign", vocab, (str(tmp_path / "other" / "intruder.key"), cfg.curve_key)),  # a key not let in
         ]
         hello = Hello(worker_id="x", incarnation=1, slots=2, ctx_per_slot=4096, model_fingerprint=vocab.fingerprint, device="cpu")
+        poller = zmq.Poller()
         for w in intruders:
             with contextlib.suppress(zmq.Again):  # (no handshake passed: no peer to send to)
                 w.sock.send(encode(msgspec.structs.replace(hello, worker_id=w.id)), zmq.NOBLOCK)
-            assert not w.sock.poll(1500), f"{w.id} got an answer"
+            poller.register(w.sock, zmq.POLLIN)
+        answered = dict(poller.poll(1500))  # (both waited for side by side)
+        assert not answered, f"{[w.id for w in intruders if w.sock in answered]} got an answer"
         assert rt.router.workers == {}
         assert rt.router.gatekeeper is not None and rt.router.gatekeeper.refused >= 1
         local = worker(worker_ep, "cpu0", vocab, (cfg.curve_key, cfg.curve_key))  # as serve's own workers hold it
