@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,16 @@ from worker.engine import Engine
 
 CTX = 4096
 SLOTS = 4
+HERE = Path(__file__).resolve().parent
+ENGINES = {"engine", "vocab", "fast_engine", "default4"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test here on one of these engines runs the real default model: it is in the model tier (`-m "not model"`
+    skips it) whether or not its module says so."""
+    for item in items:
+        if HERE in Path(item.path).parents and ENGINES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.fixture(scope="session")
