@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+from common.files import made_once
 
 RECIPES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "archs"
 # llama.cpp's names (general.architecture) of the architectures issue 48 names, and the sliding-window one
@@ -113,12 +114,7 @@ def model(arch: str, repeat: int = 1, n_ctx: int = 0) -> Path:
     (the tests' and benches' copy; named by its recipe's digest: a changed recipe writes a new one)."""
     digest = hashlib.sha256((RECIPES / f"{arch}.json").read_bytes()).hexdigest()[:12]
     out = CACHE / f"{arch}-{digest}{f'-x{repeat}' if repeat > 1 else ''}{f'-c{n_ctx}' if n_ctx else ''}.gguf"
-    if not out.exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        write(arch, tmp, repeat=repeat, n_ctx=n_ctx)
-        os.replace(tmp, out)  # (whole or not at all: tests in parallel may write it at once)
-    return out
+    return made_once(out, lambda tmp: write(arch, tmp, repeat=repeat, n_ctx=n_ctx))
 
 
 def main(argv: list[str]) -> int:

@@ -11,6 +11,7 @@ import contextlib
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 PRIVATE_FILE = 0o600
@@ -59,3 +60,14 @@ def write_private(path: Path, data: bytes) -> None:
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+def made_once(path: Path, make: Callable[[Path], None]) -> Path:
+    """`path`, made on first use by `make(tmp)` into a file beside it, then renamed: whole or not at all, also when
+    processes side by side make it at once (a derived model in the cache)."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        make(tmp)
+        os.replace(tmp, path)
+    return path

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import openai
 import pytest
 from served import Served
 
+from common.files import made_once
 from common.model import cache_dir, resolve_model
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
@@ -88,14 +88,13 @@ def hermes_gguf() -> Path:
     model, template = resolve_model(None), TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja"
     made_of = f"{model.name}:{model.stat().st_size}:".encode() + template.read_bytes()
     out = cache_dir() / "derived" / f"{model.stem}-qwen-template-{hashlib.sha256(made_of).hexdigest()[:12]}.gguf"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+
+    def make(tmp: Path) -> None:
         cmd = [sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(model), str(tmp), "--force",
                "--chat-template-file", str(template)]  # fmt: skip
         subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-        os.replace(tmp, out)  # (whole or not at all)
-    return out
+
+    return made_once(out, make)
 
 
 def test_the_family_is_detected_from_the_gguf_s_own_template(hermes_gguf: Path, tmp_path: Path) -> None:
