@@ -397,13 +397,33 @@ async def _serve(
     listed = [f"{m.name} ({Path(m.spec.path).name})" for m in router.models] if models else [Path(model).name]
     _say_where(router_cfg, http, ", ".join(listed))
     try:
-        await router.run()
+        await _run_with_http(router, http_task, http)
     finally:
         if http_task is not None:
             http_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await http_task
         await sup.stop()
+
+
+async def _run_with_http(router: Router, http_task: asyncio.Future[None] | None, http: HttpConfig | None) -> None:
+    """Run the router until it stops; an HTTP API that stops first (its port taken at start-up, or a crash later)
+    stops the router too and the command says why: a `serve` whose API is gone must not go on serving in silence."""
+    run = asyncio.ensure_future(router.run())
+    if http_task is None or http is None:
+        await run
+        return
+    await asyncio.wait([run, http_task], return_when=asyncio.FIRST_COMPLETED)
+    if run.done():
+        await run
+        return
+    failure = None if http_task.cancelled() else http_task.exception()
+    logs.get(__name__).error("http_stopped", url=http.http, error=str(failure), reason="the router stops with it")
+    router.shutdown()
+    await run
+    if isinstance(failure, OSError):
+        raise UsageError(f"cannot serve HTTP on {http.http}: {failure.strerror or failure}") from None
+    raise UsageError(f"the HTTP API on {http.http} stopped: {failure or 'it ended'}") from None
 
 
 def with_keys(specs: list[WorkerSpec], router_cfg: RouterConfig) -> list[WorkerSpec]:

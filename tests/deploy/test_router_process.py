@@ -79,3 +79,19 @@ def test_non_loopback_bind_without_keys_stops_with_one_line(tmp_path: Path) -> N
     out = subprocess.run([KVROUTE, "serve", "--curve-key", str(tmp_path / "none.key"), "--worker-keys", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 1 and "cannot read key file" in out.stderr and "worker_spawned" not in out.stderr, out.stderr
+
+
+def test_serve_whose_http_port_is_taken_says_so_and_exits() -> None:
+    """The HTTP API runs beside the router in serve: when it cannot listen, serve stops and says why (it once went
+    on serving ZMQ clients with no HTTP API and no word of it)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        zmq_port, worker_port = free_port(), free_port()
+        flags = ["--workers", "0", "--http", f"127.0.0.1:{port}", "--zmq", f"tcp://127.0.0.1:{zmq_port}"]
+        flags += ["--worker-endpoint", f"tcp://127.0.0.1:{worker_port}"]
+        out = subprocess.run([KVROUTE, "serve", *flags], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, out.stderr
+    assert f"kvroute serve: error: cannot serve HTTP on 127.0.0.1:{port}: Address already in use" in out.stderr
+    assert '"router_stopped"' in out.stderr and "Traceback" not in out.stderr
