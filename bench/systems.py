@@ -71,10 +71,20 @@ class Setup:
     gpu: int | None = None  # every layer on this GPU (kvroute: `workers` workers on it; llama-server: -ngl all)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now and not handed out before in this process (the benches' and the tests' one helper).
+    A port is only taken once its server binds it, so two picks before that (a serve's HTTP and ZMQ ports, or two
+    serves started side by side) could get the same one: seen, a serve's HTTP API on its own ZMQ port."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def commands(name: str, setup: Setup, port: int) -> list[list[str]]:

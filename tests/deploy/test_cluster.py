@@ -34,6 +34,7 @@ import pytest
 import yaml
 import zmq
 
+from bench.systems import free_port
 from common.keys import generate, read_key
 from common.model import cache_dir, resolve_model
 from common.vocab import Vocab
@@ -60,12 +61,6 @@ WORKER_SIZES = ["--slots", "2", "--ctx-per-slot", "512", "--threads", "1", "--dr
 # the workers' [worker] connect in the manifests: both routers, side by side
 ROUTERS_IN_MANIFESTS = "tcp://kvroute-router-0.kvroute-router-headless:5556,tcp://kvroute-router-1.kvroute-router-headless:5556"
 SUBNET = "10.231"  # 10.231.1.0/24 for namespace a, 10.231.2.0/24 for namespace b; checked unused first
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sh(*cmd: str) -> None:

@@ -11,15 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+from bench.systems import free_port
 from common.keys import generate
 
 KVROUTE = str(Path(sys.executable).parent / "kvroute")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def recv_until(sock: socket.socket, prefix: str, timeout_s: float = 30) -> list[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,20 +11,7 @@ from pathlib import Path
 
 import httpx
 
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback port free now and not handed out before in this process: a port is only taken once its server binds
-    it, so two picks before that (a serve's HTTP and ZMQ ports, or two serves started side by side) could get the same
-    one (seen: a serve's HTTP API on its own ZMQ port, never answering /health)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+from bench.systems import free_port
 
 
 class Served:

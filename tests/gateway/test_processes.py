@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,11 +13,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from bench.systems import free_port
 
 
 def listeners(port: int) -> set[int]:

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
+from bench.systems import free_port
 from kvroute.client import AsyncClient, BadRequest, TooLarge
 from protocol import Submit, pack_tokens
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.anyio

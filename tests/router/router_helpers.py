@@ -4,7 +4,6 @@ DEALER socket speaking the protocol) for unit tests of the server logic."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -12,6 +11,7 @@ from typing import Any
 
 import zmq
 
+from bench.systems import free_port
 from common.vocab import Vocab
 from protocol import (
     Heartbeat,
@@ -29,12 +29,6 @@ from protocol import (
 )
 from router.config import RouterConfig
 from router.server import Router
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def endpoints() -> tuple[str, str]:
