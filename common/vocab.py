@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
 from common.weights import tokenizer_fingerprint
 from protocol import vocab_message
@@ -226,6 +228,16 @@ class Vocab:
     def attr(self, token: int) -> int:
         """llama.cpp's attribute bits of a token (LLAMA_TOKEN_ATTR_CONTROL ...)."""
         return int(llama_cpp.llama_vocab_get_attr(self._vocab, token))
+
+    @functools.cached_property
+    def attrs(self) -> np.ndarray:
+        """Every token's attribute bits, token id -> bits, read once (262k calls: 0.08 s for Gemma's vocabulary)."""
+        get, v = llama_cpp.llama_vocab_get_attr, self._vocab
+        return np.fromiter((get(v, t) for t in range(self.n_vocab)), dtype=np.int64, count=self.n_vocab)
+
+    def text(self, token: int) -> bytes:
+        """A token's text as the vocabulary stores it (SentencePiece's spaces as U+2581; special tokens as written)."""
+        return llama_cpp.llama_vocab_get_text(self._vocab, token) or b""
 
     @property
     def pointer(self) -> Any:

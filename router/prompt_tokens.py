@@ -64,19 +64,22 @@ PIECE_S = 35e-9
 WINDOW = 1 << 16  # characters scanned for special tokens at a time
 SPECIAL = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
 STRIPS = llama_cpp.LLAMA_TOKEN_ATTR_LSTRIP | llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP
+CONTROL = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
+_SPACE_AFTER = re.compile(b"|".join(re.escape(s) for s in SPACES))  # searched from a piece's second byte
+
+
+def special_texts(vocab: Vocab) -> dict[int, str]:
+    """The special tokens (control, user-defined, unknown) of `vocab`: token id -> its text."""
+    ids = np.flatnonzero(vocab.attrs & SPECIAL)
+    return {int(t): vocab.text(int(t)).decode("utf-8", "replace") for t in ids}
 
 
 class TokenizeCost:
     """About how long llama_tokenize takes for a text with its special tokens parsed (the module docstring says why)."""
 
-    def __init__(self, vocab: Vocab) -> None:
-        v = vocab.pointer
-        texts = []
-        for t in range(vocab.n_vocab):
-            if llama_cpp.llama_vocab_get_attr(v, t) & SPECIAL:
-                text = (llama_cpp.llama_vocab_get_text(v, t) or b"").decode("utf-8", "replace")
-                if text:
-                    texts.append(text)
+    def __init__(self, special_texts: Iterable[str]) -> None:
+        """`special_texts`: the texts of the vocabulary's special tokens (`special_texts`)."""
+        texts = [t for t in special_texts if t]
         self.n_special = len(texts)
         self.first = Counter(t[0] for t in texts)  # first character -> special tokens starting with it
         # first character -> what every special token starting with it starts with (Gemma's space runs: two spaces,
@@ -219,7 +222,8 @@ class PromptTokenizer:
 
     def __init__(self, vocab: Vocab, *, max_entries: int = 512, max_chars: int = 64 << 20) -> None:
         self.vocab = vocab
-        self.cost = TokenizeCost(vocab)
+        special = special_texts(vocab)
+        self.cost = TokenizeCost(special.values())
         self.max_entries, self.max_chars = max_entries, max_chars
         # LRU: (tenant, add_special, head) -> tokens
         self._entries: OrderedDict[tuple[str, bool, str], np.ndarray] = OrderedDict()
@@ -239,25 +243,22 @@ class PromptTokenizer:
             llama_cpp.LLAMA_VOCAB_TYPE_SPM,
             llama_cpp.LLAMA_VOCAB_TYPE_BPE,
         ) and not llama_cpp.llama_vocab_get_add_eos(v)
-        self._text: dict[int, str] = {}  # special token id -> its text
-        candidates = []  # control tokens that strip no whitespace
-        # cuts between words need every piece's text (~0.3 s for Gemma's 262k at start), so only where they can be used
+        self._text: dict[int, str] = special if usable else {}  # special token id -> its text
+        attrs = vocab.attrs
+        # control tokens that strip no whitespace
+        candidates = [t for t, text in self._text.items() if attrs[t] & CONTROL and not attrs[t] & STRIPS and text]
+        # cuts between words need every piece's text (~0.15 s for Gemma's 262k at start), so only where they can be used
         words = usable and kind == llama_cpp.LLAMA_VOCAB_TYPE_SPM and not vocab.add_space_prefix
         near_space: set[str] = set()  # characters a piece has just before a space, or a special token at an end
-        for t in range(vocab.n_vocab) if usable else ():
-            attr = llama_cpp.llama_vocab_get_attr(v, t)
-            if not (attr & SPECIAL or words):
-                continue
-            raw = llama_cpp.llama_vocab_get_text(v, t) or b""
-            if not attr & SPECIAL and not any(raw.find(s, 1) > 0 for s in SPACES):  # (most pieces: a space first at most)
-                continue
-            text = raw.decode("utf-8", "replace")
+        for text in self._text.values():
+            near_space.update(text[:1] + text[-1:])
+        spaced = list(self._text.values())  # texts with a space after their first character, among them
+        if words:  # (most pieces have a space first at most: only those with one further on are decoded)
+            get_text, space_after = llama_cpp.llama_vocab_get_text, _SPACE_AFTER.search
+            pieces = [get_text(v, t) or b"" for t in range(vocab.n_vocab)]
+            spaced += [p.decode("utf-8", "replace") for p in pieces if space_after(p, 1)]
+        for text in spaced:
             near_space.update(text[i - 1] for i in range(1, len(text)) if text[i] in (SPACE, " ") and text[i - 1] != text[i])
-            if attr & SPECIAL:
-                self._text[t] = text
-                near_space.update(text[:1] + text[-1:])
-                if attr & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL and not attr & STRIPS and text:
-                    candidates.append(t)
         self._candidate = np.zeros(vocab.n_vocab if usable else 0, dtype=bool)  # token id -> one of those (O(1) test)
         self._candidate[candidates] = True
         self._judged: dict[str, bool] = {}  # special text -> whether prompts may be cut after it
