@@ -71,7 +71,6 @@ from protocol import (
     Tokenize,
     Tokens,
     client_request_decoder,
-    encode,
     kind_of,
     outside_vocab,
     unpack_tokens,
@@ -83,6 +82,7 @@ from router.config import RouterConfig
 from router.metrics import Metrics
 from router.mirror import Mirror
 from router.models import ModelCore, Models, ServedModel, model_name, status
+from router.outbox import Outbox
 from router.prepare import Prepared, PrepareError, prepare, tokens_reply
 from router.prompt_tokens import PromptTokenizer
 from router.requests import Req, WorkerConn
@@ -100,8 +100,6 @@ CLOSE_LINGER_MS = 1000  # last replies (drain errors) get this long to leave whe
 PREPARE_THREADS = 2
 DECODE_INLINE_BYTES = 1 << 20  # a larger client frame is decoded on a preparing thread (10 ms a megabyte, and more)
 DECODING_MAX = 64  # frames of one client kept waiting behind its large frame being decoded
-BACKLOG_MAX = 100_000  # messages kept for one peer that does not read
-BACKLOG_TIMEOUT_S = 30.0  # how long a peer may stay behind
 NO_MODEL = frozenset({Invalid, Cancel, StatusRequest, MetricsRequest})  # client messages that name no model
 
 
@@ -156,9 +154,6 @@ class Router:
         for m in cores:  # (the supervisor counts restarts in one table)
             m.core.restarts = m.core.table.restarts = self.core.restarts
         self.on_kill: Callable[[Kill], None] | None = None  # set by the supervisor of local workers
-        # per peer (worker?, identity): messages waiting while its pipe is full, and since when
-        self._backlog: dict[tuple[bool, bytes], collections.deque[Out]] = {}
-        self._behind_since: dict[tuple[bool, bytes], float] = {}
         self._stop = asyncio.Event()
         self.ready = asyncio.Event()
         self.client_sock: zmq.asyncio.Socket | None = None
@@ -175,6 +170,7 @@ class Router:
         self._decoding: dict[bytes, collections.deque[tuple[tuple[bytes, ...], bytes]]] = {}
         self.gatekeeper: Gatekeeper | None = None
         self._raw: tuple[zmq.Socket[bytes], zmq.Socket[bytes]] | None = None
+        self.outbox: Outbox | None = None  # (made with the sockets, in `bind`)
         self._inboxes: list[Inbox] = []
 
     def _model_core(self, spec: ServedModel, vocab: Vocab, metrics: Metrics) -> ModelCore:
@@ -247,6 +243,7 @@ class Router:
         self.worker_sock = self._router_socket(self.cfg.worker_endpoint, security, "workers")
         # the same sockets without the asyncio wrapper: every read and send goes through these (Inbox says why)
         self._raw = (zmq.Socket.shadow(self.client_sock.underlying), zmq.Socket.shadow(self.worker_sock.underlying))
+        self.outbox = Outbox(*self._raw, self._lost)
 
     def _router_socket(self, endpoint: str, security: Security, domain: str) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.ROUTER)
@@ -352,15 +349,13 @@ class Router:
     # ---- sending --------------------------------------------------------------------------------
 
     def _flush(self) -> None:
-        """Send what the core produced; a send that fails becomes the core's next event (and is flushed too)."""
+        """Send what the core produced (router/outbox.py); a send that fails becomes the core's next event (and is
+        flushed too)."""
         for core in self.cores:
             while out := core.take():
+                assert self.outbox is not None
                 for o in batched(out):
-                    key = (o.worker, o.to)
-                    if key in self._backlog:
-                        self._backlog[key].append(o)  # behind what already waits for this peer, in order
-                    else:
-                        self._send(o)
+                    self.outbox.put(o)
             for kill in core.take_kills():
                 log.warning("worker_kill", worker=kill.worker, incarnation=kill.incarnation, pid=kill.pid, reason=kill.reason)
                 if self.on_kill is not None:
@@ -368,52 +363,13 @@ class Router:
         for inbox in self._inboxes:  # (a send may have taken a socket's readiness edge)
             inbox.rearm()
 
-    def _send(self, o: Out) -> bool:
-        """Send one message; False when the peer's pipe is full (the message then waits in its backlog)."""
-        assert self._raw is not None
-        sock = self._raw[1] if o.worker else self._raw[0]
-        try:
-            sock.send_multipart([o.to, *o.envelope, encode(o.msg)], zmq.NOBLOCK)
-        except zmq.Again:
-            key = (o.worker, o.to)
-            self._backlog.setdefault(key, collections.deque()).appendleft(o)
-            self._behind_since.setdefault(key, time.monotonic())
-            return False
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                log.warning("send_failed", worker=o.worker, error=str(exc), message=type(o.msg).__name__)
-            elif o.worker:
-                worker = o.to.decode("utf-8", "replace")
-                self._core_of_worker(worker).worker_dead(worker, "unreachable")
-            else:
-                self._client_gone(o.to)
-        return True
-
-    def _catch_up(self, now: float) -> None:
-        """Send what waits for peers whose pipes were full; cut the peers that stay behind too long."""
-        for key, backlog in list(self._backlog.items()):
-            del self._backlog[key]  # (so that `_send` puts a refused message back in a fresh one)
-            while backlog and self._send(backlog.popleft()):
-                pass
-            if key in self._backlog:  # still full: what was left goes behind the refused message
-                self._backlog[key].extend(backlog)
-                backlog = self._backlog[key]
-                since = self._behind_since[key]
-                if len(backlog) > BACKLOG_MAX or now - since > BACKLOG_TIMEOUT_S:
-                    self._cut(key, len(backlog), now - since)
-            else:
-                self._behind_since.pop(key, None)
-        self._flush()
-
-    def _cut(self, key: tuple[bool, bytes], waiting: int, behind_s: float) -> None:
-        worker, identity = key
-        del self._backlog[key], self._behind_since[key]
-        peer = identity.decode("utf-8", "replace") if worker else identity.hex()
-        log.warning("peer_cut", worker=worker, peer=peer, unsent=waiting, behind_s=round(behind_s, 1),
-                    reason="it did not read its messages")  # fmt: skip
-        self.core.metrics.peers_cut += 1
+    def _lost(self, worker: bool, identity: bytes, reason: str, cut: bool) -> None:
+        """The outbox could not reach a peer (`cut`: it stayed behind): a worker is dead, a client's requests end."""
+        if cut:
+            self.core.metrics.peers_cut += 1
         if worker:
-            self._core_of_worker(peer).worker_dead(peer, f"did not read its messages for {behind_s:.0f} s")
+            name = identity.decode("utf-8", "replace")
+            self._core_of_worker(name).worker_dead(name, reason)
         else:
             self._client_gone(identity)
 
@@ -756,8 +712,9 @@ class Router:
             core.tick(now)
         self.models.tick(now)
         self._flush()
-        if self._backlog:
-            self._catch_up(now)
+        if self.outbox is not None and self.outbox.backlog:
+            self.outbox.catch_up(now)
+            self._flush()
         self._check_drained(now)
         if now >= self._next_status:
             self._next_status = now + STATUS_EVERY_S

@@ -334,10 +334,10 @@ def test_a_client_that_stops_reading_gets_every_message_in_order_when_it_reads_a
         w.delta(job, [i % 100 + 1], text=text)
     w.done(job, [1, 2])
     deadline = time.monotonic() + 10
-    while not rt.router._backlog and time.monotonic() < deadline:
+    while not rt.router.outbox.backlog and time.monotonic() < deadline:
         w.heartbeat()
         time.sleep(0.1)
-    assert rt.router._backlog, "the client's pipe never filled"
+    assert rt.router.outbox.backlog, "the client's pipe never filled"
     other = RawClient(cep)
     other.send(StatusRequest(id="st"))
     assert isinstance(other.recv(5), StatusReply)  # not held up by the slow reader
@@ -351,7 +351,7 @@ def test_a_client_that_stops_reading_gets_every_message_in_order_when_it_reads_a
         else:
             assert isinstance(msg, Result), msg
             break
-    assert deltas == n and not rt.router._backlog and rt.router.metrics.peers_cut == 0
+    assert deltas == n and not rt.router.outbox.backlog and rt.router.metrics.peers_cut == 0
     for x in (slow, other, w):
         x.close()
 
