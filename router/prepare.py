@@ -21,7 +21,19 @@ from chat.output import OutputSpec
 from chat.request import ChatFormat, prompt_constraint, shift_points, shifted
 from chat.template import TemplateError
 from common.vocab import Vocab
-from protocol import Constraint, Detokenize, Submit, Tokenize, Tokens, outside_vocab, pack_tokens, token_array, vocab_message
+from protocol import (
+    Constraint,
+    Detokenize,
+    Embed,
+    Submit,
+    Tokenize,
+    Tokens,
+    outside_vocab,
+    pack_tokens,
+    token_array,
+    unpack_tokens,
+    vocab_message,
+)
 from router.prompt_tokens import PromptTokenizer, TokenizeCost
 
 PLAIN = OutputSpec()
@@ -207,3 +219,37 @@ def tokens_reply(
     ids = vocab.tokenize(text, add_special=add_special, parse_special=parse_special)
     pieces = [vocab.piece(t) for t in ids] if msg.with_pieces else []
     return Tokens(id=msg.id, tokens=pack_tokens(ids), text=text, pieces=pieces)
+
+
+def embed_inputs(msg: Embed, vocab: Vocab, cost: TokenizeCost, deadline: Deadline) -> list[list[int]]:
+    """An embed request's inputs as tokens: token ids checked against the vocabulary, or texts tokenized as a prompt
+    is (BOS by the model's rule, special-token text read as such)."""
+    if msg.tokens is not None:
+        inputs = [unpack_tokens(t) for t in msg.tokens]
+        for i, ids in enumerate(inputs):
+            if (bad := outside_vocab(ids, vocab.n_vocab)) is not None:
+                raise PrepareError(f"input {i}: {vocab_message(bad, vocab.n_vocab)}", "tokens")
+        return inputs
+    out = []
+    for i, text in enumerate(msg.input or []):
+        deadline.check(f"input[{i}]")
+        cost.check(text, deadline)
+        out.append(vocab.tokenize(text, add_special=True, parse_special=True))
+    return out
+
+
+def rerank_inputs(query: str, documents: list[str], vocab: Vocab, cost: TokenizeCost, deadline: Deadline) -> list[list[int]]:
+    """A reranker's (query, document) inputs made as llama-server makes them (common/vocab.py `rerank_prompt`); a query
+    longer than the model's context is refused once, not once per document."""
+    deadline.check("query")
+    query_tokens = vocab.tokenize(query, add_special=False, parse_special=False)  # (once, not per document)
+    trained = vocab.arch_meta_int("context_length")
+    if trained and len(query_tokens) > trained:  # (every pair would be refused: none is built)
+        raise PrepareError(f"`query` of {len(query_tokens)} tokens is longer than the model's context ({trained})", "query")
+    out = []
+    for i, d in enumerate(documents):
+        deadline.check(f"documents[{i}]")
+        if vocab.rerank_template is not None:  # (special-token text is read as such only in a template)
+            cost.check(query + d, deadline)
+        out.append(vocab.rerank_prompt(query, d, query_tokens=query_tokens))
+    return out

@@ -72,9 +72,6 @@ from protocol import (
     Tokens,
     client_request_decoder,
     kind_of,
-    outside_vocab,
-    unpack_tokens,
-    vocab_message,
     worker_to_router_decoder,
 )
 from router import admission, exposition
@@ -83,7 +80,7 @@ from router.metrics import Metrics
 from router.mirror import Mirror
 from router.models import ModelCore, Models, ServedModel, model_name, status
 from router.outbox import Outbox
-from router.prepare import Prepared, PrepareError, prepare, tokens_reply
+from router.prepare import Prepared, PrepareError, embed_inputs, prepare, rerank_inputs, tokens_reply
 from router.prompt_tokens import PromptTokenizer
 from router.requests import Req, WorkerConn
 from router.scheduler import Out, Scheduler
@@ -518,18 +515,7 @@ class Router:
         timeout = self.cfg.prepare_timeout_s
 
         def work() -> list[list[int]]:
-            if msg.tokens is not None:
-                inputs = [unpack_tokens(t) for t in msg.tokens]
-                for i, ids in enumerate(inputs):
-                    if (bad := outside_vocab(ids, vocab.n_vocab)) is not None:
-                        raise PrepareError(f"input {i}: {vocab_message(bad, vocab.n_vocab)}", "tokens")
-                return inputs
-            deadline, out = Deadline(timeout), []
-            for i, text in enumerate(msg.input or []):
-                deadline.check(f"input[{i}]")
-                model.prompts.cost.check(text, deadline)
-                out.append(vocab.tokenize(text, add_special=True, parse_special=True))
-            return out
+            return embed_inputs(msg, vocab, model.prompts.cost, Deadline(timeout))
 
         self._prepared_then(identity, envelope, msg.id, work, lambda inputs: core.embed(identity, envelope, msg, inputs))
 
@@ -580,21 +566,7 @@ class Router:
         query, documents, timeout = msg.query, msg.documents, self.cfg.prepare_timeout_s
 
         def work() -> list[list[int]]:
-            deadline = Deadline(timeout)
-            deadline.check("query")
-            query_tokens = vocab.tokenize(query, add_special=False, parse_special=False)  # (once, not per document)
-            trained = vocab.arch_meta_int("context_length")
-            if trained and len(query_tokens) > trained:  # (every pair would be refused: none is built)
-                raise PrepareError(
-                    f"`query` of {len(query_tokens)} tokens is longer than the model's context ({trained})", "query"
-                )
-            out = []
-            for i, d in enumerate(documents):
-                deadline.check(f"documents[{i}]")
-                if vocab.rerank_template is not None:  # (special-token text is read as such only in a template)
-                    model.prompts.cost.check(query + d, deadline)
-                out.append(vocab.rerank_prompt(query, d, query_tokens=query_tokens))
-            return out
+            return rerank_inputs(query, documents, vocab, model.prompts.cost, Deadline(timeout))
 
         self._prepared_then(identity, envelope, msg.id, work, lambda inputs: core.embed(identity, envelope, msg, inputs))
 
