@@ -8,8 +8,8 @@ reported to the core as its own event. All state is owned by this loop: no locks
 - A frame a client sends that cannot be decoded gets an `error` reply naming the problem (and the request id when
   it can be read, even from a frame over the size cap); the loop goes on.
 - A peer that does not read (its pipe is at the high-water mark) gets what is for it kept in order in a backlog,
-  sent as it reads again; a client that stays behind for BACKLOG_TIMEOUT_S, or BACKLOG_MAX messages, is cut (its
-  requests cancelled, logged), a worker is declared dead. Nothing is dropped without a log line.
+  sent as it reads again (router/outbox.py); a client that stays behind for BACKLOG_TIMEOUT_S, or BACKLOG_MAX
+  messages, is cut (its requests cancelled, logged), a worker is declared dead. Nothing is dropped without a log line.
 - Workers the core wants killed (hung, or silent long after they were declared dead) go to `on_kill` (the
   supervisor, under `kvroute serve`; systemd's watchdog does it for units).
 - Every request's preparation (its template, tokenizing, schema and grammar work, detokenizing) runs on the
