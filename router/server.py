@@ -30,7 +30,6 @@ second; WATCHDOG=1 from the ticker when the unit asks for it; STOPPING=1 when dr
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import contextlib
 import gc
@@ -70,12 +69,12 @@ from protocol import (
     Submit,
     Tokenize,
     Tokens,
-    client_request_decoder,
     kind_of,
     worker_to_router_decoder,
 )
 from router import admission, exposition
 from router.config import RouterConfig
+from router.intake import ClientIntake
 from router.metrics import Metrics
 from router.mirror import Mirror
 from router.models import ModelCore, Models, ServedModel, model_name, status
@@ -95,8 +94,6 @@ CLOSE_LINGER_MS = 1000  # last replies (drain errors) get this long to leave whe
 # Requests are prepared on this many threads: one long preparation (a 130 kB conversation takes 80 ms to tokenize,
 # a hostile one up to --prepare-timeout-s) does not hold up everyone else's (llama_tokenize releases the GIL)
 PREPARE_THREADS = 2
-DECODE_INLINE_BYTES = 1 << 20  # a larger client frame is decoded on a preparing thread (10 ms a megabyte, and more)
-DECODING_MAX = 64  # frames of one client kept waiting behind its large frame being decoded
 NO_MODEL = frozenset({Invalid, Cancel, StatusRequest, MetricsRequest})  # client messages that name no model
 
 
@@ -155,7 +152,6 @@ class Router:
         self.ready = asyncio.Event()
         self.client_sock: zmq.asyncio.Socket | None = None
         self.worker_sock: zmq.asyncio.Socket | None = None
-        self._client_decoder = client_request_decoder(cfg.max_frame_bytes)
         self.client_handlers = dict(self.CLIENT_HANDLERS)  # (a test takes one out)
         self._worker_decoder = worker_to_router_decoder()
         self._drain_deadline = 0.0
@@ -163,8 +159,7 @@ class Router:
         self._watchdog_s = watchdog_interval_s(cfg.alive_file)
         self._next_watchdog = 0.0
         self._preparing = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="kvroute-prepare")
-        # clients with a large frame being decoded off the loop -> their frames that came after it, in order
-        self._decoding: dict[bytes, collections.deque[tuple[tuple[bytes, ...], bytes]]] = {}
+        self.intake = ClientIntake(cfg.max_frame_bytes, self._handle, self._off_loop, self.core.reply, self.core.metrics)
         self.gatekeeper: Gatekeeper | None = None
         self._raw: tuple[zmq.Socket[bytes], zmq.Socket[bytes]] | None = None
         self.outbox: Outbox | None = None  # (made with the sockets, in `bind`)
@@ -279,7 +274,7 @@ class Router:
         notify(ready=True, status=self.status_line())
         assert self._raw is not None
         self._inboxes = [
-            Inbox(self._raw[0], self._client_frames, self._flush),
+            Inbox(self._raw[0], self.intake.frames, self._flush),
             Inbox(self._raw[1], self._worker_frames, self._flush),
         ]
         tasks = [asyncio.ensure_future(self._ticker()), *(self.gatekeeper.tasks() if self.gatekeeper else [])]
@@ -376,60 +371,11 @@ class Router:
 
     # ---- client side ----------------------------------------------------------------------------
 
-    def _client_frames(self, frames: list[bytes]) -> None:
-        identity, rest = frames[0], frames[1:]
-        envelope: tuple[bytes, ...]
-        if len(rest) == 2 and rest[0] == b"":
-            envelope, payload = (b"",), rest[1]
-        elif len(rest) == 1:
-            envelope, payload = (), rest[0]
-        else:
-            self.core.metrics.bad_frames += 1
-            message = f"expected one message frame, got {len(rest)}"
-            self.core.reply(identity, (), Error(code=ErrorCode.BAD_REQUEST, message=message))
-            return
-        waiting = self._decoding.get(identity)
-        if waiting is not None:  # (behind a large frame of the same client being decoded: its order is kept)
-            if len(waiting) >= DECODING_MAX:
-                self._too_many_large(identity, envelope, payload)
-            else:
-                waiting.append((envelope, payload))
-        elif len(payload) > DECODE_INLINE_BYTES:
-            self._decoding[identity] = collections.deque()
-            self._decode_off_loop(identity, envelope, payload)
-        else:
-            self._handle(identity, envelope, self._client_decoder.decode(payload))
-
     def _handle(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any) -> None:
         try:
             self._on_client_message(identity, envelope, msg)
         except Exception as exc:  # never let one request take the loop down, nor stay in flight
             self._crashed(identity, envelope, getattr(msg, "id", None), exc)
-
-    def _decode_off_loop(self, identity: bytes, envelope: tuple[bytes, ...], payload: bytes) -> None:
-        """A large frame is decoded on a preparing thread (a 7 MB submit of 100,000 messages takes 50-100 ms); the
-        client's next frames wait for it, so that a cancel right after its submit still finds it."""
-
-        def then(msg: Any) -> None:
-            if isinstance(msg, BaseException):  # (the decoder answers Invalid for anything it cannot read)
-                msg = Invalid(ErrorCode.INTERNAL, f"frame could not be decoded: {msg!r}")
-            self._handle(identity, envelope, msg)
-            waiting = self._decoding.get(identity)
-            while waiting:
-                env, frame = waiting.popleft()
-                if len(frame) > DECODE_INLINE_BYTES:
-                    self._decode_off_loop(identity, env, frame)
-                    return
-                self._handle(identity, env, self._client_decoder.decode(frame))
-            self._decoding.pop(identity, None)
-
-        self._off_loop(lambda: self._client_decoder.decode(payload), then)
-
-    def _too_many_large(self, identity: bytes, envelope: tuple[bytes, ...], payload: bytes) -> None:
-        self.core.metrics.requests[ErrorCode.QUEUE_FULL] += 1
-        rid = self._client_decoder.request_id(payload)
-        text = f"{DECODING_MAX} frames of this client already wait behind a large one being decoded"
-        self.core.reply(identity, envelope, Error(id=rid, code=ErrorCode.QUEUE_FULL, message=text, retry_after_ms=1000))
 
     def _crashed(self, identity: bytes, envelope: tuple[bytes, ...], rid: str | None, exc: BaseException) -> None:
         """Handling request `rid` of this client raised: it ends with an internal error carrying its id and an error
