@@ -1,5 +1,6 @@
 """The documentation holds together: the generated reference is what its module writes, and every relative link in
-the README, ARCHITECTURE.md, docs/ and bench/README.md reaches a file (and a heading there, for `#anchor` links)."""
+the README, ARCHITECTURE.md, docs/, bench/README.md and router/README.md reaches a file (and a heading there, for
+`#anchor` links)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from commands import reference
 
 ROOT = Path(__file__).parents[2]
-PAGES = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", ROOT / "bench" / "README.md", ROOT / "router" / "README.md",
+         *sorted((ROOT / "docs").glob("*.md"))]  # fmt: skip
 
 _LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
 _FENCE = re.compile(r"^```.*?^```", re.M | re.S)
