@@ -252,7 +252,8 @@ class PromptTokenizer:
         near_space: set[str] = set()  # characters a piece has just before a space, or a special token at an end
         for text in self._text.values():
             near_space.update(text[:1] + text[-1:])
-        spaced = list(self._text.values())  # texts with a space after their first character, among them
+        # where to look for characters just before a space: the special texts, and every piece with a space past its start
+        spaced = list(self._text.values())
         if words:  # (most pieces have a space first at most: only those with one further on are decoded)
             get_text, space_after = llama_cpp.llama_vocab_get_text, _SPACE_AFTER.search
             pieces = [get_text(v, t) or b"" for t in range(vocab.n_vocab)]
