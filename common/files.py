@@ -68,6 +68,10 @@ def made_once(path: Path, make: Callable[[Path], None]) -> Path:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        make(tmp)
-        os.replace(tmp, path)
+        try:
+            make(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # (a half-made file would stay in the cache for good)
+            raise
     return path

@@ -31,4 +31,4 @@ def test_a_make_that_fails_leaves_no_file(tmp_path: Path) -> None:
     out = tmp_path / "model.gguf"
     with pytest.raises(OSError, match="disk full"):
         made_once(out, half)
-    assert not out.exists()
+    assert not out.exists() and not list(tmp_path.iterdir())  # (nor the half-made one beside it)
