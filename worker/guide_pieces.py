@@ -53,12 +53,12 @@ def guide_pieces(vocab: Vocab, stop: threading.Event) -> list[bytes]:
 
 
 def compute(vocab: Vocab, stop: threading.Event) -> list[bytes]:
-    pieces = []
+    pieces, attrs = [], vocab.attrs
     for t in range(vocab.n_vocab):
         if stop.is_set():
             raise Stopped("the worker stopped")
         piece = vocab.piece(t)
-        if vocab.attr(t) & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL:
+        if attrs[t] & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL:
             piece = SPECIAL + piece
         pieces.append(piece)
     return pieces
