@@ -15,7 +15,9 @@ of milliseconds over Gemma's 262k-token vocabulary (docs/models.md, "Tool calls 
 
 from __future__ import annotations
 
+import collections
 import json
+import threading
 from typing import Any
 
 import llguidance
@@ -37,13 +39,46 @@ class ChatError(ValueError):
         self.param = param
 
 
+class CheckedGrammars:
+    """What llguidance said of the grammars checked lately (an error, or "" for one that compiles), by their text, so
+    that a grammar many requests repeat (an agent's tools, a schema) is compiled once here, as each worker compiles it
+    once (worker/guide.py): least recently used out past `max_chars` characters of grammar. Thread safe (the
+    router's preparing threads share it)."""
+
+    def __init__(self, max_chars: int = 4 << 20) -> None:
+        self.max_chars = max_chars
+        self._said: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.compiles = 0
+
+    def error(self, lark: str) -> str:
+        with self._lock:
+            said = self._said.get(lark)
+            if said is not None:
+                self._said.move_to_end(lark)
+                return said
+        said = (llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(lark), limits=LIMITS) or "").strip()
+        with self._lock:
+            self.compiles += 1
+            if lark not in self._said and len(lark) <= self.max_chars:
+                self._said[lark] = said
+                self._chars += len(lark)
+                while self._chars > self.max_chars:
+                    self._chars -= len(self._said.popitem(last=False)[0])
+        return said
+
+
+CHECKED = CheckedGrammars()
+
+
 def check(lark: str, param: str) -> None:
     """Raise ChatError naming `param` when llguidance cannot compile the grammar (first the running deadline, if any:
-    a compile takes milliseconds to a second)."""
+    a compile takes milliseconds to a second; a grammar checked lately is not compiled again)."""
     Deadline.check_running(param)
-    error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(lark), limits=LIMITS)
+    error = CHECKED.error(lark)
     if error:
-        raise ChatError(f"`{param}` cannot be compiled to a grammar: {error.strip()}", param)
+        raise ChatError(f"`{param}` cannot be compiled to a grammar: {error}", param)
 
 
 def json_rule(name: str, schema: dict[str, Any], param: str | None = None) -> str:

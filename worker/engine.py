@@ -132,7 +132,10 @@ class Engine:
         if sink is None:
             stream = JobStream(job.id)
             sink = stream.put
-        self._inbox.put(("job", (job, sink, time.monotonic())))
+        t_arrival = time.monotonic()
+        if job.constraint is not None:  # compiled here (the I/O thread), once per grammar: the compute thread clones it
+            self.guide_tokenizer.grammars.compile_ahead(job.constraint.grammar)
+        self._inbox.put(("job", (job, sink, t_arrival)))
         return stream
 
     def cancel(self, job_id: str) -> None:

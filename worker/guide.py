@@ -5,12 +5,20 @@ llguidance computes the set of allowed tokens in tens of microseconds (measured:
 tokens, where llama.cpp's grammar sampler took 32 ms), so a constrained slot does not slow the others. A lazy
 constraint (`triggers`) leaves the output free until a trigger appears in it; from there the text, trigger
 included, must match the grammar.
+
+Each distinct grammar is compiled once per worker (`CompiledGrammars`): as its first job arrives, on the I/O thread
+(worker/engine.py `submit`), then cloned for each job; the compute thread only clones.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import ctypes
 import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import llama_cpp
@@ -27,6 +35,11 @@ log = logs.get(__name__)
 # process that had loaded llguidance's native library before its first CUDA model load (a worker, worker_bench.py,
 # the in-process tests) died in llama_model_load_from_file, while the same loads without it lived
 # (bench/gpu/context_probe.py's import cases check that on the next GPU machine)
+
+# compiled grammars a worker keeps: a compiled grammar takes about 60 bytes of memory a character of its text
+# (measured: 11 MiB for 256 tools' 180k characters), so 2 Mi characters keep about 120 MiB at most
+GRAMMARS_KEPT = 64
+GRAMMARS_KEPT_CHARS = 2 * 2**20
 
 
 class GuideError(ValueError):
@@ -48,6 +61,7 @@ class GuideTokenizer:
         self._closing = threading.Event()
         self._tok: Any = None
         self._error: BaseException | None = None
+        self.grammars = CompiledGrammars(self.get)  # (compiled for this tokenizer: its text is the key)
         self._thread = threading.Thread(target=self._build, name="kvroute-guide-tokenizer", daemon=True)
         self._thread.start()
 
@@ -91,36 +105,107 @@ class GuideTokenizer:
         return self._tok
 
 
+class CompiledGrammars:
+    """Each distinct grammar compiled once for one tokenizer and kept, least recently used out first past `max_kept`
+    grammars or `max_chars` characters of their text; each job advances a clone of it (`deep_copy`, microseconds,
+    where a compile takes milliseconds to a second: 160 ms for 256 tools). A grammar that does not compile is kept as
+    its error. The kept matchers have computed their first mask: the lexer states it built are cloned too.
+
+    The first thread to ask for a grammar compiles it; another asking meanwhile waits for that compile. llguidance
+    drops the GIL while it compiles, so a compile on the I/O thread does not stall the compute thread."""
+
+    def __init__(self, tokenizer: Callable[[], Any], max_kept: int = GRAMMARS_KEPT, max_chars: int = GRAMMARS_KEPT_CHARS) -> None:
+        self._tokenizer = tokenizer  # the LLTokenizer, asked for at the first compile (it may still be building)
+        self.max_kept, self.max_chars = max_kept, max_chars
+        self._kept: collections.OrderedDict[str, Future[Any]] = collections.OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.compiles = 0  # grammars compiled
+        self.hits = 0  # jobs' grammars found compiled (`template`)
+        self.compiled_on: collections.Counter[str] = collections.Counter()  # compiles by thread name
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def compile_ahead(self, grammar: str) -> None:
+        """Compile `grammar` now, on this thread, unless it is kept: a job with it arrived (worker/engine.py `submit`).
+        A failure is left for the job's turn on the compute thread, which refuses it with the error."""
+        with contextlib.suppress(Exception):  # (kept as its error, or met again and reported by the compute thread)
+            self._result(self._entry(grammar, job=False))
+
+    def template(self, grammar: str) -> Any:
+        """The compiled matcher of `grammar`, shared by every job: clone it, never advance it. GuideError when the
+        grammar does not compile."""
+        return self._result(self._entry(grammar, job=True))
+
+    def _entry(self, grammar: str, job: bool) -> Future[Any]:
+        with self._lock:
+            entry = self._kept.get(grammar)
+            if entry is not None:
+                self._kept.move_to_end(grammar)
+                self.hits += job
+                return entry
+            entry = self._kept[grammar] = Future()
+            self._chars += len(grammar)
+            self._drop_oldest()
+            self.compiles += 1
+            self.compiled_on[threading.current_thread().name] += 1
+        self._compile(grammar, entry)
+        return entry
+
+    def _result(self, entry: Future[Any]) -> Any:
+        error = entry.exception()  # (waits for a compile under way on another thread)
+        if isinstance(error, GuideError):
+            raise GuideError(str(error))  # a new one: the kept one's traceback would grow at every raise
+        return entry.result()
+
+    def _compile(self, grammar: str, entry: Future[Any]) -> None:
+        import llguidance
+
+        t0 = time.perf_counter()
+        try:
+            matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+            if matcher.is_error():
+                raise GuideError(f"grammar does not compile: {matcher.get_error().strip()}")
+            matcher.compute_bitmask()  # the first mask's lexer states, built once here rather than in every job
+        except GuideError as exc:
+            log.info("grammar_refused", chars=len(grammar), error=str(exc)[:200])
+            entry.set_exception(exc)
+            return
+        except BaseException as exc:  # not kept: the next job tries again
+            with self._lock:
+                if self._kept.get(grammar) is entry:
+                    del self._kept[grammar]
+                    self._chars -= len(grammar)
+            entry.set_exception(exc)
+            return
+        entry.set_result(matcher)
+        ms = round((time.perf_counter() - t0) * 1000, 2)
+        thread = threading.current_thread().name
+        log.info("grammar_compiled", ms=ms, chars=len(grammar), thread=thread, compiles=self.compiles, hits=self.hits)
+
+    def _drop_oldest(self) -> None:
+        """Past either bound, the least recently used go (never the newest: its job is about to use it)."""
+        while len(self._kept) > 1 and (len(self._kept) > self.max_kept or self._chars > self.max_chars):
+            grammar, _ = self._kept.popitem(last=False)
+            self._chars -= len(grammar)
+
+
 class Guide:
     """One job's constraint. `mask(logits)` before sampling, `follow(token)` after; `done` once the grammar is
     complete and allows nothing more."""
 
     def __init__(self, constraint: Constraint, tokenizer: GuideTokenizer) -> None:
-        import llguidance
-
         self.constraint = constraint
         self.tokenizer = tokenizer
         self.vocab = tokenizer.vocab
-        self.grammar = llguidance.LLMatcher.grammar_from_lark(constraint.grammar)
-        self.matcher: Any = None
+        self._compiled = tokenizer.grammars.template(constraint.grammar)  # (GuideError when it does not compile)
+        # a lazy constraint's clone is made when its trigger appears
+        self.matcher: Any = None if constraint.triggers else self._compiled.deep_copy()
         self.failed = False  # a lazy constraint whose trigger text did not fit its grammar: the output stays free
         self.done = False
         self._text = bytearray()  # generated bytes, while waiting for a trigger
-        if not constraint.triggers:
-            self.matcher = self._new_matcher()
-        else:
-            error = llguidance.LLMatcher.validate_grammar(self.grammar)
-            if error:
-                raise GuideError(f"grammar does not compile: {error.strip()}")
         self._bits: np.ndarray | None = None
-
-    def _new_matcher(self) -> Any:
-        import llguidance
-
-        m = llguidance.LLMatcher(self.tokenizer.get(), self.grammar, log_level=0)
-        if m.is_error():
-            raise GuideError(f"grammar does not compile: {m.get_error().strip()}")
-        return m
 
     @property
     def active(self) -> bool:
@@ -174,7 +259,7 @@ class Guide:
 
     def _engage(self, text: str) -> None:
         """A trigger appeared: from it on (`text`), the output must match the grammar."""
-        self.matcher = self._new_matcher()
+        self.matcher = self._compiled.deep_copy()
         replay = self.vocab.tokenize(text, add_special=False, parse_special=False)
         if not self.matcher.consume_tokens(replay):
             log.warning("guide_trigger_replay_refused", text=text[:80])

@@ -57,6 +57,19 @@ def test_json_schema_output_validates(fast_engine, vocab):
     assert_slot_invariant(fast_engine, run)
 
 
+def test_jobs_with_one_schema_compile_it_once_and_not_on_the_compute_thread(fast_engine, vocab):
+    schema = {**SCHEMA, "properties": {**SCHEMA["properties"], "city": {"type": "string", "maxLength": 19}}}  # (new)
+    c = constraint(None, None, "auto", True, ResponseFormat(type="json_schema", schema=schema), None)
+    grammars = fast_engine.guide_tokenizer.grammars
+    before = grammars.compiles, grammars.hits, grammars.compiled_on["kvroute-engine"]
+    for question in ("A city and its population, as JSON:", "Name a city and its population, as JSON:"):
+        done = complete(fast_engine, vocab.tokenize(question), max_tokens=60, constraint=c).final
+        assert isinstance(done, JobDone) and done.finish_reason == "stop", done
+        jsonschema.validate(json.loads(done.text), schema)
+    assert (grammars.compiles - before[0], grammars.hits - before[1]) == (1, 2)  # (each job found it compiled)
+    assert grammars.compiled_on["kvroute-engine"] == before[2]  # compiled as the job came (submit), not on the engine
+
+
 def test_a_grammar_that_does_not_compile_is_refused_before_a_slot(fast_engine, vocab):
     run = complete(fast_engine, vocab.tokenize("x"), constraint=Constraint(grammar="start: undefined_rule"))
     assert isinstance(run.final, JobError) and run.final.code == "bad_request" and run.final.slot == -1
