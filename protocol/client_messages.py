@@ -106,6 +106,8 @@ class Tokenize(Message, tag="tokenize", kw_only=True):
     with_pieces: bool = False  # also each token's bytes
     # which served model (a name or alias, PROTOCOL.md 3.8); None: the router's default model
     model: ModelName | None = None
+    # whose share of the router's preparing threads it counts against (an HTTP front: a digest of the API key)
+    owner: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -123,6 +125,8 @@ class Detokenize(Message, tag="detokenize", kw_only=True):
     tokens: TokenBytes
     # which served model (a name or alias, PROTOCOL.md 3.8); None: the router's default model
     model: ModelName | None = None
+    # whose share of the router's preparing threads it counts against (an HTTP front: a digest of the API key)
+    owner: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens)
@@ -149,6 +153,9 @@ class Embed(Message, tag="embed", kw_only=True):
     normalize: bool = True  # each vector to unit length (Euclidean), as OpenAI's and llama-server's are
     # which served model (a name or alias, PROTOCOL.md 3.8); None: the router's default model
     model: ModelName | None = None
+    deadline_ms: DeadlineMs | None = None  # relative to the router's receipt of the inputs (tokenized)
+    # whose share of the queue it counts against (an HTTP front: a digest of the API key it came with)
+    owner: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
 
     def __post_init__(self) -> None:
         if (self.input is None) == (self.tokens is None):
@@ -174,6 +181,9 @@ class Rerank(Message, tag="rerank", kw_only=True):
     documents: list[str]
     # which served model (a name or alias, PROTOCOL.md 3.8); None: the router's default model
     model: ModelName | None = None
+    deadline_ms: DeadlineMs | None = None  # as `Embed.deadline_ms`
+    # whose share of the queue it counts against (an HTTP front: a digest of the API key it came with)
+    owner: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.documents) <= MAX_EMBED_INPUTS:

@@ -137,7 +137,7 @@ class Heartbeat(Message, tag="heartbeat", kw_only=True):
     queue: NonNeg  # jobs waiting for a slot inside the worker
     draining: bool = False
     counters: EngineCounters = msgspec.field(default_factory=EngineCounters)  # (the router's per-worker metrics)
-    progress: NonNeg = 0  # engine steps completed: a worker with jobs whose progress stops is hung
+    progress: NonNeg = 0  # engine steps and embedding inputs completed: a worker with jobs whose progress stops is hung
 
 
 class JobDelta(Message, tag="job_delta", kw_only=True):

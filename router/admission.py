@@ -29,7 +29,8 @@ def at_submit(
 ) -> Refusal | None:
     """Why a submit of `n` choices is refused as it arrives: the router is draining, its id (`repeated_id`) is in
     flight already, `waiting` requests are ahead of it (queued or being tokenized: a flood of long prompts cannot
-    pile up behind the tokenizer either), or `owned` of them are its owner's, who may hold `share` (0: no share)."""
+    pile up behind the tokenizer either), or its owner has `owned` requests in flight already and may have `share`
+    (0: no share)."""
     if draining:
         return Refusal(ErrorCode.DRAINING, "the router is shutting down")
     if repeated_id is not None:
@@ -37,9 +38,21 @@ def at_submit(
     if waiting + n > max(limit, n):
         return Refusal(ErrorCode.QUEUE_FULL, f"{waiting} requests are already waiting", retry_after_ms=RETRY_AFTER_MS)
     if share and owned + n > max(share, n):
-        text = f"{owned} requests of this API key are already waiting: its share of the queue is {share} (--queue-share)"
+        text = (
+            f"{owned} requests of this API key are already waiting or running: its share of the queue and the slots "
+            f"is {share} (--queue-share)"
+        )
         return Refusal(ErrorCode.QUEUE_FULL, text, retry_after_ms=RETRY_AFTER_MS)
     return None
+
+
+class Busy(Exception):
+    """A request refused, or dropped after waiting too long, for want of a preparing thread (router/preparing.py):
+    its `refusal` is the answer (`queue_full`)."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
 
 
 MAX_REPLY_ENDPOINTS = 4  # reply endpoints one client's requests in flight may name (a client binds one)
@@ -125,6 +138,8 @@ def prepare_failed(req: Req, exc: BaseException) -> Error:
     with an id (logged)."""
     if isinstance(exc, PrepareError):
         return Refusal(ErrorCode.BAD_REQUEST, str(exc), param=exc.param).error(req.rid)
+    if isinstance(exc, Busy):
+        return exc.refusal.error(req.rid)
     error_id = uuid.uuid4().hex[:12]
     log.error("tokenize_crashed", error_id=error_id, request_id=req.rid, error=repr(exc))
     return Error(id=req.rid, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id)

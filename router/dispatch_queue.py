@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from common import logs
@@ -26,6 +28,21 @@ from router.workers import WorkerTable
 log = logs.get(__name__)
 
 MAX_WAITING_SCAN = 64  # queued requests examined per event beyond those dispatched
+
+
+@dataclass
+class RunningShares:
+    """Who runs how many choices now (`running`, by owner), and the owners with requests waiting: an owner that holds
+    `share` slots waits while another owner's request does (--queue-share covers the slots too)."""
+
+    share: int
+    running: Counter[str]
+    waiting: set[str]
+
+    def over(self, owner: str) -> bool:
+        if not owner or self.running[owner] < self.share:
+            return False
+        return any(o != owner for o in self.waiting)
 
 
 class DispatchQueue:
@@ -86,15 +103,31 @@ class DispatchQueue:
             return  # (before ordering the queue: a new request or a tick while every slot is busy costs nothing)
         now = time.monotonic()
         waiting = 0
+        shares = self._running_shares()
         for req in in_order(self._reqs, self.mirror, self.workers, self.cfg, now):
             if not self.workers.idle_slot() or waiting >= MAX_WAITING_SCAN:
                 break  # (the scan is bounded per event when many requests wait for particular slots)
+            if shares is not None and shares.over(req.owner):
+                continue  # (its owner holds its share of the slots, and another owner's request waits)
             d = self._place(req, now)
             if d is None:
                 waiting += 1
                 continue
             self._rotation += 1
+            if shares is not None:
+                shares.running[req.owner] += 1
             yield req, d
+
+    def _running_shares(self) -> RunningShares | None:
+        """The owners' running requests against their share of the slots, when several owners' requests wait (one
+        owner alone may take every slot)."""
+        if self.cfg.queue_share >= 1:
+            return None
+        owners = {r.owner for r in self._reqs}
+        if len(owners) < 2:
+            return None
+        running: Counter[str] = Counter(r.owner for w in self.workers for r in w.jobs.values() if r.owner)
+        return RunningShares(self.workers.running_share(), running, owners)
 
     def _place(self, req: Req, now: float) -> Dispatch | None:
         """Where `req` goes now; None while it waits (for a slot it wants, or for any worker it may go to)."""

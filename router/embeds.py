@@ -1,9 +1,13 @@
 """Embed and rerank requests (PROTOCOL.md `embed`, `rerank`): tokenized by the shell, computed by a worker in a
 context of its own (worker/embedder.py), answered to the client. They take no slot and leave the mirror alone: a
-worker's slots wait while it embeds, as llama-server's do, so an embed job goes to the ready worker with the least
-work (busy slots and prefill still to compute, then embed jobs already there). With no ready worker (a model loading
-on demand) a request waits, as a queued `submit` does, and fails when that would. A worker that dies with one ends it
-with `worker_lost`."""
+worker computes one input between two steps of its slots (worker/embed_jobs.py), so an embed job goes to the ready
+worker with the least work (busy slots and prefill still to compute, then embed jobs already there). With no ready
+worker (a model loading on demand) a request waits, as a queued `submit` does, counted in the queue's figures, and
+fails when that would. A worker that dies with one ends it with `worker_lost`.
+
+A request stopped while its job runs (cancelled, its client gone, its deadline passed: `stop`) is answered at once
+and its job cancelled on its worker; it stays in `running`, part of that worker's work, until the job's end comes
+(`job_error` `cancelled`, or its vectors if they were done first), which then answers nobody."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import itertools
 import struct
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol import Embeddings, EmbedDone, EmbedJob, Error, ErrorCode, Ranked, pack_tokens
@@ -24,7 +29,10 @@ class EmbedReq:
     rid: str
     worker: str
     prompt_tokens: int
+    job: str = ""
     rerank: bool = False  # answered with the scores (`ranked`), not the vectors
+    deadline: float | None = None  # (monotonic)
+    stopped: bool = False  # answered already; its job is cancelled on its worker, whose end answers nobody
     arrived: float = field(default_factory=time.monotonic)
 
 
@@ -38,6 +46,8 @@ class EmbedWait:
     inputs: list[list[int]]
     pooling: str
     normalize: bool
+    owner: str = ""  # whose share of the queue it counts against
+    deadline: float | None = None  # (monotonic)
 
 
 class Embeds:
@@ -59,12 +69,14 @@ class Embeds:
                 on[r.worker] += 1
         return min(ready, key=lambda c: (c.load.busy + on[c.id], c.load.queued_prefill, c.id))
 
-    def start(self, conn: WorkerConn, client: bytes, envelope: tuple[bytes, ...], rid: str, inputs: list[list[int]], pooling: str,
-              normalize: bool) -> EmbedJob:  # fmt: skip
-        """The job for a request's inputs; `rank` pooling: a rerank request's (query, document) inputs."""
-        job = f"{rid[:100]}.{self.router_id[:8]}.e{next(self._ids)}"
-        self.running[job] = EmbedReq(client, envelope, rid, conn.id, sum(map(len, inputs)), rerank=pooling == "rank")
-        return EmbedJob(id=job, inputs=[pack_tokens(t) for t in inputs], pooling=pooling, normalize=normalize)  # type: ignore[arg-type]
+    def start(self, conn: WorkerConn, w: EmbedWait) -> EmbedJob:
+        """The job for a waiting request's inputs; `rank` pooling: a rerank request's (query, document) inputs."""
+        job = f"{w.rid[:100]}.{self.router_id[:8]}.e{next(self._ids)}"
+        tokens = sum(map(len, w.inputs))
+        self.running[job] = EmbedReq(
+            w.client, w.envelope, w.rid, conn.id, tokens, job, rerank=w.pooling == "rank", deadline=w.deadline
+        )
+        return EmbedJob(id=job, inputs=[pack_tokens(t) for t in w.inputs], pooling=w.pooling, normalize=w.normalize)  # type: ignore[arg-type]
 
     def done(self, msg: EmbedDone) -> tuple[EmbedReq, Embeddings | Ranked] | None:
         req = self.running.pop(msg.id, None)
@@ -106,9 +118,16 @@ class Embeds:
         self.waiting.clear()
         return out
 
-    def client_gone(self, client: bytes) -> None:
-        """Its answers are not sent (the worker's work is not stopped: it is short); its waiting requests go."""
-        for r in self.running.values():
-            if r.client == client:
-                r.client = b""
-        self.waiting = deque(w for w in self.waiting if w.client != client)
+    def stop(self, which: Callable[[EmbedReq | EmbedWait], bool]) -> list[EmbedReq | EmbedWait]:
+        """The requests `which` picks, stopped (the caller answers them): waiting ones leave the queue; running ones are
+        marked, their jobs to be cancelled (the module's docstring)."""
+        waiting = [w for w in self.waiting if which(w)]
+        self.waiting = deque(w for w in self.waiting if w not in waiting)
+        running = [r for r in self.running.values() if not r.stopped and which(r)]
+        for r in running:
+            r.stopped = True
+        return [*waiting, *running]
+
+    def owned(self, owner: str) -> int:
+        """The waiting requests of `owner` (its share of the queue counts them)."""
+        return sum(w.owner == owner for w in self.waiting)

@@ -89,6 +89,12 @@ class _Collector:
         )
         yield _counter("kvroute_worker_deaths", "Workers declared dead", m.dead_workers)
         yield _counter("kvroute_worker_restarts", "Local workers restarted by the supervisor", m.restarts)
+        yield _counter("kvroute_preparations", "Work queued for the preparing threads, by kind", m.preparations, "kind")
+        yield _counter(
+            "kvroute_preparations_refused", "Work refused for want of a preparing thread, by kind", m.prepare_refused, "kind"
+        )
+        yield _gauge("kvroute_preparations_waiting", "Work waiting for a preparing thread", m.prepare_waiting)
+        yield _histogram("kvroute_prepare_wait_seconds", "Time work waited for a preparing thread", m.prepare_wait_ms)
         yield _counter("kvroute_bad_frames", "Client frames that could not be decoded", m.bad_frames)
         yield _counter(
             "kvroute_unknown_messages", "Messages of a type with no handler (a bug: each is logged)", m.unknown_messages

@@ -1,7 +1,8 @@
 """A client's frames -> its messages, in the order it sent them, without the loop decoding a large one.
 
 A frame over DECODE_INLINE_BYTES is decoded on a preparing thread (a 7 MB submit of 100,000 messages takes 50-100 ms
-to decode); that client's next frames wait behind it, so that a cancel right after its submit still finds it, up to
+to decode; router/preparing.py shares the threads fairly, the client being the decode's owner); that client's next
+frames wait behind it, so that a cancel right after its submit still finds it, up to
 DECODING_MAX of them (one more is refused with `queue_full`). A frame the decoder cannot read becomes an `Invalid`
 message (it names the problem, and the request id when it can be read), which the router answers as an error.
 """
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from protocol import Error, ErrorCode, Invalid, client_request_decoder
+from router.admission import Busy
 from router.metrics import Metrics
 
 DECODE_INLINE_BYTES = 1 << 20  # a larger client frame is decoded on a preparing thread (10 ms a megabyte, and more)
@@ -23,14 +25,15 @@ Envelope = tuple[bytes, ...]
 
 class ClientIntake:
     """`frames(...)` for each multipart message read from the client socket; each decoded message goes to
-    `handle(identity, envelope, msg)`. `off_loop(work, then)` runs `work` on a preparing thread and `then(its result or
-    exception)` back on the loop; `reply(identity, envelope, msg)` answers a frame that is refused here."""
+    `handle(identity, envelope, msg, size)` (`size`: its frame's bytes). `off_loop(identity, size, work, then)` runs
+    `work` on a preparing thread and `then(its result or exception)` back on the loop; `reply(identity, envelope, msg)`
+    answers a frame that is refused here."""
 
     def __init__(
         self,
         max_frame_bytes: int,
-        handle: Callable[[bytes, Envelope, Any], None],
-        off_loop: Callable[[Callable[[], Any], Callable[[Any], None]], None],
+        handle: Callable[[bytes, Envelope, Any, int], None],
+        off_loop: Callable[[bytes, int, Callable[[], Any], Callable[[Any], None]], None],
         reply: Callable[[bytes, Envelope, Any], None],
         metrics: Metrics,
     ) -> None:
@@ -61,23 +64,26 @@ class ClientIntake:
             self._decoding[identity] = collections.deque()
             self._decode_off_loop(identity, envelope, payload)
         else:
-            self.handle(identity, envelope, self.decoder.decode(payload))
+            self.handle(identity, envelope, self.decoder.decode(payload), len(payload))
 
     def _decode_off_loop(self, identity: bytes, envelope: Envelope, payload: bytes) -> None:
         def then(msg: Any) -> None:
-            if isinstance(msg, BaseException):  # (the decoder answers Invalid for anything it cannot read)
-                msg = Invalid(ErrorCode.INTERNAL, f"frame could not be decoded: {msg!r}")
-            self.handle(identity, envelope, msg)
+            if isinstance(msg, Busy):  # (no preparing thread for it: the client is told to come back)
+                self.reply(identity, envelope, msg.refusal.error(self.decoder.request_id(payload)))
+            elif isinstance(msg, BaseException):  # (the decoder answers Invalid for anything it cannot read)
+                self.handle(identity, envelope, Invalid(ErrorCode.INTERNAL, f"frame could not be decoded: {msg!r}"), len(payload))
+            else:
+                self.handle(identity, envelope, msg, len(payload))
             waiting = self._decoding.get(identity)
             while waiting:
                 env, frame = waiting.popleft()
                 if len(frame) > DECODE_INLINE_BYTES:
                     self._decode_off_loop(identity, env, frame)
                     return
-                self.handle(identity, env, self.decoder.decode(frame))
+                self.handle(identity, env, self.decoder.decode(frame), len(frame))
             self._decoding.pop(identity, None)
 
-        self.off_loop(lambda: self.decoder.decode(payload), then)
+        self.off_loop(identity, len(payload), lambda: self.decoder.decode(payload), then)
 
     def _too_many_large(self, identity: bytes, envelope: Envelope, payload: bytes) -> None:
         self.metrics.requests[ErrorCode.QUEUE_FULL] += 1

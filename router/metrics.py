@@ -77,6 +77,10 @@ class Metrics:
     queue_wait_ms: Histogram = field(default_factory=lambda: Histogram(MS_BUCKETS))
     ttft_ms: Histogram = field(default_factory=lambda: Histogram(MS_BUCKETS))
     requests: Counter[str] = field(default_factory=Counter)  # by outcome: finish reason or error code
+    preparations: Counter[str] = field(default_factory=Counter)  # work queued for the preparing threads, by kind
+    prepare_refused: Counter[str] = field(default_factory=Counter)  # by kind: no room, or waited past its deadline
+    prepare_wait_ms: Histogram = field(default_factory=lambda: Histogram(MS_BUCKETS))
+    prepare_waiting: int = 0  # pieces waiting for a preparing thread now
     prompt_tokens: int = 0
     generation_tokens: int = 0
     predicted_reuse_tokens: int = 0

@@ -53,6 +53,10 @@ class PrepareError(ValueError):
         self.param = param
 
 
+class OutOfTime(PrepareError):
+    """The preparation ran out of its time (--prepare-timeout-s), or would have by the estimate of its tokenizing."""
+
+
 @dataclass(frozen=True)
 class Shift:
     """What --context-shift dropped from a chat request that did not fit (0 messages: nothing could be dropped)."""
@@ -136,7 +140,7 @@ def prepare(
     except TemplateError as exc:
         raise PrepareError(f"chat template error: {exc}", "messages") from None
     except DeadlinePassed as exc:
-        raise PrepareError(str(exc), exc.param) from None
+        raise OutOfTime(str(exc), exc.param) from None
     assert msg.tokens is not None
     toks = token_array(msg.tokens)
     if (bad := outside_vocab(toks, vocab.n_vocab)) is not None:
@@ -215,7 +219,7 @@ def tokens_reply(
     except TemplateError as exc:
         raise PrepareError(f"chat template error: {exc}", "messages") from None
     except DeadlinePassed as exc:
-        raise PrepareError(str(exc), exc.param) from None
+        raise OutOfTime(str(exc), exc.param) from None
     ids = vocab.tokenize(text, add_special=add_special, parse_special=parse_special)
     pieces = [vocab.piece(t) for t in ids] if msg.with_pieces else []
     return Tokens(id=msg.id, tokens=pack_tokens(ids), text=text, pieces=pieces)

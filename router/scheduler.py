@@ -35,7 +35,8 @@ Failure rules:
   gets `context_overflow`.
 - A queued request whose deadline passes gets `deadline_exceeded`, and so does a running one whose worker has not
   ended it a second after (its job is cancelled); with no worker for `no_workers_grace_s`, queued and new requests
-  get `no_workers`.
+  get `no_workers`. An embed or rerank request gets `deadline_exceeded` when its deadline passes, waiting or
+  running (its job is cancelled on its worker).
 - An error ends the request at once; a choice still running is cancelled and stays CANCELLING until its job's end
   tells what the slot holds (the mirror stays exact).
 """
@@ -86,7 +87,7 @@ from router import admission, handshake, outcomes, views
 from router.client_replies import choice_of, delta_of, result_of
 from router.config import RouterConfig
 from router.dispatch_queue import DispatchQueue, job_message
-from router.embeds import Embeds, EmbedWait
+from router.embeds import EmbedReq, Embeds, EmbedWait
 from router.metrics import Metrics
 from router.mirror import Mirror
 from router.prepare import Prepared
@@ -99,7 +100,6 @@ WorkerReport = Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken
 log = logs.get(__name__)
 
 DEADLINE_GRACE_S = 1.0  # a worker ends a job at its deadline itself; the router steps in this much later
-WAITING = (ReqState.TOKENIZING, ReqState.QUEUED)  # the states a queue's share counts
 
 
 @dataclass(frozen=True)
@@ -292,16 +292,8 @@ class Scheduler:
         """A submit arrived: the request, in flight from now on (its prompt is to be prepared and handed to
         `prepared`), or None when it is refused at once (draining, an id already in flight)."""
         rid = msg.id or f"r{next(self._rid)}-{uuid.uuid4().hex[:8]}"
-        waiting = len(self.queue) + sum(r.state is ReqState.TOKENIZING for r in self.requests.values())
         repeated = rid if (identity, rid, 0) in self.requests else None
-        # (requests being prepared count as waiting, but as many of them as there are free slots will not queue: a
-        # burst on an idle server fills its slots and its queue, not its queue alone)
-        limit, free, owned, share = self.table.queue_limit(), self.table.free_slots(), 0, 0
-        if msg.owner and self.cfg.queue_share < 1:
-            share = max(1, int(limit * self.cfg.queue_share)) + free
-            owned = sum(r.owner == msg.owner and r.state in WAITING for r in self.requests.values())
-        limit += free
-        refusal = admission.at_submit(self.draining, repeated, waiting, msg.n, limit, owned, share)
+        refusal = self._at_submit(repeated, msg.n, msg.owner)
         if refusal is None and msg.reply_to and msg.n == 1 and not envelope:
             in_use = {r.direct for r in self.requests.values() if r.client == identity and r.direct}
             problem = admission.reply_to_problem(msg.reply_to, in_use)
@@ -321,6 +313,20 @@ class Scheduler:
             req.direct, req.direct_key = msg.reply_to, msg.reply_key or ""
         self.requests[req.key] = req
         return req
+
+    def _at_submit(self, repeated: str | None, n: int, owner: str | None) -> Refusal | None:
+        """admission.at_submit over the queue's figures: the requests waiting (queued, being prepared, and embed
+        requests waiting for a worker), and of them the owner's."""
+        waiting = len(self.queue) + sum(r.state is ReqState.TOKENIZING for r in self.requests.values())
+        waiting += len(self.embeds.waiting)
+        # (requests being prepared count as waiting, but as many of them as there are free slots will not queue: a
+        # burst on an idle server fills its slots and its queue, not its queue alone)
+        limit, free, owned, share = self.table.queue_limit(), self.table.free_slots(), 0, 0
+        if owner and self.cfg.queue_share < 1:  # (its share of the queue and of the slots: waiting and running count)
+            share = self.table.owner_share()
+            owned = sum(r.owner == owner and r.state is not ReqState.DONE for r in self.requests.values())
+            owned += self.embeds.owned(owner)
+        return admission.at_submit(self.draining, repeated, waiting, n, limit + free, owned, share)
 
     def prepared(self, req: Req, outcome: Prepared | BaseException) -> None:
         """The request's prompt is ready (or could not be): refuse it with a reason, or queue its choices."""
@@ -353,14 +359,20 @@ class Scheduler:
         self._pump()
 
     def embed(self, identity: bytes, envelope: tuple[bytes, ...], msg: Embed | Rerank, inputs: list[list[int]]) -> None:
-        """An embed or rerank request, tokenized: to the ready worker with the least work (router/embeds.py); with
-        none ready it waits as a queued request does (`_place_embeds`); refused while draining."""
+        """An embed or rerank request, tokenized: admitted as a submit is (`_at_submit`: refused while draining, or
+        when the queue or its owner's share of it is full), then to the ready worker with the least work
+        (router/embeds.py); with none ready it waits as a queued request does (`_place_embeds`). Its deadline counts
+        from now."""
         rid = msg.id or f"e{next(self._rid)}-{uuid.uuid4().hex[:8]}"
-        if self.draining:
-            self.reply(identity, envelope, Error(id=rid, code=ErrorCode.DRAINING, message="the router is draining"))
+        refusal = self._at_submit(None, 1, msg.owner)
+        if refusal is not None:
+            self.metrics.requests[refusal.code] += 1
+            self.reply(identity, envelope, refusal.error(rid))
             return
         pooling, normalize = ("rank", False) if isinstance(msg, Rerank) else (msg.pooling or "mean", msg.normalize)
-        self.embeds.waiting.append(EmbedWait(identity, envelope, rid, inputs, pooling, normalize))
+        deadline = None if msg.deadline_ms is None else time.monotonic() + msg.deadline_ms / 1000.0
+        wait = EmbedWait(identity, envelope, rid, inputs, pooling, normalize, msg.owner or "", deadline)
+        self.embeds.waiting.append(wait)
         self._place_embeds()
 
     def _place_embeds(self) -> None:
@@ -368,7 +380,7 @@ class Scheduler:
         request would: no worker will come (each failed at start), or none was connected for `no_workers_grace_s`."""
         while self.embeds.waiting and (conn := self.embeds.place(list(self.workers.values()))) is not None:
             w = self.embeds.waiting.popleft()
-            job = self.embeds.start(conn, w.client, w.envelope, w.rid, w.inputs, w.pooling, w.normalize)
+            job = self.embeds.start(conn, w)
             log.info("embed_placed", request_id=w.rid, job=job.id, worker=conn.id, inputs=len(w.inputs))
             self._to_worker(conn, job)
         if not self.embeds.waiting:
@@ -391,7 +403,22 @@ class Scheduler:
         for answer in answers:
             self._embed_reply(answer)
 
+    def _stop_embeds(self, stopped: list[EmbedReq | EmbedWait], code: str | None, message: str) -> None:
+        """Stopped embed requests (router/embeds.py `stop`): each answered with an error `code` (None: not at all, its
+        client is gone), and a running one's job cancelled on its worker (its end, still to come, answers nobody)."""
+        for r in stopped:
+            log.info("embed_stopped", request_id=r.rid, code=code or "client_gone", running=isinstance(r, EmbedReq))
+            if code is not None and r.client:
+                self.reply(r.client, r.envelope, Error(id=r.rid, code=code, message=message))
+            if isinstance(r, EmbedReq):
+                r.client = b""
+                conn = self.table.get(r.worker)
+                if conn is not None:
+                    self._to_worker(conn, JobCancel(id=r.job))
+
     def cancel(self, identity: bytes, rid: str) -> None:
+        stopped = self.embeds.stop(lambda r: r.client == identity and r.rid == rid)
+        self._stop_embeds(stopped, ErrorCode.CANCELLED, "the request was cancelled before its answer")
         lead = self.requests.get((identity, rid, 0))
         if lead is None:
             return
@@ -419,7 +446,7 @@ class Scheduler:
 
     def client_gone(self, identity: bytes) -> None:
         """The client's connection is gone: its requests end, silently."""
-        self.embeds.client_gone(identity)
+        self._stop_embeds(self.embeds.stop(lambda r: r.client == identity), None, "")
         for req in [r for r in self.requests.values() if r.client == identity]:
             log.info("client_gone", request_id=req.rid, job=req.job)
             req.reply_to = None
@@ -575,6 +602,7 @@ class Scheduler:
         if conn is None:
             return
         for answer in self.embeds.lost(worker, reason):
+            self._to_worker(conn, JobCancel(id=answer[0].job))  # in case it is only slow
             self._embed_reply(answer)
         for req in list(conn.jobs.values()):
             self._to_worker(conn, JobCancel(id=req.job or ""))  # in case it is only slow
@@ -634,6 +662,8 @@ class Scheduler:
                 self._fail(req, Refusal(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was queued"))
             elif req.state is ReqState.RUNNING and now >= req.deadline + DEADLINE_GRACE_S:
                 self._fail(req, Refusal(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was running"))
+        late = self.embeds.stop(lambda r: r.deadline is not None and now >= r.deadline)
+        self._stop_embeds(late, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the answer was computed")
         self._unfit(now)
         if not self._fail_hopeless() and self.queue and not self.workers and self.table.none_for(self.cfg.no_workers_grace_s):
             for req in list(self.queue):

@@ -30,7 +30,6 @@ second; WATCHDOG=1 from the ticker when the unit asks for it; STOPPING=1 when dr
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import gc
 import os
@@ -39,6 +38,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -80,6 +80,7 @@ from router.mirror import Mirror
 from router.models import ModelCore, Models, ServedModel, model_name, status
 from router.outbox import Outbox
 from router.prepare import Prepared, PrepareError, embed_inputs, prepare, rerank_inputs, tokens_reply
+from router.preparing import SMALL_BYTES, SMALL_COST_S, Preparing
 from router.prompt_tokens import PromptTokenizer
 from router.requests import Req, WorkerConn
 from router.scheduler import Out, Scheduler
@@ -91,10 +92,13 @@ log = logs.get(__name__)
 TICK_S = 0.1
 STATUS_EVERY_S = 1.0  # systemd STATUS= lines
 CLOSE_LINGER_MS = 1000  # last replies (drain errors) get this long to leave when the sockets close
-# Requests are prepared on this many threads: one long preparation (a 130 kB conversation takes 80 ms to tokenize,
-# a hostile one up to --prepare-timeout-s) does not hold up everyone else's (llama_tokenize releases the GIL)
-PREPARE_THREADS = 2
 NO_MODEL = frozenset({Invalid, Cancel, StatusRequest, MetricsRequest})  # client messages that name no model
+
+
+def owner_of(identity: bytes, msg: Submit | Tokenize | Detokenize | Embed | Rerank) -> str | bytes:
+    """Whose share of the preparing threads a request counts against: the owner an HTTP front names (its API key's
+    digest), else the ZMQ client that sent it."""
+    return getattr(msg, "owner", None) or identity
 
 
 def batched(out: list[Out]) -> list[Out]:
@@ -158,8 +162,9 @@ class Router:
         self._next_status = 0.0
         self._watchdog_s = watchdog_interval_s(cfg.alive_file)
         self._next_watchdog = 0.0
-        self._preparing = concurrent.futures.ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="kvroute-prepare")
-        self.intake = ClientIntake(cfg.max_frame_bytes, self._handle, self._off_loop, self.core.reply, self.core.metrics)
+        # (a request's preparation off the loop, the threads shared fairly between clients: router/preparing.py)
+        self.preparing = Preparing(cfg.prepare_timeout_s, self.core.metrics, self._flush)
+        self.intake = ClientIntake(cfg.max_frame_bytes, self._handle, self._decode_off_loop, self.core.reply, self.core.metrics)
         self.gatekeeper: Gatekeeper | None = None
         self._raw: tuple[zmq.Socket[bytes], zmq.Socket[bytes]] | None = None
         self.outbox: Outbox | None = None  # (made with the sockets, in `bind`)
@@ -294,7 +299,7 @@ class Router:
             for sock in (self.client_sock, self.worker_sock):
                 if sock is not None:
                     sock.close(CLOSE_LINGER_MS)
-            self._preparing.shutdown(wait=False, cancel_futures=True)
+            self.preparing.shutdown()
             log.info("router_stopped", router_id=self.router_id)
 
     def stop(self) -> None:
@@ -371,9 +376,10 @@ class Router:
 
     # ---- client side ----------------------------------------------------------------------------
 
-    def _handle(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any) -> None:
+    def _handle(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any, size: int = 0) -> None:
+        """A client's message, `size` bytes of frame."""
         try:
-            self._on_client_message(identity, envelope, msg)
+            self._on_client_message(identity, envelope, msg, size)
         except Exception as exc:  # never let one request take the loop down, nor stay in flight
             self._crashed(identity, envelope, getattr(msg, "id", None), exc)
 
@@ -393,17 +399,17 @@ class Router:
         self.core.metrics.requests[ErrorCode.INTERNAL] += 1
         self.core.reply(identity, envelope, Error(id=rid, code=ErrorCode.INTERNAL, message="internal error", error_id=error_id))
 
-    def _on_client_message(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any) -> None:
+    def _on_client_message(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any, size: int) -> None:
         name = self.client_handlers.get(type(msg))
         if name is None:  # (a type the decoder knows and this table does not: say so, never guess)
             self._unknown_message(identity, envelope, msg)
         elif type(msg) in NO_MODEL:
             getattr(self, name)(identity, envelope, msg)
         elif (model := self._model(identity, envelope, msg)) is not None:  # (else the client was told which models)
-            getattr(self, name)(identity, envelope, msg, model)
+            getattr(self, name)(identity, envelope, msg, model, size)
 
     # each client message type and the name of its handler (a method, looked up at each call); those in NO_MODEL take
-    # no model
+    # no model; the others take the model and the frame's size (what their preparation may cost)
     CLIENT_HANDLERS: ClassVar[dict[type, str]] = {
         Invalid: "_on_invalid",
         Cancel: "_on_cancel",
@@ -451,45 +457,57 @@ class Router:
             self.core.reply(identity, envelope, error)
         return m
 
-    def _on_embed(self, identity: bytes, envelope: tuple[bytes, ...], msg: Embed, model: ModelCore) -> None:
+    def _on_embed(self, identity: bytes, envelope: tuple[bytes, ...], msg: Embed, model: ModelCore, size: int) -> None:
         """Texts tokenized as a prompt is (BOS by the model's rule, special-token text read as such), or token ids
         checked, on a preparing thread; then placed."""
         core, vocab = model.core, model.vocab
         self.models.used(model, None)
         if msg.pooling is None:  # (an embedding model's GGUF says how it was trained to pool: bge cls, e5 mean ...)
             msg.pooling = vocab.pooling if vocab.pooling in ("mean", "last", "cls") else "mean"  # type: ignore[assignment]
-        timeout = self.cfg.prepare_timeout_s
 
-        def work() -> list[list[int]]:
-            return embed_inputs(msg, vocab, model.prompts.cost, Deadline(timeout))
+        def work(deadline: Deadline) -> list[list[int]]:
+            return embed_inputs(msg, vocab, model.prompts.cost, deadline)
 
-        self._prepared_then(identity, envelope, msg.id, work, lambda inputs: core.embed(identity, envelope, msg, inputs))
+        def then(inputs: list[list[int]]) -> None:
+            core.embed(identity, envelope, msg, inputs)
 
-    def _off_loop(self, work: Callable[[], Any], then: Callable[[Any], None]) -> None:
-        """`work()` on a preparing thread; back on the loop, `then(its result, or the exception it raised)`, and what
-        that produced is sent."""
+        self._prepared_then(identity, envelope, msg, model, "embed", size, work, then)
 
-        def done(fut: asyncio.Future[Any]) -> None:
-            if fut.cancelled():
-                return  # (the router is stopping)
-            try:
-                then(fut.exception() or fut.result())
-            except Exception as exc:  # (`then` settles its request itself; this is its last resort)
-                log.error("prepared_crashed", error=repr(exc), exc_info=exc)
-            self._flush()
+    @staticmethod
+    def _small(msg: Submit | Tokenize | Detokenize | Embed | Rerank, size: int, model: ModelCore) -> bool:
+        """Whether preparing `msg` is cheap (router/preparing.py's small-work thread): a small frame whose texts
+        llama.cpp tokenizes fast (estimated on the message's bytes: its texts, and field names without special tokens'
+        first characters)."""
+        if size > SMALL_BYTES:
+            return False
+        return model.prompts.cost.seconds(msgspec.msgpack.encode(msg).decode("latin-1"), exact=False) <= SMALL_COST_S
 
-        asyncio.get_running_loop().run_in_executor(self._preparing, work).add_done_callback(done)
+    def _decode_off_loop(self, identity: bytes, size: int, work: Callable[[], Any], then: Callable[[Any], None]) -> None:
+        """A large frame's decoding, on a preparing thread as its client's work (router/intake.py)."""
+        self.preparing.submit(identity, "decode", size, lambda _deadline: work(), then)
 
     def _prepared_then(
-        self, identity: bytes, envelope: tuple[bytes, ...], rid: str | None, work: Callable[[], Any], then: Callable[[Any], None]
+        self,
+        identity: bytes,
+        envelope: tuple[bytes, ...],
+        msg: Tokenize | Detokenize | Embed | Rerank,
+        model: ModelCore,
+        kind: str,
+        size: int,
+        work: Callable[[Deadline], Any],
+        then: Callable[[Any], None],
     ) -> None:
-        """`then(work())` for a request with one reply (embed, rerank, tokenize): `work` off the loop; a refusal or a
-        crash of either is that reply (an error carrying the request's id)."""
+        """`then(work(deadline))` for a request with one reply (embed, rerank, tokenize): `work` on a preparing thread,
+        as its owner's work; a refusal or a crash of either is that reply (an error carrying the request's id)."""
+        rid = msg.id
 
         def settle(outcome: Any) -> None:
             if isinstance(outcome, PrepareError | DeadlinePassed):
                 self.core.metrics.requests[ErrorCode.BAD_REQUEST] += 1
                 self.core.reply(identity, envelope, Refusal(ErrorCode.BAD_REQUEST, str(outcome), param=outcome.param).error(rid))
+            elif isinstance(outcome, admission.Busy):
+                self.core.metrics.requests[ErrorCode.QUEUE_FULL] += 1
+                self.core.reply(identity, envelope, outcome.refusal.error(rid))
             elif isinstance(outcome, BaseException):
                 self._crashed(identity, envelope, rid, outcome)
             else:
@@ -498,9 +516,9 @@ class Router:
                 except Exception as exc:
                     self._crashed(identity, envelope, rid, exc)
 
-        self._off_loop(work, settle)
+        self.preparing.submit(owner_of(identity, msg), kind, size, work, settle, small=self._small(msg, size, model))
 
-    def _on_rerank(self, identity: bytes, envelope: tuple[bytes, ...], msg: Rerank, model: ModelCore) -> None:
+    def _on_rerank(self, identity: bytes, envelope: tuple[bytes, ...], msg: Rerank, model: ModelCore, size: int) -> None:
         """A reranker's (query, document) inputs made as llama-server makes them (common/vocab.py), then placed like
         embed inputs; a model that is not a reranker is refused, naming what it is."""
         core, vocab = model.core, model.vocab
@@ -509,16 +527,24 @@ class Router:
             core.reply(identity, envelope, refusal.error(msg.id))
             return
         self.models.used(model, None)
-        query, documents, timeout = msg.query, msg.documents, self.cfg.prepare_timeout_s
+        query, documents = msg.query, msg.documents
 
-        def work() -> list[list[int]]:
-            return rerank_inputs(query, documents, vocab, model.prompts.cost, Deadline(timeout))
+        def work(deadline: Deadline) -> list[list[int]]:
+            return rerank_inputs(query, documents, vocab, model.prompts.cost, deadline)
 
-        self._prepared_then(identity, envelope, msg.id, work, lambda inputs: core.embed(identity, envelope, msg, inputs))
+        def then(inputs: list[list[int]]) -> None:
+            core.embed(identity, envelope, msg, inputs)
 
-    def _on_submit(self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit, model: ModelCore) -> None:
+        self._prepared_then(identity, envelope, msg, model, "rerank", size, work, then)
+
+    def _on_submit(self, identity: bytes, envelope: tuple[bytes, ...], msg: Submit, model: ModelCore, size: int) -> None:
         core = model.core
         if (refusal := admission.not_generative(model.name, model.vocab.causal, model.vocab.pooling)) is not None:
+            core.metrics.requests[refusal.code] += 1
+            core.reply(identity, envelope, refusal.error(msg.id))
+            return
+        owner = owner_of(identity, msg)
+        if (refusal := self.preparing.admit(owner, "submit", size)) is not None:
             core.metrics.requests[refusal.code] += 1
             core.reply(identity, envelope, refusal.error(msg.id))
             return
@@ -527,10 +553,9 @@ class Router:
             return
         self.models.used(model, msg.keep_alive_s)
         shift_to = core.slot_context() if self.cfg.context_shift else None  # (no ready worker: not shifted)
-        timeout = self.cfg.prepare_timeout_s
 
-        def work() -> Prepared:  # (the deadline counts from when a thread takes it up)
-            return prepare(msg, model.vocab, model.chat, model.prompts, shift_to=shift_to, deadline=Deadline(timeout))
+        def work(deadline: Deadline) -> Prepared:  # (the deadline counts from the submit's arrival)
+            return prepare(msg, model.vocab, model.chat, model.prompts, shift_to=shift_to, deadline=deadline)
 
         def then(outcome: Prepared | BaseException) -> None:
             try:
@@ -538,16 +563,21 @@ class Router:
             except Exception as exc:
                 self._crashed(identity, envelope, req.rid, exc)
 
-        self._off_loop(work, then)
+        self.preparing.submit(owner, "submit", size, work, then, small=self._small(msg, size, model))
 
-    def _on_tokenize(self, identity: bytes, envelope: tuple[bytes, ...], msg: Tokenize | Detokenize, model: ModelCore) -> None:
+    def _on_tokenize(
+        self, identity: bytes, envelope: tuple[bytes, ...], msg: Tokenize | Detokenize, model: ModelCore, size: int
+    ) -> None:
         """Tokens or text, nothing generated; the work on a preparing thread."""
-        timeout = self.cfg.prepare_timeout_s
 
-        def work() -> Tokens:
-            return tokens_reply(msg, model.vocab, model.chat, model.prompts.cost, Deadline(timeout))
+        def work(deadline: Deadline) -> Tokens:
+            return tokens_reply(msg, model.vocab, model.chat, model.prompts.cost, deadline)
 
-        self._prepared_then(identity, envelope, msg.id, work, lambda answer: self.core.reply(identity, envelope, answer))
+        def then(answer: Tokens) -> None:
+            self.core.reply(identity, envelope, answer)
+
+        kind = "tokenize" if isinstance(msg, Tokenize) else "detokenize"
+        self._prepared_then(identity, envelope, msg, model, kind, size, work, then)
 
     # ---- worker side ----------------------------------------------------------------------------
 
@@ -626,6 +656,7 @@ class Router:
                 log.exception("tick_crashed", error=str(exc))
 
     def tick(self, now: float) -> None:
+        self.preparing.expire(now)
         for core in self.cores:
             core.tick(now)
         self.models.tick(now)

@@ -216,11 +216,24 @@ class WorkerTable:
         """Slots of ready workers with no job: a request being prepared now may take one instead of a queue place."""
         return sum(max(0, len(w.slots) - w.load.busy) for w in self.workers.values() if w.state is WorkerState.READY)
 
+    def slot_count(self) -> int:
+        """Slots of every worker the table knows."""
+        return sum(len(w.slots) for w in self.workers.values())
+
+    def owner_share(self) -> int:
+        """How many requests (choices) one owner may have in flight, waiting and running: its --queue-share of the
+        queue and of the slots."""
+        return max(1, int(self.queue_limit() * self.cfg.queue_share)) + self.running_share()
+
+    def running_share(self) -> int:
+        """How many slots one owner's requests may hold while another owner's wait: its --queue-share of them."""
+        return max(1, int(self.slot_count() * self.cfg.queue_share))
+
     def queue_limit(self) -> int:
         """How many requests may wait (--queue-size; 0: DEFAULT_QUEUE, or four per slot when that is more)."""
         if self.cfg.queue_size > 0:
             return self.cfg.queue_size
-        return max(DEFAULT_QUEUE, 4 * sum(len(w.slots) for w in self.workers.values()))
+        return max(DEFAULT_QUEUE, 4 * self.slot_count())
 
     def loads_for(self, req: Req) -> list[WorkerConn]:
         """The ready workers this request may go to: their slots hold it, and, for a request that was on a worker that

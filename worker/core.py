@@ -83,6 +83,8 @@ from worker.admission import Admission
 from worker.batching import Batcher, Planned
 from worker.checkpoints import Budget, cuts
 from worker.config import WorkerConfig
+from worker.embed_jobs import EmbedJobs
+from worker.embedder import Embedder
 from worker.faults import Faults
 from worker.guide import GuideTokenizer
 from worker.llama import Llama
@@ -170,6 +172,8 @@ class EngineCore:
         if self.faults:
             log.warning("fault_injection_on", faults=self.faults.rules)
         self.progress = 0  # steps completed; a worker whose progress stops while it has jobs is hung
+        llama = self.llama  # embed jobs, one input between two steps (worker/engine.py's loop runs them)
+        self.embeds = EmbedJobs(lambda pooling: Embedder(llama.model, pooling, cfg.threads, llama.n_ctx_train))
 
     def entry_min_keep(self, pos_min: int, n: int) -> int:
         """The shortest prefix a saved state of `n` tokens can be cut to (worker/prefix.py)."""
@@ -190,7 +194,8 @@ class EngineCore:
             self.counters.jobs_failed += 1
 
     def cancel(self, job_id: str) -> None:
-        self.admission.cancel(job_id)
+        if not self.embeds.cancel(job_id):
+            self.admission.cancel(job_id)
 
     def step(self) -> None:
         """One step; a bug fails the running jobs and keeps the worker alive."""
@@ -201,7 +206,7 @@ class EngineCore:
         self.progress += 1
 
     def idle(self) -> bool:
-        return not self.admission.waiting and not self.table.busy()
+        return not self.admission.waiting and not self.table.busy() and not self.embeds
 
     # -- the step --
 
@@ -504,7 +509,7 @@ class EngineCore:
             reqs += [slot.task for slot in self.table.busy() if slot.task is not None]
         for task in reqs:
             self._error(task, ErrorCode.DRAINING, "the worker is shutting down; this job was handed back")
-        return len(reqs)
+        return len(reqs) + (self.embeds.hand_back() if running else 0)  # (waiting embed jobs finish while draining)
 
     def forget_jobs(self, only: Collection[str] | None = None) -> int:
         """End jobs (every one, or those `only` names) without a word; their slots keep the KV they computed."""
@@ -520,9 +525,10 @@ class EngineCore:
             self._release(slot.task, slot)  # the slot keeps the KV its job computed
         for task in reqs:
             self._orphaned(task)
-        if reqs:
-            log.info("jobs_forgotten", jobs=len(reqs), reason="the router does not know this worker any more")
-        return len(reqs)
+        forgotten = len(reqs) + len(self.embeds.take(only))  # (embed jobs: a router that forgot them reads no reply)
+        if forgotten:
+            log.info("jobs_forgotten", jobs=forgotten, reason="the router does not know this worker any more")
+        return forgotten
 
     def _orphaned(self, task: Task) -> None:
         """A job its router forgot (the router restarted) ends here without a report; a client reading its output
@@ -541,5 +547,6 @@ class EngineCore:
                 self._orphaned(slot.task)
                 self._release(slot.task, slot)
             self.prefixes.clear(slot)
+        self.embeds.take()
         self.host.clear()
         log.info("slots_reset", slots=len(self.table))

@@ -1,9 +1,11 @@
 """The engine: one compute thread owns the llama context and runs the step loop over the slots (worker/core.py).
 
-Other threads talk to the engine only through this class: `submit`, `cancel`, `drain`, `reset` and `call` put a
-command in a queue that the compute thread takes between two steps; results come back as protocol messages
-(JobDelta, then one JobDone or JobError) passed to the job's sink, on the compute thread. With nothing to compute the
-thread blocks on that queue.
+Other threads talk to the engine only through this class: `submit`, `embed`, `cancel`, `drain`, `reset` and `call`
+put a command in a queue that the compute thread takes between two steps; results come back as protocol messages
+(JobDelta, then one JobDone or JobError; an embed job's EmbedDone or JobError) passed to the job's sink, on the compute
+thread. Between two steps the thread also computes a chunk of the embed jobs' inputs (worker/embed_jobs.py): a request
+of many long inputs delays the slots' next token by one chunk at most, and the commands that came meanwhile (a cancel)
+are taken before the next chunk. With nothing to compute the thread blocks on that queue.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import contextlib
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -23,24 +24,20 @@ from common import logs
 from common.slots import SlotPhase
 from protocol import (
     CacheEntry,
-    EmbedDone,
     EmbedJob,
     EngineCounters,
-    ErrorCode,
     Job,
     JobDone,
     JobError,
     Message,
-    Refusal,
     SlotHeld,
     SlotState,
     pack_tokens,
-    unpack_tokens,
 )
 from worker.checkpoints import cuts
 from worker.config import WorkerConfig
 from worker.core import EngineCore
-from worker.embedder import Embedder, InputTooLong
+from worker.embed_jobs import EmbedSink
 from worker.llama import Llama
 from worker.task import Sink
 
@@ -91,12 +88,11 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._running = False
         self.after_step: Callable[[], None] | None = None  # called on the compute thread after every step
-        self.embedders: dict[str, Embedder] = {}  # by pooling, made at first use (on the compute thread)
 
     @property
     def progress(self) -> int:
-        """Steps completed; a worker whose progress stops while it has jobs is hung."""
-        return self.core.progress
+        """Steps completed and embedding inputs computed; a worker whose progress stops while it has jobs is hung."""
+        return self.core.progress + self.core.embeds.computed
 
     def start(self) -> Engine:
         self._running = True
@@ -124,6 +120,7 @@ class Engine:
             self.disk.close()
         if close:
             self.guide_tokenizer.close()
+            self.core.embeds.close()  # (their contexts before the model)
             self.llama.close()
 
     def submit(self, job: Job, sink: Sink | None = None) -> JobStream | None:
@@ -174,38 +171,9 @@ class Engine:
 
         return self.call(read)
 
-    def embed(self, job: EmbedJob, sink: Callable[[EmbedDone | JobError], None]) -> None:
-        """An embed job, on the compute thread, one input per turn between two engine steps (the slots' jobs go on
-        between inputs: a request of many long inputs does not stall them for all of it); its end to `sink`."""
-        self.call(lambda core: self._embed_one(job, sink, [], time.monotonic(), 0))
-
-    def _embed_one(
-        self, job: EmbedJob, sink: Callable[[EmbedDone | JobError], None], done: list[bytes], t0: float, reused: int
-    ) -> None:
-        msg: EmbedDone | JobError
-        try:
-            embedder = self.embedders.get(job.pooling)
-            if embedder is None:
-                llama = self.llama
-                embedder = self.embedders[job.pooling] = Embedder(llama.model, job.pooling, self.cfg.threads, llama.n_ctx_train)
-            if not done:
-                embedder.check([len(t) // 4 for t in job.inputs])  # (4 bytes a token id)
-            before = embedder.reused_tokens
-            (vector,) = embedder.embed([unpack_tokens(job.inputs[len(done)])], job.normalize)
-            done.append(vector.astype("<f4").tobytes())
-            reused += embedder.reused_tokens - before
-            if len(done) < len(job.inputs):
-                self.call(lambda core: self._embed_one(job, sink, done, t0, reused))
-                return
-            ms = (time.monotonic() - t0) * 1000
-            msg = EmbedDone(id=job.id, vectors=done, dims=embedder.dims, ms=ms, reused_tokens=reused)
-        except InputTooLong as exc:
-            msg = Refusal(ErrorCode.BAD_REQUEST, str(exc)).job_error(job.id)
-        except Exception as exc:  # a failure of this job's, not the worker's: its router gets the reason
-            error_id = uuid.uuid4().hex[:12]
-            log.exception("embed_failed", job=job.id, error_id=error_id)
-            msg = JobError(id=job.id, code=ErrorCode.INTERNAL, message=f"embeddings failed: {exc}", error_id=error_id)
-        sink(msg)
+    def embed(self, job: EmbedJob, sink: EmbedSink) -> None:
+        """Queue an embed job: computed one input between two engine steps (worker/embed_jobs.py); its end to `sink`."""
+        self._inbox.put(("embed", (job, sink)))
 
     def call(self, fn: Callable[[EngineCore], Any]) -> Future[Any]:
         """Run `fn(core)` on the compute thread between two steps."""
@@ -237,8 +205,9 @@ class Engine:
         )
 
     def working(self) -> bool:
-        """Whether any job waits or runs (for the watchdog: progress is expected only then)."""
-        return bool(self.core.admission.waiting) or any(s.phase is SlotPhase.BUSY for s in self.core.table.slots)
+        """Whether any job waits or runs, embed jobs too (for the watchdog: progress is expected only then)."""
+        core = self.core
+        return bool(core.admission.waiting or core.embeds) or any(s.phase is SlotPhase.BUSY for s in core.table.slots)
 
     @property
     def queue_len(self) -> int:
@@ -262,6 +231,8 @@ class Engine:
                     break
             if not self._running:
                 break
+            # a chunk of embedding at most between two steps, smaller while slots generate (worker/embed_jobs.py)
+            core.embeds.run_one(beside=bool(core.admission.waiting or core.table.busy()))
             core.step()
             if self.after_step is not None:
                 self.after_step()
@@ -270,6 +241,8 @@ class Engine:
         core = self.core
         if kind == "job":
             core.take(*arg)
+        elif kind == "embed":
+            core.embeds.add(*arg)
         elif kind == "cancel":
             core.cancel(arg)
         elif kind == "drain":

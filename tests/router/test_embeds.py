@@ -7,7 +7,7 @@ import time
 
 from scheduler_helpers import CLIENT, core, hello, jobs, submit, to_client
 
-from protocol import Embed, Embeddings, EmbedDone, EmbedJob, Error, ErrorCode, JobError, unpack_tokens
+from protocol import Embed, Embeddings, EmbedDone, EmbedJob, Error, ErrorCode, JobCancel, JobError, Rerank, unpack_tokens
 from router.scheduler import Out, Scheduler
 
 
@@ -68,3 +68,113 @@ def test_a_waiting_embed_fails_when_a_queued_request_would() -> None:
     s.tick(time.monotonic())  # none connected for the grace
     (err,) = to_client(s.take(), Error)
     assert (err.id, err.code) == ("e2", ErrorCode.NO_WORKERS) and "no worker connected" in err.message
+
+
+def embed_job(out: list[Out]) -> tuple[EmbedJob, bytes]:
+    (o,) = [o for o in out if isinstance(o.msg, EmbedJob)]
+    return o.msg, o.to
+
+
+def cancels(out: list[Out]) -> list[tuple[bytes, str]]:
+    return [(o.to, o.msg.id) for o in out if o.worker and isinstance(o.msg, JobCancel)]
+
+
+def test_a_cancel_answers_at_once_and_stops_the_job_on_its_worker() -> None:
+    s = core()
+    hello(s, "w0")
+    job, to = embed_job(embed(s, "e1"))
+    s.cancel(CLIENT, "e1")
+    out = s.take()
+    (err,) = to_client(out, Error)
+    assert (err.id, err.code) == ("e1", ErrorCode.CANCELLED) and cancels(out) == [(b"w0", job.id)]
+    assert s.embeds.running, "its worker's work until the job's end comes"
+    s.worker_message(to, JobError(id=job.id, code=ErrorCode.CANCELLED, message="cancelled after 1 of 2 inputs"))
+    assert not s.take() and not s.embeds.running  # (answered already)
+    s.cancel(CLIENT, "e1")  # (an id no longer in flight: nothing)
+    assert not s.take()
+
+
+def test_a_waiting_embed_cancelled_or_its_client_gone_leaves_the_queue() -> None:
+    s = core()
+    embed(s, "e1")
+    embed(s, "e2")
+    s.cancel(CLIENT, "e1")
+    (err,) = to_client(s.take(), Error)
+    assert (err.id, err.code) == ("e1", ErrorCode.CANCELLED) and [w.rid for w in s.embeds.waiting] == ["e2"]
+    s.client_gone(CLIENT)
+    assert not s.take() and not s.embeds.waiting
+
+
+def test_a_gone_client_has_its_running_embed_stopped_on_its_worker_silently() -> None:
+    s = core()
+    hello(s, "w0")
+    job, to = embed_job(embed(s, "e1"))
+    s.client_gone(CLIENT)
+    out = s.take()
+    assert cancels(out) == [(b"w0", job.id)] and not to_client(out, Error)
+    s.worker_message(to, EmbedDone(id=job.id, vectors=[bytes(8), bytes(8)], dims=2))  # (it was done first)
+    assert not s.take() and not s.embeds.running
+
+
+def test_a_running_embed_past_its_deadline_fails_and_its_job_is_cancelled() -> None:
+    s = core()
+    hello(s, "w0")
+    s.embed(CLIENT, (), Embed(id="e1", input=["x"], deadline_ms=50), [[2, 10]])
+    job, to = embed_job(s.take())
+    s.tick(time.monotonic())
+    assert not s.take(), "before its deadline nothing happens"
+    time.sleep(0.06)
+    s.tick(time.monotonic())
+    out = s.take()
+    (err,) = to_client(out, Error)
+    assert (err.id, err.code) == ("e1", ErrorCode.DEADLINE_EXCEEDED) and cancels(out) == [(b"w0", job.id)]
+    s.tick(time.monotonic())
+    assert not s.take(), "stopped once"
+    s.worker_message(to, JobError(id=job.id, code=ErrorCode.CANCELLED, message="cancelled"))
+    assert not s.take() and not s.embeds.running
+
+
+def test_a_waiting_embed_past_its_deadline_fails() -> None:
+    s = core()
+    s.embed(CLIENT, (), Embed(id="late", input=["x"], deadline_ms=50), [[2, 10]])  # (no worker: it waits)
+    s.tick(time.monotonic())
+    assert not s.take() and s.embeds.waiting
+    s.tick(time.monotonic() + 0.06)
+    (err,) = to_client(s.take(), Error)
+    assert (err.id, err.code) == ("late", ErrorCode.DEADLINE_EXCEEDED) and not s.embeds.waiting
+
+
+def test_embeds_are_admitted_against_the_queue_and_counted_in_it() -> None:
+    s = core(queue_size=2)
+    assert not embed(s, "e1") and not embed(s, "e2")  # (no worker: both wait, filling the queue)
+    (err,) = to_client(embed(s, "e3"), Error)
+    assert (err.id, err.code) == ("e3", ErrorCode.QUEUE_FULL) and err.retry_after_ms
+    (err,) = to_client(submit(s, "a"), Error)
+    assert (err.id, err.code) == ("a", ErrorCode.QUEUE_FULL), "waiting embeds count in the submits' queue too"
+    assert s.metrics.requests[ErrorCode.QUEUE_FULL] == 2
+
+
+def test_an_owner_holds_at_most_its_share_of_the_queue_with_embeds_too() -> None:
+    s = core(queue_size=8, queue_share=0.5)
+
+    def owned_embed(rid: str, owner: str, rerank: bool = False) -> list[Out]:
+        msg = Rerank(id=rid, query="q", documents=["d"], owner=owner) if rerank else Embed(id=rid, input=["x"], owner=owner)
+        s.embed(CLIENT, (), msg, [[2, 10]])
+        return s.take()
+
+    refused = next(i for i in range(8) if owned_embed(f"a{i}", "key-a", rerank=i % 2 == 1))
+    assert 0 < refused < 7 and len(s.embeds.waiting) == refused, "its share is full before the queue is"
+    (err,) = to_client(owned_embed("a-more", "key-a"), Error)
+    assert err.code == ErrorCode.QUEUE_FULL and "API key" in err.message
+    (err,) = to_client(submit(s, "a-submit", owner="key-a"), Error)
+    assert err.code == ErrorCode.QUEUE_FULL and "API key" in err.message, "its waiting embeds count for its submits"
+    assert not owned_embed("b1", "key-b"), "another owner still gets in"
+
+
+def test_a_dead_workers_embed_jobs_are_cancelled_there_too() -> None:
+    s = core()
+    hello(s, "w0")
+    job, _ = embed_job(embed(s, "e1"))
+    s.worker_dead("w0", "test")
+    out = s.take()
+    assert cancels(out) == [(b"w0", job.id)] and to_client(out, Error)[0].code == ErrorCode.WORKER_LOST

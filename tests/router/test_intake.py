@@ -22,8 +22,8 @@ class Harness:
         self.metrics = Metrics()
         self.intake = ClientIntake(
             1 << 24,
-            lambda who, env, msg: self.handled.append((who, msg)),
-            lambda work, then: self.pending.append((work, then)),
+            lambda who, env, msg, size: self.handled.append((who, msg)),
+            lambda who, size, work, then: self.pending.append((work, then)),
             lambda who, env, msg: self.replies.append((who, msg)),
             self.metrics,
         )

@@ -385,3 +385,34 @@ def test_server_sampling_defaults_fill_only_what_a_request_left_to_the_server() 
     assert (job.sampling.temperature, job.sampling.top_k, job.sampling.seed) == (0.5, 3, 7)
     (job,) = jobs(submit(s, "b", sampling=Sampling(max_tokens=8), sampling_unset=["temperature", "top_k", "top_p", "seed"]))
     assert (job.sampling.temperature, job.sampling.top_k, job.sampling.top_p, job.sampling.seed) == (0.0, 40, 1.0, 7)
+
+
+def test_an_owner_holds_at_most_its_share_of_the_slots_while_another_owner_waits() -> None:
+    """Issue 61 item 4: one key with n=4 held every slot and the other key's request waited for all of them. With
+    --queue-share 0.5 of 4 slots, key A runs 2 choices; the others wait while key B's request does, and B gets a
+    slot; once B no longer waits, A's wait for free slots as usual."""
+    s = core(queue_share=0.5)
+    hello(s, slots=4)
+    a = jobs(submit(s, "a", n=4, owner="key-a"))
+    assert len(a) == 4, "alone, an owner takes every slot"
+    for job in a[:2]:
+        done(s, job, [7])
+    a2 = jobs(submit(s, "a2", np.arange(300, 340, dtype=np.int32), n=4, owner="key-a"))
+    assert len(a2) == 2, "2 slots free, no other owner waiting: both go to A"
+    b = jobs(submit(s, "b", np.arange(500, 540, dtype=np.int32), owner="key-b"))
+    assert not b, "every slot busy"
+    out = done(s, a[2], [7])
+    assert [j.id.split(".")[0] for j in jobs(out)] == ["b"], "A holds 3 > its share 2 while B waits: B takes the slot"
+    out = done(s, a[3], [7])
+    assert len(jobs(out)) == 1, "B runs now, nobody else waits: A's next choice takes the freed slot"
+
+
+def test_an_owners_admission_counts_its_running_choices_too() -> None:
+    """--queue-share covers waiting and running: with a queue of 8 and 2 slots, a key may have 4 + 1 in flight."""
+    s = core(queue_share=0.5, queue_size=8)
+    hello(s, slots=2)
+    for i in range(5):
+        assert not to_client(submit(s, f"a{i}", owner="key-a"), Error), f"a{i} is within the share"
+    (refused,) = to_client(submit(s, "a5", owner="key-a"), Error)
+    assert refused.code == "queue_full" and "waiting or running" in refused.message
+    assert not to_client(submit(s, "b0", owner="key-b"), Error)

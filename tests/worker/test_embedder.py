@@ -101,3 +101,47 @@ def test_last_pooling_keeps_a_shared_prefix_and_gives_the_same_vector(
     assert cosine(together[1], alone) >= 0.995, cosine(together[1], alone)
     ref = np.asarray(reference["last"].embed(texts[1], normalize=True), dtype=np.float32)
     assert cosine(alone, ref) >= 0.9999 and cosine(together[1], ref) >= 0.995
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last", "cls"])
+def test_an_input_computed_in_chunks_gives_the_vector_of_it_whole(
+    fast_engine: Engine, monkeypatch: pytest.MonkeyPatch, pooling: str
+) -> None:
+    """Issue 61: an input is computed a chunk at a time beside generating slots (worker/embed_jobs.py). Its vector is
+    the one of the input decoded in one ubatch: the chunks' means weighted by their lengths, the last chunk's last row,
+    the first chunk's first row."""
+    from worker import embedder
+
+    llama = fast_engine.llama
+    rng = np.random.default_rng(61)
+    tokens = [2, *(int(t) for t in rng.integers(100, 20000, 599))]
+
+    def run(core: object) -> tuple[np.ndarray, list[np.ndarray], list[int]]:
+        monkeypatch.setattr(embedder, "MAX_CHUNK", 2048)
+        whole_e = Embedder(llama.model, pooling, 2, llama.n_ctx_train)  # (the input in one ubatch)
+        monkeypatch.undo()
+        chunked_e = Embedder(llama.model, pooling, 2, llama.n_ctx_train)
+        try:
+            (whole,) = whole_e.embed([tokens], False)
+            chunks, vectors = [], []
+            for most in (100, 512):
+                chunked_e.held = []  # (last pooling would keep the input before: computed whole each time here)
+                inp = chunked_e.begin(tokens)
+                n = 0
+                while (v := chunked_e.advance(inp, most)) is None:
+                    n += 1
+                chunks.append(n + 1)
+                vectors.append(v)
+            return whole, vectors, chunks
+        finally:
+            whole_e.close()
+            chunked_e.close()
+
+    whole, vectors, chunks = fast_engine.call(run).result(timeout=300)
+    expected = [1, 1] if pooling == "cls" else [6, 2]  # (cls: the first chunk alone)
+    assert chunks == expected, chunks
+    # (last: one row, which a batch of another shape moves as keeping a shared head's KV does: the module's docstring)
+    near = 0.995 if pooling == "last" else 0.9999
+    for v in vectors:
+        assert cosine(v, whole) >= near, (pooling, cosine(v, whole))
+        assert abs(float(np.linalg.norm(v)) / float(np.linalg.norm(whole)) - 1) < 1e-3
