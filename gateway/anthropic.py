@@ -31,7 +31,7 @@ from msgspec import Meta
 
 from gateway import normalise
 from gateway.blocks import Blocks, Kind
-from gateway.fields import Policy
+from gateway.fields import Policy, undated
 from gateway.keepalive import Tick
 from gateway.openai_chat import RequestError, Strict, context_shift, decode
 from protocol import (
@@ -163,7 +163,7 @@ def tool_defs(tools: list[dict[str, Any]] | None, policy: Policy) -> list[ToolDe
         kind = raw.get("type") if isinstance(raw, dict) else None
         if isinstance(kind, str) and kind != "custom":
             if kind.startswith(SERVER_TOOLS):
-                policy.hint(f"tools[].type={kind.rstrip('0123456789_')}")
+                policy.hint(f"tools[].type={undated(kind)}")
                 continue
             if kind.startswith(CLIENT_SCHEMA_TOOLS):
                 raise RequestError(

@@ -15,20 +15,22 @@ import hashlib
 import hmac
 import json
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from common import logs
 from gateway import anthropic, helpers, normalise
-from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Dialect
+from gateway.browsers import AllowedHosts, host_refused_message, is_json, not_json_message
+from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Call, Dialect
 from gateway.embeddings import embed_message, embeddings_reply
 from gateway.errors import Errors, errors_for
 from gateway.fields import Policy
@@ -47,7 +49,20 @@ from gateway.openai_chat import RequestError, chat_submit
 from gateway.openapi import OPENAPI
 from gateway.rerank import RERANK_PATHS, rerank_message, rerank_reply
 from kvroute.client import AsyncClient, KvrouteError
-from protocol import MAX_FRAME_BYTES, Delta, ErrorCode, FinishReason, Result, Submit
+from protocol import (
+    MAX_FRAME_BYTES,
+    Delta,
+    Detokenize,
+    Embeddings,
+    ErrorCode,
+    FinishReason,
+    Ranked,
+    Result,
+    StatusReply,
+    Submit,
+    Tokenize,
+    Tokens,
+)
 
 log = logs.get(__name__)
 
@@ -58,11 +73,15 @@ HTTP_TTFT = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
 )
 
-# a larger JSON body is parsed, and decoded into a request, on a thread, so that the event loop keeps serving (both
-# take about 10 ms a megabyte, and more for bodies of many small values)
-PARSE_INLINE_BYTES = 256 * 1024
+# a larger JSON body is parsed, decoded into a request and its hints counted on a thread, so that the event loop keeps
+# serving: 16 KiB of the costliest shapes (hundreds of input items, a thousand unknown fields) take up to 4 ms on it,
+# 256 KiB (the bound before) about 100 ms; the hop to a thread costs a tenth of a millisecond
+DECODE_INLINE_BYTES = 16 * 1024
+STATUS_FRESH_S = 1.0  # /health's view of the router's status is at most this old
 STALL_S = 30.0
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+T = TypeVar("T")
+Reused = TypeVar("Reused", Embeddings, Ranked)
 
 
 def error_text(exc: KvrouteError) -> str:
@@ -79,6 +98,29 @@ def kvroute_error_response(exc: KvrouteError, errors: Errors) -> JSONResponse:
     return errors.response(message, status, type_=type_, code=exc.code, param=exc.param, headers=headers)
 
 
+class SharedStatus:
+    """The router's status as /health reads it: asked at most once per `fresh_s`, however many callers (load balancer
+    probes, pollers), with one request in flight at most; its answer, or its error, serves every caller meanwhile."""
+
+    def __init__(self, client: AsyncClient, fresh_s: float = STATUS_FRESH_S, timeout_s: float = 2.0) -> None:
+        self.client, self.fresh_s, self.timeout_s = client, fresh_s, timeout_s
+        self._asked: asyncio.Future[StatusReply] | None = None
+        self._answered_at = 0.0
+
+    async def get(self) -> StatusReply:
+        now = asyncio.get_running_loop().time()
+        if self._asked is None or (self._asked.done() and now - self._answered_at >= self.fresh_s):
+            self._asked = asyncio.ensure_future(self._ask())
+            self._asked.add_done_callback(lambda f: f.cancelled() or f.exception())  # (read, even with no caller left)
+        return await asyncio.shield(self._asked)  # (a caller that leaves does not cancel the others' answer)
+
+    async def _ask(self) -> StatusReply:
+        try:
+            return await asyncio.wait_for(self.client.status(), self.timeout_s)
+        finally:
+            self._answered_at = asyncio.get_running_loop().time()
+
+
 class Gateway:
     """State behind the routes: the ZMQ client, the served model name, the optional API key."""
 
@@ -88,7 +130,9 @@ class Gateway:
         model_name: str,
         api_key: str | None = None,
         *,
-        tenant_per_key: bool = False,
+        shared_cache: bool = False,
+        allowed_hosts: AllowedHosts | None = None,
+        cors_origins: tuple[str, ...] = (),
         aliases: tuple[str, ...] = (),
         strict_model_name: bool = False,
         strict_api: bool = False,
@@ -97,11 +141,14 @@ class Gateway:
         pooling: str = "auto",
         body_timeout_s: float | None = None,
         keep_alive_s: float = IDLE_S,
+        status_fresh_s: float = STATUS_FRESH_S,
     ) -> None:
-        """`api_key`: one key, or several comma-separated; `tenant_per_key`: each key is a tenant (its `cache_salt`);
-        `aliases`: more names /v1/models lists; `strict_model_name`: a request naming another model gets 404;
-        `strict_api`: a field no API knows is a 400 rather than a hint (gateway/fields.py). (The sampling a request
-        leaves out is the router's: --temp, --seed ... apply to every client, this one among them.)"""
+        """`api_key`: one key, or several comma-separated, each a tenant of its own (its `cache_salt`) unless
+        `shared_cache`; `allowed_hosts`: the Host names served (gateway/browsers.py; by default this machine's);
+        `cors_origins`: the web origins CORS allows (none by default); `aliases`: more names /v1/models lists;
+        `strict_model_name`: a request naming another model gets 404; `strict_api`: a field no API knows is a 400
+        rather than a hint (gateway/fields.py). (The sampling a request leaves out is the router's: --temp, --seed ...
+        apply to every client, this one among them.)"""
         self.client = client
         self.pooling = pooling  # of /v1/embeddings (gateway/embeddings.py)
         self.model_name = model_name
@@ -109,7 +156,10 @@ class Gateway:
         self.strict_model_name = strict_model_name
         self.strict_api = strict_api
         self.api_keys = [k.strip() for k in (api_key or "").split(",") if k.strip()]
-        self.tenant_per_key = tenant_per_key
+        self.shared_cache = shared_cache
+        self.allowed_hosts = allowed_hosts or AllowedHosts()
+        self.cors_origins = cors_origins
+        self.status = SharedStatus(client, status_fresh_s)  # (/health's view of the router)
         self.max_body_bytes = max_body_bytes
         self.stall_s = stall_s
         self.body_timeout_s = body_timeout_s
@@ -136,20 +186,42 @@ class Gateway:
         key = self.key_of(request) if self.api_keys else None
         return None if key is None else hashlib.sha256(b"owner:" + key.encode()).hexdigest()[:32]
 
+    @property
+    def tenants_by_key(self) -> bool:
+        """Whether each API key is a tenant of its own: with keys, unless --shared-cache."""
+        return bool(self.api_keys) and not self.shared_cache
+
     def salt_of(self, request: Request, salt: str | None) -> str | None:
-        """The request's tenant (`cache_salt`): with --tenant-per-key its key's, combined with the salt it gives."""
-        if not self.tenant_per_key:
+        """The request's tenant (`cache_salt`): with API keys its key's (unless --shared-cache), narrowed by the salt it
+        gives."""
+        if not self.tenants_by_key:
             return salt
         key = hashlib.sha256((self.key_of(request) or "").encode()).hexdigest()[:32]
         return f"key:{key}" if salt is None else f"key:{key}/{salt}"
 
-    async def body(self, request: Request) -> dict[str, Any]:
-        return (await self.sized_body(request))[0]
+    def own_reuse(self, got: Reused) -> Reused:
+        """An embeddings or rerank result as a tenant may read it: its `cached_tokens` say how much of the previous
+        input (anyone's) an embedding context kept, so they are left out where keys are tenants."""
+        return msgspec.structs.replace(got, cached_tokens=0) if self.tenants_by_key else got
 
-    async def sized_body(self, request: Request) -> tuple[dict[str, Any], int]:
-        """The body as a JSON object, and its size in bytes (a large one is parsed on a thread)."""
+    async def decoded(
+        self, request: Request, decode: Callable[[dict[str, Any]], T], policy: Policy | None = None, rid: str = ""
+    ) -> T:
+        """`decode` of the request's body (a JSON object), with the hints it found reported: parsed, decoded and
+        counted in one go, on a thread for a body over DECODE_INLINE_BYTES (the event loop serves everyone else)."""
         raw = await request.body()
-        body = parse_body(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(parse_body, raw)
+
+        def work() -> T:
+            decoded = decode(self.parsed(raw))
+            if policy is not None:
+                policy.report(rid)
+            return decoded
+
+        return work() if len(raw) <= DECODE_INLINE_BYTES else await asyncio.to_thread(work)
+
+    def parsed(self, raw: bytes) -> dict[str, Any]:
+        """A body as a JSON object naming a model this server serves (RequestError if not)."""
+        body = parse_body(raw)
         model = body.get("model")
         if self.strict_model_name and model not in (None, "", "default", *self.names):
             raise RequestError(
@@ -158,20 +230,26 @@ class Gateway:
                 status=404,
                 code="model_not_found",
             )
-        return body, len(raw)
+        return body
 
     # ---- routes ---------------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
+        """Whether a worker is ready, from a view of the router's status at most STATUS_FRESH_S old (probes and
+        pollers cost the router one status request a second at most); why workers failed only to a caller with a
+        key, where keys are required (a crash's words may name paths and the machine's state)."""
+        reasons = self.authorized(request)
         try:
-            status = await asyncio.wait_for(self.client.status(), 2.0)
+            status = await self.status.get()
         except (TimeoutError, KvrouteError) as exc:
-            return JSONResponse({"status": "unavailable", "reason": str(exc) or "router not answering"}, status_code=503)
+            why = {"reason": str(exc) or "router not answering"} if reasons else {}
+            return JSONResponse({"status": "unavailable", **why}, status_code=503)
         ready = [w for w in status.workers if w.state == "ready"]
-        failed = {f.worker: f.reason for f in status.failed}  # workers that crashed at start and stay down
-        if not ready and failed:
+        failed = {f.worker: f.reason for f in status.failed} if reasons else {}  # crashed at start, and stay down
+        if not ready and status.failed:
             reason = "; ".join(f"worker {w}: {r}" for w, r in failed.items())
-            return JSONResponse({"status": "failed", "workers": 0, "reason": reason, "failed": failed}, status_code=503)
+            told: dict[str, Any] = {"reason": reason, "failed": failed} if reasons else {}
+            return JSONResponse({"status": "failed", "workers": 0, **told}, status_code=503)
         if not ready:
             return JSONResponse({"status": "loading", "workers": 0}, status_code=503)
         return JSONResponse({"status": "ok", "workers": len(ready), **({"failed": failed} if failed else {})})
@@ -225,59 +303,68 @@ class Gateway:
 
     async def count_tokens(self, request: Request) -> Response:
         policy = Policy("messages", strict=self.strict_api)
-        tokens = await self.client.tokens(anthropic.count_tokens_request(await self.body(request), policy))
+        tokens = await self.tokens(request, await self.decoded(request, lambda raw: anthropic.count_tokens_request(raw, policy)))
         return JSONResponse({"input_tokens": len(tokens.tokens) // 4})
 
     async def embeddings(self, request: Request) -> Response:
         rid = uuid.uuid4().hex[:24]
         policy = Policy("embeddings", strict=self.strict_api)
-        msg, body = embed_message(await self.body(request), policy, self.pooling)
-        policy.report(rid)
+        msg, body = await self.decoded(request, lambda raw: embed_message(raw, policy, self.pooling), policy, rid)
         msg.id, msg.model = rid, self.asked_model(body)
+        msg.owner = self.owner_of(request)
         try:
-            got = await self.client.embed(msg)
+            got = await until_gone(request, self.client.embed(msg))
         except KvrouteError as exc:
             if exc.code == ErrorCode.BAD_REQUEST:  # (about an input: the body's field is `input`)
                 raise RequestError(exc.message, param="input") from None
             raise
-        return JSONResponse(embeddings_reply(got, body, body.model or self.model_name))
+        if got is None:
+            return Response(status_code=499)  # (the client is gone; its embed was cancelled)
+        return JSONResponse(embeddings_reply(self.own_reuse(got), body, body.model or self.model_name))
 
     async def rerank(self, request: Request) -> Response:
         rid = uuid.uuid4().hex[:24]
         policy = Policy("rerank", strict=self.strict_api)
-        msg, body = rerank_message(await self.body(request), policy)
-        policy.report(rid)
+        msg, body = await self.decoded(request, lambda raw: rerank_message(raw, policy), policy, rid)
         msg.id, msg.model = rid, self.asked_model(body)
+        msg.owner = self.owner_of(request)
         try:
-            got = await self.client.rerank(msg)
+            got = await until_gone(request, self.client.rerank(msg))
         except KvrouteError as exc:
             if exc.code == ErrorCode.BAD_REQUEST and exc.param is None:  # (about an input: a document's pair)
                 raise RequestError(exc.message, param="texts" if body.texts is not None else "documents") from None
             raise
-        return JSONResponse(rerank_reply(got, msg, body, body.model or self.model_name))
+        if got is None:
+            return Response(status_code=499)
+        return JSONResponse(rerank_reply(self.own_reuse(got), msg, body, body.model or self.model_name))
 
     async def tokenize(self, request: Request) -> Response:
-        raw, size = await self.sized_body(request)
-        body = await self._work(size, helpers.TokenizeBody.decode, raw)
+        body, asked = await self.decoded(request, lambda raw: (helpers.TokenizeBody.decode(raw), self.asked_model(raw)))
         msg = body.message()
-        msg.model = self.asked_model(raw)
-        tokens = await self.client.tokens(msg)
+        msg.model = asked
+        tokens = await self.tokens(request, msg)
         return JSONResponse(await self._work(len(tokens.tokens), helpers.tokenize_reply, tokens, body.with_pieces))
 
     async def detokenize(self, request: Request) -> Response:
-        raw, size = await self.sized_body(request)
-        msg = await self._work(size, helpers.detokenize_message, raw)  # (a million ids: checked and packed off the loop)
-        msg.model = self.asked_model(raw)
-        return JSONResponse({"content": (await self.client.tokens(msg)).text})
+        # (a million ids: checked and packed off the loop)
+        msg, asked = await self.decoded(request, lambda raw: (helpers.detokenize_message(raw), self.asked_model(raw)))
+        msg.model = asked
+        return JSONResponse({"content": (await self.tokens(request, msg)).text})
+
+    async def tokens(self, request: Request, msg: Tokenize | Detokenize) -> Tokens:
+        """The router's answer to a tokenize or detokenize, the work counted as the request's key's (its owner)."""
+        msg.owner = self.owner_of(request)
+        return await self.client.tokens(msg)
 
     @staticmethod
     async def _work(size: int, fn: Any, *args: Any) -> Any:
-        """`fn(*args)`, on a thread when it is about `size` bytes of work past PARSE_INLINE_BYTES."""
-        return fn(*args) if size <= PARSE_INLINE_BYTES else await asyncio.to_thread(fn, *args)
+        """`fn(*args)`, on a thread when it is about `size` bytes of work past DECODE_INLINE_BYTES."""
+        return fn(*args) if size <= DECODE_INLINE_BYTES else await asyncio.to_thread(fn, *args)
 
     async def apply_template(self, request: Request) -> Response:
-        sub, _, _ = chat_submit(await self.body(request), "template", Policy("chat", strict=self.strict_api))
-        return JSONResponse({"prompt": (await self.client.tokens(helpers.render_message(sub))).text})
+        policy = Policy("chat", strict=self.strict_api)
+        sub, _, _ = await self.decoded(request, lambda raw: chat_submit(raw, "template", policy))
+        return JSONResponse({"prompt": (await self.tokens(request, helpers.render_message(sub))).text})
 
     async def slots(self, request: Request) -> Response:
         status = self.client.status(cache_salt=self.salt_of(request, None))
@@ -291,11 +378,7 @@ class Gateway:
         for header in dialect.hint_headers:
             if header in request.headers:
                 policy.hint(f"header:{header}")
-        raw, size = await self.sized_body(request)
-        asked, keep_alive = self.asked_model(raw), keep_alive_s(raw.pop("keep_alive", None))
-        decode = functools.partial(dialect.decode, raw, rid, policy, asked if asked in self.names else self.model_name)
-        call = decode() if size <= PARSE_INLINE_BYTES else await asyncio.to_thread(decode)  # (names the serving model)
-        policy.report(rid)
+        asked, keep_alive, call = await self.decoded(request, functools.partial(self._decode, dialect, rid, policy), policy, rid)
         sub = normalise.served(call.sub, asked, keep_alive, self.salt_of(request, call.sub.cache_salt), self.owner_of(request))
         t0 = asyncio.get_running_loop().time()
         messages = self.client.stream_submit(sub)
@@ -348,6 +431,12 @@ class Gateway:
                 await messages.aclose()  # on client disconnect this sends the cancel
 
         return self._stream(body(), dialect.stream_error)
+
+    def _decode(self, dialect: Dialect, rid: str, policy: Policy, raw: dict[str, Any]) -> tuple[str | None, float | None, Call]:
+        """A generating request's body: the model it asks for, its keep-alive, and its call in `dialect` (which names
+        the model serving it)."""
+        asked, keep_alive = self.asked_model(raw), keep_alive_s(raw.pop("keep_alive", None))
+        return asked, keep_alive, dialect.decode(raw, rid, policy, asked if asked in self.names else self.model_name)
 
     def _stream(self, events: AsyncIterator[bytes], on_error: Any) -> BoundedStream:
         """An event stream cut, with `on_error`'s event last, when its reader stalls (gateway/limits.py)."""
@@ -421,6 +510,21 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+async def until_gone(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None when the client of `request` closes its connection first: `work` is then cancelled
+    (an embed or rerank: the client's `cancel` stops its inputs on the worker)."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.5)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            log.info("http_client_gone", path=request.url.path)
+            return None
+    return task.result()
+
+
 async def disconnected(request: Request) -> None:
     """Returns once the client of `request` (its body read) has closed its connection."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -428,7 +532,8 @@ async def disconnected(request: Request) -> None:
 
 
 class Guard:
-    """Pure ASGI middleware: API key check (all but /health) and request counting by status."""
+    """Pure ASGI middleware: the Host check and JSON-only POSTs (gateway/browsers.py), the API key check (all but
+    /health), the body's size, and request counting by status."""
 
     def __init__(self, app: Any, gateway: Gateway, paths: set[str]) -> None:
         self.app, self.gateway, self.paths = app, gateway, paths
@@ -446,20 +551,33 @@ class Guard:
                 status["code"] = message["status"]
             await send(message)
 
-        limit, length = self.gateway.max_body_bytes, declared_length(scope)
+        limit = self.gateway.max_body_bytes
         try:
-            if path != "/health" and not self.gateway.authorized(Request(scope)):
-                response = errors_for(path).of("auth", "missing or wrong API key", 401, code="invalid_api_key")
-                await response(scope, receive, counting_send)
-            elif length is not None and length > limit:  # refused before a byte of it is read
-                response = errors_for(path).of("too_large", too_large_message(length, limit), 413, code="too_large")
-                await response(scope, receive, counting_send)
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, counting_send)
             else:
                 await self.app(scope, limited(receive, limit, self.gateway.body_timeout_s), counting_send)
         except StalledReader as exc:
             log.warning("http_reply_cut", path=path, reason=str(exc))
         finally:
             HTTP_REQUESTS.labels(endpoint, str(status["code"])).inc()
+
+    def refusal(self, scope: Any) -> Response | None:
+        """The answer to a request refused on its headers alone, before a byte of its body is read; None to serve it."""
+        request, path, errors = Request(scope), scope["path"], errors_for(scope["path"])
+        host = request.headers.get("host")
+        if not self.gateway.allowed_hosts.allows(host):
+            return errors.of("host", host_refused_message(host or ""), 403, code="host_not_allowed")
+        if path != "/health" and not self.gateway.authorized(request):
+            return errors.of("auth", "missing or wrong API key", 401, code="invalid_api_key")
+        content_type = request.headers.get("content-type")
+        if scope["method"] == "POST" and not is_json(content_type):
+            return errors.of("not_json", not_json_message(content_type), 415, code="unsupported_media_type")
+        length, limit = declared_length(scope), self.gateway.max_body_bytes
+        if length is not None and length > limit:
+            return errors.of("too_large", too_large_message(length, limit), 413, code="too_large")
+        return None
 
 
 def build_app(gateway: Gateway) -> Starlette:
@@ -501,9 +619,11 @@ def build_app(gateway: Gateway) -> Starlette:
         message = f"internal error {type(exc).__name__} (error id {error_id})"
         return errors_for(request.url.path).of("internal", message, 500, code=ErrorCode.INTERNAL)
 
+    # (CORS, when origins are given, outside the guard: a browser's preflight carries no key and no body)
+    cors = [Middleware(CORSMiddleware, allow_origins=gateway.cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"])]
     return Starlette(
         routes=routes,
-        middleware=[Middleware(Guard, gateway=gateway, paths={r.path for r in routes})],
+        middleware=[*(cors if gateway.cors_origins else []), Middleware(Guard, gateway=gateway, paths={r.path for r in routes})],
         exception_handlers={
             RequestError: on_request_error,
             KvrouteError: on_kvroute_error,

@@ -18,7 +18,7 @@ from gateway.errors import (
     messages_stream_error,
     responses_stream_error,
 )
-from gateway.fields import Policy
+from gateway.fields import HINT_HEADERS, Policy
 from gateway.keepalive import Tick
 from protocol import Delta, Overflow, Result, Submit
 
@@ -91,4 +91,4 @@ def _messages(raw: dict[str, Any], rid: str, policy: Policy, model: str) -> Call
 CHAT = Dialect("chat", OPENAI_ERRORS, chat_stream_error, _chat)
 COMPLETIONS = Dialect("completions", OPENAI_ERRORS, chat_stream_error, _completions)
 RESPONSES = Dialect("responses", OPENAI_ERRORS, responses_stream_error, _responses)
-MESSAGES = Dialect("messages", ANTHROPIC_ERRORS, messages_stream_error, _messages, hint_headers=("anthropic-beta",))
+MESSAGES = Dialect("messages", ANTHROPIC_ERRORS, messages_stream_error, _messages, hint_headers=HINT_HEADERS["messages"])

@@ -63,6 +63,8 @@ INTERNAL = Kind((500, "internal_error"), (500, "api_error"))
 # errors the gateway makes itself (no protocol code): a kind -> (OpenAI's type, Anthropic's type)
 OWN = {
     "auth": ("authentication_error", "authentication_error"),
+    "host": ("invalid_request_error", "permission_error"),  # 403: a Host this server does not answer to
+    "not_json": ("invalid_request_error", "invalid_request_error"),  # 415: a body that is not JSON
     "too_large": ("invalid_request_error", "request_too_large"),
     "timeout": ("timeout", "timeout_error"),
     "internal": ("internal_error", "api_error"),

@@ -5,7 +5,9 @@
 - *hint* (`HINTS`): metadata, cache and session hints, knobs without meaning for this model, hosted tools the model
   cannot call. The request is served; the field is named in the log and counted in
   `kvroute_request_fields_ignored_total{api,field}`. A field the type does not know is a hint too (new clients add
-  fields every month), unless the operator runs with `--strict-api`: then it is a 400 naming it;
+  fields every month), unless the operator runs with `--strict-api`: then it is a 400 naming it. The metric's
+  `field` label is one of a fixed set (`labels`: the hints, the refused names, the hosted tools and hint headers),
+  or `other` for any name a client made up; the log line names the first LOGGED_FIELDS of them;
 - *refused* (`REFUSED`, and values the types reject): the client would rely on something kvroute cannot do; a 400
   naming the field.
 
@@ -15,7 +17,9 @@ docs/apis.md's "Request fields" table and docs/reference.md (generated) are this
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import re
 from typing import Any
 
@@ -135,8 +139,38 @@ REFUSED: dict[str, dict[str, str]] = {
     "rerank": {},
 }
 
-_MAX_UNKNOWN = 256  # distinct unknown field names counted by name; more are counted as "(other)"
-_unknown_seen: set[str] = set()
+# request headers that are hints, by API: counted like fields, as `header:NAME`
+HINT_HEADERS: dict[str, tuple[str, ...]] = {"messages": ("anthropic-beta",)}
+
+# hosted tools (the provider runs them; the model here is not offered them), counted as `tools[].type=KIND` with a
+# version's date dropped (`web_search_20250305`: `web_search`); a kind not listed here is counted as `other`
+HOSTED_TOOLS: dict[str, tuple[str, ...]] = {
+    "responses": (
+        "web_search",
+        "web_search_preview",
+        "file_search",
+        "code_interpreter",
+        "computer",
+        "computer_use_preview",
+        "image_generation",
+        "local_shell",
+        "shell",
+        "apply_patch",
+        "mcp",
+        "custom",
+        "tool_search",
+    ),
+    "messages": ("web_search", "web_fetch", "code_execution", "tool_search_tool_regex", "tool_search_tool_bm25", "mcp_toolset"),
+}
+
+# other hints a decoder records by value: a block that is not text and is dropped
+VALUE_HINTS: dict[str, tuple[str, ...]] = {"messages": ("messages[].content[].type=redacted_thinking",)}
+
+OTHER = "other"  # the metric's label for a field name outside the fixed set (a client's own, or a made-up one)
+LOGGED_FIELDS = 20  # field names a log line names; the rest are a count
+LOGGED_NAME_CHARS = 80  # of each (a JSON key may be a megabyte long)
+_MAX_UNKNOWN = 256  # conversions of a body, each finding one unknown field the walk missed (none is known to)
+_DATED = re.compile(r"_(\d{8}|\d{4}_\d{2}_\d{2})$")  # a hosted tool's version: `_20250305`, `_2025_03_11`
 
 
 class FieldError(ValueError):
@@ -235,17 +269,48 @@ def unknown_fields(raw: Any, kind: Any, at: str = "") -> list[str]:
     return found
 
 
+@functools.cache
+def labels(api: str) -> frozenset[str]:
+    """Every `field` label an API's hints are counted under but `other`: a fixed set, so that made-up names cannot
+    add series to /metrics without bound."""
+    return frozenset(
+        (
+            *HINTS[api],
+            *REFUSED[api],
+            *(f"header:{h}" for h in HINT_HEADERS.get(api, ())),
+            *(f"tools[].type={kind}" for kind in HOSTED_TOOLS.get(api, ())),
+            *VALUE_HINTS.get(api, ()),
+        )
+    )
+
+
+def undated(kind: str) -> str:
+    """A hosted tool's kind without its version's date: `web_search_20250305` -> `web_search`."""
+    return _DATED.sub("", kind)
+
+
+def label(api: str, field: str) -> str:
+    """The metric's label for a hint: the field's pattern when it is one of `labels(api)`, else `other`."""
+    if field.startswith("tools[].type="):
+        field = "tools[].type=" + undated(field.removeprefix("tools[].type="))
+    return field if field in labels(api) else OTHER
+
+
 class Policy:
     """One API's policy for one request: decodes bodies (and parts of them), strips hints, collects what it strips."""
 
     def __init__(self, api: str, *, strict: bool = False) -> None:
         self.api, self.strict = api, strict
-        self.ignored: list[str] = []
+        self._ignored: dict[str, None] = {}  # (a set in the order seen: one look-up per field, however many)
+
+    @property
+    def ignored(self) -> list[str]:
+        """The hints recorded, each once, in the order first seen."""
+        return list(self._ignored)
 
     def hint(self, field: str) -> None:
         """Record a field (a pattern) accepted and not acted on."""
-        if field not in self.ignored:
-            self.ignored.append(field)
+        self._ignored[field] = None
 
     def decode(self, raw: Any, kind: Any, *, at: str = "") -> Any:
         """`raw` (a parsed JSON value, modified in place) as `kind`: refused fields raise FieldError; known hints are
@@ -282,19 +347,16 @@ class Policy:
         raise FieldError("the request has too many unknown fields", at or "body")
 
     def report(self, request_id: str) -> None:
-        """Count and log the hints this request carried (once per request)."""
-        if not self.ignored:
+        """Count and log the hints this request carried (once per request): each label once, by how many of the
+        request's fields it stands for; the log names the first LOGGED_FIELDS fields and counts the rest."""
+        if not self._ignored:
             return
-        known = set(HINTS[self.api])
-        for field in self.ignored:
-            label = field
-            if field not in known and not field.startswith("header:") and not field.startswith("tools[].type="):
-                if field not in _unknown_seen and len(_unknown_seen) >= _MAX_UNKNOWN:
-                    label = "(other)"
-                else:
-                    _unknown_seen.add(field)
-            FIELDS_IGNORED.labels(self.api, label[:80]).inc()
-        log.info("request_fields_ignored", api=self.api, request_id=request_id, fields=self.ignored)
+        counts = collections.Counter(label(self.api, field) for field in self._ignored)
+        for name, n in counts.items():
+            FIELDS_IGNORED.labels(self.api, name).inc(n)
+        named = [field[:LOGGED_NAME_CHARS] for field in itertools.islice(self._ignored, LOGGED_FIELDS)]
+        more = len(self._ignored) - len(named)
+        log.info("request_fields_ignored", api=self.api, request_id=request_id, fields=named, **({"more": more} if more else {}))
 
 
 def table() -> dict[str, dict[str, list[str]]]:

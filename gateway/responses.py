@@ -26,7 +26,7 @@ from msgspec import Meta
 
 from gateway import normalise
 from gateway.blocks import Blocks, Event, Kind
-from gateway.fields import Policy
+from gateway.fields import Policy, undated
 from gateway.keepalive import Tick
 from gateway.openai_chat import RequestError, Strict, chat_logprobs, context_shift, decode, thinking_kwargs, timings_body
 from protocol import (
@@ -203,7 +203,7 @@ def function_tools(raw: list[dict[str, Any]] | None, policy: Policy) -> tuple[li
             f = decode(item, FunctionTool, policy, at=f"tools[{i}]")
             tools.append(_tool(f.name, f, f"tools[{i}]"))
         elif isinstance(kind, str):
-            policy.hint(f"tools[].type={kind}")
+            policy.hint(f"tools[].type={undated(kind)}")
         else:
             raise RequestError(f"`tools[{i}].type` is missing", param=f"tools[{i}].type")
     return tools, names

@@ -50,10 +50,27 @@ class HttpConfig:
         "default: $KVROUTE_API_KEY",
         metavar="KEY",
     )
-    tenant_per_key: bool = opt(
+    shared_cache: bool = opt(
         False,
-        "each API key is a tenant: cached prefixes are shared only between requests made with the same key (and the "
-        "same cache_salt, when a request gives one), and /slots hides other tenants' slots",
+        "API keys share cached prefixes. By default each key is a tenant: its prefixes are reused only by requests made "
+        "with the same key (and the same cache_salt, when a request gives one), and /slots hides other tenants' slots. "
+        "Shared, one key can learn another's prompts piece by piece from cached_tokens and timing (docs/security.md)",
+    )
+    tenant_per_key: bool = opt(
+        False, "changes nothing: each API key is a tenant by default now (--shared-cache to share); kept for old command lines"
+    )
+    allowed_hosts: str = opt(
+        "",
+        "more names the Host header may give (comma-separated; .example.com: that domain and every name under it; *: "
+        "any, behind a proxy that rewrites Host). Always served: IP addresses, localhost, this machine's names and "
+        "--http's; any other name gets 403 (a web page could reach this server through DNS rebinding)",
+        metavar="NAMES",
+    )
+    cors_origins: str = opt(
+        "",
+        "web origins whose pages may call this API (comma-separated, e.g. http://localhost:3000; *: any). Default: "
+        "none, and no response carries CORS headers",
+        metavar="ORIGINS",
     )
     curve_key: str | None = opt(
         None, "this client's CurveZMQ key file (when the router's client socket uses CURVE)", metavar="FILE"
@@ -110,6 +127,8 @@ class HttpConfig:
             raise ValueError("--header-timeout-s and --body-timeout-s must be positive")
         if self.max_connections < 1:
             raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
+        if self.tenant_per_key and self.shared_cache:
+            raise ValueError("--tenant-per-key and --shared-cache: keys are tenants, or they share; give one")
         if self.tenant_per_key and not (self.api_key or os.environ.get("KVROUTE_API_KEY")):
             raise ValueError("--tenant-per-key needs --api-key (or $KVROUTE_API_KEY): tenants are told apart by key")
 
@@ -184,6 +203,7 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None, sig
     import uvicorn
 
     from gateway.app import Gateway, build_app
+    from gateway.browsers import AllowedHosts, names_of
     from kvroute.client import AsyncClient
 
     host, port = parse_host_port(cfg.http)
@@ -199,7 +219,9 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None, sig
         client,
         cfg.model_name,
         api_key,
-        tenant_per_key=cfg.tenant_per_key,
+        shared_cache=cfg.shared_cache,
+        allowed_hosts=AllowedHosts(names_of(cfg.allowed_hosts), bind_host=host),
+        cors_origins=names_of(cfg.cors_origins),
         aliases=tuple(a.strip() for a in cfg.alias.split(",") if a.strip()),
         strict_model_name=cfg.strict_model_name,
         strict_api=cfg.strict_api,

@@ -695,13 +695,13 @@ class AsyncClient:
     async def embed(self, msg: Embed) -> Embeddings:
         """Send an `embed` (its id is set here when it has none) and wait for the vectors."""
         msg.id = msg.id or f"emb-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
-        reply: Embeddings = await self._ask(msg)
+        reply: Embeddings = await self._ask(msg, cancel_if_abandoned=True)
         return reply
 
     async def rerank(self, msg: Rerank) -> Ranked:
         """Send a `rerank` (its id is set here when it has none) and wait for the scores."""
         msg.id = msg.id or f"rr-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
-        reply: Ranked = await self._ask(msg)
+        reply: Ranked = await self._ask(msg, cancel_if_abandoned=True)
         return reply
 
     async def tokens(self, msg: Tokenize | Detokenize) -> Tokens:
@@ -710,8 +710,10 @@ class AsyncClient:
         reply: Tokens = await self._ask(msg)
         return reply
 
-    async def _ask(self, msg: Any) -> Any:
-        """Send a message that has one reply, and wait for that reply (an Error raises)."""
+    async def _ask(self, msg: Any, cancel_if_abandoned: bool = False) -> Any:
+        """Send a message that has one reply, and wait for that reply (an Error raises). With `cancel_if_abandoned`, a
+        wait that is cancelled (its caller gave up: an HTTP client gone) sends the router a `cancel` for it, so that
+        its work (an embed's inputs) stops too."""
         frame = encode_checked(msg, self.max_frame_bytes)
         q: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[msg.id] = q
@@ -720,6 +722,11 @@ class AsyncClient:
         try:
             await self._sock.send(frame)
             return await self._next(q)
+        except asyncio.CancelledError:
+            if cancel_if_abandoned:  # (the cancellation was delivered: one more await runs)
+                with contextlib.suppress(zmq.ZMQError):
+                    await self.cancel(msg.id)
+            raise
         finally:
             self._queues.pop(msg.id, None)
             self._unanswered.pop(msg.id, None)

@@ -106,7 +106,7 @@ def test_a_reader_that_stops_reading_is_cut_and_its_generation_cancelled(ready):
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     stalled.connect(("127.0.0.1", served.http_port))
     stalled.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: kvroute\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body
     )

@@ -34,7 +34,8 @@ def test_a_worker_crashing_at_start_stops_after_the_limit_and_the_other_worker_s
         assert [f.worker for f in st.failed] == ["cpu1"]
         assert CRASH in st.failed[0].reason and ADVICE in st.failed[0].reason
         assert [w.worker for w in st.workers] == ["cpu0"]
-        h = health(served)
+        # (/health's view of the router is up to a second old)
+        h = wait_for(lambda: r if "failed" in (r := health(served)).json() else None, 5, "/health names cpu1")
         assert h.status_code == 200 and h.json()["failed"]["cpu1"] == st.failed[0].reason
         chat = {"messages": [{"role": "user", "content": "Name a river."}], "max_tokens": 4}
         r = httpx.post(f"{served.url}/v1/chat/completions", json=chat, timeout=BOUND_S)

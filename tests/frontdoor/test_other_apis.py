@@ -305,7 +305,7 @@ def test_bad_input_in_any_shape_does_not_disturb_other_streams(served: Served) -
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
 def test_garbage_bodies_get_the_shape_s_error(served: Served, path: str) -> None:
     with httpx.Client(base_url=served.url, headers=served.headers, timeout=60) as http:
-        r = http.post(path, content=b"{not json")
+        r = http.post(path, content=b"{not json", headers={"content-type": "application/json"})
         assert r.status_code == 400
         body = r.json()
         assert ("type" in body and body["type"] == "error") if path == "/v1/messages" else "error" in body

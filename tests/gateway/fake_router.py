@@ -25,6 +25,8 @@ from protocol import (
     pack_tokens,
 )
 
+BASE_URL = "http://localhost"  # (a name the gateway answers to: gateway/browsers.py)
+
 
 class FakeRouter:
     """Stands in for AsyncClient: answers every submit with two deltas and a result, or with a chosen error."""
@@ -67,9 +69,10 @@ class FakeRouter:
         pass
 
 
-def client_for(fake: FakeRouter, api_key: str | None = None, tenant_per_key: bool = False, **kw: Any) -> httpx.AsyncClient:
-    app = build_app(Gateway(fake, "gemma", api_key, tenant_per_key=tenant_per_key, **kw))  # type: ignore[arg-type]
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+def client_for(fake: FakeRouter, api_key: str | None = None, **kw: Any) -> httpx.AsyncClient:
+    """A client of the gateway in front of `fake` (over ASGI, as a client on this machine: Host localhost)."""
+    app = build_app(Gateway(fake, "gemma", api_key, **kw))  # type: ignore[arg-type]
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE_URL)
 
 
 def result(**kw: Any) -> Result:

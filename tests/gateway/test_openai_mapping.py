@@ -113,15 +113,18 @@ def test_chat_bad_messages_name_the_field() -> None:
         assert info.value.param == param
 
 
+JSON = {"content-type": "application/json"}
+
+
 @pytest.fixture
 def fake() -> FakeRouter:
     return FakeRouter()
 
 
 @pytest.mark.anyio
-async def test_with_tenant_per_key_each_key_is_a_tenant_and_a_body_salt_narrows_it(fake: FakeRouter) -> None:
+async def test_each_key_is_a_tenant_by_default_and_a_body_salt_narrows_it(fake: FakeRouter) -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    async with client_for(fake, "key-one, key-two", tenant_per_key=True) as c:
+    async with client_for(fake, "key-one, key-two") as c:
         for key, body in (("key-one", chat), ("key-two", chat), ("key-one", {**chat, "cache_salt": "team-x"})):
             r = await c.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 200, r.text
@@ -133,10 +136,15 @@ async def test_with_tenant_per_key_each_key_is_a_tenant_and_a_body_salt_narrows_
     assert one and two and one != two and two == two_again and one_x == f"{one}/team-x"
     assert "key-one" not in one  # (the key itself never leaves the gateway)
     assert fake.status_salts == [two]  # /slots shows the caller's own slots in full
-    async with client_for(fake) as c:  # without the flag: the body's salt as given, none otherwise
+    async with client_for(fake) as c:  # without keys: the body's salt as given, none otherwise
         await c.post("/v1/chat/completions", json={**chat, "cache_salt": "team-x"})
         await c.post("/v1/chat/completions", json=chat)
     assert [s.cache_salt for s in fake.submits[-2:]] == ["team-x", None]
+    async with client_for(fake, "key-one, key-two", shared_cache=True) as c:  # --shared-cache: keys share, as before
+        for key in ("key-one", "key-two"):
+            await c.post("/v1/chat/completions", json={**chat, "cache_salt": "team-x"}, headers={"x-api-key": key})
+        await c.post("/v1/chat/completions", json=chat, headers={"x-api-key": "key-one"})
+    assert [s.cache_salt for s in fake.submits[-3:]] == ["team-x", "team-x", None]
 
 
 async def _post(fake: FakeRouter, path: str, body: Any, **kw: Any) -> httpx.Response:
@@ -252,9 +260,9 @@ async def test_model_names_and_json_errors(fake: FakeRouter) -> None:
         assert "'gemma', 'small'" in r.json()["error"]["message"]
         assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["gemma", "small"]
     async with client_for(fake) as c:
-        r = await c.post("/v1/completions", content=b"{not json")
+        r = await c.post("/v1/completions", content=b"{not json", headers=JSON)
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
-        r = await c.post("/v1/completions", content=b"[1,2]")
+        r = await c.post("/v1/completions", content=b"[1,2]", headers=JSON)
         assert r.status_code == 400
 
 
@@ -270,7 +278,7 @@ async def test_api_key_everywhere_but_health(fake: FakeRouter) -> None:
 @pytest.mark.anyio
 async def test_health_is_503_until_a_worker_is_ready(fake: FakeRouter) -> None:
     fake.workers_ready = False
-    async with client_for(fake) as c:
+    async with client_for(fake, status_fresh_s=0) as c:  # (a view of the router's status as fresh as can be)
         assert (await c.get("/health")).status_code == 503
         fake.workers_ready = True
         assert (await c.get("/health")).json() == {"status": "ok", "workers": 1}

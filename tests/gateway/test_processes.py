@@ -134,3 +134,23 @@ def test_serve_processes_0_is_the_machines_rule_and_a_number_is_kept() -> None:
     auto = http_config(parser.parse_args([]), RouterConfig())
     assert auto is not None and auto.processes == 1  # this machine's CPU workers
     assert http_config(parser.parse_args(["--processes", "3"]), RouterConfig()).processes == 3  # type: ignore[union-attr]
+
+
+def test_serve_passes_its_http_flags_to_the_http_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve --strict-api` (and --alias, --strict-model-name, --tenant-per-key) never reached the HTTP API."""
+    import argparse
+
+    from commands.serve import add_arguments, http_config
+    from router.config import RouterConfig
+
+    monkeypatch.delenv("KVROUTE_API_KEY", raising=False)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = ["--api-key", "k", "--shared-cache", "--allowed-hosts", "box.lan", "--cors-origins", "http://localhost:3000",
+             "--strict-api", "--strict-model-name", "--alias", "small"]  # fmt: skip
+    cfg = http_config(parser.parse_args(flags), RouterConfig())
+    assert cfg is not None
+    assert (cfg.shared_cache, cfg.allowed_hosts, cfg.cors_origins) == (True, "box.lan", "http://localhost:3000")
+    assert (cfg.strict_api, cfg.strict_model_name, cfg.alias) == (True, True, "small")
+    with pytest.raises(ValueError, match="--shared-cache"):
+        http_config(parser.parse_args([*flags, "--tenant-per-key"]), RouterConfig())

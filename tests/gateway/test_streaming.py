@@ -138,7 +138,7 @@ async def test_held_output_gets_each_apis_keep_alive_and_the_sdks_read_through_i
     assert sum(k == "ping" for k, _ in events(msgs)) >= 3
 
     async with client_for(router, keep_alive_s=0.12) as http:
-        oai = openai.AsyncOpenAI(base_url="http://test/v1", api_key="-", http_client=http)
+        oai = openai.AsyncOpenAI(base_url="http://localhost/v1", api_key="-", http_client=http)
         stream = await oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], stream=True)
         assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == "Hi"
         async with oai.responses.stream(model="m", input="x") as rs:
@@ -146,8 +146,8 @@ async def test_held_output_gets_each_apis_keep_alive_and_the_sdks_read_through_i
             final = await rs.get_final_response()
         assert "keepalive" in kinds and final.output_text == "Hi"
     app = build_app(Gateway(router, "gemma", keep_alive_s=0.12))  # type: ignore[arg-type]
-    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://test") as http2:
-        ant = anthropic.AsyncAnthropic(base_url="http://test", api_key="-", http_client=http2)  # (its SDK speaks httpx2)
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://localhost") as http2:
+        ant = anthropic.AsyncAnthropic(base_url="http://localhost", api_key="-", http_client=http2)  # (its SDK speaks httpx2)
         async with ant.messages.stream(model="m", max_tokens=9, messages=[{"role": "user", "content": "x"}]) as ms:
             text = "".join([t async for t in ms.text_stream])
         assert text == "Hi"

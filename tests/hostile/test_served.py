@@ -15,7 +15,11 @@ import asyncio
 import contextlib
 import ctypes
 import gc
+import itertools
 import json
+import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -93,7 +97,7 @@ def served() -> Iterator[Serve]:
 
     cep, wep = endpoints()
     port = free_port()
-    cfg = RouterConfig(client_endpoint=cep, worker_endpoint=wep, busy_wait_ms=0, prepare_timeout_s=2.0)
+    cfg = RouterConfig(client_endpoint=cep, worker_endpoint=wep, busy_wait_ms=0, prepare_timeout_s=5.0)
     local = LocalWorkers(cpu_workers=1, slots=4, ctx_per_slot=2048, threads=1)
     http = HttpConfig(http=f"127.0.0.1:{port}", router=cep, api_key=KEY, model_name="m", processes=1)
 
@@ -226,7 +230,7 @@ def test_a_client_gone_before_its_first_token_leaves_nothing(served: Serve) -> N
     idle = served.held()
     try:
         body = js(chat(messages=[{"role": "user", "content": "word " * 1500}], max_tokens=200, stream=True))
-        head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
         conn = socket.create_connection((host, int(port)))
         conn.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
         time.sleep(0.3)
@@ -251,3 +255,95 @@ def test_without_the_key_no_process_joins_serve_as_a_worker(served: Serve) -> No
     assert not sock.poll(1500)
     assert "intruder" not in served.router.workers
     sock.close(0)
+
+
+def post(url: str, path: str, body: bytes, **headers: str) -> httpx.Response:
+    sent = {"Authorization": f"Bearer {KEY}", "content-type": "application/json", **headers}
+    return httpx.post(f"{url}{path}", content=body, headers=sent, timeout=120)
+
+
+def one_token_chat(url: str) -> float:
+    t0 = time.monotonic()
+    r = post(url, CHAT, js(chat(max_tokens=1)))
+    assert r.status_code == 200, r.text[:300]
+    return time.monotonic() - t0
+
+
+def series_count(url: str) -> int:
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+
+
+# Issue 61's table: each request that hurt everyone, sent beside a normal stream (smaller where its size only made it
+# take longer: the embed's inputs are as long, fewer; the flood's texts are what --prepare-timeout-s 5 lets through)
+EMBED_2X1200 = {"input": [[100 + (i * 7 + j) % 5000 for j in range(1200)] for i in range(2)]}
+MADE_UP_TOOLS = {"input": "hi", "max_output_tokens": 4, "tools": [{"type": f"t{i}"} for i in range(2000)]}
+SECOND_ROUND: dict[str, tuple[str, bytes, int, dict[str, str]]] = {  # name -> (path, body, times at once, headers)
+    "embed-2x1200": ("/v1/embeddings", js(EMBED_2X1200), 1, {}),
+    "unknown-keys-30k": ("/v1/embeddings", js({"input": "hello", **{f"k{i}": i for i in range(30_000)}}), 1, {}),
+    "tokenize-flood": ("/tokenize", js({"content": "<" * 10_000}), 16, {}),
+    "made-up-tools": ("/v1/responses", js(MADE_UP_TOOLS), 3, {}),
+    "foreign-host": (CHAT, js(chat()), 1, {"host": "evil.example", "content-type": "text/plain"}),
+}  # fmt: skip
+OUTSIDE = Path(__file__).with_name("outside.py")
+SERIES_BOUND = 600  # metric series of this server (one worker): the HTTP API's, the router's, each field label once
+
+
+@pytest.mark.parametrize("name", list(SECOND_ROUND))
+def test_a_second_round_request_harms_no_one(served: Serve, name: str, tmp_path: Path) -> None:
+    """Issue 61: beside a normal stream, the stream's longest gap stays under 1 s and its worker is not restarted,
+    `/health` answers within 100 ms throughout, a one-token chat during the tokenize flood takes under twice its time
+    without it (the same key's: the flood's texts are not small work), the metric series stay under a bound, and a
+    foreign Host is refused. The hostile client is a process of its own (tests/hostile/outside.py)."""
+    path, body, times, headers = SECOND_ROUND[name]
+    (tmp_path / "body").write_bytes(body)
+    restarts = dict(served.router.restarts)
+    stream = Stream(served.url)
+    try:
+        idle_chat = statistics.median(one_token_chat(served.url) for _ in range(3))  # (beside the stream: the normal load)
+        served.watch.reset()
+        t0 = time.monotonic()
+        args = [served.url, path, str(tmp_path / "body"), str(times), json.dumps(headers), KEY]
+        outside = subprocess.Popen([sys.executable, str(OUTSIDE), *args], stdout=subprocess.PIPE, text=True)
+        assert outside.stdout is not None and outside.stdout.readline().strip() == "sending"
+        during = None
+        if name == "tokenize-flood":
+            time.sleep(0.3)
+            during = statistics.median(one_token_chat(served.url) for _ in range(3))
+            assert outside.poll() is None, "the flood was over before the chats"
+        out, _ = outside.communicate(timeout=300)
+        t1 = time.monotonic()
+        gaps = [b - a for a, b in itertools.pairwise(t for t in stream.times if t0 <= t <= t1)]
+    finally:
+        stream.done.set()
+    seen = json.loads(out)
+    statuses, longest_health = seen["statuses"], seen["health_max_s"]
+    print(f"{name}: {served.watch}, /health at most {longest_health * 1000:.0f} ms of {seen['health_polls']}")
+    # (the flood's later tokenizes wait their turn behind the same key's, and may run out of time: 429, come back)
+    expected = {"foreign-host": {403}, "tokenize-flood": {200, 429}}.get(name, {200})
+    assert set(statuses) <= expected and (name == "foreign-host" or 200 in statuses), statuses
+    assert max(gaps, default=0.0) < 1.0, f"{name}: the stream waited {max(gaps):.2f} s for a token"
+    assert served.router.restarts == restarts, f"{name}: the worker was restarted"
+    assert longest_health < 0.1, f"{name}: /health took {longest_health * 1000:.0f} ms"
+    if during is not None:
+        assert during < 2 * idle_chat, f"{name}: a one-token chat took {during:.2f} s, {idle_chat:.2f} s without it"
+    assert series_count(served.url) < SERIES_BOUND
+
+
+def test_an_embed_whose_client_goes_away_stops_on_its_worker(served: Serve) -> None:
+    """Issue 61 item 1: an HTTP client gone mid-embed left its worker computing every input. Now the gateway cancels
+    it, the router tells the worker, and the worker ends the job before its next chunk (a job of 2,400 tokens would
+    take it 10-20 s)."""
+    import socket
+
+    host, port = served.url.removeprefix("http://").split(":")
+    body = js(EMBED_2X1200)
+    head = f"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
+    conn = socket.create_connection((host, int(port)))
+    conn.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    router = served.router
+    wait_until(lambda: any(c.embeds.running for c in router.cores), 30, "the embed job on its worker")
+    t0 = time.monotonic()
+    conn.close()
+    wait_until(lambda: not any(c.embeds.running for c in router.cores), 10, "the worker ended the job")
+    assert time.monotonic() - t0 < 5
