@@ -722,8 +722,8 @@ class AsyncClient:
         try:
             await self._sock.send(frame)
             return await self._next(q)
-        except asyncio.CancelledError:
-            if cancel_if_abandoned:  # (the cancellation was delivered: one more await runs)
+        except (asyncio.CancelledError, TimeoutError):  # (a wait given up: cancelled, or no reply in timeout_s)
+            if cancel_if_abandoned:  # (a cancellation was delivered: one more await runs)
                 with contextlib.suppress(zmq.ZMQError):
                     await self.cancel(msg.id)
             raise

@@ -188,7 +188,7 @@ class Preparing:
                 self._running -= 1
             outcome = fut.exception() or fut.result()
             if isinstance(outcome, DeadlinePassed | OutOfTime) and waited > WAITED_SHARE * self.timeout_s:
-                self._expired(work, waited)  # (its wait, not its own cost, left it too little time)
+                self._expired(work, waited, str(outcome))  # (its wait, not its own cost, left it too little time)
             else:
                 self._release(work.owner)
                 self._settle(work.then, outcome)
@@ -197,16 +197,17 @@ class Preparing:
         loop = asyncio.get_running_loop()
         loop.run_in_executor(self._pool, work.run, work.deadline).add_done_callback(done)
 
-    def _expired(self, work: Work, waited: float | None = None) -> None:
+    def _expired(self, work: Work, waited: float | None = None, why: str = "") -> None:
         """Answer `work` queue_full: it waited past its deadline, or `waited` so long that what was left of its
-        deadline was too little."""
+        deadline was too little (`why`: what its own check said)."""
         self._release(work.owner)
         self.metrics.prepare_refused[work.kind] += 1
         waited = time.monotonic() - work.arrived if waited is None else waited
         log.info("prepare_expired", kind=work.kind, waited_s=round(waited, 2), timeout_s=self.timeout_s)
+        what = f"what was left of the {self.timeout_s:g} s" if why else f"the {self.timeout_s:g} s"
         text = (
-            f"this request waited {waited:.1f} s for a preparing thread, and the {self.timeout_s:g} s a request's "
-            "preparation may take (--prepare-timeout-s) ran out: the router is busy preparing other requests"
+            f"this request waited {waited:.1f} s for a preparing thread (the router is busy preparing other requests), "
+            f"and {what} a request's preparation may take (--prepare-timeout-s) was too little" + (f": {why}" if why else "")
         )
         self._settle(work.then, Busy(Refusal(ErrorCode.QUEUE_FULL, text, retry_after_ms=RETRY_AFTER_MS)))
 

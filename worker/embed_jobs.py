@@ -4,7 +4,8 @@ for a whole request of many long inputs. While slots generate beside them, a chu
 STEP_S at the embedder's measured speed; with nothing else to run, a whole ubatch. A chunk computed is engine progress:
 a long request is not a hang.
 
-Jobs run in arrival order, each input decoded alone in the embedder of its pooling (worker/embedder.py, made at its
+Jobs take turns an input at a time, in arrival order (a small request waits for one input of a large one, not for all
+of it), each input decoded alone in the embedder of its pooling (worker/embedder.py, made at its
 first use, which pools an input over its chunks): its vector does not depend on what runs beside it. A job's end goes
 to its sink: EmbedDone, or JobError (an input over the embedding context `bad_request`, a failure `internal`,
 `cancelled` by its router, `draining` when handed back). Owned by the compute thread.
@@ -62,7 +63,7 @@ class EmbedRun:
 
 
 class EmbedJobs:
-    """The embed jobs waiting or running, in arrival order; `run_one` computes the next chunk of the first one's
+    """The embed jobs waiting or running, the one whose turn it is first; `run_one` computes the next chunk of its
     input."""
 
     def __init__(self, make: Callable[[str], EmbedderLike]) -> None:
@@ -98,6 +99,8 @@ class EmbedJobs:
         if end is not None:
             self.queue.popleft()
             _send(run, end)
+        elif run.current is None:  # (an input done: the next job's turn; one input at a time, the context holds one)
+            self.queue.rotate(-1)
 
     def chunk(self) -> int:
         """Tokens of a chunk beside generating slots: about STEP_S of work at the measured speed."""

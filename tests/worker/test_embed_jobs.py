@@ -1,5 +1,5 @@
 """worker/embed_jobs.py with a fake embedder, no model: one chunk per turn (an input whole with nothing beside it, about
-STEP_S of it beside generating slots), in arrival order; a job's end (its vectors, or why not) after its last input;
+STEP_S of it beside generating slots), the jobs taking turns an input at a time; a job's end (its vectors, or why not) after its last input;
 cancelled, forgotten and handed-back jobs; every chunk counts as progress. And the engine's loop (worker/engine.py)
 with a fake core: one chunk between two steps, commands taken between chunks."""
 
@@ -78,18 +78,21 @@ def jobs(fail_on: int | None = None) -> tuple[EmbedJobs, list[str], list[EmbedDo
     return q, log, ends
 
 
-def test_one_input_per_turn_in_arrival_order_and_the_vectors_at_the_end() -> None:
+def test_jobs_take_turns_an_input_at_a_time_and_a_job_ends_with_its_vectors() -> None:
+    """A small request waits for one input of a large one before it, not for all of them (the bench's 40 inputs of
+    2,000 tokens held a one-input request behind them for minutes)."""
     q, log, ends = jobs()
     q.add(embed_job("a", 1, 2), ends.append)
     q.add(embed_job("b", 3), ends.append)
     q.run_one()
     assert log == ["input 1"] and not ends and q.computed == 1 and len(q) == 2
     q.run_one()
-    (done,) = ends
+    assert log == ["input 1", "input 3"] and [e.id for e in ends] == ["b"], "b's turn after a's first input"
+    q.run_one()
+    done = ends[1]
     assert isinstance(done, EmbedDone) and done.id == "a" and done.dims == 2 and done.reused_tokens == 2
     assert [np.frombuffer(v, "<f4").tolist() for v in done.vectors] == [[3, 1], [3, 2]]
-    q.run_one()
-    assert [e.id for e in ends] == ["a", "b"] and q.computed == 3 and not q
+    assert q.computed == 3 and not q
     q.run_one()  # (nothing to do)
     assert q.computed == 3 and q.made == ["mean"]  # type: ignore[attr-defined]
 
@@ -114,13 +117,13 @@ def test_a_refused_or_failed_job_ends_with_why_and_the_next_one_runs() -> None:
     q.run_one()  # refused whole, before any input is computed
     assert isinstance(ends[0], JobError) and ends[0].code == ErrorCode.BAD_REQUEST and "input 1" in ends[0].message
     assert log == []
+    q.run_one()  # broken's first input, then fine's turn
     q.run_one()
-    q.run_one()  # its second input fails
-    assert isinstance(ends[1], JobError) and (ends[1].id, ends[1].code) == ("broken", ErrorCode.INTERNAL)
-    assert ends[1].error_id and "returned -1" in ends[1].message
-    q.run_one()
-    assert ends[2].id == "fine" and isinstance(ends[2], EmbedDone)
-    assert q.computed == 4  # (a refused or failed turn is progress too: the thread is not stuck)
+    assert ends[1].id == "fine" and isinstance(ends[1], EmbedDone)
+    q.run_one()  # broken's second input fails
+    assert isinstance(ends[2], JobError) and (ends[2].id, ends[2].code) == ("broken", ErrorCode.INTERNAL)
+    assert ends[2].error_id and "returned -1" in ends[2].message
+    assert q.computed == 4 and not q  # (a refused or failed turn is progress too: the thread is not stuck)
 
 
 def test_forgotten_jobs_end_without_a_word_and_handed_back_ones_say_draining() -> None:
@@ -190,10 +193,10 @@ def test_the_loop_takes_one_input_between_two_steps_and_commands_between_inputs(
             time.sleep(0.001)
     finally:
         engine.stop(close=False)
-    # the slot's steps and the inputs alternate (a step waits for one input at most), and the cancel is taken before
-    # the next input
-    assert log == ["input 1", "step", "input 2", "step", "input 3", "cancel e", "input 5", "input 6"]
-    assert [(e.id, type(e)) for e in ends] == [("e", JobError), ("f", EmbedDone)]
+    # the slot's steps and the inputs alternate (a step waits for one input at most), the jobs take turns, and the
+    # cancel is taken before the next input
+    assert log == ["input 1", "step", "input 5", "step", "input 2", "input 6", "input 3", "cancel e"]
+    assert [(e.id, type(e)) for e in ends] == [("f", EmbedDone), ("e", JobError)]
     assert engine.progress == core.progress + 5  # (every loop turn, and every input computed)
 
 
