@@ -1,0 +1,213 @@
+"""Mooncake's conversation trace replayed on any OpenAI-compatible server, and the offline oracle beside it.
+
+The trace (`../shared/data/mooncake_conversation_trace.jsonl`, kvcache-ai/Mooncake FAST'25, Apache-2.0; its README
+says the format): each row is a request with `input_length`, `output_length` (tokens) and `hash_ids`, the ids of
+its prompt's 512-token blocks, equal ids meaning an equal prefix block. Scaled to this machine: each block becomes
+`--block` units drawn from a generator seeded by its id (so equal blocks are equal text), in one of two modes:
+
+- `text`: words, sent as a text prompt on /v1/completions (each system tokenizes them itself);
+- `tokens`: token ids in the model's ordinary range, sent as a token-id prompt.
+
+The output is `output_length` scaled alike (at least one token), generated whatever the model's end token
+(`ignore_eos`). `--clients` clients replay the rows in order in a closed loop (each takes the next row when its last
+one is answered). A reply's `usage.prompt_tokens_details.cached_tokens` (or llama-server's `timings.prompt_n`) says
+how many of its prompt tokens were computed.
+
+    python -m bench.trace_replay --url http://127.0.0.1:8000 [--rows 600] [--mode text] [--clients 4]
+    python -m bench.trace_replay --oracle-only [--rows 600] [--budget-blocks N]
+
+The oracle computes, from the rows alone, the share of prompt blocks an infinite cache keyed by blocks computes (a
+block is computed unless the request's whole chain up to it was seen before), and the same with a least recently
+used cache of `--budget-blocks` blocks. What a server computes is measured in tokens, the oracle in blocks: equal
+blocks tokenize alike, so the ratios compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+BLOCK_TOKENS = 512  # the trace's block
+# (the words a block is drawn from: common English, so that a text block is about as many tokens in any vocabulary)
+# fmt: off
+WORDS = ("time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye",
+         "woman", "place", "work", "week", "case", "point", "government", "company", "number", "group", "problem",
+         "fact", "river", "stone", "light", "water", "field", "paper", "music", "garden", "window")
+# fmt: on
+TOKEN_RANGE = (1000, 20000)  # ordinary tokens of the default model's vocabulary (no special ones)
+
+
+@dataclass(frozen=True)
+class Row:
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load(path: Path, rows: int) -> list[Row]:
+    out: list[Row] = []
+    with path.open() as f:
+        for line in f:
+            if len(out) >= rows:
+                break
+            r = json.loads(line)
+            out.append(Row(r["input_length"], r["output_length"], tuple(r["hash_ids"])))
+    return out
+
+
+def block_text(block_id: int, units: int) -> str:
+    rng = random.Random(block_id)
+    return " ".join(rng.choice(WORDS) for _ in range(units))
+
+
+def block_tokens(block_id: int, units: int) -> list[int]:
+    rng = random.Random(block_id)
+    return [rng.randrange(*TOKEN_RANGE) for _ in range(units)]
+
+
+def prompt_of(row: Row, mode: str, units: int) -> str | list[int]:
+    if mode == "text":
+        return " ".join(block_text(b, units) for b in row.hash_ids)
+    return [t for b in row.hash_ids for t in block_tokens(b, units)]
+
+
+def output_of(row: Row, units: int) -> int:
+    return max(1, round(row.output_length * units / BLOCK_TOKENS))
+
+
+# ---- the oracle ----
+
+
+@dataclass(frozen=True)
+class OracleFigures:
+    blocks: int  # prompt blocks sent
+    computed: int  # of them computed
+
+    @property
+    def share(self) -> float:
+        return self.computed / self.blocks if self.blocks else 0.0
+
+
+def oracle(rows: Sequence[Row], budget_blocks: int | None = None) -> OracleFigures:
+    """Blocks computed by a cache keyed by blocks (`budget_blocks`: least recently used out past it; None: never
+    full). A request reuses its longest chain of blocks all in the cache (a chain is a prefix: the trace's ids name a
+    block in its position), computes the rest, and leaves every block of its prompt in the cache."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    sent = computed = 0
+    for row in rows:
+        kept = 0
+        for b in row.hash_ids:
+            if b not in cache:
+                break
+            kept += 1
+        sent += len(row.hash_ids)
+        computed += len(row.hash_ids) - kept
+        for b in row.hash_ids:
+            cache[b] = None
+            cache.move_to_end(b)
+        while budget_blocks is not None and len(cache) > budget_blocks:
+            cache.popitem(last=False)
+    return OracleFigures(sent, computed)
+
+
+# ---- the replay ----
+
+
+@dataclass
+class Answer:
+    prompt_tokens: int
+    computed: int  # prompt tokens computed (not served from cache)
+    seconds: float
+    status: int
+
+
+def computed_of(body: dict[str, Any]) -> tuple[int, int]:
+    """(prompt tokens, of them computed) from a completion's body: usage's cached_tokens, or llama-server's timings."""
+    usage = body.get("usage") or {}
+    prompt = int(usage.get("prompt_tokens", 0))
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None and "timings" in body:
+        return prompt, int(body["timings"].get("prompt_n", prompt))
+    return prompt, prompt - int(cached or 0)
+
+
+async def replay(url: str, rows: Sequence[Row], mode: str, units: int, clients: int, model: str) -> list[Answer]:
+    answers: list[Answer] = []
+    todo: Iterator[Row] = iter(rows)
+
+    async def client(http: httpx.AsyncClient) -> None:
+        for row in todo:
+            body = {
+                "model": model,
+                "prompt": prompt_of(row, mode, units),
+                "max_tokens": output_of(row, units),
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            t0 = time.monotonic()
+            r = await http.post(f"{url}/v1/completions", json=body, timeout=1800)
+            took = time.monotonic() - t0
+            got = r.json() if r.status_code == 200 else {}
+            prompt, computed = computed_of(got)
+            answers.append(Answer(prompt, computed, took, r.status_code))
+
+    async with httpx.AsyncClient(headers={"Authorization": "Bearer -"}) as http:
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+    return answers
+
+
+def summary(name: str, answers: Sequence[Answer], wall: float) -> str:
+    ok = [a for a in answers if a.status == 200]
+    sent, computed = sum(a.prompt_tokens for a in ok), sum(a.computed for a in ok)
+    p50 = statistics.median(a.seconds for a in ok) if ok else float("nan")
+    return (
+        f"| {name} | {computed / sent if sent else float('nan'):.3f} ({computed:,} of {sent:,}) | {wall:.1f} s | "
+        f"{p50:.2f} s | {len(ok)} of {len(answers)} |"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="the server's base URL (http://HOST:PORT)")
+    ap.add_argument("--name", default="server", help="its name in the table")
+    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--rows", type=int, default=600)
+    ap.add_argument("--mode", choices=["text", "tokens"], default="text")
+    ap.add_argument("--block", type=int, default=8, help="words or tokens a 512-token block becomes")
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--budget-blocks", type=int, default=None, help="the oracle's cache size in blocks (default: none)")
+    ap.add_argument("--oracle-only", action="store_true")
+    args = ap.parse_args()
+    rows = load(args.trace, args.rows)
+    infinite = oracle(rows)
+    print(f"{len(rows)} rows, {infinite.blocks:,} prompt blocks of {args.block} {args.mode}")
+    print(f"oracle, an infinite cache of blocks: computes {infinite.share:.3f} ({infinite.computed:,} blocks)")
+    if args.budget_blocks is not None:
+        budget = oracle(rows, args.budget_blocks)
+        print(f"oracle, a cache of {args.budget_blocks:,} blocks: computes {budget.share:.3f} ({budget.computed:,} blocks)")
+    if args.oracle_only:
+        return
+    if not args.url:
+        ap.error("--url is needed unless --oracle-only")
+    t0 = time.monotonic()
+    answers = asyncio.run(replay(args.url.rstrip("/"), rows, args.mode, args.block, args.clients, args.model))
+    print("| system | prompt tokens computed / sent | wall | p50 latency | answered |")
+    print("| --- | --- | --- | --- | --- |")
+    print(summary(args.name, answers, time.monotonic() - t0))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""bench/trace_replay.py without a server: the oracle's arithmetic on chains of blocks, equal blocks making equal
+prompts, and how a reply's computed tokens are read (kvroute's usage, llama-server's timings)."""
+
+from __future__ import annotations
+
+from bench.trace_replay import Row, computed_of, oracle, output_of, prompt_of
+
+
+def rows(*chains: tuple[int, ...]) -> list[Row]:
+    return [Row(512 * len(c), 100, c) for c in chains]
+
+
+def test_the_oracle_reuses_the_longest_chain_seen_and_no_more() -> None:
+    got = oracle(rows((0, 1, 2), (0, 1, 3), (0, 4), (5, 1)))
+    # (0,1,2) all computed; (0,1,3) reuses 2; (0,4) reuses 1; (5,1): block 1 was seen, but not after 5: computed
+    assert (got.blocks, got.computed) == (10, 3 + 1 + 1 + 2)
+
+
+def test_a_budget_evicts_the_least_recently_used_blocks() -> None:
+    trace = rows((0, 1), (2, 3), (0, 1))
+    assert oracle(trace).computed == 4
+    assert oracle(trace, budget_blocks=2).computed == 6, "(0, 1) was evicted by (2, 3)"
+    assert oracle(trace, budget_blocks=4).computed == 4
+
+
+def test_equal_blocks_make_equal_prompts_in_both_modes() -> None:
+    a, b = Row(1024, 512, (7, 8)), Row(1024, 512, (7, 9))
+    for mode in ("text", "tokens"):
+        pa, pb = prompt_of(a, mode, 8), prompt_of(b, mode, 8)
+        units_a, units_b = (pa.split(" "), pb.split(" ")) if isinstance(pa, str) and isinstance(pb, str) else (pa, pb)
+        assert units_a != units_b and units_a[:8] == units_b[:8], mode
+    assert len(prompt_of(a, "tokens", 8)) == 16 and len(str(prompt_of(a, "text", 8)).split()) == 16
+    assert output_of(a, 8) == 8 and output_of(Row(512, 3, (1,)), 8) == 1
+
+
+def test_computed_tokens_from_usage_or_llama_servers_timings() -> None:
+    assert computed_of({"usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 60}}}) == (100, 40)
+    assert computed_of({"usage": {"prompt_tokens": 100}, "timings": {"prompt_n": 25}}) == (100, 25)
+    assert computed_of({"usage": {"prompt_tokens": 100}}) == (100, 100)
