@@ -150,9 +150,9 @@ class Embedder:
         if self.reuses:
             keep = min(shared_prefix(self.held, toks), len(toks) - 1)  # (its last token is computed: its row is read)
             keep = keep if keep >= MIN_REUSE else 0
-        if keep:
-            llama_cpp.llama_memory_seq_rm(self.mem, 0, keep, -1)
-        else:
+        # (a recurrent or hybrid memory cannot be cut back partially: seq_rm says so, and the input is computed whole)
+        if not keep or not llama_cpp.llama_memory_seq_rm(self.mem, 0, keep, -1):
+            keep = 0
             llama_cpp.llama_memory_clear(self.mem, True)
         self.held = toks[:keep]
         self.reused_tokens += keep

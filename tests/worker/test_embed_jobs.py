@@ -1,7 +1,7 @@
-"""worker/embed_jobs.py with a fake embedder, no model: one chunk per turn (an input whole with nothing beside it, about
-STEP_S of it beside generating slots), the jobs taking turns an input at a time; a job's end (its vectors, or why not) after its last input;
-cancelled, forgotten and handed-back jobs; every chunk counts as progress. And the engine's loop (worker/engine.py)
-with a fake core: one chunk between two steps, commands taken between chunks."""
+"""worker/embed_jobs.py with a fake embedder, no model: one chunk per turn (an input whole with nothing beside it,
+about STEP_S of it beside generating slots), the jobs taking turns an input at a time; a job's end (its vectors, or why
+not) after its last input; cancelled, forgotten and handed-back jobs; every chunk counts as progress. And the engine's
+loop (worker/engine.py) with a fake core: one chunk between two steps, commands taken between chunks."""
 
 from __future__ import annotations
 
