@@ -81,8 +81,7 @@ class Preparing:
         self._last_turn: dict[Hashable, int] = {}  # owner with pieces here -> when a piece of its last started
         self._turns = 0
         self._waiting_bytes = 0
-        self._running = 0  # on the threads that take any work
-        self._running_small = 0  # on the threads kept for small work
+        self._running = {False: 0, True: 0}  # pieces running on the threads for any work (False), for small work (True)
 
     def admit(self, owner: Hashable, kind: str, size: int = 0) -> Refusal | None:
         """Why `owner` cannot queue one more piece of `size` bytes now, or None."""
@@ -136,18 +135,13 @@ class Preparing:
     def _start(self) -> None:
         """Give each free thread its next piece: the owner next in turn with waiting work (for the small threads: with
         small work waiting), its oldest such piece. A piece already past its deadline is answered, not started."""
-        while self._running < THREADS and (work := self._next(small_only=False)) is not None:
-            if _late(work, time.monotonic()):
-                self._expired(work)
-                continue
-            self._running += 1
-            self._launch(work, small_thread=False)
-        while self._running_small < SMALL_THREADS and (work := self._next(small_only=True)) is not None:
-            if _late(work, time.monotonic()):
-                self._expired(work)
-                continue
-            self._running_small += 1
-            self._launch(work, small_thread=True)
+        for small, threads in ((False, THREADS), (True, SMALL_THREADS)):
+            while self._running[small] < threads and (work := self._next(small_only=small)) is not None:
+                if _late(work, time.monotonic()):
+                    self._expired(work)
+                    continue
+                self._running[small] += 1
+                self._launch(work, small_thread=small)
 
     def _next(self, small_only: bool) -> Work | None:
         """The oldest (small) piece of the owner whose turn it is: of those with such work waiting, the one whose last
@@ -182,10 +176,7 @@ class Preparing:
         def done(fut: asyncio.Future[Any]) -> None:
             if fut.cancelled():
                 return  # (the router is stopping)
-            if small_thread:
-                self._running_small -= 1
-            else:
-                self._running -= 1
+            self._running[small_thread] -= 1
             outcome = fut.exception() or fut.result()
             if isinstance(outcome, DeadlinePassed | OutOfTime) and waited > WAITED_SHARE * self.timeout_s:
                 self._expired(work, waited, str(outcome))  # (its wait, not its own cost, left it too little time)

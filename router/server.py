@@ -98,7 +98,7 @@ NO_MODEL = frozenset({Invalid, Cancel, StatusRequest, MetricsRequest})  # client
 def owner_of(identity: bytes, msg: Submit | Tokenize | Detokenize | Embed | Rerank) -> str | bytes:
     """Whose share of the preparing threads a request counts against: the owner an HTTP front names (its API key's
     digest), else the ZMQ client that sent it."""
-    return getattr(msg, "owner", None) or identity
+    return msg.owner or identity
 
 
 def batched(out: list[Out]) -> list[Out]:
