@@ -17,7 +17,6 @@ import ctypes
 import gc
 import itertools
 import json
-import statistics
 import subprocess
 import sys
 import threading
@@ -257,18 +256,6 @@ def test_without_the_key_no_process_joins_serve_as_a_worker(served: Serve) -> No
     sock.close(0)
 
 
-def post(url: str, path: str, body: bytes, **headers: str) -> httpx.Response:
-    sent = {"Authorization": f"Bearer {KEY}", "content-type": "application/json", **headers}
-    return httpx.post(f"{url}{path}", content=body, headers=sent, timeout=120)
-
-
-def one_token_chat(url: str) -> float:
-    t0 = time.monotonic()
-    r = post(url, CHAT, js(chat(max_tokens=1)))
-    assert r.status_code == 200, r.text[:300]
-    return time.monotonic() - t0
-
-
 def series_count(url: str) -> int:
     text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
     return sum(1 for line in text.splitlines() if line and not line.startswith("#"))
@@ -300,23 +287,16 @@ def test_a_second_round_request_harms_no_one(served: Serve, name: str, tmp_path:
     restarts = dict(served.router.restarts)
     stream = Stream(served.url)
     try:
-        idle_chat = statistics.median(one_token_chat(served.url) for _ in range(3))  # (beside the stream: the normal load)
         served.watch.reset()
         t0 = time.monotonic()
-        args = [served.url, path, str(tmp_path / "body"), str(times), json.dumps(headers), KEY]
-        outside = subprocess.Popen([sys.executable, str(OUTSIDE), *args], stdout=subprocess.PIPE, text=True)
-        assert outside.stdout is not None and outside.stdout.readline().strip() == "sending"
-        during = None
-        if name == "tokenize-flood":
-            time.sleep(0.3)
-            during = statistics.median(one_token_chat(served.url) for _ in range(3))
-            assert outside.poll() is None, "the flood was over before the chats"
-        out, _ = outside.communicate(timeout=300)
+        chats = 3 if name == "tokenize-flood" else 0
+        args = [served.url, path, str(tmp_path / "body"), str(times), json.dumps(headers), KEY, str(chats)]
+        out = subprocess.run([sys.executable, str(OUTSIDE), *args], capture_output=True, text=True, timeout=300, check=True)
         t1 = time.monotonic()
         gaps = [b - a for a, b in itertools.pairwise(t for t in stream.times if t0 <= t <= t1)]
     finally:
         stream.done.set()
-    seen = json.loads(out)
+    seen = json.loads(out.stdout)
     statuses, longest_health = seen["statuses"], seen["health_max_s"]
     print(f"{name}: {served.watch}, /health at most {longest_health * 1000:.0f} ms of {seen['health_polls']}")
     # (the flood's later tokenizes wait their turn behind the same key's, and may run out of time: 429, come back)
@@ -325,19 +305,21 @@ def test_a_second_round_request_harms_no_one(served: Serve, name: str, tmp_path:
     assert max(gaps, default=0.0) < 1.0, f"{name}: the stream waited {max(gaps):.2f} s for a token"
     assert served.router.restarts == restarts, f"{name}: the worker was restarted"
     assert longest_health < 0.1, f"{name}: /health took {longest_health * 1000:.0f} ms"
-    if during is not None:
-        assert during < 2 * idle_chat, f"{name}: a one-token chat took {during:.2f} s, {idle_chat:.2f} s without it"
+    if chats:
+        during, before = seen["chat_during_s"], seen["chat_before_s"]
+        assert seen["outlasted_chats"], "the flood was over before the chats"
+        assert during < 2 * before, f"{name}: a one-token chat took {during:.2f} s, {before:.2f} s without it"
     assert series_count(served.url) < SERIES_BOUND
 
 
 def test_an_embed_whose_client_goes_away_stops_on_its_worker(served: Serve) -> None:
     """Issue 61 item 1: an HTTP client gone mid-embed left its worker computing every input. Now the gateway cancels
-    it, the router tells the worker, and the worker ends the job before its next chunk (a job of 2,400 tokens would
-    take it 10-20 s)."""
+    it, the router tells the worker, and the worker ends the job before its next chunk (a job of 7,200 tokens would
+    take it 40-60 s)."""
     import socket
 
     host, port = served.url.removeprefix("http://").split(":")
-    body = js(EMBED_2X1200)
+    body = js({"input": EMBED_2X1200["input"] * 3})  # (6 x 1,200 tokens: 40-60 s of work here)
     head = f"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\n"
     conn = socket.create_connection((host, int(port)))
     conn.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -345,5 +327,5 @@ def test_an_embed_whose_client_goes_away_stops_on_its_worker(served: Serve) -> N
     wait_until(lambda: any(c.embeds.running for c in router.cores), 30, "the embed job on its worker")
     t0 = time.monotonic()
     conn.close()
-    wait_until(lambda: not any(c.embeds.running for c in router.cores), 10, "the worker ended the job")
-    assert time.monotonic() - t0 < 5
+    wait_until(lambda: not any(c.embeds.running for c in router.cores), 15, "the worker ended the job")
+    assert time.monotonic() - t0 < 15  # (the chunk under way ends first: a whole ubatch, seconds, with no stream beside)
