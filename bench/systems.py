@@ -18,6 +18,9 @@ Every system gets the same model, the same thread count and the same context per
   (`--no-jinja --chat-template gemma`: with Jinja on, as it is by default, llama-server takes the name "gemma" for
   a template's source and renders every conversation as the five characters "gemma"; the start-up check below
   makes sure a conversation is rendered);
+- `smg-cache-aware`, `smg-round-robin`: SGLang's model gateway (`smg`, bench/smg.py) with `--policy cache_aware` or
+  `round_robin` in front of one llama-server per kvroute worker (each as above, with that worker's slots and
+  threads): the multi-server deployment kvroute's router competes with;
 - `llama-cpp-python`: `python -m llama_cpp.server`, the OpenAI server a Python user would pick instead. It is
   run with `--interrupt_requests False` (its default cuts off a running stream whenever another request
   arrives, which would leave nothing to measure under concurrency) and `--logits_all False` (its default
@@ -39,7 +42,18 @@ from pathlib import Path
 
 import httpx
 
-SYSTEMS = ("kvroute", "kvroute-cold", "kvroute-rr", "kvroute-ll", "kvroute-nospec", "llama-server", "llama-cpp-python")
+SYSTEMS = (
+    "kvroute",
+    "kvroute-cold",
+    "kvroute-rr",
+    "kvroute-ll",
+    "kvroute-nospec",
+    "llama-server",
+    "smg-cache-aware",
+    "smg-round-robin",
+    "llama-cpp-python",
+)
+SMG_POLICIES = {"smg-cache-aware": "cache_aware", "smg-round-robin": "round_robin"}
 ROUTING = ("kvroute-rr", "kvroute-ll")  # policies that only differ from kvroute's with more than one worker
 DESCRIPTIONS = {
     "kvroute": "kvroute serve --policy prefix",
@@ -49,6 +63,8 @@ DESCRIPTIONS = {
     "kvroute-nospec": "kvroute serve --spec none",
     "llama-server": "llama-server --parallel SLOTS --swa-full --cache-ram 2048 -fa auto --no-jinja --chat-template gemma "
     "(llama.cpp of the pinned sdist)",
+    "smg-cache-aware": "smg launch --policy cache_aware over one llama-server (as above) per worker",
+    "smg-round-robin": "smg launch --policy round_robin over one llama-server (as above) per worker",
     "llama-cpp-python": "python -m llama_cpp.server (interrupt_requests off, logits_all off)",
 }
 
@@ -119,27 +135,23 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
             raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
         return [[*serve, *setup.kvroute_flags, "--http", f"127.0.0.1:{port}"]]
     if name == "llama-server":
-        from bench.llama_server import binary
+        return [_llama_server(setup, port, setup.workers * setup.slots, setup.threads)]
+    if name in SMG_POLICIES:
+        from bench.smg import binary as smg
 
-        slots = setup.workers * setup.slots
-        return [[
-            str(binary()),
-            "--model", setup.model,
+        ports = [free_port() for _ in range(setup.workers)]
+        threads = max(1, setup.threads // setup.workers)
+        servers = [_llama_server(setup, p, setup.slots, threads) for p in ports]
+        gateway = [
+            str(smg()), "launch",
             "--host", "127.0.0.1",
             "--port", str(port),
-            "--parallel", str(slots),
-            "--ctx-size", str(setup.ctx_per_slot * slots),
-            "--threads", str(setup.threads),
-            "--threads-batch", str(setup.threads),
-            "--swa-full",
-            "--cache-ram", "2048",
-            "--flash-attn", "auto",
-            "--no-jinja",
-            "--chat-template", "gemma",
-            "--no-webui",
-            *(() if setup.gpu is None else ("--n-gpu-layers", "all", "--split-mode", "none", "--main-gpu", str(setup.gpu))),
-            *setup.llama_server_flags,
-        ]]  # fmt: skip
+            "--policy", SMG_POLICIES[name],
+            "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(free_port()),  # (29000 by default: two gateways, or anything else there, collide)
+            "--worker-urls", *(f"http://127.0.0.1:{p}" for p in ports),
+        ]  # fmt: skip
+        return [*servers, gateway]
     if name == "llama-cpp-python":
         argv = [
             sys.executable, "-m", "llama_cpp.server",
@@ -157,13 +169,37 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
     raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
 
 
+def _llama_server(setup: Setup, port: int, slots: int, threads: int) -> list[str]:
+    """One llama-server of `slots` slots and `threads` threads at its best settings here (the module docstring)."""
+    from bench.llama_server import binary
+
+    return [
+        str(binary()),
+        "--model", setup.model,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--parallel", str(slots),
+        "--ctx-size", str(setup.ctx_per_slot * slots),
+        "--threads", str(threads),
+        "--threads-batch", str(threads),
+        "--swa-full",
+        "--cache-ram", "2048",
+        "--flash-attn", "auto",
+        "--no-jinja",
+        "--chat-template", "gemma",
+        "--no-webui",
+        *(() if setup.gpu is None else ("--n-gpu-layers", "all", "--split-mode", "none", "--main-gpu", str(setup.gpu))),
+        *setup.llama_server_flags,
+    ]  # fmt: skip
+
+
 class Server:
     """A running system. Use as a context manager: starts its processes, waits until it answers (every
     kvroute worker ready), and stops them: each process group, so kvroute's workers go too."""
 
     def __init__(self, name: str, setup: Setup, log_path: Path, *, ready_timeout_s: float = 300.0) -> None:
         self.name = name
-        self.workers = setup.workers if name.startswith("kvroute") else 1
+        self.workers = setup.workers if name.startswith("kvroute") or name in SMG_POLICIES else 1
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argvs = commands(name, setup, self.port)
@@ -195,7 +231,9 @@ class Server:
         t0 = time.perf_counter()
         try:
             with self.log_path.open("ab") as log:
-                for argv in self.argvs:
+                for i, argv in enumerate(self.argvs):
+                    if self.name in SMG_POLICIES and i == len(self.argvs) - 1:
+                        self._wait_backends()  # (the gateway takes the workers that answer when it starts)
                     # Its own session, so that stop() ends this process and every child it spawned, and nothing else.
                     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
                     self._procs.append(proc)
@@ -205,7 +243,25 @@ class Server:
             raise
         self.startup_s = time.perf_counter() - t0
 
+    def _wait_backends(self) -> None:
+        """Every llama-server behind the gateway answers /health."""
+        urls = [f"http://127.0.0.1:{argv[argv.index('--port') + 1]}/health" for argv in self.argvs[:-1]]
+        deadline = time.monotonic() + self.ready_timeout_s
+        with httpx.Client(timeout=5.0) as http:
+            while urls and time.monotonic() < deadline:
+                for proc in self._procs:
+                    if proc.poll() is not None:
+                        tail = self._log_tail()
+                        raise SystemError_(f"{self.name}: a llama-server exited with status {proc.returncode}\n{tail}")
+                with contextlib.suppress(httpx.HTTPError):
+                    urls = [u for u in urls if http.get(u).status_code != 200]
+                time.sleep(0.5)
+        if urls:
+            raise SystemError_(f"{self.name}: {urls} not ready after {self.ready_timeout_s:.0f} s\n{self._log_tail()}")
+
     def _ready(self, http: httpx.Client) -> bool:
+        if self.name in SMG_POLICIES:  # (its /health says OK with no worker registered yet)
+            return len(http.get(f"{self.url}/workers").json().get("workers", [])) >= self.workers
         # kvroute answers /health 503 until a worker is ready, then {"workers": n}; llama-cpp-python has no /health.
         health = http.get(f"{self.url}/health")
         with contextlib.suppress(ValueError):

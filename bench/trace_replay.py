@@ -14,7 +14,12 @@ one is answered). A reply's `usage.prompt_tokens_details.cached_tokens` (or llam
 how many of its prompt tokens were computed.
 
     python -m bench.trace_replay --url http://127.0.0.1:8000 [--rows 600] [--mode text] [--clients 4]
+    python -m bench.trace_replay --systems kvroute,smg-cache-aware,smg-round-robin [--workers 2 --slots 2 --threads 2]
     python -m bench.trace_replay --oracle-only [--rows 600] [--budget-blocks N]
+
+`--systems` starts each system in turn (bench/systems.py: kvroute, llama-server, SGLang's model gateway over one
+llama-server per worker, ...) with the same model, workers, slots, context per slot and threads in all, replays the
+rows on it, stops it, and does that `--repeats` times, the systems interleaved; one row of the table per replay.
 
 The oracle computes, from the rows alone, the share of prompt blocks an infinite cache keyed by blocks computes (a
 block is computed unless the request's whole chain up to it was seen before), and the same with a least recently
@@ -143,6 +148,12 @@ def computed_of(body: dict[str, Any]) -> tuple[int, int]:
     return prompt, prompt - int(cached or 0)
 
 
+def served_model(url: str) -> str:
+    """The first model the server lists (kvroute: its alias; llama-server and SMG: the model file's path)."""
+    data = httpx.get(f"{url}/v1/models", timeout=30).json().get("data") or [{}]
+    return str(data[0].get("id", "default"))
+
+
 async def replay(url: str, rows: Sequence[Row], mode: str, units: int, clients: int, model: str) -> list[Answer]:
     answers: list[Answer] = []
     todo: Iterator[Row] = iter(rows)
@@ -187,7 +198,14 @@ def main() -> None:
     ap.add_argument("--mode", choices=["text", "tokens"], default="text")
     ap.add_argument("--block", type=int, default=8, help="words or tokens a 512-token block becomes")
     ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--model", default="default")
+    ap.add_argument("--model", default=None, help="the request's model field (default: the first the server lists)")
+    ap.add_argument("--systems", help="comma-separated systems of bench/systems.py to start and replay on in turn")
+    ap.add_argument("--workers", type=int, default=2, help="--systems: kvroute workers, llama-servers behind SMG")
+    ap.add_argument("--slots", type=int, default=2, help="--systems: slots per worker")
+    ap.add_argument("--threads", type=int, default=2, help="--systems: threads in all (shared among the workers)")
+    ap.add_argument("--ctx", type=int, default=8192, help="--systems: context per slot")
+    ap.add_argument("--repeats", type=int, default=1, help="--systems: replays per system, interleaved")
+    ap.add_argument("--out", type=Path, help="--systems: write every replay's figures here (JSON)")
     ap.add_argument("--budget-blocks", type=int, default=None, help="the oracle's cache size in blocks (default: none)")
     ap.add_argument("--oracle-only", action="store_true")
     args = ap.parse_args()
@@ -200,13 +218,47 @@ def main() -> None:
         print(f"oracle, a cache of {args.budget_blocks:,} blocks: computes {budget.share:.3f} ({budget.computed:,} blocks)")
     if args.oracle_only:
         return
-    if not args.url:
-        ap.error("--url is needed unless --oracle-only")
-    t0 = time.monotonic()
-    answers = asyncio.run(replay(args.url.rstrip("/"), rows, args.mode, args.block, args.clients, args.model))
     print("| system | prompt tokens computed / sent | wall | p50 latency | answered |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- |", flush=True)
+    if args.systems:
+        compare(args, rows)
+        return
+    if not args.url:
+        ap.error("--url or --systems is needed unless --oracle-only")
+    url = args.url.rstrip("/")
+    t0 = time.monotonic()
+    answers = asyncio.run(replay(url, rows, args.mode, args.block, args.clients, args.model or served_model(url)))
     print(summary(args.name, answers, time.monotonic() - t0))
+
+
+def compare(args: argparse.Namespace, rows: Sequence[Row]) -> None:
+    """Each system started, replayed on and stopped in turn, `--repeats` times (bench/systems.py)."""
+    import tempfile
+
+    from bench.systems import Server, Setup
+    from common.model import default_model_path
+
+    names = args.systems.split(",")
+    setup = Setup(str(default_model_path()), args.threads, args.workers, args.slots, args.ctx)
+    logs = Path(tempfile.mkdtemp(prefix="kvroute-trace-replay-"))
+    results: list[dict[str, Any]] = []
+    for rep in range(args.repeats):
+        for name in names:
+            with Server(name, setup, logs / f"{name}-{rep}.log") as server:
+                t0 = time.monotonic()
+                answers = asyncio.run(replay(server.url, rows, args.mode, args.block, args.clients, served_model(server.url)))
+                wall = time.monotonic() - t0
+            print(summary(name, answers, wall), flush=True)
+            ok = [a for a in answers if a.status == 200]
+            results.append({
+                "system": name, "repeat": rep, "command": server.command_line, "wall_s": round(wall, 2),
+                "prompt_tokens": sum(a.prompt_tokens for a in ok), "computed": sum(a.computed for a in ok),
+                "p50_s": round(statistics.median(a.seconds for a in ok), 3) if ok else None,
+                "answered": len(ok), "rows": len(answers),
+            })  # fmt: skip
+    print(f"(logs in {logs})")
+    if args.out:
+        args.out.write_text(json.dumps({"rows": len(rows), "mode": args.mode, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ class Hello(Message, tag="hello", kw_only=True):
     model_fingerprint: str
     device: str  # "cpu" or "cuda:0" ...
     kv_bytes: NonNeg = 0  # KV memory reserved for all slots
+    host_cache_bytes: NonNeg = 0  # host RAM it saves what a job overwrites in (0: none), to restore it when asked
     n_batch: NonNeg = 0
     deterministic: bool = False
     pid: NonNeg = 0

@@ -148,6 +148,7 @@ class WorkerConn:
 
     def __post_init__(self) -> None:
         self.load = WorkerLoad(self.hello.worker_id, self.slots)
+        self._evict_share()
 
     def counted(self, counters: EngineCounters, now: float) -> None:
         """A heartbeat's counters: kept, and their rates since the previous heartbeat."""
@@ -163,6 +164,7 @@ class WorkerConn:
         if tokens >= PREFILL_SAMPLE_MIN and ms > 0:
             tps = tokens / (ms / 1000)
             self.prefill_tps = tps if not self.prefill_tps else 0.8 * self.prefill_tps + 0.2 * tps
+            self.load.prefill_tps = self.prefill_tps
             self._restore_cost()
 
     def _restore_cost(self) -> None:
@@ -176,6 +178,15 @@ class WorkerConn:
         nbytes, seconds = c.disk_restore_bytes, c.disk_restore_s
         if nbytes and seconds > 0:
             self.load.disk_restore_cost = self.prefill_tps / (nbytes / seconds)
+        self._evict_share()
+
+    def _evict_share(self) -> None:
+        """What overwriting a cached token costs selection, in prompt tokens: all of it, unless the worker saves what a
+        job overwrites in host RAM (Hello.host_cache_bytes): then restoring its KV bytes later."""
+        h = self.hello
+        if h.host_cache_bytes:
+            per_token = h.kv_bytes / max(1, h.slots * h.ctx_per_slot)
+            self.load.evict_share = min(1.0, per_token * self.load.restore_cost)
 
     def fits(self, req: Req) -> bool:
         """Whether one of this worker's slots can hold the request's prompt and its max_tokens."""

@@ -10,9 +10,11 @@ Cost of sending a prompt of L tokens to idle slot s of worker w, in prompt-token
     cost(w, s) = (L - affine(s))                              prompt tokens still to prefill here
                + queued_prefill(w)                             prefill already sent to w, not yet done
                + busy_slot_cost * busy(w)                      each running slot shares w's compute
-               + evict_weight * (n(s) - reuse(s)) * recency(s) what the choice overwrites
+               + evict_weight * (n(s) - reuse(s)) * recency(s) * share(w)   what the choice overwrites
     affine(s)  = reuse(s) if reuse(s) >= min_match else 0     a tiny match (BOS, "The") is no affinity
     recency(s) = 0.5 ** (idle seconds of s / evict_half_life_s) a hot, recently used prefix is dear
+    share(w)   = 1, or where w saves what a job overwrites in host RAM (its Hello's host_cache_bytes), the cost of
+                 restoring a token's KV bytes later (measured: WorkerLoad.evict_share): what it overwrites is kept
 
 A state a worker saved in host RAM (`Saved`, in the same index) is a third kind of candidate: restoring it into
 that worker's cheapest slot to overwrite gives reuse(saved) (the worker's rule: common/slots.py `restore_keep`,
@@ -27,7 +29,8 @@ Guards:
 - Ties are broken by a rotating worker order (`rotation`), never "always worker 0".
 - Busy best slot: when a busy slot would reuse at least `min_match` more tokens than the best idle
   choice, or a state saved on a worker with no idle slot would (restored there once a slot frees), the
-  request waits for it (`Wait`) until it has waited `busy_wait_ms`, then takes the best idle choice.
+  request waits for it (`Wait`) until it has waited `busy_wait_ms`, or what computing the tokens it would gain
+  costs on the best idle choice's worker when that is longer (`wait_bound_ms`), then takes the best idle choice.
 - Hold: a slot whose job ended less than `hold_ms` ago is kept for its own conversation (a prompt
   that reuses at least `min_match` of it); another request skips it, and waits (`Wait`) when nothing
   else is idle, at most until the hold ends. With more conversations than slots this keeps
@@ -60,6 +63,7 @@ _CONFIG: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterC
 # and restores faster alike)
 RESTORE_COST_PER_BYTE = 1e-6
 DISK_RESTORE_COST_PER_BYTE = 1e-5  # ~100 MB/s, a slow disk's cold read
+MAX_WAIT_MS = 60_000.0  # the longest a request waits for the slot or worker holding its prefix
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,8 @@ class WorkerLoad:
     queued_prefill: int = 0
     restore_cost: float = RESTORE_COST_PER_BYTE  # prompt-token equivalents of restoring one byte from host RAM
     disk_restore_cost: float = DISK_RESTORE_COST_PER_BYTE  # the same from its disk tier
+    evict_share: float = 1.0  # of a cached token a choice overwrites, what is lost (restoring it, when saved first)
+    prefill_tps: float = 0.0  # its prompt tokens computed per second, measured (0: not yet)
     saved: dict[SavedKey, Saved] = field(default_factory=dict, repr=False)  # its saved states (the mirror's)
     cold: Slot | None = field(default=None, repr=False)  # cache of coldest, valid while cold_rev holds
     cold_rev: object = field(default=None, repr=False)
@@ -243,13 +249,23 @@ def _prefix(
         assert found.held is not None
         return Wait(found.held, 0)
     reuse, restore = found.reuse, found.restore
-    if waited_ms < params.busy_wait_ms and params.prefix_cache:
+    if params.prefix_cache:
         wait = _busy_better(match, match.length, params, reuse, full)
-        if wait is not None:
+        if wait is not None and waited_ms < wait_bound_ms(wait.reuse - reuse, found.by_name[best.worker], params):
             return wait
     if not restore:  # the worker restores a saved state on that slot if one is worth it, chosen for it or not
         reuse, restore = expected_reuse(match, best, params, found.by_name[best.worker].saved)
     return Dispatch(best, reuse, found.cost, reuse >= params.min_match, guarded, restore)
+
+
+def wait_bound_ms(gain: int, here: WorkerLoad, params: Params) -> float:
+    """How long a request waits for a busy slot or a full worker that would give it `gain` more tokens than the best
+    idle slot (on `here`): `busy_wait_ms`, or what computing those tokens there costs, when longer: their time at its
+    measured speed, once for this request and once more for each job running there (they share its compute, and are
+    slowed as much). So the wait never costs more than the computing it saves (the ski-rental bound)."""
+    if here.prefill_tps <= 0:
+        return params.busy_wait_ms
+    return max(params.busy_wait_ms, min(MAX_WAIT_MS, gain / here.prefill_tps * 1000 * (1 + here.busy)))
 
 
 def _balanced(workers: list[WorkerLoad], params: Params) -> tuple[list[WorkerLoad], bool]:
@@ -272,6 +288,7 @@ class _Cheapest:
         self.length = match.length
         self.rank = {w.worker: i for i, w in enumerate(workers)}  # rotated order breaks ties
         self.load = {w.worker: w.queued_prefill + params.busy_slot_cost * w.busy for w in workers}
+        self.evict = {w.worker: params.evict_weight * w.evict_share for w in workers}
         self.by_name = {w.worker: w for w in workers}
         self.holding = params.prefix_cache and params.hold_ms > 0  # the wait ends when the hold does
         self.hold_since = now - params.hold_ms / 1000.0
@@ -299,7 +316,7 @@ class _Cheapest:
         lost = 0 if s.dirty else len(s.tokens) - own
         cost = length - (reuse if reuse >= mm else 0) + self.load[s.worker] + extra
         if lost > 0 and params.evict_weight > 0:
-            cost += params.evict_weight * lost * _recency(s, self.now, params.evict_half_life_s)
+            cost += self.evict[s.worker] * lost * _recency(s, self.now, params.evict_half_life_s)
         key = (cost, self.rank[s.worker], s.index)
         if self.key is None or key < self.key:
             self.key, self.slot, self.reuse, self.restore = key, s, reuse, reuse > own
@@ -344,18 +361,26 @@ class _Cheapest:
             if s.dirty or s.exact or s.min_keep:
                 self.consider(s, depth)
         if plain:
-            i = _vector_best(plain, top, self.length, self.load, self.rank, self.now, self.params.evict_half_life_s, ew)
+            i = _vector_best(plain, top, self.length, self.load, self.rank, self.now, self.params.evict_half_life_s, self.evict)
             self.consider(plain[i], depth)
 
 
 def _vector_best(
-    slots: list[Slot], reuse: int, length: int, load: dict[str, float], rank: dict[str, int], now: float, hl: float, ew: float
+    slots: list[Slot],
+    reuse: int,
+    length: int,
+    load: dict[str, float],
+    rank: dict[str, int],
+    now: float,
+    hl: float,
+    evict: dict[str, float],
 ) -> int:
     """Index of the cheapest of many slots sharing one match depth (numpy; same cost as `consider`)."""
     n = np.fromiter((len(s.tokens) for s in slots), dtype=np.float64, count=len(slots))
     age = now - np.fromiter((s.last_used for s in slots), dtype=np.float64, count=len(slots))
     ld = np.fromiter((load[s.worker] for s in slots), dtype=np.float64, count=len(slots))
     rk = np.fromiter((rank[s.worker] for s in slots), dtype=np.int64, count=len(slots))
+    ew = np.fromiter((evict[s.worker] for s in slots), dtype=np.float64, count=len(slots))
     cost = ld + ew * (n - reuse) * np.power(0.5, np.maximum(age, 0.0) / hl)
     return int(np.lexsort((rk, cost))[0])
 

@@ -19,6 +19,14 @@ A prompt chunk ends at each (worker/batching.py), and the checkpoint is taken on
 tokens (worker/core.py). The router knows each slot's checkpoint positions (JobDone.slot_cuts) and predicts reuse
 with the rule the worker follows (common/slots.py `restore_keep`).
 
+A full window cache (`swa_full`) is cut back anywhere, but a state saved from it (`llama_state_seq_get_data`) holds
+its window layers' last window alone: once restored it can be cut back only within its last window, or to a
+checkpoint. So its slots take checkpoints too (`for_saves`: where the turn's new tokens begin, every `every`, at the
+prompt's end), kept with a saved state that cannot be cut back anywhere itself (worker/prefix.py `save`), and such a
+state gets one more, TAIL tokens before its end, taken as the slot is cut back past it (no prompt chunk ends there).
+Measured on Mooncake's conversation trace (bench/trace_replay.py): without them a restored state longer than the
+window gave nothing of a next turn that shares all but its last few tokens, or its prompt but not its reply.
+
 Budget: at most `max_count` checkpoints and `slot_bytes` bytes per slot, `total_bytes` for all slots of the worker;
 the oldest go first (the slot's own, then the least recently used slot's). A saved state in host RAM or on disk keeps
 its slot's checkpoints with it (counted in that tier's bytes).
@@ -38,6 +46,7 @@ from common.slots import EXACT_ROWS
 if TYPE_CHECKING:
     from worker.llama import StateData
 
+TAIL = 32  # tokens before a saved state's end where it keeps a checkpoint too (`for_saves`)
 END_OFFSETS = (4,)  # tokens before a prompt's end (llama-server: 4 and 4 + n_ubatch, `n_batch` added below)
 _order = itertools.count()
 
@@ -68,14 +77,15 @@ def cuts(checkpoints: list[Checkpoint]) -> list[int]:
     return [c.n_tokens for c in checkpoints]
 
 
-def positions(start: int, end: int, every: int, n_batch: int, exact: bool) -> list[int]:
+def positions(start: int, end: int, every: int, n_batch: int, exact: bool, near_end: bool = True) -> list[int]:
     """Where a slot reading prompt tokens `start`..`end` takes checkpoints (see the module docstring), ascending. In
-    deterministic mode (`exact`) every chunk between two of them is at least EXACT_ROWS tokens (worker/core.py)."""
+    deterministic mode (`exact`) every chunk between two of them is at least EXACT_ROWS tokens (worker/core.py).
+    `near_end` False: none of END_OFFSETS (`for_saves`)."""
     gap = EXACT_ROWS if exact else 1
     want: set[int] = set()
     if every > 0:
         want.update(range((start // every + 1) * every, end, every))
-    for offset in END_OFFSETS:
+    for offset in END_OFFSETS if near_end else ():
         far = max(offset, gap)
         want.update((end - far, end - far - n_batch))
     out = [start]
@@ -83,6 +93,15 @@ def positions(start: int, end: int, every: int, n_batch: int, exact: bool) -> li
         if start < p < end and p - out[-1] >= gap and end - p >= gap:
             out.append(p)
     return [*out, end]
+
+
+def for_saves(start: int, end: int, every: int, n_batch: int, exact: bool) -> list[int]:
+    """Where a slot of a full window cache takes checkpoints: only for the states saved from it, whose window layers
+    hold their last window alone (llama.cpp writes no more of them), so that such a state, restored, can still be cut
+    back to where a turn began or ended (the next turn shares the prompt and not the reply, when a template drops it
+    or a client rewrites it). Not before the prompt's end: those need prompt chunks ended early, and the slot itself
+    needs none of them."""
+    return positions(start, end, every, n_batch, exact, near_end=False)
 
 
 def at(checkpoints: list[Checkpoint], n: int) -> Checkpoint | None:

@@ -45,7 +45,8 @@ tokens; its sampler takes the rows in order while they agree with the guess, and
 did not take is removed before anything else happens (so the invariant below holds after every step).
 
 A memory that cannot be cut back to any prefix (recurrent, hybrid; a window cache of its window alone): its slots take
-context checkpoints (worker/checkpoints.py) once a prompt chunk, which ends there, is committed; nothing of such a
+context checkpoints (worker/checkpoints.py) once a prompt chunk, which ends there, is committed (a full window cache's
+slots take a few too, for the states they save: worker/checkpoints.py `for_saves`); nothing of such a
 slot is padded (padding could not be removed), so in deterministic mode each of its generating rows is decoded alone
 and only its prompt tokens count in `n_exact`; guesses are verified only where llama.cpp can take a recurrent state
 back (ROLLBACK positions).
@@ -129,10 +130,12 @@ class EngineCore:
         self.n_batch = cfg.n_batch
         info = self.llama.info
         self.uncut = cfg.snapshots or info.recurrent  # the memory cannot be cut back: only to a context checkpoint
-        # slots take context checkpoints where their memory cannot be cut back to any prefix (worker/checkpoints.py)
+        # slots take context checkpoints where their memory cannot be cut back to any prefix (worker/checkpoints.py);
+        # with a full window cache only for the states they save: those hold their window layers' last window alone
         checkpointed = self.uncut or (info.n_swa > 0 and not info.swa_full)
+        for_saves = not checkpointed and info.n_swa > 0 and cfg.host_cache_mb > 0
         budget = None
-        if checkpointed and cfg.ctx_checkpoints > 0:
+        if (checkpointed or for_saves) and cfg.ctx_checkpoints > 0:
             budget = Budget(cfg.ctx_checkpoints, cfg.checkpoint_slot_mb * 2**20, cfg.checkpoint_mb * 2**20)
         memory = f"swa_full={info.swa_full};uncut={self.uncut}"  # (what saved states hold: files must match it)
         disk = open_disk_tier(cfg, self.vocab, memory, self.entry_min_keep)
@@ -160,6 +163,7 @@ class EngineCore:
             exact=self.exact,
             uncut=self.uncut,
             budget=budget,
+            for_saves=for_saves,
             n_ctx=self.n_ctx,
             n_batch=self.n_batch,
             every=cfg.checkpoint_every,

@@ -329,6 +329,7 @@ class WorkerServer:
             model_fingerprint=self.engine.vocab.fingerprint,
             device=llama.device,
             kv_bytes=llama.info.kv_bytes,
+            host_cache_bytes=self.engine.host.capacity,
             n_batch=self.cfg.n_batch,
             deterministic=self.cfg.deterministic,
             pid=os.getpid(),

@@ -50,18 +50,21 @@ class Prefixes:
         exact: bool,
         uncut: bool,
         budget: Budget | None,
+        for_saves: bool = False,
         n_ctx: int,
         n_batch: int,
         every: int = 0,
     ) -> None:
         """`uncut`: the memory cannot be cut back at all (recurrent, hybrid; --snapshots forces it); `budget`: the
-        slots take context checkpoints within it (None: they take none, their memory is cut anywhere); `every`:
-        a checkpoint every this many tokens of a long prompt (0: none such)."""
+        slots take context checkpoints within it (None: they take none); `for_saves`: a slot's memory is cut anywhere, and
+        its checkpoints serve only the states saved from it (worker/checkpoints.py `for_saves`); `every`: a checkpoint
+        every this many tokens of a long prompt (0: none such)."""
         self.llama, self.table, self.counters = llama, table, counters
         self.host, self.disk, self.tiers = saved.host, saved.disk, saved.tiers
         self.exact = exact  # deterministic mode
         self.uncut = uncut
         self.budget = budget
+        self.for_saves = for_saves
         self.n_ctx, self.n_batch, self.every = n_ctx, n_batch, every
         self.rollback = 0  # a recurrent state's positions llama.cpp takes back after a decode (the engine sets it)
         self.copying: set[int] = set()  # slots whose stream copy (seq_cp) llama.cpp does at the next decode
@@ -87,7 +90,8 @@ class Prefixes:
             self.trim(slot, lcp)
         task.reused = slot.n_tokens
         if self.budget is not None:  # where its slot takes checkpoints (the first one now: where its new tokens begin)
-            task.checkpoint_at = checkpoints.positions(task.reused, len(prompt), self.every, self.n_batch, self.exact)
+            where = checkpoints.for_saves if self.for_saves else checkpoints.positions
+            task.checkpoint_at = where(task.reused, len(prompt), self.every, self.n_batch, self.exact)
             self.checkpoint(slot)
         task.restored = min(task.restored, task.reused)
         c = self.counters
@@ -258,18 +262,39 @@ class Prefixes:
             o is not slot and o.salt == salt and o.tokens[:n] == tokens and self.keeps(o, n) for o in self.table.slots
         ):
             return
-        kept = tuple(slot.checkpoints)
-        if not self.host.make_room(self.llama.state_size(slot.id) + sum(c.nbytes for c in kept)):
+        pos_min = self.llama.state_pos_min(slot.id, n)
+        cut = self.entry_min_keep(pos_min, n) > 0  # it cannot be cut back anywhere: its checkpoints go with it
+        kept = tuple(slot.checkpoints) if cut else ()
+        tail = n - checkpoints.TAIL  # (and one near its end, taken on the way down to `keep`: checkpoints.TAIL)
+        with_tail = self.for_saves and cut and keep < tail and not checkpoints.at(list(kept), tail)
+        extra = self.llama.partial_size(slot.id) if with_tail else 0
+        if not self.host.make_room(self.llama.state_size(slot.id) + sum(c.nbytes for c in kept) + extra):
             return  # over the whole budget: nothing is allocated
+        tokens, n_exact = list(tokens), slot.n_exact  # (the slot is cut back below)
         try:
-            pos_min = self.llama.state_pos_min(slot.id, n)
             data = self.llama.state_get(slot.id)
         except (RuntimeError, MemoryError) as exc:  # the copy is a nicety: the job goes on without it
             self.counters.host_save_failures += 1
             log.warning("host_save_failed", slot=slot.id, tokens=n, error=str(exc))
             return
-        if self.host.put(tokens, slot.n_exact, pos_min, data, salt, slot.id, kept):
+        if with_tail and (ckpt := self._cut_to_checkpoint(slot, tail)) is not None:
+            kept = tuple(sorted((*kept, ckpt), key=lambda c: c.n_tokens))
+        if self.host.put(tokens, n_exact, pos_min, data, salt, slot.id, kept):
             self.counters.host_saves += 1
+
+    def _cut_to_checkpoint(self, slot: Slot, n: int) -> Checkpoint | None:
+        """Cut `slot` (about to lose those tokens anyway) back to its first `n` tokens and take its window there: a
+        checkpoint for the state just saved from it. None where that fails (the slot is then cleared)."""
+        if not self.llama.seq_rm(slot.id, n, -1):
+            log.warning("seq_rm_refused", slot=slot.id, keep=n, held=slot.n_tokens)
+            self.clear(slot)
+            return None
+        slot.keep(n)
+        try:
+            return Checkpoint(n, self.llama.partial_get(slot.id))
+        except (RuntimeError, MemoryError) as exc:
+            log.warning("checkpoint_failed", slot=slot.id, tokens=n, error=str(exc))
+            return None
 
     def awaits(self, task: Task) -> bool:
         """Whether a busy slot is computing a prefix of this prompt longer (by a copy's worth) than any KV held now:
@@ -286,7 +311,7 @@ class Prefixes:
         have = max(have, self.best_saved(prompt, salt, seeded)[1])
         for s in computing:
             shared = min(common_prefix(s.task.prompt, prompt), len(prompt) - 1)
-            if self.budget is not None:  # it can be cut back to where it takes a checkpoint (worker/checkpoints.py)
+            if self.budget is not None and not self.for_saves:  # it is cut back only to where it takes a checkpoint
                 shared = max((p for p in s.task.checkpoint_at if p <= shared), default=0)
             if s.n_tokens < shared and shared - have >= COPY_MIN:
                 return True

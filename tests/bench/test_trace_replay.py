@@ -37,3 +37,24 @@ def test_computed_tokens_from_usage_or_llama_servers_timings() -> None:
     assert computed_of({"usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 60}}}) == (100, 40)
     assert computed_of({"usage": {"prompt_tokens": 100}, "timings": {"prompt_n": 25}}) == (100, 25)
     assert computed_of({"usage": {"prompt_tokens": 100}}) == (100, 100)
+
+
+def test_smg_over_llama_servers_is_one_llama_server_per_worker_behind_the_gateway(monkeypatch) -> None:
+    """The side-by-side runner's SGLang systems: `workers` llama-servers of `slots` slots and their share of the
+    threads, each on its own port, and the gateway last (started once they answer) with the policy and every URL."""
+    from bench.systems import SMG_POLICIES, Setup, commands
+
+    monkeypatch.setenv("KVROUTE_LLAMA_SERVER", "/bin/llama-server")
+    monkeypatch.setenv("KVROUTE_SMG", "/bin/smg")
+    setup = Setup("model.gguf", threads=2, workers=2, slots=2, ctx_per_slot=8192)
+    for name, policy in SMG_POLICIES.items():
+        *servers, gateway = commands(name, setup, 9000)
+        assert len(servers) == 2 and all(argv[0] == "/bin/llama-server" for argv in servers)
+        ports = [argv[argv.index("--port") + 1] for argv in servers]
+        assert len(set(ports)) == 2 and "9000" not in ports
+        for argv in servers:
+            assert argv[argv.index("--parallel") + 1] == "2" and argv[argv.index("--ctx-size") + 1] == "16384"
+            assert argv[argv.index("--threads") + 1] == "1" and "--swa-full" in argv
+        assert gateway[:2] == ["/bin/smg", "launch"] and gateway[gateway.index("--policy") + 1] == policy
+        assert gateway[gateway.index("--port") + 1] == "9000"
+        assert gateway[gateway.index("--worker-urls") + 1 :][:2] == [f"http://127.0.0.1:{p}" for p in ports]

@@ -250,3 +250,56 @@ def test_the_saved_state_giving_most_is_the_one_a_scan_of_every_entry_finds():
         gives, got = best_saved(match, saved, seeded=False)
         assert gives == want[0] and (got is None) == (want[1] is None)
         assert got is None or key(got) == key(top)
+
+
+def saved_on(m: Mirror, worker: str, tokens: np.ndarray, nbytes: int = 18_000) -> None:
+    """A state `worker` saved in host RAM, reported as the worker reports it."""
+    from protocol import CacheEntry, pack_tokens
+
+    entry = CacheEntry(id=next(_ids), n_tokens=len(tokens), hash=token_hash(tokens.tolist()), nbytes=nbytes * len(tokens))
+    entry.tokens = pack_tokens(tokens)
+    assert m.cache_changed(worker, [entry]) == []
+
+
+def test_a_worker_that_saves_what_it_overwrites_restores_a_state_on_its_recently_used_slot():
+    """Overwriting a slot's recent conversation costs its recompute, unless its worker saves it in host RAM first
+    (Hello.host_cache_bytes): then only a restore later (`evict_share`), and the prompt goes where its state is."""
+    m = Mirror()
+    (running, recent) = m.add_worker("w0", 2)
+    m.add_worker("w1", 2)
+    hold(m, recent, seq(300))  # a conversation that just ended
+    m.assign(running, "running", seq(50))
+    history = seq(120)
+    saved_on(m, "w0", np.concatenate([history, seq(8)]))
+    prompt = np.concatenate([history, seq(40)])
+    plain = select(m.index.match(prompt), loads(m, {"w0": 1}), Params(), time.monotonic(), 0, 0.0)
+    assert isinstance(plain, Dispatch) and plain.slot.worker == "w1" and plain.reuse == 0  # 300 tokens to lose on w0
+    keeping = loads(m, {"w0": 1})
+    keeping[0].evict_share = 18_000 * 1e-6  # a token's KV bytes x the cost of restoring a byte
+    d = select(m.index.match(prompt), keeping, Params(), time.monotonic(), 0, 0.0)
+    assert isinstance(d, Dispatch) and d.slot is recent and d.restore and d.reuse == 120
+
+
+def test_a_full_worker_holding_a_long_saved_prefix_is_waited_for_as_long_as_computing_it_takes():
+    """The wait for a full worker's saved state lasts `busy_wait_ms`, or as long as computing what it would save
+    takes on the idle choice's worker, whichever is longer (bounded by MAX_WAIT_MS)."""
+    from router.select import MAX_WAIT_MS, wait_bound_ms
+
+    m = Mirror()
+    (a,) = m.add_worker("w0", 1)
+    m.add_worker("w1", 1)
+    history = seq(2000)
+    saved_on(m, "w0", history)
+    m.assign(a, "running", seq(50))
+    prompt = np.concatenate([history, seq(10)])
+    ws = loads(m, {"w0": 1})
+    ws[1].prefill_tps = 500.0  # 2,000 tokens there: 4 s
+    for waited, waits in ((0, True), (3_000, True), (4_100, False)):
+        d = select(m.index.match(prompt), ws, Params(), time.monotonic(), 0, waited)
+        assert isinstance(d, Wait if waits else Dispatch), (waited, d)
+    assert isinstance(d, Dispatch) and d.slot.worker == "w1" and d.reuse == 0
+    assert wait_bound_ms(2000, WorkerLoad("y", [], busy=1, prefill_tps=500.0), Params()) == 8_000  # (slows its job too)
+    here = WorkerLoad("x", [])
+    assert wait_bound_ms(2000, here, Params()) == Params().busy_wait_ms  # (speed not measured yet)
+    here.prefill_tps = 10.0
+    assert wait_bound_ms(2, here, Params()) == Params().busy_wait_ms and wait_bound_ms(10**6, here, Params()) == MAX_WAIT_MS

@@ -11,6 +11,7 @@ from worker_helpers import assert_slot_invariant, complete, start
 
 from common.slots import COPY_MIN
 from protocol import JobDone
+from worker.checkpoints import TAIL
 from worker.config import WorkerConfig
 from worker.engine import Engine
 from worker.saved_states import SAVE_MIN
@@ -204,6 +205,51 @@ def test_host_ram_entry_longer_than_a_window_is_only_extended(copier, vocab):
     # what the router's mirror is told: the restored slot cannot be cut before its window, the computed one anywhere
     assert 0 < back.final.slot_min_keep <= len(history) and cold.final.slot_min_keep == 0
     assert counters(copier)["host_restores"] == before["host_restores"] + 1
+    assert copier.call(lambda e: e.counters.invariant_violations).result(10) == 0
+    assert_slot_invariant(copier, back)
+
+
+def test_host_ram_entry_longer_than_a_window_is_cut_back_to_its_prompts_end(copier, vocab):
+    """A state longer than the window, whose reply the next turn does not share (a template that drops it, a client
+    that rewrites it, a trace's next request), gives its prompt back through the checkpoint its slot took at the
+    prompt's end (worker/checkpoints.py `for_saves`), exactly; a state within the window is saved without any."""
+    clear_all(copier)
+    history = vocab.tokenize(LONG + " Keeper: the night was long.")
+    assert len(history) > copier.llama.info.n_swa + SAVE_MIN
+    first = complete(copier, history, slot=0, max_tokens=24)
+    evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of bread."), slot=0, max_tokens=2)
+    assert isinstance(first.final, JobDone) and isinstance(evict.final, JobDone)
+    [saved] = evict.final.cache_added
+    assert saved.min_keep > len(history) and saved.cuts == sorted([len(history), saved.n_tokens - TAIL])
+    prompt = history + vocab.tokenize(" Visitor: and what became of the boat with the torn sail?", add_special=False)
+    back = complete(copier, prompt, slot=1)
+    cold = complete(copier, prompt, slot=2, prefix_cache=False)
+    assert isinstance(back.final, JobDone) and back.final.restored_tokens == back.final.reused_tokens == len(history)
+    assert back.tokens == cold.tokens
+    assert copier.call(lambda e: e.counters.invariant_violations).result(10) == 0
+    assert_slot_invariant(copier, back)
+    short = complete(copier, vocab.tokenize(DOC), slot=0, max_tokens=24)  # (within the window: cut anywhere)
+    gone = complete(copier, vocab.tokenize("Unrelated prompt: the price of fish."), slot=0, max_tokens=2)
+    assert isinstance(short.final, JobDone) and isinstance(gone.final, JobDone)
+    assert [(e.min_keep, e.cuts) for e in gone.final.cache_added] == [(0, [])]
+
+
+def test_host_ram_entry_longer_than_a_window_is_cut_back_to_a_checkpoint_near_its_end(copier, vocab):
+    """A prompt that shares all but the last few tokens of a state longer than the window (a rewritten tail, a
+    trace's block boundary) resumes from the checkpoint the save took TAIL tokens before the state's end, exactly."""
+    clear_all(copier)
+    history = vocab.tokenize("Second log. " + LONG)
+    complete(copier, history, slot=0, max_tokens=2)
+    evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of rye."), slot=0, max_tokens=2)
+    assert isinstance(evict.final, JobDone)
+    [saved] = evict.final.cache_added
+    tail = saved.n_tokens - TAIL
+    assert tail in saved.cuts and tail > len(history) - 8 - TAIL
+    prompt = history[:-5] + vocab.tokenize(" Visitor: was the lamp lit early?", add_special=False)
+    back = complete(copier, prompt, slot=1)
+    cold = complete(copier, prompt, slot=2, prefix_cache=False)
+    assert isinstance(back.final, JobDone) and back.final.restored_tokens == back.final.reused_tokens == tail
+    assert back.tokens == cold.tokens
     assert copier.call(lambda e: e.counters.invariant_violations).result(10) == 0
     assert_slot_invariant(copier, back)
 
