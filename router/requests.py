@@ -4,6 +4,7 @@ connected worker."""
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -202,6 +203,25 @@ class WorkerConn:
         """Recompute the load selection sees from what it derives from: the mirror's slots and the running jobs."""
         self.load.busy = sum(s.busy for s in self.slots)
         self.load.queued_prefill = sum(r.attempt.prefill_pending for r in self.jobs.values() if r.attempt)
+        self.load.frees_at = self._frees_at()
+
+    def _frees_at(self) -> float | None:
+        """When the first of its running jobs should end (monotonic seconds), from what each has left at the worker's
+        measured speeds: its prompt still to compute, the rest of its max_tokens (an upper bound: it may stop
+        sooner); None until both speeds are measured."""
+        running = [r.attempt for r in self.jobs.values() if r.attempt]
+        decode = self.rates.get("generated_tokens", 0.0) / max(1, len(running))  # (each running job's share)
+        if not running or not self.prefill_tps or decode <= 0:
+            return None
+        left = min(
+            (
+                a.prefill_pending / self.prefill_tps + max(0, cap - len(a.streamed)) / decode
+                for r in self.jobs.values()
+                if (a := r.attempt) is not None and (cap := r.sampling.max_tokens) is not None  # (no cap: no end known)
+            ),
+            default=math.inf,
+        )
+        return time.monotonic() + left if left < math.inf else None
 
     @property
     def id(self) -> str:

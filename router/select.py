@@ -29,8 +29,9 @@ Guards:
 - Ties are broken by a rotating worker order (`rotation`), never "always worker 0".
 - Busy best slot: when a busy slot would reuse at least `min_match` more tokens than the best idle
   choice, or a state saved on a worker with no idle slot would (restored there once a slot frees), the
-  request waits for it (`Wait`) until it has waited `busy_wait_ms`, or what computing the tokens it would gain
-  costs on the best idle choice's worker when that is longer (`wait_bound_ms`), then takes the best idle choice.
+  request waits for it (`Wait`) for `busy_wait_ms`, then while waiting should cost less than computing the tokens
+  it would gain on the best idle choice's worker (`worth_waiting`: the full worker's first job should end sooner),
+  then takes the best idle choice.
 - Hold: a slot whose job ended less than `hold_ms` ago is kept for its own conversation (a prompt
   that reuses at least `min_match` of it); another request skips it, and waits (`Wait`) when nothing
   else is idle, at most until the hold ends. With more conversations than slots this keeps
@@ -101,6 +102,7 @@ class WorkerLoad:
     disk_restore_cost: float = DISK_RESTORE_COST_PER_BYTE  # the same from its disk tier
     evict_share: float = 1.0  # of a cached token a choice overwrites, what is lost (restoring it, when saved first)
     prefill_tps: float = 0.0  # its prompt tokens computed per second, measured (0: not yet)
+    frees_at: float | None = None  # when its first running job should end (monotonic; None: not known)
     saved: dict[SavedKey, Saved] = field(default_factory=dict, repr=False)  # its saved states (the mirror's)
     cold: Slot | None = field(default=None, repr=False)  # cache of coldest, valid while cold_rev holds
     cold_rev: object = field(default=None, repr=False)
@@ -251,11 +253,29 @@ def _prefix(
     reuse, restore = found.reuse, found.restore
     if params.prefix_cache:
         wait = _busy_better(match, match.length, params, reuse, full)
-        if wait is not None and waited_ms < wait_bound_ms(wait.reuse - reuse, found.by_name[best.worker], params):
+        holder = full.get(wait.slot.worker) if wait is not None and wait.saved else None
+        if wait is not None and worth_waiting(wait.reuse - reuse, found.by_name[best.worker], holder, params, waited_ms, now):
             return wait
     if not restore:  # the worker restores a saved state on that slot if one is worth it, chosen for it or not
         reuse, restore = expected_reuse(match, best, params, found.by_name[best.worker].saved)
     return Dispatch(best, reuse, found.cost, reuse >= params.min_match, guarded, restore)
+
+
+def worth_waiting(gain: int, here: WorkerLoad, holder: WorkerLoad | None, params: Params, waited_ms: float, now: float) -> bool:
+    """Whether a request that would gain `gain` tokens by waiting (for a busy slot, or for a slot of `holder`, a full
+    worker that saved its prefix) waits on, rather than taking the best idle slot (on `here`) now: for `busy_wait_ms`
+    at least; then while the holder's first job should end (`frees_at`, from what its jobs have left) before computing
+    those tokens on `here` would; where that is not known, until it has waited that cost (`wait_bound_ms`)."""
+    if waited_ms < params.busy_wait_ms:
+        return True
+    if waited_ms >= MAX_WAIT_MS:
+        return False
+    bound = wait_bound_ms(gain, here, params)
+    if holder is not None and holder.frees_at is not None and here.prefill_tps > 0:
+        left_ms = (holder.frees_at - now) * 1000
+        if left_ms >= 0:  # (a job past its estimate: the estimate says nothing more)
+            return left_ms <= bound
+    return waited_ms < bound
 
 
 def wait_bound_ms(gain: int, here: WorkerLoad, params: Params) -> float:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from worker.llama import StateData
 
 TAIL = 32  # tokens before a saved state's end where it keeps a checkpoint too (`for_saves`)
+FOR_SAVES_MAX = 4  # a full window cache's slot keeps this many at most (where its last two turns began and ended)
 END_OFFSETS = (4,)  # tokens before a prompt's end (llama-server: 4 and 4 + n_ubatch, `n_batch` added below)
 _order = itertools.count()
 

@@ -82,7 +82,7 @@ from protocol import (
 )
 from worker.admission import Admission
 from worker.batching import Batcher, Planned
-from worker.checkpoints import Budget, cuts
+from worker.checkpoints import FOR_SAVES_MAX, Budget, cuts
 from worker.config import WorkerConfig
 from worker.embed_jobs import EmbedJobs
 from worker.embedder import Embedder
@@ -136,7 +136,8 @@ class EngineCore:
         for_saves = not checkpointed and info.n_swa > 0 and cfg.host_cache_mb > 0
         budget = None
         if (checkpointed or for_saves) and cfg.ctx_checkpoints > 0:
-            budget = Budget(cfg.ctx_checkpoints, cfg.checkpoint_slot_mb * 2**20, cfg.checkpoint_mb * 2**20)
+            count = min(cfg.ctx_checkpoints, FOR_SAVES_MAX) if for_saves else cfg.ctx_checkpoints
+            budget = Budget(count, cfg.checkpoint_slot_mb * 2**20, cfg.checkpoint_mb * 2**20)
         memory = f"swa_full={info.swa_full};uncut={self.uncut}"  # (what saved states hold: files must match it)
         disk = open_disk_tier(cfg, self.vocab, memory, self.entry_min_keep)
         self.saved = SavedStates(cfg.host_cache_mb * 2**20, disk, self.entry_min_keep)

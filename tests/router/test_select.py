@@ -303,3 +303,21 @@ def test_a_full_worker_holding_a_long_saved_prefix_is_waited_for_as_long_as_comp
     assert wait_bound_ms(2000, here, Params()) == Params().busy_wait_ms  # (speed not measured yet)
     here.prefill_tps = 10.0
     assert wait_bound_ms(2, here, Params()) == Params().busy_wait_ms and wait_bound_ms(10**6, here, Params()) == MAX_WAIT_MS
+
+
+def test_a_full_worker_is_waited_for_while_its_first_job_should_end_before_recomputing_would():
+    """With what its jobs have left known (`frees_at`), the wait is decided by it: on while the holder's first job
+    should end before computing the gain elsewhere would, past the plain bound if need be; not at all past
+    `busy_wait_ms` when it ends later."""
+    from router.select import worth_waiting
+
+    here = WorkerLoad("idle", [], prefill_tps=500.0)  # 2,000 tokens: 4 s there
+    now = time.monotonic()
+    soon, late = WorkerLoad("soon", [], frees_at=now + 1.0), WorkerLoad("late", [], frees_at=now + 10.0)
+    assert worth_waiting(2000, here, soon, Params(), 4_500, now)  # (past the 4 s bound: it frees in 1 s)
+    assert not worth_waiting(2000, here, late, Params(), 600, now)  # (10 s to wait, 4 s to compute)
+    assert worth_waiting(2000, here, late, Params(), 100, now)  # (busy_wait_ms first)
+    overdue = WorkerLoad("overdue", [], frees_at=now - 1.0)  # a job past its estimate: the plain bound
+    assert worth_waiting(2000, here, overdue, Params(), 3_000, now)
+    assert not worth_waiting(2000, here, overdue, Params(), 4_100, now)
+    assert not worth_waiting(2000, here, soon, Params(), 61_000, now)  # (MAX_WAIT_MS)
