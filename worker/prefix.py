@@ -266,7 +266,9 @@ class Prefixes:
         cut = self.entry_min_keep(pos_min, n) > 0  # it cannot be cut back anywhere: its checkpoints go with it
         kept = tuple(slot.checkpoints) if cut else ()
         tail = n - checkpoints.TAIL  # (and one near its end, taken on the way down to `keep`: checkpoints.TAIL)
-        with_tail = self.for_saves and cut and keep < tail and not checkpoints.at(list(kept), tail)
+        with_tail = (  # (not below what the slot itself can be cut to: a restored state's window begins late)
+            self.for_saves and cut and keep < tail and tail >= self.min_keep(slot) and not checkpoints.at(list(kept), tail)
+        )
         extra = self.llama.partial_size(slot.id) if with_tail else 0
         if not self.host.make_room(self.llama.state_size(slot.id) + sum(c.nbytes for c in kept) + extra):
             return  # over the whole budget: nothing is allocated

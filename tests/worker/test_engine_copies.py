@@ -254,6 +254,30 @@ def test_host_ram_entry_longer_than_a_window_is_cut_back_to_a_checkpoint_near_it
     assert_slot_invariant(copier, back)
 
 
+def test_a_restored_state_extended_a_little_is_saved_without_a_tail_it_cannot_give(copier, vocab):
+    """A slot holding a restored state has its window layers only from late positions on: cutting it back to TAIL
+    tokens before its end, when that is further back than its own window reaches, would take a checkpoint with holes.
+    The save then keeps the checkpoints it has, and a cut back from them is still exact."""
+    clear_all(copier)
+    history = vocab.tokenize("Third log. " + LONG)
+    complete(copier, history, slot=0, max_tokens=2)
+    complete(copier, vocab.tokenize("Unrelated prompt: the price of oats."), slot=0, max_tokens=2)  # saved, with a tail
+    longer = history + vocab.tokenize(" Keeper: calm, and the lamp burned all night.", add_special=False)
+    resumed = complete(copier, longer, slot=1, max_tokens=2)
+    assert isinstance(resumed.final, JobDone) and resumed.final.restored_tokens >= len(history) - 1
+    assert resumed.final.slot_min_keep > resumed.final.slot_tokens - TAIL  # (its window begins within the last TAIL)
+    evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of barley."), slot=1, max_tokens=2)
+    assert isinstance(evict.final, JobDone)
+    [saved] = evict.final.cache_added
+    assert saved.n_tokens - TAIL not in saved.cuts
+    prompt = history[:-5] + vocab.tokenize(" Visitor: how calm was it?", add_special=False)
+    back = complete(copier, prompt, slot=2)
+    cold = complete(copier, prompt, slot=0, prefix_cache=False)
+    assert isinstance(back.final, JobDone) and back.final.restored_tokens == back.final.reused_tokens > 0
+    assert back.tokens == cold.tokens
+    assert_slot_invariant(copier, back)
+
+
 def test_a_tenants_kv_is_reused_and_copied_only_for_the_same_tenant(copier, vocab):
     """Jobs with another cache_salt never reuse a slot's prefix, copy another slot's or restore a saved state: one
     tenant's time to first token tells nothing of another's prompts. The same tenant reuses as ever."""
