@@ -15,7 +15,7 @@ how many of its prompt tokens were computed.
 
     python -m bench.trace_replay --url http://127.0.0.1:8000 [--rows 600] [--mode text] [--clients 4]
     python -m bench.trace_replay --systems kvroute,smg-cache-aware,smg-round-robin [--workers 2 --slots 2 --threads 2]
-    python -m bench.trace_replay --oracle-only [--rows 600] [--budget-blocks N]
+    python -m bench.trace_replay --oracle-only [--rows 600] [--budget-blocks N] [--token-oracle]
 
 `--systems` starts each system in turn (bench/systems.py: kvroute, llama-server, SGLang's model gateway over one
 llama-server per worker, ...) with the same model, workers, slots, context per slot and threads in all, replays the
@@ -24,7 +24,8 @@ rows on it, stops it, and does that `--repeats` times, the systems interleaved; 
 The oracle computes, from the rows alone, the share of prompt blocks an infinite cache keyed by blocks computes (a
 block is computed unless the request's whole chain up to it was seen before), and the same with a least recently
 used cache of `--budget-blocks` blocks. What a server computes is measured in tokens, the oracle in blocks: equal
-blocks tokenize alike, so the ratios compare.
+blocks tokenize alike, so the ratios compare. `--token-oracle` adds the same at token granularity (the prompts as
+the default model tokenizes them): a prompt sharing part of a trace block reuses that part.
 """
 
 from __future__ import annotations
@@ -97,12 +98,12 @@ def output_of(row: Row, units: int) -> int:
 
 @dataclass(frozen=True)
 class OracleFigures:
-    blocks: int  # prompt blocks sent
+    sent: int  # prompt blocks (or tokens) sent
     computed: int  # of them computed
 
     @property
     def share(self) -> float:
-        return self.computed / self.blocks if self.blocks else 0.0
+        return self.computed / self.sent if self.sent else 0.0
 
 
 def oracle(rows: Sequence[Row], budget_blocks: int | None = None) -> OracleFigures:
@@ -125,6 +126,34 @@ def oracle(rows: Sequence[Row], budget_blocks: int | None = None) -> OracleFigur
         while budget_blocks is not None and len(cache) > budget_blocks:
             cache.popitem(last=False)
     return OracleFigures(sent, computed)
+
+
+def token_oracle(prompts: Sequence[Sequence[int]]) -> OracleFigures:
+    """Prompt tokens an infinite cache of token prefixes computes: each prompt reuses the longest prefix an earlier
+    prompt shares with it, less its last token (its logits are not cached), and computes the rest. Finer than blocks: a
+    prompt sharing part of a block reuses that part."""
+    from router.index import Index
+
+    index = Index()
+    sent = computed = 0
+    for i, prompt in enumerate(prompts):
+        reuse = min(index.match(prompt).best, len(prompt) - 1)
+        sent += len(prompt)
+        computed += len(prompt) - max(0, reuse)
+        index.insert(i, prompt)
+    return OracleFigures(sent, computed)
+
+
+def tokenized(rows: Sequence[Row], mode: str, units: int) -> list[list[int]]:
+    """The rows' prompts as the default model tokenizes them (BOS first), or as sent in tokens mode."""
+    if mode == "tokens":
+        return [list(prompt_of(r, mode, units)) for r in rows]
+    import llama_cpp
+
+    from common.model import default_model_path
+
+    vocab = llama_cpp.Llama(str(default_model_path()), vocab_only=True, verbose=False)
+    return [vocab.tokenize(str(prompt_of(r, mode, units)).encode(), add_bos=True, special=False) for r in rows]
 
 
 # ---- the replay ----
@@ -208,11 +237,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="--systems: write every replay's figures here (JSON)")
     ap.add_argument("--budget-blocks", type=int, default=None, help="the oracle's cache size in blocks (default: none)")
     ap.add_argument("--oracle-only", action="store_true")
+    ap.add_argument("--token-oracle", action="store_true", help="also the oracle at token granularity (the default model's)")
     args = ap.parse_args()
     rows = load(args.trace, args.rows)
     infinite = oracle(rows)
-    print(f"{len(rows)} rows, {infinite.blocks:,} prompt blocks of {args.block} {args.mode}")
+    print(f"{len(rows)} rows, {infinite.sent:,} prompt blocks of {args.block} {args.mode}")
     print(f"oracle, an infinite cache of blocks: computes {infinite.share:.3f} ({infinite.computed:,} blocks)")
+    if args.token_oracle:
+        tokens = token_oracle(tokenized(rows, args.mode, args.block))
+        print(f"oracle, an infinite cache of token prefixes: computes {tokens.share:.3f} ({tokens.computed:,} tokens)")
     if args.budget_blocks is not None:
         budget = oracle(rows, args.budget_blocks)
         print(f"oracle, a cache of {args.budget_blocks:,} blocks: computes {budget.share:.3f} ({budget.computed:,} blocks)")

@@ -13,7 +13,7 @@ def rows(*chains: tuple[int, ...]) -> list[Row]:
 def test_the_oracle_reuses_the_longest_chain_seen_and_no_more() -> None:
     got = oracle(rows((0, 1, 2), (0, 1, 3), (0, 4), (5, 1)))
     # (0,1,2) all computed; (0,1,3) reuses 2; (0,4) reuses 1; (5,1): block 1 was seen, but not after 5: computed
-    assert (got.blocks, got.computed) == (10, 3 + 1 + 1 + 2)
+    assert (got.sent, got.computed) == (10, 3 + 1 + 1 + 2)
 
 
 def test_a_budget_evicts_the_least_recently_used_blocks() -> None:
@@ -58,3 +58,11 @@ def test_smg_over_llama_servers_is_one_llama_server_per_worker_behind_the_gatewa
         assert gateway[:2] == ["/bin/smg", "launch"] and gateway[gateway.index("--policy") + 1] == policy
         assert gateway[gateway.index("--port") + 1] == "9000"
         assert gateway[gateway.index("--worker-urls") + 1 :][:2] == [f"http://127.0.0.1:{p}" for p in ports]
+
+
+def test_the_token_oracle_reuses_the_longest_shared_prefix_less_the_last_token() -> None:
+    from bench.trace_replay import token_oracle
+
+    got = token_oracle([[1, 2, 3, 4], [1, 2, 3, 9, 9], [1, 2, 3, 4], [7]])
+    # 4 computed; 3 reused of 5 (2 computed); all 4 shared, the last computed again (1); 1 computed
+    assert (got.sent, got.computed) == (14, 4 + 2 + 1 + 1)
