@@ -19,6 +19,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from common.build import this_machine
+from common.model import cache_dir as model_cache_dir
 
 LLAMA_CPP_PYTHON = version("llama-cpp-python")  # the pinned version: the same llama.cpp as the workers
 CMAKE_FLAGS = (
@@ -37,8 +38,7 @@ CMAKE_FLAGS = (
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("KVROUTE_CACHE", Path.home() / ".cache" / "kvroute"))
-    return root / f"llama-server-{LLAMA_CPP_PYTHON}"
+    return model_cache_dir() / f"llama-server-{LLAMA_CPP_PYTHON}"
 
 
 def binary() -> Path:

@@ -13,6 +13,8 @@ import sys
 import venv
 from pathlib import Path
 
+from common.model import cache_dir
+
 VERSION = "1.13.0"  # the release the issue's figures were measured with
 
 
@@ -20,7 +22,7 @@ def binary() -> Path:
     """The `smg` command, installed first when it is not cached; $KVROUTE_SMG when set."""
     if env := os.environ.get("KVROUTE_SMG"):
         return Path(env)
-    home = Path(os.environ.get("KVROUTE_CACHE", Path.home() / ".cache" / "kvroute")) / f"smg-{VERSION}"
+    home = cache_dir() / f"smg-{VERSION}"
     out = home / "bin" / "smg"
     if out.exists():
         return out

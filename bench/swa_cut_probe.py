@@ -14,15 +14,12 @@ would mean the restored cut is exact; different ones, that its window has holes.
 from __future__ import annotations
 
 import random
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
-from bench.llama_server import binary
-from bench.systems import free_port
+from bench.systems import Server, Setup
 from bench.trace_replay import WORDS
 from common.model import default_model_path
 
@@ -32,46 +29,28 @@ def main() -> None:
     history = " ".join(rng.choice(WORDS) for _ in range(900))  # ~1,000 tokens: longer than Gemma 3's 512 window
     question = " question: " + " ".join(rng.choice(WORDS) for _ in range(40))
     prompt = history[: len(history) - 60] + question  # shares all of the history but its last ~12 tokens
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [str(binary()), "--model", str(default_model_path()), "--host", "127.0.0.1", "--port", str(port),
-            "--parallel", "1", "--ctx-size", "4096", "--threads", "2", "--swa-full", "--cache-ram", "2048",
-            "--no-webui"]  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp, (Path(tmp) / "log").open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            with httpx.Client(timeout=600) as http:
-                _wait_up(http, url, proc)
+    # the harness's llama-server (bench/systems.py: --swa-full --cache-ram 2048), one slot of 4,096 tokens
+    setup = Setup(str(default_model_path()), threads=2, workers=1, slots=1, ctx_per_slot=4096)
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Server("llama-server", setup, Path(tmp) / "log") as server,
+        httpx.Client(timeout=600) as http,
+    ):
 
-                def complete(text: str, n: int = 8) -> tuple[int, list[float]]:
-                    body = {"prompt": text, "n_predict": n, "temperature": 0, "n_probs": 1}
-                    r = http.post(f"{url}/completion", json=body).json()
-                    return r["timings"]["prompt_n"], [p["logprob"] for p in r["completion_probabilities"]]
+        def complete(text: str, n: int = 8) -> tuple[int, list[float]]:
+            body = {"prompt": text, "n_predict": n, "temperature": 0, "n_probs": 1}
+            r = http.post(f"{server.url}/completion", json=body).json()
+            return r["timings"]["prompt_n"], [p["logprob"] for p in r["completion_probabilities"]]
 
-                complete(history, 40)  # the slot holds the history and a reply
-                from_slot = complete(prompt)
-                complete(history, 40)
-                complete("unrelated " + question * 3)  # the history goes to host RAM
-                restored = complete(prompt)
-        finally:
-            proc.terminate()
-            proc.wait(30)
+        complete(history, 40)  # the slot holds the history and a reply
+        from_slot = complete(prompt)
+        complete(history, 40)
+        complete("unrelated " + question * 3)  # the history goes to host RAM
+        restored = complete(prompt)
     print(f"cut from the slot:           computed {from_slot[0]} tokens, logprobs {_fmt(from_slot[1])}")
     print(f"cut from a restored state:   computed {restored[0]} tokens, logprobs {_fmt(restored[1])}")
     same = from_slot == restored
     print("the same" if same else "different: the restored state's window layers miss positions the cut needs")
-
-
-def _wait_up(http: httpx.Client, url: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            if http.get(f"{url}/health").status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"llama-server did not start (status {proc.poll()})")
 
 
 def _fmt(xs: list[float]) -> str:
