@@ -69,6 +69,7 @@ def chat_model(
     head_dim: int = 16,
     says: list[str] | None = None,
     words: list[str] | None = None,
+    metadata: dict[str, int | float | str] | None = None,
 ) -> Path:
     """A tiny GGUF with the vendored template `template` (a file stem of tests/fixtures/templates).
 
@@ -77,7 +78,8 @@ def chat_model(
     embedding a long step along a dimension of its own and the next entry's output row along the same, so every
     sampler follows it (a real client's agent loop, run on noise, needs a reply that ends).
     `words`: more words made one token each (with and without a space before), as a real vocabulary covers the text
-    it is given (Claude Code's system prompt and tools are 44k tokens spelled byte by byte, 14k with its words)."""
+    it is given (Claude Code's system prompt and tools are 44k tokens spelled byte by byte, 14k with its words).
+    `metadata`: more keys (e.g. `general.sampling.top_k`), written as int32, float32 or string by their value's type."""
     source = (TEMPLATES / f"{template}.jinja").read_text()
     rng = np.random.default_rng(seed)
     alphabet = _bytes_to_unicode()
@@ -104,6 +106,13 @@ def chat_model(
     w.add_eos_token_id(tokens.index(eos))
     w.add_add_bos_token(False)
     w.add_chat_template(source)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, int):
+            w.add_int32(key, value)
+        else:
+            w.add_float32(key, value)
 
     t = _random(w, rng, np.float32)
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from chat.calls import WS
 from chat.derived import TYPES, DerivedFamily, Syntax
 from chat.families import Family, Gemma, Generic, Hermes, Llama3, Mistral, MistralArgs
+from chat.minimax_xml import MinimaxXml
+from chat.pythonic import Pythonic
 from chat.template import ChatTemplate, RawJSON
 
 NAMES = ("fnprobeone", "fnprobetwo", "fnprobethree")
@@ -26,7 +28,7 @@ VALUES = ("valueprobeone", "valueprobetwo", "valueprobethree")
 IDS = tuple(f"PrObE{k:04d}" for k in range(8))  # 9 letters and digits: what Mistral's templates insist on
 CONTENT, REASONING = "contentprobe", "reasoningprobe"
 SAMPLES: dict[str, Any] = {"string": "valueprobeone", "integer": 42, "number": 2.5, "boolean": True,
-                           "object": {"inner": 1}, "array": [1, 2]}  # fmt: skip
+                           "object": {"inner": 1}, "array": [1, "a"]}  # fmt: skip
 TOOLS = [
     {"type": "function", "function": {"name": n, "description": "probe", "parameters": {
         "type": "object", "properties": {k: {"type": "string"} for k in KEYS}}}}
@@ -106,8 +108,10 @@ class Probe:
         if self.pre and text.startswith(self.pre):
             text = text[len(self.pre) :]
         mark = self.end.strip(WS)
-        if END_MARK.fullmatch(mark) and mark in text:  # (the turn's end: the model stops there, whatever comes after)
-            return text[: text.index(mark)]
+        # the turn's end: the model stops there, whatever comes after; the first after the probe's own words
+        # (GigaChat 3 ends the reply text with it, then writes the call as a message of its own)
+        if END_MARK.fullmatch(mark) and mark in text[text.rfind("probe") + 1 :]:
+            return text[: text.index(mark, text.rfind("probe") + 1)]
         cut = lcs(text, self.end)
         if not cut:
             return text
@@ -250,6 +254,9 @@ def derive_syntax(template: ChatTemplate) -> Syntax | None:
         return None
     if syntax is None or not syntax.call_open + syntax.section_open:
         return None
+    if syntax.tagged:
+        syntax = replace(syntax, string_wrap=string_wrap(probe, syntax))
+    syntax = own_trigger(probe, syntax)
     return syntax if verified(probe, syntax) else None
 
 
@@ -263,8 +270,43 @@ def _single_syntax(probe: Probe, call: tuple[str, dict[str, Any]]) -> Syntax | N
     span = json_span(r1, at + len(call[0]), call[1])
     if span is None:
         return None
-    syntax = Syntax("", r1[:at], r1[at + len(call[0]) : span[0]], r1[span[1] :], "", "", single=True)
+    syntax = own_trigger(probe, Syntax("", r1[:at], r1[at + len(call[0]) : span[0]], r1[span[1] :], "", "", single=True))
     return syntax if syntax.call_open.strip(WS) and verified(probe, syntax) else None
+
+
+def own_trigger(probe: Probe, syntax: Syntax) -> Syntax:
+    """A section that opens with the turn's end marker (GigaChat 3's `<|message_sep|>`, then the call's own message)
+    is triggered by the marker and what follows it through its last tag: the marker alone ends every plain reply."""
+    lead, mark = (syntax.section_open + syntax.call_open).lstrip(WS), probe.end.strip(WS)
+    last = lead.rfind(">") + 1
+    if not mark or not lead.startswith(mark) or last <= len(mark):
+        return syntax
+    return replace(syntax, trigger=lead[:last])
+
+
+WRAP_CHARS = "<>&\n\"'"
+
+
+def string_wrap(probe: Probe, syntax: Syntax) -> tuple[str, ...]:
+    """(open, close, characters): the template writes a string holding one of the characters between open and close
+    (MiniCPM 5's CDATA); () when it writes every string as it is."""
+    wrap: tuple[str, str] | None = None
+    chars = ""
+    for c in WRAP_CHARS:
+        value = VALUES[0] + c + VALUES[1]
+        text = probe.reply(turn([(NAMES[0], {KEYS[0]: value})]))
+        at = text.find(value) if text is not None else -1
+        if text is None or at < 0:
+            return ()
+        start = text.find(syntax.key_close["string"], text.find(KEYS[0])) + len(syntax.key_close["string"])
+        end = text.find(syntax.value_close, at + len(value))
+        around = (text[start:at], text[at + len(value) : end])
+        if around == ("", ""):
+            continue
+        if wrap not in (None, around) or end < 0:
+            return ()
+        wrap, chars = around, chars + c
+    return (*wrap, chars) if wrap else ()
 
 
 def _json_syntax(r3: str, spots: list[tuple[int, int]], spans: list[tuple[int, int]]) -> Syntax | None:
@@ -410,134 +452,6 @@ def same_calls(got: list[Any], calls: list[tuple[str, dict[str, Any]]]) -> bool:
         return False
 
 
-# ---- thinking tags -------------------------------------------------------------------------------------------------
-
-THINKING_ON: list[dict[str, Any]] = [{}, {"enable_thinking": True, "thinking": True, "reasoning_effort": "high"}]
-
-
-def derive_reasoning(template: ChatTemplate, triggers: tuple[str, ...] = ()) -> tuple[str, str] | None:
-    """The thinking tags (open, close) of the template: from an assistant turn it renders with `reasoning_content`
-    (a plain reply, or one with a call: some templates keep the thinking only there; `triggers` open the call
-    section), read back from the text the template writes; else from the tag its generation prompt opens when
-    thinking is switched on (DeepSeek V3.1 renders no past thinking)."""
-    try:
-        probe = Probe(template)
-    except Exception:
-        return None
-    call = turn([(NAMES[0], {KEYS[0]: VALUES[0]})], CONTENT)
-    for kwargs in THINKING_ON:
-        for message in ({"role": "assistant", "content": CONTENT}, call):
-            try:
-                full = template.render([*probe.user, {**message, "reasoning_content": REASONING}], probe.tools,
-                                       add_generation_prompt=False, kwargs=kwargs)[0]  # fmt: skip
-                gen = template.render(probe.user, probe.tools, add_generation_prompt=True, kwargs=kwargs)[0]
-            except Exception:
-                continue
-            tags = _tags_around(full, gen, triggers)
-            if tags is not None and _reads_back(full, gen, tags):
-                return tags
-    try:
-        plain = template.render(probe.user, probe.tools, add_generation_prompt=True)[0]
-        on = template.render(probe.user, probe.tools, add_generation_prompt=True, kwargs=THINKING_ON[1])[0]
-    except Exception:
-        return None
-    if on != plain:
-        opened = _prompt_tag(on)
-        close = _close_of(opened)
-        if opened and close and close in template.source:
-            return opened, close
-    return None
-
-
-def empty_thinking_block(template: ChatTemplate, tags: tuple[str, str] | None) -> str:
-    """The empty thinking block the template writes before a plain reply (`<think></think>`), when the reply (not
-    the prompt) opens it; "" for none."""
-    if tags is None:
-        return ""
-    try:
-        pre = Probe(template).pre
-    except Exception:
-        return ""
-    block = pre.strip(WS)
-    if block.startswith(tags[0]) and block.endswith(tags[1]) and not block[len(tags[0]) : -len(tags[1])].strip(WS):
-        return pre.lstrip(WS) if pre.lstrip(WS).startswith(tags[0]) else block
-    return ""
-
-
-def _reads_back(full: str, gen: str, tags: tuple[str, str]) -> bool:
-    """The thinking of the rendered turn is read back from the text the model writes after the prompt."""
-    from chat.output import OutputSpec
-
-    shared = lcp(full, gen)
-    text = full[shared if shared == len(gen) else boundary(full, shared) :]
-    spec = OutputSpec(reasoning=tags, in_reasoning=gen.rstrip(WS).endswith(tags[0]))
-    parser = spec.parser()
-    parser.feed(text)
-    parser.finish()
-    return (parser.reasoning_text or "").strip(WS) == REASONING
-
-
-def _tags_around(full: str, gen: str, triggers: tuple[str, ...]) -> tuple[str, str] | None:
-    if REASONING not in full:
-        return None
-    i = full.index(REASONING) + len(REASONING)
-    ends = [full.find(m, i) for m in (CONTENT, *triggers) if m and full.find(m, i) >= 0]
-    if not ends:
-        return None
-    close = full[i : min(ends)].strip(WS)
-    if not close:
-        return None
-    before = full[: i - len(REASONING)]
-    shared = lcp(before, gen)
-    written = before[shared if shared == len(gen) else boundary(before, shared) :].strip(WS)
-    head = before.rstrip(WS)
-    opened = _open_of(close)
-    if opened and opened in head[-200:]:
-        return head[head.rindex(opened) :], close  # (`<|channel>thought`: the open tag and what follows it)
-    if written:
-        return written, close
-    if gen.startswith(before) and gen[len(before) :].strip(WS):  # (the prompt opens it: Apriel's "Here are my ...")
-        return gen[len(before) :].strip(WS), close
-    opened = _prompt_tag(gen)
-    return (opened, close) if opened else None
-
-
-TAG = re.compile(r"<\|[^|<>]*\|>|<[^<>]*>|\[[^\[\]]*\]")
-SWAPS = (("</", "<"), ("[/", "["), ("close", "open"), ("END", "START"), ("end", "begin"), ("End", "Begin"))
-PIPE_SWAP = re.compile(r"^<([^|<>]+)\|>$")  # Gemma 4's `<channel|>` closes `<|channel>`
-
-
-def _open_of(close: str) -> str:
-    """The open tag a close tag answers (`</think>`, `[/THINK]`, `<|END_THINKING|>`, `<|close|>think<|sep|>`): its
-    first tag, or first tags up to the next tag, with the closing word made an opening one."""
-    m = TAG.match(close)
-    if not m:
-        return ""
-    head = close[: m.end()]
-    rest = TAG.search(close, m.end())
-    if rest and close[m.end() : rest.start()].strip(WS) and "close" in head:  # `<|close|>think<|sep|>`
-        head = close[: rest.end()]
-    for old, new in SWAPS:
-        if old in head:
-            return head.replace(old, new, 1)
-    m = PIPE_SWAP.match(head)
-    return f"<|{m.group(1)}>" if m else ""
-
-
-def _close_of(opened: str) -> str:
-    if opened.startswith("<") and not opened.startswith("</") and not opened.startswith("<|"):
-        return "</" + opened[1:]
-    if opened.startswith("[") and not opened.startswith("[/"):
-        return "[/" + opened[1:]
-    return ""
-
-
-def _prompt_tag(gen: str) -> str:
-    """The tag the generation prompt ends with (a template that opens the thinking itself)."""
-    m = re.search(r"(<[^<>\n]+>|\[[^\[\]\n]+\])\s*$", gen)
-    return m.group(1) if m else ""
-
-
 # ---- the family of a template ---------------------------------------------------------------------------------------
 
 
@@ -553,7 +467,9 @@ def detect(template: ChatTemplate) -> Family:
         return Generic()  # (tools given as OpenAI's break it: they go in the generic family's system message)
     for family in hand_families(template.source):
         if probe is not None and reads_back(probe, family):
-            return family
+            return hermes_sep(probe, family)
+        if probe is not None and isinstance(family, Pythonic) and writes_no_calls(probe):
+            return Pythonic(in_content=True)  # (LFM2-8B-A1B, LFM2.5-Instruct: the calls go into the content)
     syntax = derive_syntax(template)
     if syntax is not None:
         return DerivedFamily(syntax)
@@ -563,10 +479,17 @@ def detect(template: ChatTemplate) -> Family:
 def hand_families(source: str) -> list[Family]:
     """The families written by hand whose markers the template source has."""
     from chat.harmony import Harmony
+    from chat.muse import Muse
 
     out: list[Family] = []
     if all(m in source for m in ("<|channel|>", "<|message|>", "<|call|>", "functions.")):
         out.append(Harmony())
+    if "<atem:function_calls>" in source and "<|eom|>" in source:
+        out.append(Muse())
+    if "]<]minimax[>[" in source and "<invoke name=" in source:
+        out.append(MinimaxXml())
+    if "<|tool_list_start|>" in source or "List of tools: [" in source:  # (LFM2, LFM2.5: as llama.cpp tells them)
+        out.append(Pythonic())
     if "[TOOL_CALLS]" in source:
         out.append(MistralArgs(call_ids="[CALL_ID]" in source) if "[ARGS]" in source else Mistral())
     if "<|tool_call>call:" in source:
@@ -578,6 +501,23 @@ def hand_families(source: str) -> list[Family]:
     if "<|start_header_id|>" in source and ("ipython" in source or '"parameters"' in source):
         out.append(Llama3())
     return out
+
+
+def hermes_sep(probe: Probe, family: Family) -> Family:
+    """A Hermes family writing between two calls what its template writes there (Reka Edge: nothing), so that the
+    grammar's calls render back as written."""
+    text = probe.reply(turn(CHECKS[0])) if isinstance(family, Hermes) else None
+    close = text.find("</tool_call>") if text is not None else -1
+    if text is None or close < 0 or "<tool_call>" not in text[close:]:
+        return family
+    sep = text[close + len("</tool_call>") : text.index("<tool_call>", close)]
+    return Hermes(sep) if not sep.strip(WS) else family
+
+
+def writes_no_calls(probe: Probe) -> bool:
+    """The template renders an assistant message's calls nowhere (the model's own text must carry them)."""
+    text = probe.reply(turn([(NAMES[0], {KEYS[0]: VALUES[0]})]))
+    return text is not None and NAMES[0] not in text and VALUES[0] not in text
 
 
 def reads_back(probe: Probe, family: Family) -> bool:
@@ -615,8 +555,17 @@ def family_named(key: str) -> Family:
         "functiongemma": lambda: Gemma("functiongemma", "<start_function_call>", "<end_function_call>", "<escape>"),
         "generic": Generic,
         "harmony": _harmony,
+        "pythonic": Pythonic,
+        "minimax-m3": MinimaxXml,
+        "muse": _muse,
     }
     return made[key]()
+
+
+def _muse() -> Family:
+    from chat.muse import Muse
+
+    return Muse()
 
 
 def _harmony() -> Family:

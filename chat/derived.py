@@ -7,8 +7,9 @@
 
 The pieces may hold slots: `{id}` (the call's id, where the template writes it) and `{index}` (the call's position,
 from `index_base`). Tagged values are written raw when they are strings (a key_close may say the type, as DeepSeek's
-`string="true"` does; else the tool's schema does), and as JSON otherwise; a string value ends at the first
-`value_close`.
+`string="true"` does; else the tool's schema does), and as JSON otherwise (or as Python writes them, where the
+template does: `True`, `{'a': 1}`); a string value ends at the first `value_close`, or is wrapped (`string_wrap`:
+MiniCPM 5's CDATA) where it holds a character the template wraps it for.
 
 | templates (examples) | section_open | call_open | name_close | ARGS |
 | --- | --- | --- | --- | --- |
@@ -17,6 +18,8 @@ from `index_base`). Tagged values are written raw when they are strings (a key_c
 | MiniMax M2 | `<minimax:tool_call>\\n` | `<invoke name="` | `">\\n` | `<parameter name="K">V</parameter>\\n` |
 | DeepSeek V3.1 | its tool-calls-begin marker | its tool-call-begin marker | its tool-sep marker | JSON |
 | Kimi K2 | `<\\|tool_calls_section_begin\\|>` | `<\\|tool_call_begin\\|>functions.` | `:{index}` + argument marker | JSON |
+| MiniCPM 5 | | `<function name="` | `">` | `<param name="K">V</param>`, V in CDATA if it holds `<`, `&`, a newline |
+| GigaChat 3 (one call) | | `<\\|message_sep\\|>\\n\\nfunction call<\\|role_sep\\|>\\n{"name": "` | `", "arguments": ` | JSON |
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from typing import Any
 
 from chat.calls import WS, ArgsReader, Head, JsonArgs, Pattern, hit, match_exact, match_literal
 from chat.families import ALNUM, Family
-from chat.schema import for_grammar
 from protocol import Tool
 
 EMPTY: Mapping[str, frozenset[str]] = {}
@@ -71,14 +73,19 @@ class Syntax:
     value_close: str = ""
     python_values: tuple[str, ...] = ()  # the types the template writes as Python does (`True`, `{'a': 1}`)
     single: bool = False  # the template writes one call per turn (no call_sep)
+    # (open, close, characters): a string holding one of the characters is written between open and close (CDATA)
+    string_wrap: tuple[str, ...] = ()
+    trigger: str = ""  # the section's trigger, where its first word is not enough (see DerivedFamily)
 
     def wire(self) -> str:
-        return json.dumps(asdict(self), ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+        d = {k: v for k, v in asdict(self).items() if v or k not in ("string_wrap", "trigger")}  # (as before them)
+        return json.dumps(d, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
 
     @staticmethod
     def from_wire(text: str) -> Syntax:
         d = json.loads(text)
         d["python_values"] = tuple(d.get("python_values", ()))
+        d["string_wrap"] = tuple(d.get("string_wrap", ()))
         return Syntax(**d)
 
     # ---- writing (what the template renders, for the derivation's check) ----
@@ -105,7 +112,8 @@ class Syntax:
 
     def value_text(self, value: Any) -> str:
         if isinstance(value, str):
-            return value
+            wrap = self.string_wrap
+            return wrap[0] + value + wrap[1] if wrap and any(c in value for c in wrap[2]) else value
         return str(value) if json_type(value) in self.python_values else json.dumps(value, ensure_ascii=False)
 
     @property
@@ -125,6 +133,7 @@ class TaggedArgs(ArgsReader):
         self.strings = strings  # the parameters the tool's schema says are strings
         self.state = "between"  # between | key | value
         self.is_string = False
+        self.wrapped: bool | None = None  # the string value is wrapped (None: not known yet)
         self.value = ""  # a non-string value's text so far
         self.count = 0
         self.closers = sorted(((v, t) for t, v in syntax.key_close.items()), key=lambda vt: -len(vt[0]))
@@ -157,10 +166,16 @@ class TaggedArgs(ArgsReader):
                 out.append(("{" if not self.count else ", ") + json.dumps(key, ensure_ascii=False) + ": ")
                 out.append('"' if self.is_string else "")
                 self.count += 1
-                self.state, self.value = "value", ""
+                self.state, self.value, self.wrapped = "value", "", None
                 continue
-            close = section.find(s.value_close, i)  # a value ends at the first value_close
-            upto = close if close >= 0 else n - _partial(section, i, s.value_close)
+            if self.wrapped is None and self.is_string and s.string_wrap:  # (a string opens wrapped, or not)
+                opened = match_exact(section, i, s.string_wrap[0])
+                if opened is None:
+                    break
+                self.wrapped, i = opened is not False, (i if opened is False else opened)
+            end = s.string_wrap[1] + s.value_close if self.wrapped else s.value_close
+            close = section.find(end, i)  # a value ends at the first value_close (or wrap close)
+            upto = close if close >= 0 else n - _partial(section, i, end)
             if self.is_string:
                 out.append(json.dumps(section[i:upto], ensure_ascii=False)[1:-1])
             else:
@@ -169,7 +184,7 @@ class TaggedArgs(ArgsReader):
             if close < 0:
                 break
             out.append('"' if self.is_string else value_json(self.value))
-            self.state, i = "between", close + len(s.value_close)
+            self.state, i = "between", close + len(end)
         self.pos = i
         return "".join(out), None
 
@@ -213,93 +228,6 @@ def value_json(text: str) -> str:
         return json.dumps(text, ensure_ascii=False)
 
 
-def lit(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
-
-
-def slotted(piece: str) -> str:
-    """A Lark sequence for a piece with slots."""
-    parts = []
-    for k, chunk in enumerate(piece.replace("{id}", "\x00id\x00").replace("{index}", "\x00index\x00").split("\x00")):
-        if k % 2:
-            parts.append(ID_REGEX if chunk == "id" else "/[0-9]+/")
-        elif chunk:
-            parts.append(lit(chunk))
-    return " ".join(parts) or '""'
-
-
-MAX_INDEXED_CALLS = 8  # a syntax that numbers its calls writes at most this many in one turn under a grammar
-
-
-def grammar_rules(s: Syntax, tools: list[Tool], parallel: bool, lazy: bool) -> str:
-    """Lark rules defining `calls` (the whole section) for these tools. `lazy`: the section starts at its trigger
-    (the leading whitespace of section_open is the model's free text). A syntax that numbers its calls (`{index}`)
-    gets each call's own number written out, as the template writes it back."""
-    opening = s.section_open.lstrip(WS) if lazy else s.section_open
-    many = parallel and not s.single
-    pieces = (s.call_open, s.name_close, s.call_close)
-    indexed = any("{index}" in p for p in pieces)
-    rules, args = [], []
-    for i, tool in enumerate(tools):
-        schema = dict(tool.parameters) if tool.parameters else {"type": "object", "properties": {}}
-        schema.setdefault("type", "object")
-        if s.tagged:
-            rules.append(tagged_rule(s, f"args{i}", schema))
-        else:
-            rules.append(f"args{i}: %json {json.dumps(for_grammar(schema), ensure_ascii=False)}\n")
-        args.append((tool.name, f"args{i}"))
-    counts = range(MAX_INDEXED_CALLS if many else 1) if indexed else [None]
-    for k in counts:
-
-        def piece(text: str, k: int | None = k) -> str:
-            return slotted(text if k is None else text.replace("{index}", str(k + s.index_base)))
-
-        alts = [f"{piece(s.call_open)} {lit(name)} {piece(s.name_close)} {rule} {piece(s.call_close)}" for name, rule in args]
-        rules.append(f"call{'' if k is None else k}: " + "\n  | ".join(alts) + "\n")
-    if indexed:  # calls: call0 (sep call1 (sep call2 ...)?)?
-        chain = ""
-        for k in reversed(counts):
-            chain = f"call{k}" + (f" ({slotted(s.call_sep)} {chain})?" if chain else "")
-        body = chain
-    else:
-        body = "call" + (f" ({slotted(s.call_sep)} call)*" if many else "")
-    return f"calls: {slotted(opening)} {body} {slotted(s.section_close)}\n" + "".join(rules)
-
-
-def tagged_rule(s: Syntax, name: str, schema: dict[str, Any]) -> str:
-    """`name`: the tool's parameters in its schema's order, the required ones always written."""
-    props = schema.get("properties") or {}
-    required = set(schema.get("required") or [])
-    if not props:  # any parameters
-        free = f"{name}_v[suffix={lit(s.value_close)}]: /(?s:.*)/\n"
-        key = f"{lit(s.key_open)} /[A-Za-z_][A-Za-z0-9_.-]*/ {lit(s.key_close['string'])} {name}_v"
-        return f"{name}: ({key})*\n" + free
-    parts, rules = [], []
-    for j, (key, sub) in enumerate(props.items()):
-        kind = sub.get("type") if isinstance(sub, dict) and isinstance(sub.get("type"), str) else None
-        vname = f"{name}_{j}"
-        choices = sub.get("enum") if isinstance(sub, dict) else None
-        if (kind == "string" or kind is None) and isinstance(choices, list) and all(isinstance(c, str) for c in choices):
-            closer = s.key_close["string"]  # (the values written raw, one of them)
-            rules.append(f"{vname}: " + " | ".join(lit(c) for c in choices) + "\n")
-            value = f"{vname} {lit(s.value_close)}"
-        elif kind == "string" or (kind is None and not isinstance(sub, dict)):
-            closer = s.key_close["string"]
-            rules.append(f"{vname}[suffix={lit(s.value_close)}]: /(?s:.*)/\n")
-            value = vname
-        else:
-            closer = s.key_close.get(kind or "object", s.key_close["object"])
-            if kind == "boolean" and "boolean" in s.python_values:
-                rules.append(f'{vname}: "True" | "False"\n')
-            else:
-                sub_schema = for_grammar(sub if isinstance(sub, dict) else {})
-                rules.append(f"{vname}: %json {json.dumps(sub_schema, ensure_ascii=False)}\n")
-            value = f"{vname} {lit(s.value_close)}"
-        item = f"{lit(s.key_open)} {lit(key)} {lit(closer)} {value}"
-        parts.append(f"({item})" if key in required else f"({item})?")
-    return f"{name}: {' '.join(parts)}\n" + "".join(rules)
-
-
 class DerivedFamily(Family):
     """A family whose syntax was derived from its template (chat/derive.py)."""
 
@@ -310,7 +238,7 @@ class DerivedFamily(Family):
         self.syntax = syntax
         lead = SLOT.split((syntax.section_open + syntax.call_open).lstrip(WS))[0]
         trigger = lead.split()[0] if lead.split() else lead
-        self.triggers = (trigger,)
+        self.triggers = (syntax.trigger or trigger,)
         self.first = Pattern(syntax.section_open + syntax.call_open + "{name}" + syntax.name_close)
         self.next = Pattern(syntax.call_sep + syntax.call_open + "{name}" + syntax.name_close)
         self.close = SLOT.split(syntax.call_close)[0]
@@ -320,6 +248,8 @@ class DerivedFamily(Family):
         return "derived:" + self.syntax.wire()
 
     def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
+        from chat.derived_grammar import grammar_rules  # (it reads Syntax)
+
         return grammar_rules(self.syntax, tools, parallel, lazy)
 
     def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:

@@ -14,6 +14,9 @@ to the same text when the agent sends it in the history.
 | mistral-args | `[TOOL_CALLS]f[ARGS]{...}`, `[CALL_ID]id` before `[ARGS]` if the template has it | Mistral Small 3.2, Devstral |
 | gemma | `<\\|tool_call>call:f{key:<\\|"\\|>text<\\|"\\|>,n:3}<tool_call\\|>` | Gemma 4 |
 | functiongemma | `<start_function_call>call:f{key:<escape>text<escape>}<end_function_call>` | FunctionGemma |
+| pythonic | `<\\|tool_call_start\\|>[f(key='text', n=3)]<\\|tool_call_end\\|>` (chat/pythonic.py) | LFM2, LFM2.5 |
+| minimax-m3 | `]<]minimax[>[<invoke name="f">`, an element per key, every tag behind that token (minimax_xml.py) | MiniMax-M3 |
+| muse | a message per call, ` to=f<\\|message\\|><atem:function_calls>...` (chat/muse.py) | Muse Glimmer |
 | generic | the reply is `{"tool_calls": [{"name": "f", "arguments": {...}}]}` or `{"response": "..."}` | the others |
 
 `generic` is for templates without tool syntax (the built-in ones too), as llama-server does. The template knows
@@ -77,6 +80,8 @@ class Family:
     native = True  # the template renders tools, tool calls and tool results itself
     id_alphabet = ""  # tool call ids the template accepts: "" = any (ours: call_ + 24 hex)
     id_length = 0
+    reasoning: tuple[str, str] | None = None  # the thinking's open and close, where the syntax has its own
+    in_content = False  # the template renders no tool calls: `write` puts them into the assistant's content
 
     @property
     def key(self) -> str:
@@ -103,6 +108,18 @@ class Family:
         tail that is not the syntax's ends the call where its arguments end (the section ends there too)."""
         return i
 
+    def request_triggers(self, tools: list[Tool]) -> tuple[str, ...]:
+        """The triggers of a lazy grammar for these tools (a syntax whose section opens with a tool's name)."""
+        return self.triggers
+
+    def parser(self, spec: Any) -> Any:
+        """A reader of its own for replies (chat/output.py's OutputParser interface), or None: the section machinery."""
+        return None
+
+    def write(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
+        """The section for these calls (name, arguments) as the model writes it (for `in_content` families)."""
+        raise NotImplementedError
+
     def _named(self, tools: list[Tool], fmt: str) -> str:
         """`fn` alternatives, one per tool: `fmt` with {name} (the name, inside a Lark literal) and {args}."""
         alts, rules = [], []
@@ -125,8 +142,11 @@ class Hermes(Family):
     triggers = ("<tool_call>",)
     HEAD = Pattern('<tool_call>\n{"name": "{name}", "arguments": ')
 
+    def __init__(self, sep: str = "\n") -> None:
+        self.sep = sep  # what the template writes between two calls (Qwen: a newline; Reka Edge: nothing)
+
     def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
-        head = 'calls: call ("\\n" call)*\n' if parallel else "calls: call\n"
+        head = f"calls: call ({lit(self.sep)} call)*\n" if parallel else "calls: call\n"
         call = 'call: "<tool_call>\\n{\\"name\\": \\"" fn "}\\n</tool_call>"\n'
         return head + call + self._named(tools, '"{name}\\", \\"arguments\\": " {args}')
 

@@ -186,7 +186,9 @@ def constraint(
         if thinking_budget == 0:
             lark = f"start: {empty} calls\n" + calls
         else:
-            lark = f"start: ({opened} thought thought_ws?)? calls\n" + calls + "thought_ws: /[ \\t\\r\\n]+/\n"
+            # (the empty block too: MiniMax-M3's is its close alone)
+            lark = f"start: ({opened} thought thought_ws? | {empty} thought_ws?)? calls\n" + calls
+            lark += "thought_ws: /[ \\t\\r\\n]+/\n"
             lark += f"thought[suffix={close}]: /(?s:.*)/\n"
     elif forced:
         lark = "start: calls\n" + calls
@@ -197,7 +199,8 @@ def constraint(
     else:  # lazy: free text until the family's trigger, then a tool-call section (from the trigger on)
         lark = "start: calls\n" + family.calls_rules(chosen_tools(tools, choice), parallel and not single, lazy=True)
         check_calls(lark, tools)
-        return Constraint(grammar=lark, triggers=list(family.triggers), at_start=family.at_start)
+        triggers = list(family.request_triggers(chosen_tools(tools, choice)))
+        return Constraint(grammar=lark, triggers=triggers, at_start=family.at_start)
     check_calls(lark, tools)
     return Constraint(grammar=lark)
 

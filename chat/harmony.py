@@ -30,6 +30,7 @@ HEADER_MAX = 200  # a header longer than this is no header (a model that does no
 class Harmony(Family):
     name = "harmony"
     triggers = ("to=functions.",)  # (auto: free text, thinking included, until a message to a function begins)
+    reasoning = (OPEN, CLOSE)  # (its thinking is a channel)
 
     def calls_rules(self, tools: list[Tool], parallel: bool, lazy: bool = False) -> str:
         """One call, as the template writes it back (the prompt ends with `<|start|>assistant`; lazily, from the
@@ -40,6 +41,9 @@ class Harmony(Family):
 
     def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
         return i  # (read by HarmonyParser, not through the section machinery)
+
+    def parser(self, spec: OutputSpec) -> OutputParser:
+        return HarmonyParser(spec)
 
 
 class HarmonyParser(OutputParser):
@@ -55,6 +59,10 @@ class HarmonyParser(OutputParser):
     @property
     def in_reasoning(self) -> bool:
         return self.state == "body" and self.kind == "reasoning"
+
+    @property
+    def opening_reasoning(self) -> bool:
+        return self.state == "header"  # (the header may open the analysis channel)
 
     def _feed(self, text: str) -> Piece:
         out = Piece()
@@ -88,8 +96,11 @@ class HarmonyParser(OutputParser):
         if hits:
             j, mark = min(hits)
             self._emit(out, self.kind, self.buf[:j])
+            thought = self.kind == "reasoning"
             self._end_message()
             self.buf = self.buf[j + (0 if mark == "<|start|>" else len(mark)) :]
+            if thought:
+                self.reasoning_end = self.fed - len(self.buf)
             self.state = "header"
             return True
         keep = 0 if final else partial_suffix(self.buf, ENDS)
@@ -112,6 +123,7 @@ class HarmonyParser(OutputParser):
             out.calls.append(ToolCallDelta(index=call.index, id=call.id, name=name, arguments=""))
         elif channel and channel.group(1) == "analysis":
             self.kind = "reasoning"
+            self.reasoned = True
         else:
             self.kind = "content"
 

@@ -67,11 +67,8 @@ class OutputSpec:
     strings: dict[str, frozenset[str]] = field(default_factory=dict)  # each tool's string parameters (tagged syntaxes)
 
     def parser(self) -> OutputParser:
-        if self.family is not None and self.family.name == "harmony":
-            from chat.harmony import HarmonyParser  # (gpt-oss's messages on channels: a reader of their own)
-
-            return HarmonyParser(self)
-        return OutputParser(self)
+        own = self.family.parser(self) if self.family is not None else None  # (gpt-oss's and Muse's messages)
+        return own if own is not None else OutputParser(self)
 
     def wire(self) -> ReplyFormat:
         """As a client reading direct replies gets it (in `placed`)."""
@@ -114,6 +111,12 @@ class Mode(enum.Enum):
     TEXT = "text"  # plain reply text to the end
 
 
+def share(text: str, upto: int, tokens: int) -> int:
+    """Of `tokens` tokens that wrote `text`, about how many wrote text[:upto] (by bytes; one at least)."""
+    total, part = len(text.encode()), len(text[: max(upto, 0)].encode())
+    return tokens if part >= total else max(1, min(tokens, -(-tokens * part // total)))
+
+
 def partial_suffix(text: str, marks: tuple[str, ...]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `marks`."""
     best = 0
@@ -141,6 +144,10 @@ class OutputParser:
         self.resp_raw = 0  # RESPONSE mode: characters of the JSON string already decoded
         self.lead = False  # newlines at the start of the reply text are dropped (after a reasoning block)
         self.reasoning_tokens = 0  # tokens fed that opened, continued or closed the reasoning (`feed`)
+        self.held_tokens = 0  # tokens fed while the text held may yet open the reasoning (its tag in pieces)
+        self.reasoned = False  # this feed read reasoning, or a tag of it
+        self.fed = 0  # characters fed so far (the text held, `buf`, is their last ones)
+        self.reasoning_end: int | None = None  # where in the text fed the reasoning ended, in this feed
         self.mode = self._start_mode()
 
     def _start_mode(self) -> Mode:
@@ -162,16 +169,33 @@ class OutputParser:
     # ---- public ----
 
     def feed(self, text: str, tokens: int = 1) -> Piece:
-        """The reply's next text, `tokens` generated tokens' worth: what of it can be given out now."""
-        inside = self.in_reasoning
+        """The reply's next text, `tokens` generated tokens' worth: what of it can be given out now. Tokens that
+        open, continue or close the reasoning are counted as its own (`reasoning_tokens`), those of an opening tag
+        written in several tokens included. A feed of several tokens (speculation's guesses) in which the reasoning
+        ends counts its share up to the reasoning's end, by bytes."""
+        inside, self.reasoned, self.reasoning_end = self.in_reasoning, False, None
+        start = self.fed
+        self.fed += len(text)
         out = self._feed(text)
-        if inside or out.reasoning or self.in_reasoning:
-            self.reasoning_tokens += tokens
+        if inside or self.reasoned or self.in_reasoning:
+            if self.reasoning_end is not None and not self.in_reasoning and tokens > 1:
+                tokens = share(text, self.reasoning_end - start, tokens)
+            self.reasoning_tokens += self.held_tokens + tokens
+            self.held_tokens = 0
+        elif self.opening_reasoning:
+            self.held_tokens += tokens
+        else:
+            self.held_tokens = 0
         return out
 
     @property
     def in_reasoning(self) -> bool:
         return self.mode is Mode.REASONING
+
+    @property
+    def opening_reasoning(self) -> bool:
+        """Whether the text held may still be the reasoning's opening tag."""
+        return self.mode is Mode.OPENING
 
     def _feed(self, text: str) -> Piece:
         out = Piece()
@@ -233,24 +257,29 @@ class OutputParser:
 
     def _opening(self, final: bool) -> bool:
         assert self.spec.reasoning
-        tag = self.spec.reasoning[0]
+        tag, close = self.spec.reasoning
         head = self.buf.lstrip()
         if head.startswith(tag):
             self.buf = head[len(tag) :]
             self.mode = Mode.REASONING
+            self.reasoned = True
             return True
-        if tag.startswith(head) and not final:
+        if (tag.startswith(head) or close.startswith(head)) and not final:
             return False  # could still become the tag
+        if head.startswith(close):  # a turn without thinking opened with its close (MiniMax-M3's `</mm:think>`)
+            self.buf, self.lead = head[len(close) :], True
         self.mode = self._after_reasoning()
         return True
 
     def _in_reasoning(self, out: Piece, final: bool) -> bool:
         assert self.spec.reasoning
         close = self.spec.reasoning[1]
+        self.reasoned = True
         at = self.buf.find(close)
         if at >= 0:
             self._reason(out, self.buf[:at])
             self.buf = self.buf[at + len(close) :]
+            self.reasoning_end = self.fed - len(self.buf)
             self.mode = self._after_reasoning()
             self.lead = True  # the reply starts after the newlines that follow the tag (templates write their own)
             return True

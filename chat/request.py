@@ -13,11 +13,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from chat.derive import derive_reasoning, detect, empty_thinking_block
+from chat.derive import detect
+from chat.derive_thinking import derive_reasoning, empty_thinking_block
 from chat.families import Family, Generic
 from chat.grammar import ChatError, constraint
-from chat.harmony import CLOSE as HARMONY_CLOSE
-from chat.harmony import OPEN as HARMONY_OPEN
 from chat.limits import MAX_NESTING, nesting
 from chat.output import OutputSpec, reasoning_tags
 from chat.template import ChatTemplate, RawJSON, TemplateError
@@ -40,10 +39,10 @@ class ChatFormat:
     def __init__(self, template: ChatTemplate) -> None:
         self.template = template
         self.family: Family = detect(template)
-        if self.family.name == "harmony":  # (its thinking is a channel: chat/harmony.py reads it)
-            self.reasoning: tuple[str, str] | None = (HARMONY_OPEN, HARMONY_CLOSE)
-        else:
-            self.reasoning = derive_reasoning(template, self.family.triggers) or reasoning_tags(template.source)
+        # (a family whose thinking is part of its syntax has its own pair: gpt-oss's channel, Muse's message)
+        self.reasoning: tuple[str, str] | None = (
+            self.family.reasoning or derive_reasoning(template, self.family.triggers) or reasoning_tags(template.source)
+        )
         # a template that reads past thinking as `thinking` (gpt-oss) gets reasoning_content there too
         self.thinking_field = "message.thinking" in template.source
         # the empty thinking block the template writes before a reply without thinking, where the model opens its
@@ -81,6 +80,8 @@ class ChatFormat:
         if isinstance(self.family, Generic):
             messages = polyfill(messages, oai_tools)
             oai_tools = None
+        elif self.family.in_content:
+            messages = calls_into_content(messages, self.family, self.reasoning)
         text, add_bos = self.render(messages, oai_tools, sub.chat_template_kwargs)
         fam = self.family if tools else None
         in_reasoning = bool(self.reasoning) and text.rstrip().endswith(self.reasoning[0]) if self.reasoning else False
@@ -93,8 +94,10 @@ class ChatFormat:
         limit = constraint(
             fam, tools, sub.tool_choice, sub.parallel_tool_calls, sub.response_format, sub.grammar, close, budget, block
         )
+        # (a family whose thinking is part of its syntax, gpt-oss's or Muse's messages, reads every reply)
+        reads = use_tools or (tools and isinstance(self.family, Generic)) or self.family.reasoning is not None
         spec = OutputSpec(
-            family=self.family if (use_tools or (tools and isinstance(self.family, Generic))) else None,
+            family=self.family if reads else None,
             tool_names=frozenset(t.name for t in tools) if use_tools else frozenset(),
             reasoning=self.reasoning,
             in_reasoning=in_reasoning,
@@ -187,6 +190,24 @@ def polyfill(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None)
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + note}
         else:
             out.insert(0, {"role": "system", "content": note})
+    return out
+
+
+def calls_into_content(
+    messages: list[dict[str, Any]], family: Family, thinking: tuple[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """For a template that renders no tool calls but whose model writes them (LFM2-8B-A1B, LFM2.5-Instruct): an
+    assistant message's calls written into its content, after its text, as the model wrote them; its thinking before
+    them, between the `thinking` tags (LFM2.5-Instruct keeps the last turn's, as the model wrote it)."""
+    out = []
+    for m in messages:
+        reasoning = m.get("reasoning_content") if thinking else None
+        if m["role"] == "assistant" and (m.get("tool_calls") or reasoning):
+            calls = [(c["function"]["name"], dict(c["function"]["arguments"])) for c in m.get("tool_calls") or []]
+            thought = thinking[0] + reasoning + thinking[1] if thinking and reasoning else ""
+            m = {k: v for k, v in m.items() if k not in ("tool_calls", "reasoning_content")}
+            m["content"] = thought + (m.get("content") or "") + (family.write(calls) if calls else "")
+        out.append(m)
     return out
 
 

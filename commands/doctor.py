@@ -26,7 +26,9 @@ from typing import Any
 from common import build
 from common.model import ModelError, resolve_model, sha256_of
 from common.start_record import ADVICE, STAGES
+from common.vocab import Vocab, VocabError
 from kvroute import __version__
+from router import sampling_defaults
 from worker.context_size import llama_devices
 
 SMOKE_TIMEOUT_S = 300.0
@@ -60,6 +62,7 @@ def collect(model: str | None, threads: int, smoke: bool = True, gpu: int | None
     try:
         path = resolve_model(model)
         report["model"] = {"path": str(path), "bytes": path.stat().st_size, "sha256": sha256_of(path)}
+        report["model"]["sampling"] = model_sampling(path)
     except (ModelError, OSError) as exc:
         report["model"] = {"error": str(exc)}
     if smoke and "path" in report["model"]:
@@ -67,6 +70,20 @@ def collect(model: str | None, threads: int, smoke: bool = True, gpu: int | None
     else:
         report["smoke"] = {"skipped": "--no-smoke" if not smoke else "no model"}
     return report
+
+
+def model_sampling(path: Path) -> dict[str, Any]:
+    """What a request that leaves sampling to the server gets from this model without --temp and friends: its GGUF's
+    general.sampling.* values, else llama-server's (router/sampling_defaults.py)."""
+    try:
+        vocab = Vocab.load(path)
+    except VocabError as exc:
+        return {"error": str(exc)}
+    try:
+        got = sampling_defaults.resolve({}, {}, vocab.meta)
+    finally:
+        vocab.close()
+    return {"values": got.values, "sources": got.sources, "not_applied": got.not_applied}
 
 
 def llama_build() -> dict[str, Any]:
@@ -166,6 +183,17 @@ def smoke_test(model: str, threads: int, gpu: int | None = None) -> dict[str, An
     return {"ok": False, "error": f"exit status {out.returncode}", "stderr": out.stderr[-2000:]}
 
 
+def sampling_line(sampling: dict[str, Any]) -> str:
+    """`temperature=0.6 (gguf), top_k=40 (llama-server), ...; not run: general.sampling.xtc_probability=0.1`."""
+    if "error" in sampling:
+        return f"not read: {sampling['error']}"
+    line = ", ".join(f"{k}={v} ({sampling['sources'][k]})" for k, v in sampling["values"].items())
+    line += " for requests that set none (--temp and friends override)"
+    if sampling["not_applied"]:
+        line += "; not run: " + ", ".join(f"{k}={v}" for k, v in sampling["not_applied"].items())
+    return line
+
+
 def render(r: dict[str, Any]) -> str:
     ll, c, g, m, s = r["llama"], r["cpu"], r["gpus"], r["model"], r["smoke"]
     mem = r["memory"]
@@ -194,6 +222,8 @@ def render(r: dict[str, Any]) -> str:
         f"memory           {mem.get('MemAvailable', 0) / 2**30:.1f} GiB available of {mem.get('MemTotal', 0) / 2**30:.1f} GiB",
         f"model            {m.get('path', m.get('error'))}" + (f"  sha256 {m['sha256']}" if "sha256" in m else ""),
     ]
+    if sampling := m.get("sampling"):
+        lines.append(f"sampling         {sampling_line(sampling)}")
     if s.get("ok"):
         lines.append(
             f"smoke test       ok on {s.get('device', 'cpu')}: loaded in {s['load_s']} s, 4 tokens decoded in {s['decode_ms']} ms"

@@ -17,6 +17,9 @@ The models file is TOML, one table per model:
     keep_alive = "10m"                  # unloaded after 10 minutes unused ("-1": kept; 0: at once)
     load = "on_demand"                  # started by its first request ("start", the default: at start)
     memory_mb = 900                     # what one worker takes, weights and KV (else estimated: --models-memory-mb)
+    temp = 0.6                          # sampling for requests that leave it to the server: temp, top_k, top_p,
+    top_k = 20                          # min_p, repeat_penalty, repeat_last_n, seed (else the flag's, else the GGUF's
+                                        # general.sampling.*, else llama-server's)
 
 A key a model does not give is the `serve` flag's value (`--slots`, `--workers`, ...).
 """
@@ -30,6 +33,7 @@ from typing import Any
 
 from common.config import ConfigFileError, keep_alive_seconds, read_toml
 from router.models import ServedModel, from_flag
+from router.sampling_defaults import out_of_bounds
 
 # per-model keys that set a LocalWorkers field of the same name
 WORKER_KEYS = {"workers": "cpu_workers", "gpus": "gpus", "slots": "slots", "ctx_per_slot": "ctx_per_slot",
@@ -37,6 +41,9 @@ WORKER_KEYS = {"workers": "cpu_workers", "gpus": "gpus", "slots": "slots", "ctx_
                "host_cache_mb": "host_cache_mb", "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
                "flash_attn": "flash_attn"}  # fmt: skip
 MODEL_KEYS = {"path", "aliases", "pinned", "keep_alive", "load", "default", "memory_mb"}
+# per-model sampling defaults (router/sampling_defaults.py), named as the `serve` flags are -> the `Sampling` field
+SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",
+                 "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,23 @@ def seconds(value: Any, where: str) -> float:
         raise ConfigFileError(f"{where}: {exc}") from None
 
 
+def sampling_of(table: dict[str, Any], where: str) -> tuple[tuple[str, float | int], ...]:
+    """A model's sampling defaults (`temp = 0.6`, `top_k = 20`, ...), by `Sampling` field; ConfigFileError naming a
+    wrong one."""
+    out = []
+    for key, name in SAMPLING_KEYS.items():
+        if key not in table:
+            continue
+        value = table[key]
+        integral = name in ("top_k", "seed", "repeat_last_n")
+        if isinstance(value, bool) or not isinstance(value, int if integral else int | float):
+            raise ConfigFileError(f"{where}: `{key}` must be {'an integer' if integral else 'a number'}, got {value!r}")
+        if why := out_of_bounds(name, value):
+            raise ConfigFileError(f"{where}: `{key}` {why}")
+        out.append((name, value))
+    return tuple(out)
+
+
 def from_file(path: str, keep_alive: float) -> list[ModelEntry]:
     """The `[models.NAME]` tables of a TOML file; a wrong key or value raises ConfigFileError naming it."""
     tables = read_toml(path, "models file").get("models")
@@ -76,9 +100,9 @@ def from_file(path: str, keep_alive: float) -> list[ModelEntry]:
         where = f"{path}: [models.{name}]"
         if not isinstance(table, dict):
             raise ConfigFileError(f"{where} must be a table")
-        unknown = set(table) - MODEL_KEYS - set(WORKER_KEYS)
+        unknown = set(table) - MODEL_KEYS - set(WORKER_KEYS) - set(SAMPLING_KEYS)
         if unknown:
-            known = ", ".join(sorted(MODEL_KEYS | set(WORKER_KEYS)))
+            known = ", ".join(sorted(MODEL_KEYS | set(WORKER_KEYS) | set(SAMPLING_KEYS)))
             raise ConfigFileError(f"{where}: unknown key {sorted(unknown)[0]!r} (known: {known})")
         if not isinstance(table.get("path"), str) or not table["path"]:
             raise ConfigFileError(f"{where}: `path` (a GGUF file or a model name) is required")
@@ -103,6 +127,7 @@ def from_file(path: str, keep_alive: float) -> list[ModelEntry]:
             load_at_start=load == "start",
             memory_mb=float(memory),
             memory_given=memory > 0,
+            sampling=sampling_of(table, where),
         )
         workers = {WORKER_KEYS[k]: v for k, v in table.items() if k in WORKER_KEYS}
         if "gpus" in workers:  # (gpus = 0, gpus = [0, 1] or gpus = "0,1")

@@ -5,13 +5,15 @@ one in the conversation: rendered where it stands; content a string or blocks: `
 `thinking`), `system` (a string or text blocks), `stop_sequences`, `stream`, `temperature`, `top_k`, `top_p`,
 `tools` (custom tools: `name`, `description`, `input_schema`), `tool_choice` (`auto`, `any`, `tool`, `none`,
 `disable_parallel_tool_use`), `thinking` (`enabled` / `disabled`: the template's `enable_thinking`; `adaptive`:
-the template's default), `output_config.format` (a JSON Schema), llama.cpp's `chat_template_kwargs` and kvroute's
-`deadline_ms`. Hints (gateway/fields.py): `cache_control` anywhere (kvroute caches every prefix anyway),
-`metadata`, `context_management`, `output_config.effort`, `tools[].defer_loading`, server tools the hosted API
-runs (`web_search_*`, `web_fetch_*`, `code_execution_*`, ...), `anthropic-beta` headers, `redacted_thinking`
-blocks (opaque provider data). Refused with a 400 in Anthropic's error shape naming the field: image and document
-blocks (the served model reads text), and Anthropic-schema client tools (`bash_*`, `text_editor_*`, `computer_*`,
-`memory_*`) whose schema the model has never seen.
+the template's default; `display: "omitted"`: the model thinks, and its thinking blocks come with no text, the
+signature carrying it, as Anthropic's do: a block sent back so renders the thinking the model wrote),
+`output_config.format` (a JSON Schema), llama.cpp's `chat_template_kwargs` and kvroute's `deadline_ms`. Hints
+(gateway/fields.py): `cache_control` anywhere (kvroute caches every prefix anyway), `metadata`,
+`context_management`, `output_config.effort`, `thinking.budget_tokens`, `tools[].defer_loading`, server tools the
+hosted API runs (`web_search_*`, `web_fetch_*`, `code_execution_*`, ...), `anthropic-beta` headers,
+`redacted_thinking` blocks (opaque provider data). Refused with a 400 in Anthropic's error shape naming the field:
+image and document blocks (the served model reads text), and Anthropic-schema client tools (`bash_*`,
+`text_editor_*`, `computer_*`, `memory_*`) whose schema the model has never seen.
 
 Claude Code's system prompt opens with an `x-anthropic-billing-header` whose stamps change: `cch=` on every request
 (older versions), the fingerprint after `cc_version=X.Y.Z.` with each session's first message. Each stamp is written
@@ -21,9 +23,12 @@ included), to the next: the ~12k tokens of system prompt and tools that follow t
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -111,6 +116,7 @@ class ToolChoice(Strict):
 
 class ThinkingConfig(Strict):
     type: Literal["enabled", "disabled", "adaptive"]
+    display: Literal["summarized", "omitted"] | None = None  # omitted: thinking blocks without their text
 
 
 class JsonFormat(Strict):
@@ -227,7 +233,7 @@ def to_messages(system: str | list[Text] | None, messages: list[Message], policy
                 # written as the grammar writes arguments (", " and ": "), so the call renders as the model wrote it
                 calls.append(ToolCall(id=b.id, name=b.name, arguments=json.dumps(b.input, ensure_ascii=False)))
             elif isinstance(b, Thinking) and m.role == "assistant":
-                thinking.append(b.thinking)
+                thinking.append(b.thinking or signed_thinking(b.signature) or "")
             elif isinstance(b, RedactedThinking):
                 if policy is not None:
                     policy.hint("messages[].content[].type=redacted_thinking")
@@ -281,8 +287,22 @@ def _kwargs(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
     return kwargs
 
 
+@dataclass(frozen=True)
+class Asked:
+    """What a Messages request asked of its reply beyond the submit."""
+
+    stream: bool = False
+    omit_thinking: bool = False  # thinking.display "omitted": thinking blocks carry no text, their signature does
+
+
 def messages_submit(raw: dict[str, Any], request_id: str, policy: Policy | None = None) -> tuple[Submit, bool]:
     """/v1/messages body -> (submit, stream?)."""
+    sub, asked = messages_request(raw, request_id, policy)
+    return sub, asked.stream
+
+
+def messages_request(raw: dict[str, Any], request_id: str, policy: Policy | None = None) -> tuple[Submit, Asked]:
+    """/v1/messages body -> (submit, what its reply is to be)."""
     policy = policy or Policy("messages")
     body: MessagesRequest = decode(raw, MessagesRequest, policy)
     choice, parallel = _tool_choice(body.tool_choice)
@@ -316,7 +336,8 @@ def messages_submit(raw: dict[str, Any], request_id: str, policy: Policy | None 
         )
     except (msgspec.ValidationError, ValueError) as exc:
         raise RequestError(str(exc)) from None
-    return sub, body.stream
+    omit = body.thinking is not None and body.thinking.display == "omitted"
+    return sub, Asked(stream=body.stream, omit_thinking=omit)
 
 
 def count_tokens_request(raw: dict[str, Any], policy: Policy | None = None) -> Tokenize:
@@ -354,10 +375,36 @@ def usage_body(prompt: int, cached: int, output: int) -> dict[str, Any]:
     }
 
 
-def message_body(result: Result, model: str) -> dict[str, Any]:
+SIGNED = "kvroute-thinking:"  # (a signature of ours: the thinking itself, base64)
+
+
+def signature(thinking: str) -> str:
+    """The signature of a thinking block whose text is omitted: its text, so that the block sent back in the next
+    turn renders the thinking the model wrote, as Anthropic's signature carries it (the next turn's prompt then
+    extends this one's and its reply, and is served from cache)."""
+    return SIGNED + base64.b64encode(thinking.encode()).decode("ascii")
+
+
+def signed_thinking(sig: str) -> str | None:
+    """The thinking a signature of ours carries (None for any other signature)."""
+    if not sig.startswith(SIGNED):
+        return None
+    try:
+        return base64.b64decode(sig[len(SIGNED) :], validate=True).decode()
+    except (binascii.Error, ValueError):
+        return None
+
+
+def thinking_block(thinking: str, omit: bool) -> dict[str, Any]:
+    if omit:
+        return {"type": "thinking", "thinking": "", "signature": signature(thinking)}
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
+def message_body(result: Result, model: str, omit_thinking: bool = False) -> dict[str, Any]:
     content: list[dict[str, Any]] = []
     if result.reasoning:
-        content.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
+        content.append(thinking_block(result.reasoning, omit_thinking))
     if result.text or not result.tool_calls:
         content.append({"type": "text", "text": result.text})
     content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input(c.arguments)} for c in result.tool_calls]
@@ -387,9 +434,11 @@ def sse(event: str, data: dict[str, Any]) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
 
 
-async def message_events(messages: AsyncIterator[Delta | Result | Tick], rid: str, model: str) -> AsyncIterator[bytes]:
+async def message_events(
+    messages: AsyncIterator[Delta | Result | Tick], rid: str, model: str, omit_thinking: bool = False
+) -> AsyncIterator[bytes]:
     """The stream in Anthropic's order: message_start, content blocks (start, deltas, stop), message_delta,
-    message_stop."""
+    message_stop. With `omit_thinking` a thinking block streams no text: its signature comes before its stop."""
     blocks = Blocks()
     started = False
     prompt = cached = 0
@@ -413,19 +462,34 @@ async def message_events(messages: AsyncIterator[Delta | Result | Tick], rid: st
                 started = True
                 yield start()
             for ev in blocks.feed(msg):
-                yield _block_event(ev)
+                for chunk in _block_events(ev, omit_thinking):
+                    yield chunk
             continue
         if not started:
             prompt, cached = msg.usage.prompt_tokens, msg.usage.cached_tokens
             yield start()
         for ev in blocks.finish():
-            yield _block_event(ev)
+            for chunk in _block_events(ev, omit_thinking):
+                yield chunk
         u = msg.usage
         delta = {"stop_reason": stop_reason(msg), "stop_sequence": msg.stop}
         yield sse("message_delta", {"type": "message_delta", "delta": delta,
                                     "usage": usage_body(u.prompt_tokens, u.cached_tokens, u.completion_tokens)
                                     | context_shift(msg)})  # fmt: skip
         yield sse("message_stop", {"type": "message_stop"})
+
+
+def _block_events(ev: Any, omit_thinking: bool) -> Iterator[bytes]:
+    """A block event's stream events: as `_block_event`, except that an omitted thinking block gives no text and its
+    signature at its end."""
+    b = ev.block
+    if omit_thinking and b.kind is Kind.THINKING:
+        if ev.what == "delta":
+            return
+        if ev.what == "close":
+            delta = {"type": "signature_delta", "signature": signature(b.text)}
+            yield sse("content_block_delta", {"type": "content_block_delta", "index": b.index, "delta": delta})
+    yield _block_event(ev)
 
 
 def _block_event(ev: Any) -> bytes:

@@ -366,6 +366,10 @@ class Gateway:
         sub, _, _ = await self.decoded(request, lambda raw: chat_submit(raw, "template", policy))
         return JSONResponse({"prompt": (await self.tokens(request, helpers.render_message(sub))).text})
 
+    async def props(self, request: Request) -> Response:
+        status = await asyncio.wait_for(self.client.status(cache_salt=self.salt_of(request, None)), 10.0)
+        return JSONResponse(helpers.props_body(status, request.query_params.get("model")))
+
     async def slots(self, request: Request) -> Response:
         status = self.client.status(cache_salt=self.salt_of(request, None))
         return JSONResponse(helpers.slots_body(await asyncio.wait_for(status, 10.0)))
@@ -598,6 +602,7 @@ def build_app(gateway: Gateway) -> Starlette:
         Route("/detokenize", gateway.detokenize, methods=["POST"]),
         Route("/apply-template", gateway.apply_template, methods=["POST"]),
         Route("/slots", gateway.slots, methods=["GET"]),
+        Route("/props", gateway.props, methods=["GET"]),
     ]
 
     async def on_request_error(request: Request, exc: Exception) -> Response:

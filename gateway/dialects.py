@@ -79,12 +79,12 @@ def _responses(raw: dict[str, Any], rid: str, policy: Policy, model: str) -> Cal
 
 
 def _messages(raw: dict[str, Any], rid: str, policy: Policy, model: str) -> Call:
-    sub, stream = anthropic.messages_submit(raw, rid, policy)
+    sub, asked = anthropic.messages_request(raw, rid, policy)
     return Call(
         sub,
-        stream,
-        lambda r: anthropic.message_body(r, model),
-        lambda msgs: anthropic.message_events(msgs, rid, model),
+        asked.stream,
+        lambda r: anthropic.message_body(r, model, asked.omit_thinking),
+        lambda msgs: anthropic.message_events(msgs, rid, model, asked.omit_thinking),
     )
 
 

@@ -81,7 +81,6 @@ HINTS: dict[str, tuple[str, ...]] = {
         "output_config.effort",
         "output_config.task_budget",
         "thinking.budget_tokens",
-        "thinking.display",
         "system[].cache_control",
         "system[].citations",
         "messages[].content[].cache_control",

@@ -1,4 +1,4 @@
-"""llama-server's helper endpoints that tools call: /tokenize, /detokenize, /apply-template, /slots."""
+"""llama-server's helper endpoints that tools call: /tokenize, /detokenize, /apply-template, /slots, /props."""
 
 from __future__ import annotations
 
@@ -75,6 +75,35 @@ def slots_body(status: StatusReply) -> dict[str, Any]:
     out.pop("v", None)
     out.pop("id", None)
     return out
+
+
+def props_body(status: StatusReply, model: str | None) -> dict[str, Any]:
+    """llama-server's /props for one model (`?model=NAME`, else the default): the generation settings a request that
+    sets nothing gets (`params`: the sampling defaults, `n_predict` its output cap, -1 the slot's context), its slots,
+    and where each sampling default came from (`sampling_sources`: flag, models file, gguf, llama-server) and the
+    GGUF's samplers kvroute does not run (`sampling_not_applied`). Raises RequestError for a model not served."""
+    name = model or status.model
+    found = [m for m in status.models if name in (m.name, *m.aliases)]
+    if not found:
+        if model is not None and len(status.models) > 1:
+            raise RequestError(f"model {model!r} is not served (see /v1/models)", param="model")
+        found = [m for m in status.models if m.name == status.model] or status.models[:1]
+    if not found:
+        raise RequestError("no model is served yet", param="model")
+    m = found[0]
+    workers = [w for w in status.workers if w.worker in m.workers]
+    params: dict[str, Any] = {k: v for k, v in m.sampling.items() if k != "seed"}
+    params["seed"] = m.sampling.get("seed", -1)  # (llama-server's -1: a random seed per request)
+    params["n_predict"] = m.default_max_tokens or -1
+    return {
+        "default_generation_settings": {"n_ctx": max((w.ctx_per_slot for w in workers), default=0), "params": params},
+        "total_slots": sum(len(w.slots) for w in workers),
+        "model_alias": m.name,
+        "model": m.name,
+        "modalities": {"vision": False, "audio": False},
+        "sampling_sources": m.sampling_from,
+        "sampling_not_applied": m.sampling_not_applied,
+    }
 
 
 def keep_alive_s(value: Any) -> float | None:

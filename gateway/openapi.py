@@ -103,6 +103,13 @@ OPENAPI: dict[str, Any] = {
         "/detokenize": _post("detokenize", _detokenize, "{content}"),
         "/apply-template": _post("applyTemplate", "ChatRequest", "{prompt}: the chat rendered by the template"),
         "/slots": {"get": {"operationId": "slots", "responses": {"200": {"description": "Every worker and slot"}}}},
+        "/props": {
+            "get": {
+                "operationId": "props",
+                "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "The generation settings a request that sets none gets"}},
+            }
+        },
         "/v1/models": {"get": {"operationId": "listModels", "responses": {"200": {"description": "The served model"}}}},
         "/health": {
             "get": {

@@ -33,8 +33,8 @@ class Submit(Message, tag="submit", kw_only=True):
     messages: list[ChatMessage] | None = None  # chat, rendered with the router's chat template
     tokens: TokenBytes | None = None  # token ids, used as given
     sampling: Sampling = msgspec.field(default_factory=Sampling)
-    # the sampling fields the client left to the server (`Sampling` names of DEFAULTABLE): the router's --temp, --top-k,
-    # --top-p, --min-p, --seed replace them, where the operator set those
+    # the sampling fields the client left to the server (`Sampling` names of DEFAULTABLE): the router gives them the
+    # model's defaults (the operator's flags, else the GGUF's general.sampling.*, else llama-server's)
     sampling_unset: list[Defaultable] = []
     stream: bool = True  # send `delta` messages; the `result` comes either way
     deadline_ms: DeadlineMs | None = None  # relative to the router's receipt
@@ -339,6 +339,12 @@ class ModelStatus(Struct, kw_only=True):
     keep_alive_s: float = -1.0  # unloaded after this long unused (-1: never)
     reason: str = ""  # why it failed to load
     memory_mb: float = 0.0  # what one of its workers takes, as the memory budget counts it (0: not known)
+    # what a request that leaves a sampling field to the server gets (by `Sampling` field), where each value comes from
+    # ("models file", "flag", "gguf", "llama-server"), and the GGUF's sampling keys kvroute does not run (key: value)
+    sampling: dict[str, int | float] = {}
+    sampling_from: dict[str, str] = {}
+    sampling_not_applied: dict[str, str] = {}
+    default_max_tokens: NonNeg = 0  # the output cap of a request that sets none (0: the slot's context)
 
 
 class StatusReply(Message, tag="status_reply", kw_only=True):

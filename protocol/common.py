@@ -106,9 +106,10 @@ class Sampling(Struct, kw_only=True):
         return {int(k): v for k, v in self.logit_bias.items()}
 
 
-# the sampling fields a server may default (--temp, --top-k, --top-p, --min-p, --seed) for requests that leave them out
-Defaultable = Literal["temperature", "top_k", "top_p", "min_p", "seed"]
-DEFAULTABLE: tuple[Defaultable, ...] = ("temperature", "top_k", "top_p", "min_p", "seed")
+# the sampling fields a server may default for requests that leave them out (the router's: its flags, else the model's
+# GGUF general.sampling.*, else llama-server's)
+Defaultable = Literal["temperature", "top_k", "top_p", "min_p", "seed", "repeat_penalty", "repeat_last_n"]
+DEFAULTABLE: tuple[Defaultable, ...] = ("temperature", "top_k", "top_p", "min_p", "seed", "repeat_penalty", "repeat_last_n")
 
 
 def sampling_of(fields: dict[str, Any]) -> tuple[Sampling, list[Defaultable]]:

@@ -146,9 +146,17 @@ def prepare_failed(req: Req, exc: BaseException) -> Error:
 
 
 def defaulted(sampling: Sampling, unset: Sequence[str], defaults: dict[str, float | int]) -> Sampling:
-    """--temp, --top-k, --top-p, --min-p, --seed: the fields a request left to the server (`sampling_unset`) get them."""
+    """The fields a request left to the server (`sampling_unset`) get the model's defaults (router/sampling_defaults.py)."""
     given = {k: defaults[k] for k in unset if k in defaults}
     return msgspec.structs.replace(sampling, **given) if given else sampling
+
+
+def open_capped(sampling: Sampling, cap: int, room: int) -> Sampling:
+    """--default-max-tokens: a request that set no output cap gets this many at most (never more than the slot's
+    `room` after its prompt, which it would get without one)."""
+    if cap > 0 and sampling.max_tokens is None and room > cap:
+        return msgspec.structs.replace(sampling, max_tokens=cap)
+    return sampling
 
 
 def capped(sampling: Sampling, cap: int) -> Sampling:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import opt
+from router.sampling_defaults import out_of_bounds
 
 POLICIES = ["prefix", "round-robin", "least-loaded"]
 CHAT_FORMATS = ["gemma", "chatml"]
@@ -76,15 +77,29 @@ class RouterConfig:
     )
     max_tokens: int = opt(
         0,
-        "server-side cap on the tokens one request generates (llama-server's -n): a request asking for more, or for no "
-        "limit, gets this many and ends with finish reason 'length'; 0 = no cap",
+        "server-side cap on the tokens one request generates: a request asking for more, or for no limit, gets this "
+        "many and ends with finish reason 'length'; 0 = no cap",
+    )
+    default_max_tokens: int = opt(
+        8192,
+        "what a request that sets no output cap (Chat's max_tokens, Responses' max_output_tokens, Codex sends none) may "
+        "generate before it ends with finish reason 'length' (llama-server's -n): one reply cannot hold a slot for its "
+        "whole context; 0 = until the slot's context is full (llama-server's default)",
     )
     temp: float | None = opt(
-        None, "the temperature of a request that sets none (llama-server's --temp; default: each API's own, 1.0)"
+        None,
+        "the temperature of a request that sets none (llama-server's --temp; default: the model's GGUF "
+        "general.sampling.temp, else llama-server's 0.8)",
     )
-    top_k: int | None = opt(None, "the top_k of a request that sets none (default: off)")
-    top_p: float | None = opt(None, "the top_p of a request that sets none (default: 1.0)")
-    min_p: float | None = opt(None, "the min_p of a request that sets none (default: off)")
+    top_k: int | None = opt(None, "the top_k of a request that sets none (default: the GGUF's, else 40; 0 = off)")
+    top_p: float | None = opt(None, "the top_p of a request that sets none (default: the GGUF's, else 0.95)")
+    min_p: float | None = opt(None, "the min_p of a request that sets none (default: the GGUF's, else 0.05)")
+    repeat_penalty: float | None = opt(
+        None, "the repeat_penalty of a request that sets none (default: the GGUF's penalty_repeat, else 1.0 = off)"
+    )
+    repeat_last_n: int | None = opt(
+        None, "the tokens a request's penalties look back over when it sets none (default: the GGUF's, else 64)"
+    )
     seed: int | None = opt(None, "the seed of a request that sets none, so that it repeats (default: a random one)")
     queue_size: int = opt(
         0,
@@ -133,23 +148,23 @@ class RouterConfig:
     )
     insecure_bind: bool = opt(False, "allow binding a non-loopback address without CURVE keys (logs a warning)")
 
-    def sampling_defaults(self) -> dict[str, float | int]:
-        """The sampling a request that leaves a field to the server gets, by the field's name in `Sampling`."""
-        given = {"temperature": self.temp, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p, "seed": self.seed}
-        return {k: v for k, v in given.items() if v is not None}
+    def sampling_flags(self) -> dict[str, float | int | None]:
+        """The operator's sampling for requests that leave a field to the server, by the field's name in `Sampling`
+        (None: not given; router/sampling_defaults.py adds the model's and llama-server's)."""
+        return {
+            "temperature": self.temp, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p, "seed": self.seed,
+            "repeat_penalty": self.repeat_penalty, "repeat_last_n": self.repeat_last_n,
+        }  # fmt: skip
 
     def __post_init__(self) -> None:
-        for name, value, low, high in (
-            ("temp", self.temp, 0.0, 2.0),
-            ("top_k", self.top_k, 0, 1 << 20),
-            ("top_p", self.top_p, 1e-9, 1.0),
-            ("min_p", self.min_p, 0.0, 1.0),
-            ("seed", self.seed, 0, 2**32 - 2),
-        ):
-            if value is not None and not low <= value <= high:
-                raise ValueError(f"--{name.replace('_', '-')} must be between {low} and {high}, got {value}")
+        for name, value in self.sampling_flags().items():
+            if value is not None and (why := out_of_bounds(name, value)):
+                flag = "temp" if name == "temperature" else name.replace("_", "-")
+                raise ValueError(f"--{flag} {why}")
         if self.max_tokens < 0:
             raise ValueError(f"--max-tokens must be 0 (no cap) or more, got {self.max_tokens}")
+        if self.default_max_tokens < 0:
+            raise ValueError(f"--default-max-tokens must be 0 (the slot's context) or more, got {self.default_max_tokens}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.chat_format not in CHAT_FORMATS:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common import logs
-from protocol import Job, pack_tokens
+from protocol import Job, Sampling, pack_tokens
 from router.config import RouterConfig
 from router.metrics import Metrics
 from router.mirror import Mirror
@@ -170,8 +170,9 @@ class DispatchQueue:
         return Dispatch(slot, reuse, 0.0, False, restore=restore)
 
 
-def job_message(req: Req, d: Dispatch, job: str, prefix_cache: bool, now: float) -> Job:
-    """The Job that dispatches `req` as `job` to the slot `d` names (logged)."""
+def job_message(req: Req, d: Dispatch, job: str, prefix_cache: bool, now: float, sampling: Sampling | None = None) -> Job:
+    """The Job that dispatches `req` as `job` to the slot `d` names (logged); `sampling`: the request's as this slot
+    runs it (its open output cap bounded), else `req.sampling`."""
     slot = d.slot
     log.info(
         "slot_assigned",
@@ -189,7 +190,7 @@ def job_message(req: Req, d: Dispatch, job: str, prefix_cache: bool, now: float)
         id=job,
         slot=slot.index,
         tokens=pack_tokens(req.tokens),
-        sampling=req.sampling,
+        sampling=sampling or req.sampling,
         deadline_ms=None if req.deadline is None else max(1, int((req.deadline - now) * 1000)),
         predicted_reuse=d.reuse,
         prefix_cache=prefix_cache,

@@ -65,6 +65,7 @@ class ServedModel:
     memory_mb: float = 0.0  # what one worker takes (weights and KV), estimated or the operator's; 0: not known
     weights_mb: float = 0.0  # of that, the weights (the file's size)
     memory_given: bool = False  # memory_mb is the operator's: what its workers say does not replace it
+    sampling: tuple[tuple[str, float | int], ...] = ()  # its sampling defaults, by `Sampling` field (router/sampling_defaults.py)
 
 
 def from_flag(value: str, keep_alive_s: float = -1.0) -> ServedModel:
@@ -322,6 +323,10 @@ def status(models: Models, rid: str | None, cache_salt: str | None) -> StatusRep
             keep_alive_s=m.keep_alive_s,
             reason=(m.core.none_can_come() or "") if m.failed_at is not None else "",
             memory_mb=round(m.need_mb(), 1),
+            sampling=dict(m.core.sampling.values),
+            sampling_from=dict(m.core.sampling.sources),
+            sampling_not_applied=dict(m.core.sampling.not_applied),
+            default_max_tokens=m.core.cfg.default_max_tokens,
         )
         for m in models
     ]

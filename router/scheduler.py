@@ -83,7 +83,7 @@ from protocol import (
     token_array,
     unpack_tokens,
 )
-from router import admission, handshake, outcomes, views
+from router import admission, handshake, outcomes, sampling_defaults, views
 from router.client_replies import choice_of, delta_of, result_of
 from router.config import RouterConfig
 from router.dispatch_queue import DispatchQueue, job_message
@@ -145,7 +145,9 @@ class Scheduler:
         self.outbox: list[Out] = []
         self._job_ids = itertools.count(1)
         self._rid = itertools.count(1)
-        self.sampling_defaults = cfg.sampling_defaults()
+        # what a request leaves to the server: the operator's, else llama-server's, until router/server.py gives the
+        # model's (its GGUF's values)
+        self.sampling = sampling_defaults.resolve({}, cfg.sampling_flags(), lambda _key: None)
 
     def take(self) -> list[Out]:
         """The messages the last events produced (the outbox is emptied)."""
@@ -191,7 +193,8 @@ class Scheduler:
         conn.refresh()
         kind = "guarded" if d.guarded else "restore" if d.restore else "affinity" if d.affinity else "cold"
         self.metrics.decisions[kind] += 1
-        self._to_worker(conn, job_message(req, d, job, prefix_cache, now))
+        sampling = admission.open_capped(req.sampling, self.cfg.default_max_tokens, conn.hello.ctx_per_slot - len(req.tokens))
+        self._to_worker(conn, job_message(req, d, job, prefix_cache, now, sampling))
         if req.direct:  # the client reads the job's output from the worker: it learns where, and how to read it
             self.metrics.direct_jobs += 1
             shift = req.shift
@@ -304,7 +307,7 @@ class Scheduler:
             self.reply(identity, envelope, refusal.error(rid))
             return None
         deadline = None if msg.deadline_ms is None else time.monotonic() + msg.deadline_ms / 1000.0
-        sampling = admission.defaulted(msg.sampling, msg.sampling_unset, self.sampling_defaults)
+        sampling = admission.defaulted(msg.sampling, msg.sampling_unset, self.sampling.values)
         sampling = admission.capped(sampling, self.cfg.max_tokens)
         # REQ sockets take exactly one reply per request: no deltas for them
         req = Req(identity, list(envelope), rid, sampling, msg.stream and not envelope, deadline, msg.n)

@@ -72,7 +72,7 @@ from protocol import (
     kind_of,
     worker_to_router_decoder,
 )
-from router import admission, exposition
+from router import admission, exposition, sampling_defaults
 from router.config import RouterConfig
 from router.intake import ClientIntake
 from router.metrics import Metrics
@@ -183,6 +183,9 @@ class Router:
         core = Scheduler(
             cfg, fingerprint=vocab.fingerprint, model=spec.name, router_id=self.router_id, weights=weights, metrics=metrics
         )
+        core.sampling = sampling_defaults.resolve(dict(spec.sampling), cfg.sampling_flags(), vocab.meta)
+        log.info("sampling_defaults", model=spec.name or model_name(vocab), defaults=core.sampling.described(),
+                 not_applied=core.sampling.not_applied or None)  # fmt: skip
         # (PromptTokenizer: a conversation's next prompt, only its new part tokenized)
         prompts = PromptTokenizer(vocab)
         core.remember_reply = prompts.remember  # (a chat reply's tokens, for the next turn's prompt)

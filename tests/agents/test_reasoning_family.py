@@ -5,7 +5,8 @@ the model opens itself), whose weights are made to write `<think>the weather</th
 for each word of the agents' recorded requests (Claude Code's prompt, 44k tokens byte by byte, is 14k so).
 
 Each agent runs two turns through the capture proxy. From the traffic: turn 1's reply carried the reasoning as the API's
-reasoning object (Anthropic `thinking` block, Responses reasoning item) and only the answer as reply text; the agent
+reasoning object (Anthropic `thinking` block, Responses reasoning item; Claude Code asks `thinking.display: "omitted"`,
+so its blocks carry the reasoning in their signature, their text empty) and only the answer as reply text; the agent
 showed the answer as its result and exited cleanly; turn 2 sent the reasoning back where the client does (both do: a
 `thinking` block, a reasoning item) and reused all of turn 1's prompt from the cache (not its reply: Qwen 3's template
 drops a past turn's thinking, so turn 2 differs from turn 1's from the reply's `<think>` on)."""
@@ -24,6 +25,7 @@ from real_agents import API_KEY, CLIENTS, FIXTURES, Turn, prompt_tokens, run_con
 from served import Served
 
 from bench.tiny_chat import chat_model
+from gateway.anthropic import signed_thinking
 
 pytestmark = pytest.mark.model
 
@@ -70,7 +72,7 @@ def sent_back(name: str, body: dict[str, Any]) -> list[str]:
     if name == "claude-code":
         replies = [m["content"] for m in body["messages"] if m["role"] == "assistant" and isinstance(m["content"], list)]
         blocks = [b for content in replies for b in content]
-        return [b["thinking"] for b in blocks if b.get("type") == "thinking"]
+        return [b["thinking"] or signed_thinking(b.get("signature", "")) or "" for b in blocks if b.get("type") == "thinking"]
     items = [i for i in body["input"] if isinstance(i, dict) and i.get("type") == "reasoning"]
     return ["".join(p.get("text", "") for p in (i.get("content") or []) + (i.get("summary") or [])) for i in items]
 
@@ -96,9 +98,10 @@ def test_reasoning_passes_through_the_agent_and_turn_2_reuses_turn_1(name: str, 
         assert not t.errors and not t.cut and t.rc == 0, (n, t.rc, t.errors, t.cut, t.stderr[-600:])
         posts = model_requests(t, client.api)
         assert posts and all(r["response"]["status"] == 200 for r in posts), [r["response"] for r in posts]
-        for r in posts:  # the reasoning came as the API's reasoning object, the answer alone as text
+        for r in posts:  # the reasoning came as the API's reasoning object (unless omitted), the answer alone as text
             said = (r["response"]["reasoning"], r["response"]["text"])
-            assert said == (REASONING, ANSWER), (r["n"], said)
+            omitted = (r["body"].get("thinking") or {}).get("display") == "omitted"
+            assert said == ("" if omitted else REASONING, ANSWER), (r["n"], said)
         assert shown(name, t).strip() == ANSWER, (n, t.stdout[-2000:])
 
     main = [max(model_requests(t, client.api), key=lambda r: prompt_tokens(r)[0]) for t in turns]

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from chat.derive import CONTENT, IDS, NAMES, REASONING, Probe, boundary, lcp, turn  # noqa: E402
 from chat.output import OutputParser  # noqa: E402
-from chat.request import ChatFormat  # noqa: E402
+from chat.request import ChatFormat, calls_into_content  # noqa: E402
 from chat.template import ChatTemplate  # noqa: E402
 from protocol import ChatMessage, Submit, Tool, ToolCall  # noqa: E402
 
@@ -127,8 +127,11 @@ def model_text(
 ) -> str | None:
     """What the model writes for `message` after `prompt`: the template's rendering of the turn past what the prompt
     already holds, without the turn's end (None when the template refuses the turn). Where the prompt opened the
-    thinking and the rendered turn has none (the template drops it), the model's text starts by closing it."""
+    thinking and the rendered turn has none (the template drops it), the model's text starts by closing it. Where the
+    template renders no calls (LFM2-8B-A1B), they are in the content, as kvroute writes them there."""
     tools = probe_tools() if probe.tools is not None else None
+    if spec is not None and spec.family is not None and spec.family.in_content:
+        message = calls_into_content([message], spec.family, spec.reasoning)[0]
     try:
         full = probe.t.render([*probe.user, message], tools, add_generation_prompt=False, kwargs=kwargs)[0]
     except Exception:

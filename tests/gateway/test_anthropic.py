@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import anthropic as sdk
+import httpx2
 import pytest
 from fake_router import FakeRouter, ScriptedRouter, client_for, events, result
 
 from gateway import anthropic
+from gateway.app import Gateway, build_app
+from gateway.fields import Policy
 from gateway.openai_chat import RequestError
 from kvroute.client import KvrouteError
 from protocol import (
@@ -301,3 +305,92 @@ async def test_the_key_as_x_api_key_and_an_error_mid_stream() -> None:
     evs = events(r.text)
     assert [k for k, _ in evs] == ["message_start", "content_block_start", "content_block_delta", "error"]
     assert evs[-1][1] == {"type": "error", "error": {"type": "overloaded_error", "message": "worker lost"}}
+
+
+# ---- thinking.display "omitted" -------------------------------------------------------------------------------------
+
+OMITTED = {"type": "enabled", "budget_tokens": 2048, "display": "omitted"}
+
+
+def thought_script() -> list[Delta | Result]:
+    return [
+        Delta(id="", text="", tokens=b"", reasoning="The user wants "),
+        Delta(id="", text="", tokens=b"", reasoning="a file listed."),
+        Delta(id="", text="Listing.", tokens=b""),
+        result(text="Listing.", reasoning="The user wants a file listed."),
+    ]
+
+
+def test_display_omitted_is_honoured_not_a_hint_and_the_model_still_thinks() -> None:
+    def asked(thinking: dict[str, Any], policy: Policy | None = None) -> tuple[Submit, anthropic.Asked]:
+        return anthropic.messages_request({"max_tokens": 16, "messages": USER, "thinking": thinking}, "r", policy)
+
+    policy = Policy("messages", strict=True)
+    sub, omitted = asked(OMITTED, policy)
+    assert omitted.omit_thinking and sub.chat_template_kwargs == {"enable_thinking": True}
+    assert set(policy.ignored) == {"thinking.budget_tokens"}
+    assert not asked({**OMITTED, "display": "summarized"})[1].omit_thinking
+    assert not asked({**OMITTED, "display": None})[1].omit_thinking
+    assert asked({"type": "adaptive", "display": "omitted"})[1].omit_thinking  # (Claude Code's)
+    with pytest.raises(RequestError) as info:
+        asked({**OMITTED, "display": "full"})
+    assert info.value.param == "thinking.display"
+
+
+@pytest.mark.anyio
+async def test_omitted_thinking_comes_with_no_text_and_its_signature_streamed_or_not() -> None:
+    body = {"max_tokens": 16, "messages": USER, "thinking": OMITTED}
+    async with client_for(ScriptedRouter(*thought_script())) as c:
+        whole = (await c.post("/v1/messages", json=body)).json()
+        streamed = events((await c.post("/v1/messages", json={**body, "stream": True})).text)
+        shown = events((await c.post("/v1/messages", json={**body, "thinking": {"type": "enabled"}, "stream": True})).text)
+    thought, text = whole["content"]
+    assert thought["type"] == "thinking" and thought["thinking"] == "" and text == {"type": "text", "text": "Listing."}
+    assert anthropic.signed_thinking(thought["signature"]) == "The user wants a file listed."
+    assert [(k, d.get("index"), d.get("content_block") or d.get("delta")) for k, d in streamed[1:-2]] == [
+        ("content_block_start", 0, {"type": "thinking", "thinking": "", "signature": ""}),
+        ("content_block_delta", 0, {"type": "signature_delta", "signature": thought["signature"]}),  # (no thinking_delta)
+        ("content_block_stop", 0, None),
+        ("content_block_start", 1, {"type": "text", "text": ""}),
+        ("content_block_delta", 1, {"type": "text_delta", "text": "Listing."}),
+        ("content_block_stop", 1, None),
+    ]
+    assert streamed[-2][1]["usage"]["output_tokens"] == 3  # (the thinking's tokens were spent all the same)
+    deltas = [d["delta"] for k, d in shown if k == "content_block_delta" and d["index"] == 0]
+    assert deltas == [{"type": "thinking_delta", "thinking": "The user wants "},
+                      {"type": "thinking_delta", "thinking": "a file listed."}]  # fmt: skip
+
+
+def test_a_thinking_block_sent_back_with_its_signature_renders_the_thinking() -> None:
+    """What Claude Code sends back: the blocks as it got them (empty text, the signature). The turn renders the
+    thinking the model wrote, so that the next prompt extends this one and its reply."""
+    sig = anthropic.signature("I should list the files.\nThen answer.")
+    turns = [
+        {"role": "user", "content": "list"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "", "signature": sig},
+                                          {"type": "tool_use", "id": "t1", "name": "Bash", "input": {"cmd": "ls"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "a.py"}]},
+    ]  # fmt: skip
+    msgs = submit(messages=turns, tools=TOOLS).messages or []
+    assert msgs[1].reasoning_content == "I should list the files.\nThen answer."
+    others = {"Anthropic's own": "EqQBCgIYAhIM", "corrupt": anthropic.SIGNED + "%%%", "not UTF-8": anthropic.SIGNED + "/w=="}
+    for sig in others.values():
+        turns[1]["content"][0]["signature"] = sig  # type: ignore[index]
+        assert (submit(messages=turns, tools=TOOLS).messages or [])[1].reasoning_content == ""
+    turns[1]["content"][0] = {"type": "thinking", "thinking": "mine", "signature": anthropic.signature("other")}  # type: ignore[index]
+    assert (submit(messages=turns, tools=TOOLS).messages or [])[1].reasoning_content == "mine"  # (its text first)
+    turns[1]["content"][0] = {"type": "thinking", "thinking": "", "signature": anthropic.signature("counted")}  # type: ignore[index]
+    tokenize = anthropic.count_tokens_request({"messages": turns, "tools": TOOLS})  # (count_tokens renders it the same)
+    assert (tokenize.messages or [])[1].reasoning_content == "counted"
+
+
+@pytest.mark.anyio
+async def test_the_anthropic_sdk_reads_an_omitted_thinking_stream() -> None:
+    app = build_app(Gateway(ScriptedRouter(*thought_script()), "gemma", None))  # type: ignore[arg-type]
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://localhost") as http:
+        client = sdk.AsyncAnthropic(api_key="-", base_url="http://localhost", http_client=http)  # (its SDK speaks httpx2)
+        async with client.messages.stream(model="m", max_tokens=16, messages=USER, thinking=OMITTED) as stream:  # type: ignore[arg-type]
+            message = await stream.get_final_message()
+    thought, text = message.content
+    assert thought.type == "thinking" and thought.thinking == "" and text.type == "text" and text.text == "Listing."
+    assert anthropic.signed_thinking(thought.signature) == "The user wants a file listed."

@@ -291,17 +291,21 @@ async def test_health_is_503_until_a_worker_is_ready(fake: FakeRouter) -> None:
 
 @pytest.mark.anyio
 async def test_every_api_lists_the_sampling_a_request_leaves_to_the_server(fake: FakeRouter) -> None:
-    # (the router fills them from --temp, --top-k, --top-p, --min-p, --seed: tests/router/test_scheduler.py)
+    # (the router fills them from its flags, the GGUF or llama-server's: tests/router/test_scheduler.py)
     async with client_for(fake) as c:
         await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "temperature": 0.5})
         await c.post("/v1/messages", json={"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
         await c.post("/v1/responses", json={"input": "hi", "top_k": 3})
-        await c.post("/v1/completions", json={"prompt": "hi", "top_k": 0, "seed": 1})
+        await c.post("/v1/completions", json={"prompt": "hi", "top_k": 0, "seed": 1, "repeat_penalty": 1.1})
     chat, messages, responses, completions = fake.submits
-    assert (chat.sampling.temperature, chat.sampling_unset) == (0.5, ["top_k", "top_p", "min_p", "seed"])
-    assert (messages.sampling.temperature, messages.sampling_unset) == (1.0, ["temperature", "top_k", "top_p", "min_p", "seed"])
-    assert (responses.sampling.top_k, responses.sampling_unset) == (3, ["temperature", "top_p", "min_p", "seed"])
-    assert completions.sampling_unset == ["temperature", "top_p", "min_p"]  # (top_k 0 was asked for: it stays off)
+    penalties = ["repeat_penalty", "repeat_last_n"]
+    assert (chat.sampling.temperature, chat.sampling_unset) == (0.5, ["top_k", "top_p", "min_p", "seed", *penalties])
+    assert (messages.sampling.temperature, messages.sampling_unset) == (
+        1.0, ["temperature", "top_k", "top_p", "min_p", "seed", *penalties]
+    )  # fmt: skip
+    assert (responses.sampling.top_k, responses.sampling_unset) == (3, ["temperature", "top_p", "min_p", "seed", *penalties])
+    # (top_k 0 and repeat_penalty were asked for: they stay as asked)
+    assert completions.sampling_unset == ["temperature", "top_p", "min_p", "repeat_last_n"]
 
 
 @pytest.mark.anyio
@@ -322,4 +326,7 @@ def test_a_bad_sampling_default_stops_start_up_naming_its_flag() -> None:
     for kw, flag in (({"temp": 5.0}, "--temp"), ({"top_p": 0.0}, "--top-p"), ({"seed": -1}, "--seed")):
         with pytest.raises(ValueError, match=flag):
             RouterConfig(**kw)  # type: ignore[arg-type]
-    assert RouterConfig(temp=0.0, top_k=40).sampling_defaults() == {"temperature": 0.0, "top_k": 40}
+    with pytest.raises(ValueError, match="--repeat-penalty"):
+        RouterConfig(repeat_penalty=0.0)
+    given = {k: v for k, v in RouterConfig(temp=0.0, top_k=40).sampling_flags().items() if v is not None}
+    assert given == {"temperature": 0.0, "top_k": 40}

@@ -377,14 +377,35 @@ def test_a_worker_message_with_no_handler_is_counted_and_logged_not_taken_for_an
 
 
 def test_server_sampling_defaults_fill_only_what_a_request_left_to_the_server() -> None:
-    """--temp, --top-k, --seed ... are the router's, so every client gets them (HTTP, ZMQ, any language)."""
+    """--temp, --top-k, --seed ... are the router's, so every client gets them (HTTP, ZMQ, any language); a field no
+    flag sets gets llama-server's default (a model's own, read from its GGUF: test_sampling_defaults.py)."""
     s = core(temp=0.0, top_k=40, seed=7)
-    hello(s)
+    hello(s, slots=3)
     chosen = Sampling(temperature=0.5, top_k=3, max_tokens=8)
     (job,) = jobs(submit(s, "a", sampling=chosen, sampling_unset=["seed"]))
     assert (job.sampling.temperature, job.sampling.top_k, job.sampling.seed) == (0.5, 3, 7)
     (job,) = jobs(submit(s, "b", sampling=Sampling(max_tokens=8), sampling_unset=["temperature", "top_k", "top_p", "seed"]))
-    assert (job.sampling.temperature, job.sampling.top_k, job.sampling.top_p, job.sampling.seed) == (0.0, 40, 1.0, 7)
+    assert (job.sampling.temperature, job.sampling.top_k, job.sampling.top_p, job.sampling.seed) == (0.0, 40, 0.95, 7)
+    (job,) = jobs(submit(s, "c", sampling=Sampling(max_tokens=8), sampling_unset=["min_p", "repeat_last_n"]))
+    assert (job.sampling.min_p, job.sampling.repeat_last_n, job.sampling.top_p) == (0.05, 64, 1.0)
+
+
+def test_a_request_that_sets_no_output_cap_gets_the_default_one_or_its_slots_room() -> None:
+    """--default-max-tokens bounds a reply that asked for no limit (Codex asks none), never one that asked for a number,
+    and never lets a prompt that fits the slot without it overflow: a long prompt gets the room its slot has."""
+    s = core(default_max_tokens=100)
+    hello(s, ctx_per_slot=4096)
+    (open_,) = jobs(submit(s, "a", sampling=Sampling(max_tokens=None)))
+    (asked,) = jobs(submit(s, "b", sampling=Sampling(max_tokens=500)))
+    assert (open_.sampling.max_tokens, asked.sampling.max_tokens) == (100, 500)
+    s = core(default_max_tokens=100)
+    hello(s, ctx_per_slot=128)
+    (long_,) = jobs(submit(s, "c", np.arange(300, 340, dtype=np.int32), sampling=Sampling(max_tokens=None)))
+    assert long_.sampling.max_tokens is None, "the room left (88 tokens) is under the default: the slot's end stops it"
+    s = core(default_max_tokens=0)
+    hello(s, ctx_per_slot=4096)
+    (unbounded,) = jobs(submit(s, "d", sampling=Sampling(max_tokens=None)))
+    assert unbounded.sampling.max_tokens is None
 
 
 def test_an_owner_holds_at_most_its_share_of_the_slots_while_another_owner_waits() -> None:
