@@ -20,9 +20,34 @@ from chat.grammar import ChatError, constraint
 from chat.limits import MAX_NESTING, nesting
 from chat.output import OutputSpec, reasoning_tags
 from chat.template import ChatTemplate, RawJSON, TemplateError
-from protocol import ChatMessage, Constraint, Submit, Tool
+from protocol import ChatMessage, Constraint, ImagePart, Submit, TextPart, Tool
 
 log = logging.getLogger(__name__)
+
+MEDIA_MARKER = "<__media__>"
+"""Where an image is in a rendered prompt: llama.cpp mtmd's default marker (`mtmd_default_marker()`), which the
+prompt's text is split on to place each image's embeddings, in order."""
+
+
+def content_text(m: ChatMessage) -> str:
+    """A message's content as the template sees it. With images, as llama-server renders content parts with media
+    (common/chat.cpp `to_json_oaicompat`): one string, a newline between two text parts, MEDIA_MARKER where each
+    image is with nothing added before or after it. Without images, the text parts joined as they are."""
+    if not isinstance(m.content, list) or not any(isinstance(p, ImagePart) for p in m.content):
+        return m.text()
+    out: list[str] = []
+    written = after_marker = False  # (whether any text is written yet; whether the last part was an image)
+    for p in m.content:
+        if isinstance(p, TextPart):
+            if written and not after_marker:
+                out.append("\n")
+            out.append(p.text)
+            after_marker = False
+        else:
+            out.append(MEDIA_MARKER)
+            after_marker = True
+        written = written or bool(out[-1])
+    return "".join(out)
 
 
 @dataclass(frozen=True)
@@ -48,6 +73,9 @@ class ChatFormat:
         # the empty thinking block the template writes before a reply without thinking, where the model opens its
         # thinking itself (Kimi K2 Thinking's `<think></think>`): a forced call writes it too, or thinks first
         self.empty_thinking = empty_thinking_block(template, self.reasoning)
+        # the model's vision projector, where the router serves one (`--mmproj FILE`); None: a request with images is
+        # refused (router/prepare.py)
+        self.vision: object | None = None
 
     @property
     def name(self) -> str:
@@ -83,6 +111,7 @@ class ChatFormat:
         elif self.family.in_content:
             messages = calls_into_content(messages, self.family, self.reasoning)
         text, add_bos = self.render(messages, oai_tools, sub.chat_template_kwargs)
+        check_markers(text, sub)
         fam = self.family if tools else None
         in_reasoning = bool(self.reasoning) and text.rstrip().endswith(self.reasoning[0]) if self.reasoning else False
         close = self.reasoning[1] if self.reasoning and in_reasoning else None
@@ -104,6 +133,22 @@ class ChatFormat:
             strings={t.name: string_params(t) for t in tools} if use_tools else {},
         )
         return Prepared(text, add_bos, limit, spec)
+
+
+def check_markers(text: str, sub: Submit) -> None:
+    """A prompt with images must hold MEDIA_MARKER once per image, in their order, for each to be placed: a ChatError
+    naming the text that holds the marker itself, or the messages when the template left an image out."""
+    images = sum(len(m.images()) for m in sub.messages or ())
+    if not images or text.count(MEDIA_MARKER) == images:
+        return
+    for i, m in enumerate(sub.messages or ()):
+        parts = [m.content] if isinstance(m.content, str) else m.content or []
+        for j, p in enumerate(parts):
+            if isinstance(p, str | TextPart) and MEDIA_MARKER in (p if isinstance(p, str) else p.text):
+                where = f"messages[{i}].content" + ("" if isinstance(p, str) else f"[{j}]")
+                why = f"`{where}` holds the text {MEDIA_MARKER}, which marks where an image goes in a prompt with images"
+                raise ChatError(why, where)
+    raise ChatError(f"the chat template rendered {text.count(MEDIA_MARKER)} image markers for {images} images", "messages")
 
 
 def prompt_constraint(sub: Submit) -> Constraint | None:
@@ -136,7 +181,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 f"the tool calls of messages[{open_at}] ({ids}) have no tool message answering them",
                 f"messages[{open_at}].tool_calls",
             )
-        d: dict[str, Any] = {"role": role, "content": m.text()}
+        d: dict[str, Any] = {"role": role, "content": content_text(m)}
         if m.name is not None:
             d["name"] = m.name
         if role == "assistant":

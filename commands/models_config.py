@@ -17,6 +17,7 @@ The models file is TOML, one table per model:
     keep_alive = "10m"                  # unloaded after 10 minutes unused ("-1": kept; 0: at once)
     load = "on_demand"                  # started by its first request ("start", the default: at start)
     memory_mb = 900                     # what one worker takes, weights and KV (else estimated: --models-memory-mb)
+    mmproj = "/models/mmproj-gemma-3-4b.gguf"  # its vision projector: requests may send images (llama-server's --mmproj)
     temp = 0.6                          # sampling for requests that leave it to the server: temp, top_k, top_p,
     top_k = 20                          # min_p, repeat_penalty, repeat_last_n, seed (else the flag's, else the GGUF's
                                         # general.sampling.*, else llama-server's)
@@ -40,7 +41,7 @@ WORKER_KEYS = {"workers": "cpu_workers", "gpus": "gpus", "slots": "slots", "ctx_
                "kv_budget_mb": "kv_budget_mb", "threads": "threads", "n_gpu_layers": "n_gpu_layers",
                "host_cache_mb": "host_cache_mb", "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
                "flash_attn": "flash_attn"}  # fmt: skip
-MODEL_KEYS = {"path", "aliases", "pinned", "keep_alive", "load", "default", "memory_mb"}
+MODEL_KEYS = {"path", "aliases", "pinned", "keep_alive", "load", "default", "memory_mb", "mmproj"}
 # per-model sampling defaults (router/sampling_defaults.py), named as the `serve` flags are -> the `Sampling` field
 SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",
                  "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n"}  # fmt: skip
@@ -90,6 +91,14 @@ def sampling_of(table: dict[str, Any], where: str) -> tuple[tuple[str, float | i
     return tuple(out)
 
 
+def mmproj_of(table: dict[str, Any], where: str) -> str | None:
+    """A model's vision projector file (`mmproj = "/models/mmproj-gemma3.gguf"`), or None."""
+    value = table.get("mmproj")
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigFileError(f"{where}: `mmproj` must be the path of a projector GGUF, got {value!r}")
+    return value
+
+
 def from_file(path: str, keep_alive: float) -> list[ModelEntry]:
     """The `[models.NAME]` tables of a TOML file; a wrong key or value raises ConfigFileError naming it."""
     tables = read_toml(path, "models file").get("models")
@@ -128,6 +137,7 @@ def from_file(path: str, keep_alive: float) -> list[ModelEntry]:
             memory_mb=float(memory),
             memory_given=memory > 0,
             sampling=sampling_of(table, where),
+            mmproj=mmproj_of(table, where),
         )
         workers = {WORKER_KEYS[k]: v for k, v in table.items() if k in WORKER_KEYS}
         if "gpus" in workers:  # (gpus = 0, gpus = [0, 1] or gpus = "0,1")

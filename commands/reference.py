@@ -211,7 +211,7 @@ def field_tables() -> Iterator[str]:
     yield "`kvroute_request_fields_ignored_total{api,field}`; a field kvroute does not know is a hint too, a 400 with"
     yield "`--strict-api`), or **refused** (a 400 naming the field). A value a type does not take (out of range, the"
     yield "wrong kind) is a 400 naming the field as well, and so is a value the type takes but kvroute cannot serve"
-    yield "(image parts, `echo: true`: [apis.md](apis.md) lists them). `a[].b` is field `b` of any element of `a`.\n"
+    yield "(an image by URL, `echo: true`: [apis.md](apis.md) lists them). `a[].b` is field `b` of any element of `a`.\n"
     generating = {"chat", "completions", "responses", "messages"}
     for api, (endpoint, kinds) in _request_types().items():
         yield f"### {api}: {endpoint}\n"

@@ -132,10 +132,11 @@ class LocalWorkers:
         )
 
 
-def worker_specs(local: LocalWorkers, model: str, served_as: str | None = None) -> list[WorkerSpec]:
+def worker_specs(local: LocalWorkers, model: str, served_as: str | None = None, mmproj: str | None = None) -> list[WorkerSpec]:
     """Each local worker's flags, written from its WorkerConfig (id, incarnation and endpoint are the supervisor's).
-    `served_as`: the router's name of the model, when it serves several (ids start with it: `coder-cpu0`)."""
-    base = local.worker_config(model)
+    `served_as`: the router's name of the model, when it serves several (ids start with it: `coder-cpu0`); `mmproj`:
+    its vision projector."""
+    base = dataclasses.replace(local.worker_config(model), mmproj=mmproj)
     if served_as is not None:
         base = dataclasses.replace(base, model_name=served_as)
     start = "" if served_as is None else worker_prefix(served_as) + "-"
@@ -291,6 +292,10 @@ def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfi
         max_connections=args.max_connections,
         reply_endpoint=reply_endpoint_for(args.reply_endpoint, router_cfg.worker_endpoint),
         pooling=args.pooling,
+        max_image_bytes=args.max_image_bytes,
+        max_images=args.max_images,
+        max_image_side=args.max_image_side,
+        max_image_pixels=args.max_image_pixels,
         processes=args.processes or auto_http_processes(os.cpu_count() or 1, len(LocalWorkers(gpus=args.gpus).gpu_list())),
     )
 
@@ -357,7 +362,10 @@ async def _serve(
         model = str(resolve_model(router_cfg.model))
         # the workers start loading the model while the router loads its vocabulary (router/supervisor.py `spawn`)
         early = Supervisor(
-            None, with_keys(worker_specs(local, model), router_cfg), sup_cfg, connect_endpoint(router_cfg.worker_endpoint)
+            None,
+            with_keys(worker_specs(local, model, mmproj=router_cfg.mmproj), router_cfg),
+            sup_cfg,
+            connect_endpoint(router_cfg.worker_endpoint),
         )
         await early.spawn()
         try:
@@ -382,7 +390,7 @@ async def _serve(
                 own = dataclasses.replace(local, **entry.workers)
             except (TypeError, ValueError) as exc:
                 raise UsageError(f"model {m.name}: {exc}") from None
-            specs += worker_specs(own, m.spec.path, m.name if several else None)
+            specs += worker_specs(own, m.spec.path, m.name if several else None, m.spec.mmproj or router_cfg.mmproj)
             m.spec = footprint(m.spec, m.vocab, own)
         model = router.models.cores[0].spec.path
         names = [name for m in router.models for name in (m.name, *m.spec.aliases)]

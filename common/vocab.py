@@ -202,6 +202,11 @@ class Vocab:
         out += [end] if self.add_eos and end is not None else []
         return out
 
+    @property
+    def model_ptr(self) -> Any:
+        """The llama_model this vocabulary belongs to (vocab-only when loaded alone): for mtmd (common/projector.py)."""
+        return self._model
+
     def piece(self, token: int) -> bytes:
         """Raw bytes of one token (special tokens rendered); may be part of a UTF-8 sequence."""
         cached = self._pieces.get(token)

@@ -2,7 +2,8 @@
 
 Honoured: `model`, `max_tokens` (required), `messages` (roles user and assistant, and system where a client puts
 one in the conversation: rendered where it stands; content a string or blocks: `text`, `tool_use`, `tool_result`,
-`thinking`), `system` (a string or text blocks), `stop_sequences`, `stream`, `temperature`, `top_k`, `top_p`,
+`thinking`, and `image` with a base64 `source` in user turns and inside `tool_result` content: gateway/images.py),
+`system` (a string or text blocks), `stop_sequences`, `stream`, `temperature`, `top_k`, `top_p`,
 `tools` (custom tools: `name`, `description`, `input_schema`), `tool_choice` (`auto`, `any`, `tool`, `none`,
 `disable_parallel_tool_use`), `thinking` (`enabled` / `disabled`: the template's `enable_thinking`; `adaptive`:
 the template's default; `display: "omitted"`: the model thinks, and its thinking blocks come with no text, the
@@ -12,8 +13,9 @@ signature carrying it, as Anthropic's do: a block sent back so renders the think
 `context_management`, `output_config.effort`, `thinking.budget_tokens`, `tools[].defer_loading`, server tools the
 hosted API runs (`web_search_*`, `web_fetch_*`, `code_execution_*`, ...), `anthropic-beta` headers,
 `redacted_thinking` blocks (opaque provider data). Refused with a 400 in Anthropic's error shape naming the field:
-image and document blocks (the served model reads text), and Anthropic-schema client tools (`bash_*`,
-`text_editor_*`, `computer_*`, `memory_*`) whose schema the model has never seen.
+document blocks, images by `url` or `file` source (the server fetches nothing and keeps no files), and
+Anthropic-schema client tools (`bash_*`, `text_editor_*`, `computer_*`, `memory_*`) whose schema the model has never
+seen.
 
 Claude Code's system prompt opens with an `x-anthropic-billing-header` whose stamps change: `cch=` on every request
 (older versions), the fingerprint after `cc_version=X.Y.Z.` with each session's first message. Each stamp is written
@@ -37,6 +39,7 @@ from msgspec import Meta
 from gateway import normalise
 from gateway.blocks import Blocks, Kind
 from gateway.fields import Policy, undated
+from gateway.images import Images
 from gateway.keepalive import Tick
 from gateway.openai_chat import RequestError, Strict, context_shift, decode
 from protocol import (
@@ -44,6 +47,7 @@ from protocol import (
     ChatMessage,
     Delta,
     FinishReason,
+    ImagePart,
     NamedTool,
     ResponseFormat,
     Result,
@@ -65,9 +69,21 @@ class ToolUse(Strict, tag_field="type", tag="tool_use"):
     input: dict[str, Any]
 
 
+class ImageSource(Strict):
+    type: Literal["base64", "url", "file"]
+    media_type: str | None = None  # with base64
+    data: str | None = None  # with base64
+    url: str | None = None  # refused: the server fetches no URLs
+    file_id: str | None = None  # refused: kvroute keeps no files
+
+
+class Image(Strict, tag_field="type", tag="image"):
+    source: ImageSource
+
+
 class ToolResult(Strict, tag_field="type", tag="tool_result"):
     tool_use_id: str
-    content: str | list[Text] | None = None
+    content: str | list[Text | Image] | None = None
     is_error: bool = False
 
 
@@ -78,11 +94,6 @@ class Thinking(Strict, tag_field="type", tag="thinking"):
 
 class RedactedThinking(Strict, tag_field="type", tag="redacted_thinking"):
     data: str
-
-
-class Image(Strict, tag_field="type", tag="image"):
-    source: Any
-    cache_control: Any = None
 
 
 class Document(Strict, tag_field="type", tag="document"):
@@ -206,29 +217,67 @@ def _system_text(system: str | list[Text] | None) -> str | None:
 
 def _refuse(block: Any, where: str) -> None:
     kind = block.__struct_config__.tag
-    raise RequestError(f"{where}: {kind} blocks are not supported: the served model reads text", param=where)
+    raise RequestError(f"{where}: {kind} blocks are not supported: the served model reads text and images", param=where)
 
 
-def to_messages(system: str | list[Text] | None, messages: list[Message], policy: Policy | None = None) -> list[ChatMessage]:
+def image_part(b: Image, where: str, images: Images) -> ImagePart:
+    """An image block's image (`where`: the block): base64 decoded and checked; a URL or a file is refused."""
+    src = b.source
+    if src.type != "base64":
+        what = "this server does not fetch URLs" if src.type == "url" else "kvroute keeps no files"
+        raise RequestError(
+            f"{where}.source.type: {src.type!r} images are not served ({what}); send the image as base64: "
+            '{"type": "base64", "media_type": "image/png", "data": ...}',
+            param=f"{where}.source.type",
+        )
+    if src.data is None:
+        raise RequestError(f"{where}.source.data: a base64 image needs its `data`", param=f"{where}.source.data")
+    if src.media_type is not None and not src.media_type.lower().startswith("image/"):
+        field = f"{where}.source.media_type"
+        raise RequestError(f"{field}: {src.media_type[:64]!r} is not an image", param=field)
+    return images.base64(src.data, src.media_type, part=where, field=f"{where}.source.data")
+
+
+def _tool_result(b: ToolResult, where: str, images: Images) -> ChatMessage:
+    """A tool_result block as a tool message: its text (after "Error: " for an error), and its images where they
+    stand (Claude Code's Read tool sends an image file so)."""
+    if isinstance(b.content, str) or not any(isinstance(x, Image) for x in b.content or []):
+        body = b.content if isinstance(b.content, str) else "".join(x.text for x in b.content or [] if isinstance(x, Text))
+        return ChatMessage(role="tool", tool_call_id=b.tool_use_id, content="Error: " + body if b.is_error else body)
+    parts: list[TextPart | ImagePart] = [
+        TextPart(text=x.text) if isinstance(x, Text) else image_part(x, f"{where}.content[{k}]", images)
+        for k, x in enumerate(b.content or [])
+    ]
+    if b.is_error:
+        first = parts[0]
+        parts[0:1] = [TextPart(text="Error: " + first.text)] if isinstance(first, TextPart) else [TextPart(text="Error: "), first]
+    return ChatMessage(role="tool", tool_call_id=b.tool_use_id, content=parts)
+
+
+def to_messages(
+    system: str | list[Text] | None, messages: list[Message], policy: Policy | None = None, images: Images | None = None
+) -> list[ChatMessage]:
     """Anthropic's turns as chat messages: a user turn's tool results become tool messages (first, right after
-    the calls they answer), its text a user message; an assistant turn's tool_use blocks become its tool calls; a
-    system turn (Claude Code puts some in the conversation) stays a system message where it stands."""
+    the calls they answer), its text and images a user message; an assistant turn's tool_use blocks become its tool
+    calls; a system turn (Claude Code puts some in the conversation) stays a system message where it stands."""
+    images = images or Images()
     out: list[ChatMessage] = []
     sys_text = _system_text(system)
     if sys_text is not None:
         out.append(ChatMessage(role="system", content=sys_text))
     for i, m in enumerate(messages):
         blocks = [Text(text=m.content)] if isinstance(m.content, str) else m.content
-        texts: list[TextPart] = []
+        parts: list[TextPart | ImagePart] = []
         calls: list[ToolCall] = []
         thinking: list[str] = []
         for j, b in enumerate(blocks):
             where = f"messages[{i}].content[{j}]"
             if isinstance(b, Text):
-                texts.append(TextPart(text=b.text))
+                parts.append(TextPart(text=b.text))
+            elif isinstance(b, Image) and m.role == "user":
+                parts.append(image_part(b, where, images))
             elif isinstance(b, ToolResult) and m.role == "user":
-                body = b.content if isinstance(b.content, str) else "".join(t.text for t in b.content or [])
-                out.append(ChatMessage(role="tool", tool_call_id=b.tool_use_id, content="Error: " + body if b.is_error else body))
+                out.append(_tool_result(b, where, images))
             elif isinstance(b, ToolUse) and m.role == "assistant":
                 # written as the grammar writes arguments (", " and ": "), so the call renders as the model wrote it
                 calls.append(ToolCall(id=b.id, name=b.name, arguments=json.dumps(b.input, ensure_ascii=False)))
@@ -237,17 +286,20 @@ def to_messages(system: str | list[Text] | None, messages: list[Message], policy
             elif isinstance(b, RedactedThinking):
                 if policy is not None:
                     policy.hint("messages[].content[].type=redacted_thinking")
-            elif isinstance(b, Image | Document):
+            elif isinstance(b, Document):
                 _refuse(b, where)
+            elif isinstance(b, Image):
+                why = f"{where}: image blocks are served in user turns and tool results, not in a {m.role} turn"
+                raise RequestError(why, param=where)
             else:
                 raise RequestError(f"{where}: a {b.__struct_config__.tag} block cannot be in a {m.role} turn", param=where)
-        if m.role in ("user", "system") and texts:
-            out.append(ChatMessage(role=m.role, content=texts))
-        elif m.role == "assistant" and (texts or calls or thinking):
+        if m.role in ("user", "system") and parts:
+            out.append(ChatMessage(role=m.role, content=parts))
+        elif m.role == "assistant" and (parts or calls or thinking):
             out.append(
                 ChatMessage(
                     role="assistant",
-                    content=texts or None,
+                    content=parts or None,
                     tool_calls=calls or None,
                     reasoning_content="".join(thinking) if thinking else None,
                 )
@@ -295,14 +347,18 @@ class Asked:
     omit_thinking: bool = False  # thinking.display "omitted": thinking blocks carry no text, their signature does
 
 
-def messages_submit(raw: dict[str, Any], request_id: str, policy: Policy | None = None) -> tuple[Submit, bool]:
+def messages_submit(
+    raw: dict[str, Any], request_id: str, policy: Policy | None = None, images: Images | None = None
+) -> tuple[Submit, bool]:
     """/v1/messages body -> (submit, stream?)."""
-    sub, asked = messages_request(raw, request_id, policy)
+    sub, asked = messages_request(raw, request_id, policy, images)
     return sub, asked.stream
 
 
-def messages_request(raw: dict[str, Any], request_id: str, policy: Policy | None = None) -> tuple[Submit, Asked]:
-    """/v1/messages body -> (submit, what its reply is to be)."""
+def messages_request(
+    raw: dict[str, Any], request_id: str, policy: Policy | None = None, images: Images | None = None
+) -> tuple[Submit, Asked]:
+    """/v1/messages body -> (submit, what its reply is to be); `images` reads its images (gateway/images.py)."""
     policy = policy or Policy("messages")
     body: MessagesRequest = decode(raw, MessagesRequest, policy)
     choice, parallel = _tool_choice(body.tool_choice)
@@ -324,7 +380,7 @@ def messages_request(raw: dict[str, Any], request_id: str, policy: Policy | None
         )
         sub = Submit(
             id=request_id,
-            messages=to_messages(body.system, body.messages, policy),
+            messages=to_messages(body.system, body.messages, policy, images),
             sampling=sampling,
             sampling_unset=unset,
             deadline_ms=body.deadline_ms,
@@ -340,13 +396,13 @@ def messages_request(raw: dict[str, Any], request_id: str, policy: Policy | None
     return sub, Asked(stream=body.stream, omit_thinking=omit)
 
 
-def count_tokens_request(raw: dict[str, Any], policy: Policy | None = None) -> Tokenize:
+def count_tokens_request(raw: dict[str, Any], policy: Policy | None = None, images: Images | None = None) -> Tokenize:
     """/v1/messages/count_tokens body -> the `tokenize` of the same rendering a message would get."""
     policy = policy or Policy("messages")
     body: CountTokensRequest = decode(raw, CountTokensRequest, policy)
     try:
         return Tokenize(
-            messages=to_messages(body.system, body.messages, policy),
+            messages=to_messages(body.system, body.messages, policy, images),
             tools=_tools(body.tools, policy),
             chat_template_kwargs=_kwargs(body),
         )

@@ -35,6 +35,7 @@ from gateway.embeddings import embed_message, embeddings_reply
 from gateway.errors import Errors, errors_for
 from gateway.fields import Policy
 from gateway.helpers import keep_alive_s
+from gateway.images import ImageLimits, Images
 from gateway.keepalive import IDLE_S, Clock, Ticking
 from gateway.limits import (
     MAX_JSON_DEPTH,
@@ -142,12 +143,14 @@ class Gateway:
         body_timeout_s: float | None = None,
         keep_alive_s: float = IDLE_S,
         status_fresh_s: float = STATUS_FRESH_S,
+        image_limits: ImageLimits | None = None,
     ) -> None:
         """`api_key`: one key, or several comma-separated, each a tenant of its own (its `cache_salt`) unless
         `shared_cache`; `allowed_hosts`: the Host names served (gateway/browsers.py; by default this machine's);
         `cors_origins`: the web origins CORS allows (none by default); `aliases`: more names /v1/models lists;
         `strict_model_name`: a request naming another model gets 404; `strict_api`: a field no API knows is a 400
-        rather than a hint (gateway/fields.py). (The sampling a request leaves out is the router's: --temp, --seed ...
+        rather than a hint (gateway/fields.py); `image_limits`: what one request's images may be (gateway/images.py).
+        (The sampling a request leaves out is the router's: --temp, --seed ...
         apply to every client, this one among them.)"""
         self.client = client
         self.pooling = pooling  # of /v1/embeddings (gateway/embeddings.py)
@@ -164,6 +167,7 @@ class Gateway:
         self.stall_s = stall_s
         self.body_timeout_s = body_timeout_s
         self.keep_alive_s = keep_alive_s  # a stream writes something at least this often (gateway/keepalive.py)
+        self.image_limits = image_limits or ImageLimits()
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -303,7 +307,9 @@ class Gateway:
 
     async def count_tokens(self, request: Request) -> Response:
         policy = Policy("messages", strict=self.strict_api)
-        tokens = await self.tokens(request, await self.decoded(request, lambda raw: anthropic.count_tokens_request(raw, policy)))
+        images = Images(self.image_limits)
+        counted = await self.decoded(request, lambda raw: anthropic.count_tokens_request(raw, policy, images))
+        tokens = await self.tokens(request, counted)
         return JSONResponse({"input_tokens": len(tokens.tokens) // 4})
 
     async def embeddings(self, request: Request) -> Response:
@@ -363,7 +369,8 @@ class Gateway:
 
     async def apply_template(self, request: Request) -> Response:
         policy = Policy("chat", strict=self.strict_api)
-        sub, _, _ = await self.decoded(request, lambda raw: chat_submit(raw, "template", policy))
+        images = Images(self.image_limits)
+        sub, _, _ = await self.decoded(request, lambda raw: chat_submit(raw, "template", policy, images))
         return JSONResponse({"prompt": (await self.tokens(request, helpers.render_message(sub))).text})
 
     async def props(self, request: Request) -> Response:
@@ -440,7 +447,8 @@ class Gateway:
         """A generating request's body: the model it asks for, its keep-alive, and its call in `dialect` (which names
         the model serving it)."""
         asked, keep_alive = self.asked_model(raw), keep_alive_s(raw.pop("keep_alive", None))
-        return asked, keep_alive, dialect.decode(raw, rid, policy, asked if asked in self.names else self.model_name)
+        model = asked if asked in self.names else self.model_name
+        return asked, keep_alive, dialect.decode(raw, rid, policy, model, Images(self.image_limits))
 
     def _stream(self, events: AsyncIterator[bytes], on_error: Any) -> BoundedStream:
         """An event stream cut, with `on_error`'s event last, when its reader stalls (gateway/limits.py)."""

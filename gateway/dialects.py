@@ -19,6 +19,7 @@ from gateway.errors import (
     responses_stream_error,
 )
 from gateway.fields import HINT_HEADERS, Policy
+from gateway.images import Images
 from gateway.keepalive import Tick
 from protocol import Delta, Overflow, Result, Submit
 
@@ -40,16 +41,16 @@ class Dialect:
     api: str  # the field policy's name (gateway/fields.py) and the metrics' label
     errors: Errors
     stream_error: Callable[[str, str, Overflow | None], bytes]  # (message, code, a context overflow's numbers)
-    decode: Callable[[dict[str, Any], str, Policy, str], Call]  # (body, request id, policy, model name)
+    decode: Callable[[dict[str, Any], str, Policy, str, Images], Call]  # (body, request id, policy, model name, images)
     hint_headers: tuple[str, ...] = ()  # request headers that are hints: counted like fields
 
 
-def _chat(raw: dict[str, Any], rid: str, policy: Policy, model: str) -> Call:
-    sub, stream, include_usage = openai_chat.chat_submit(raw, rid, policy)
+def _chat(raw: dict[str, Any], rid: str, policy: Policy, model: str, images: Images) -> Call:
+    sub, stream, include_usage = openai_chat.chat_submit(raw, rid, policy, images)
     return _openai_call(sub, stream, include_usage, rid, model, chat=True)
 
 
-def _completions(raw: dict[str, Any], rid: str, policy: Policy, model: str) -> Call:
+def _completions(raw: dict[str, Any], rid: str, policy: Policy, model: str, images: Images) -> Call:
     sub, stream, include_usage = openai_chat.completion_submit(raw, rid, policy)
     return _openai_call(sub, stream, include_usage, rid, model, chat=False)
 
@@ -67,8 +68,8 @@ def _openai_call(sub: Submit, stream: bool, include_usage: bool, rid: str, model
     )
 
 
-def _responses(raw: dict[str, Any], rid: str, policy: Policy, model: str) -> Call:
-    sub, stream, asked = responses.responses_submit(raw, rid, policy)
+def _responses(raw: dict[str, Any], rid: str, policy: Policy, model: str, images: Images) -> Call:
+    sub, stream, asked = responses.responses_submit(raw, rid, policy, images)
     created, logprobs = responses.now(), sub.sampling.logprobs is not None
     return Call(
         sub,
@@ -78,8 +79,8 @@ def _responses(raw: dict[str, Any], rid: str, policy: Policy, model: str) -> Cal
     )
 
 
-def _messages(raw: dict[str, Any], rid: str, policy: Policy, model: str) -> Call:
-    sub, asked = anthropic.messages_request(raw, rid, policy)
+def _messages(raw: dict[str, Any], rid: str, policy: Policy, model: str, images: Images) -> Call:
+    sub, asked = anthropic.messages_request(raw, rid, policy, images)
     return Call(
         sub,
         asked.stream,

@@ -28,8 +28,16 @@ class TextPart(Strict, tag_field="type", tag="text"):
     text: str
 
 
+Detail = Annotated[str, Meta(max_length=32)]  # OpenAI's "auto", "low", "high": passed on to the model's projector
+
+
+class ImageURL(Strict):
+    url: str  # a data URL (data:image/png;base64,...) or bare base64; the server fetches no http(s) URL
+    detail: Detail | None = None
+
+
 class ImagePart(Strict, tag_field="type", tag="image_url"):
-    image_url: Any
+    image_url: ImageURL
 
 
 class AudioPart(Strict, tag_field="type", tag="input_audio"):

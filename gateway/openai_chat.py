@@ -17,17 +17,20 @@ from gateway import normalise
 from gateway import openai_bodies as t
 from gateway.errors import RequestError
 from gateway.fields import FieldError, Policy
+from gateway.images import Images
 from gateway.keepalive import Tick
 from protocol import (
     ChatMessage,
     Choice,
     Defaultable,
     Delta,
+    ImagePart,
     NamedTool,
     ResponseFormat,
     Result,
     Sampling,
     Submit,
+    TextPart,
     TokenLogprob,
     Tool,
     ToolCall,
@@ -149,18 +152,22 @@ def completion_submit(raw: dict[str, Any], request_id: str, policy: Policy | Non
     return sub, stream, include_usage
 
 
-def _message(m: t.Message, i: int) -> ChatMessage:
+def _message(m: t.Message, i: int, images: Images) -> ChatMessage:
     content: Any = m.content
     if isinstance(content, list):
-        parts = []
+        parts: list[TextPart | ImagePart] = []
         for j, part in enumerate(content):
+            where = f"messages[{i}].content[{j}]"
             if isinstance(part, t.TextPart | t.RefusalPart):
-                parts.append({"type": "text", "text": part.text if isinstance(part, t.TextPart) else part.refusal})
+                parts.append(TextPart(text=part.text if isinstance(part, t.TextPart) else part.refusal))
+            elif isinstance(part, t.ImagePart) and m.role == "user":
+                url = part.image_url
+                parts.append(images.url(url.url, part=where, field=f"{where}.image_url.url", detail=url.detail))
+            elif isinstance(part, t.ImagePart):
+                raise RequestError(f"image_url content is served in user messages, not in a {m.role} message", param=where)
             else:
                 kind = part.__struct_config__.tag
-                raise RequestError(
-                    f"{kind} content is not supported: the served model reads text only", param=f"messages[{i}].content[{j}]"
-                )
+                raise RequestError(f"{kind} content is not supported: the served model reads text and images", param=where)
         content = parts
     if m.refusal and not content:
         content = m.refusal
@@ -200,13 +207,16 @@ def _tools(body: t.ChatRequest) -> list[Tool] | None:
     return out
 
 
-def chat_submit(raw: dict[str, Any], request_id: str, policy: Policy | None = None) -> tuple[Submit, bool, bool]:
-    """/v1/chat/completions body -> (submit, stream?, include_usage?)."""
+def chat_submit(
+    raw: dict[str, Any], request_id: str, policy: Policy | None = None, images: Images | None = None
+) -> tuple[Submit, bool, bool]:
+    """/v1/chat/completions body -> (submit, stream?, include_usage?); `images` reads its images (gateway/images.py)."""
     modalities = raw.get("modalities")
     if isinstance(modalities, list) and any(m != "text" for m in modalities):
         raise RequestError("`modalities` other than text are not supported: the served model writes text", param="modalities")
     body: t.ChatRequest = decode(raw, t.ChatRequest, policy or Policy("chat"))
-    messages = [_message(m, i) for i, m in enumerate(body.messages)]
+    images = images or Images()
+    messages = [_message(m, i, images) for i, m in enumerate(body.messages)]
     if body.top_logprobs is not None and not body.logprobs:
         raise RequestError("`top_logprobs` needs `logprobs: true`", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None

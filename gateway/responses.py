@@ -1,9 +1,10 @@
 """OpenAI Responses (`/v1/responses`) on the one protocol `submit`.
 
 Honoured: `model`, `input` (a string, or items: messages with `input_text` / `output_text` parts, any role where it
-stands, `function_call`, `function_call_output`, `reasoning`), `instructions`, function `tools`, `namespace` tools
-(their functions offered as `NAMESPACE__NAME`, as Codex flattens them; a call comes back with `name` and
-`namespace` apart), `tool_choice`, `parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`),
+stands, `input_image` parts (a data URL in `image_url`: gateway/images.py) in input messages and in a
+`function_call_output`'s `output`, `function_call`, `function_call_output`, `reasoning`), `instructions`, function
+`tools`, `namespace` tools (their functions offered as `NAMESPACE__NAME`, as Codex flattens them; a call comes back
+with `name` and `namespace` apart), `tool_choice`, `parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`),
 `max_output_tokens`, `temperature`, `top_p`, `top_logprobs`, `stream`, `reasoning.effort` (the template's
 `reasoning_effort`; `none`: its `enable_thinking` off), llama.cpp's `top_k`, `min_p`, `chat_template_kwargs` and
 kvroute's `deadline_ms`.
@@ -27,6 +28,7 @@ from msgspec import Meta
 from gateway import normalise
 from gateway.blocks import Blocks, Event, Kind
 from gateway.fields import Policy, undated
+from gateway.images import Images
 from gateway.keepalive import Tick
 from gateway.openai_chat import RequestError, Strict, chat_logprobs, context_shift, decode, thinking_kwargs, timings_body
 from protocol import (
@@ -35,6 +37,7 @@ from protocol import (
     ChatMessage,
     Delta,
     FinishReason,
+    ImagePart,
     NamedTool,
     ResponseFormat,
     Result,
@@ -62,9 +65,9 @@ class Refusal(Strict, tag_field="type", tag="refusal"):
 
 
 class InputImage(Strict, tag_field="type", tag="input_image"):
-    image_url: Any = None
-    file_id: Any = None
-    detail: Any = None
+    image_url: str | None = None  # a data URL (data:image/png;base64,...) or bare base64; no http(s) URL is fetched
+    file_id: str | None = None  # refused: kvroute keeps no files
+    detail: Annotated[str, Meta(max_length=32)] | None = None
 
 
 class InputFile(Strict, tag_field="type", tag="input_file"):
@@ -94,8 +97,10 @@ class FunctionCallItem(Strict, tag_field="type", tag="function_call"):
 
 
 class FunctionCallOutputItem(Strict, tag_field="type", tag="function_call_output"):
-    call_id: str
-    output: str | list[InputText]
+    output: str | list[InputText | InputImage | InputFile]
+    call_id: str | None = None  # (Codex writes its goal's objective as an output of no call: `name`, `namespace`)
+    name: str | None = None
+    namespace: str | None = None
     id: str | None = None
     status: str | None = None
 
@@ -225,23 +230,40 @@ def _items(raw: list[Any], policy: Policy) -> list[Any]:
     return out
 
 
-def _text_parts(content: str | list[Part], where: str) -> list[TextPart]:
+def _parts(content: str | list[Any], where: str, images: Images | None) -> list[TextPart | ImagePart]:
+    """A message's content (`where`: the field holding it) as protocol parts; `images` reads its images, None where
+    none may be (an assistant's output)."""
     if isinstance(content, str):
         return [TextPart(text=content)]
-    parts = []
+    parts: list[TextPart | ImagePart] = []
     for j, p in enumerate(content):
+        at = f"{where}[{j}]"
         if isinstance(p, InputText | OutputText):
             parts.append(TextPart(text=p.text))
         elif isinstance(p, Refusal):
             parts.append(TextPart(text=p.refusal))
+        elif isinstance(p, InputImage) and images is not None:
+            if p.file_id is not None:
+                raise RequestError(
+                    f"`{at}.file_id` is not served: kvroute keeps no files; send the image as a data URL in `image_url`",
+                    param=f"{at}.file_id",
+                )
+            if p.image_url is None:
+                raise RequestError(f"`{at}` needs `image_url` (a data URL)", param=f"{at}.image_url")
+            parts.append(images.url(p.image_url, part=at, field=f"{at}.image_url", detail=p.detail))
+        elif isinstance(p, InputImage):
+            raise RequestError("input_image content is served in input messages, not in an assistant's output", param=at)
         else:
             kind = p.__struct_config__.tag
-            raise RequestError(f"{kind} content is not supported: the served model reads text", param=f"{where}.content[{j}]")
+            raise RequestError(f"{kind} content is not supported: the served model reads text and images", param=at)
     return parts
 
 
-def to_messages(instructions: str | None, input_: str | list[Any], policy: Policy | None = None) -> list[ChatMessage]:
+def to_messages(
+    instructions: str | None, input_: str | list[Any], policy: Policy | None = None, images: Images | None = None
+) -> list[ChatMessage]:
     """Items as chat messages: consecutive assistant output (text, calls, reasoning) is one assistant message."""
+    images = images or Images()
     out: list[ChatMessage] = []
     if instructions is not None:
         out.append(ChatMessage(role="system", content=instructions))
@@ -252,9 +274,9 @@ def to_messages(instructions: str | None, input_: str | list[Any], policy: Polic
         where = f"input[{i}]"
         last = out[-1] if out and out[-1].role == "assistant" else None
         if isinstance(item, MessageItem | EasyMessage) and item.role != "assistant":
-            out.append(ChatMessage(role=item.role, content=_text_parts(item.content, where)))
+            out.append(ChatMessage(role=item.role, content=_parts(item.content, f"{where}.content", images)))
         elif isinstance(item, MessageItem | EasyMessage):
-            parts = _text_parts(item.content, where)
+            parts = _parts(item.content, f"{where}.content", None)
             if last is not None and not last.tool_calls:
                 last.content = [*(last.content if isinstance(last.content, list) else []), *parts]
             else:
@@ -267,8 +289,15 @@ def to_messages(instructions: str | None, input_: str | list[Any], policy: Polic
             else:
                 out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
         elif isinstance(item, FunctionCallOutputItem):
-            body = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
-            out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=body))
+            output = _parts(item.output, f"{where}.output", images)
+            has_images = any(isinstance(p, ImagePart) for p in output)
+            body = output if has_images else "".join(p.text for p in output if isinstance(p, TextPart))
+            if item.call_id is None:  # an output that answers no call: context the client adds, read as a user turn
+                if policy is not None:
+                    policy.hint("input[].function_call_output without call_id")
+                out.append(ChatMessage(role="user", content=body))
+            else:
+                out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=body))
         elif isinstance(item, ReasoningItem):
             text = "".join(c.text for c in item.content or [])
             if not text:  # only a summary or encrypted content (OpenAI's own items): nothing this model wrote
@@ -293,8 +322,10 @@ class Asked:
         return {"name": flat} if parts is None else {"name": parts[1], "namespace": parts[0]}
 
 
-def responses_submit(raw: dict[str, Any], request_id: str, policy: Policy | None = None) -> tuple[Submit, bool, Asked]:
-    """/v1/responses body -> (submit, stream?, what the reply echoes)."""
+def responses_submit(
+    raw: dict[str, Any], request_id: str, policy: Policy | None = None, images: Images | None = None
+) -> tuple[Submit, bool, Asked]:
+    """/v1/responses body -> (submit, stream?, what the reply echoes); `images` reads its images (gateway/images.py)."""
     policy = policy or Policy("responses")
     body: ResponsesRequest = decode(raw, ResponsesRequest, policy)
     tools, namespaced = function_tools(body.tools, policy)
@@ -325,7 +356,7 @@ def responses_submit(raw: dict[str, Any], request_id: str, policy: Policy | None
         )
         sub = Submit(
             id=request_id,
-            messages=to_messages(body.instructions, body.input, policy),
+            messages=to_messages(body.instructions, body.input, policy, images),
             sampling=sampling,
             sampling_unset=unset,
             deadline_ms=body.deadline_ms,

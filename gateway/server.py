@@ -14,6 +14,7 @@ from typing import Any
 
 from common import logs
 from common.config import opt
+from gateway.images import ImageLimits
 from kvroute.client import reply_endpoint_of
 from protocol import MAX_FRAME_BYTES
 
@@ -110,6 +111,18 @@ class HttpConfig:
         "HTTP processes serving --http together (SO_REUSEPORT: the kernel spreads connections over them); each has "
         "its own connection to the router, and one that dies is started again",
     )
+    max_image_bytes: int = opt(
+        ImageLimits.max_bytes,
+        "largest image a request may carry, in bytes once its base64 is decoded (a 400 naming it beyond); the body "
+        "holding it must be within --max-body-bytes too",
+    )
+    max_images: int = opt(ImageLimits.max_images, "images one request may carry; the one past them is a 400 naming it")
+    max_image_side: int = opt(
+        ImageLimits.max_side, "widest or tallest image a request may carry, in pixels (read from the image's header)"
+    )
+    max_image_pixels: int = opt(
+        ImageLimits.max_pixels, "most pixels (width x height, read from the image's header) one image may have"
+    )
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024 or self.max_frame_bytes < 1024:
@@ -127,10 +140,17 @@ class HttpConfig:
             raise ValueError("--header-timeout-s and --body-timeout-s must be positive")
         if self.max_connections < 1:
             raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
+        if min(self.max_image_bytes, self.max_image_side, self.max_image_pixels) < 1 or self.max_images < 0:
+            raise ValueError(
+                "--max-image-bytes, --max-image-side and --max-image-pixels must be at least 1, --max-images at least 0"
+            )
         if self.tenant_per_key and self.shared_cache:
             raise ValueError("--tenant-per-key and --shared-cache: keys are tenants, or they share; give one")
         if self.tenant_per_key and not (self.api_key or os.environ.get("KVROUTE_API_KEY")):
             raise ValueError("--tenant-per-key needs --api-key (or $KVROUTE_API_KEY): tenants are told apart by key")
+
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(self.max_image_bytes, self.max_images, self.max_image_side, self.max_image_pixels)
 
 
 # Each connection's kernel send buffer, fixed (Linux would grow it to 4 MB): what queues for a reader that stopped
@@ -229,6 +249,7 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None, sig
         max_body_bytes=cfg.max_body_bytes,
         stall_s=cfg.stream_stall_s,
         body_timeout_s=cfg.body_timeout_s,
+        image_limits=cfg.image_limits(),
     )
     server = uvicorn.Server(uvicorn_config(build_app(gateway), cfg, host, port))
     if not signals:  # (uvicorn would take SIGTERM, stop at once and raise it again: the router's drain was cut short)

@@ -25,21 +25,29 @@ class ToolCall(Struct, kw_only=True):
 
 
 class TextPart(Struct, kw_only=True, tag_field="type", tag="text"):
-    """A content part. Only text parts are served (the models this serves read text)."""
+    """A content part of text."""
 
     text: str
+
+
+class ImagePart(Struct, kw_only=True, tag_field="type", tag="image"):
+    """A content part holding an image: the file as the client sent it (PNG, JPEG, GIF, BMP, WebP...), its bytes
+    whole, base64 already decoded. Served by a model with a vision projector, read at its place among the text parts."""
+
+    data: Annotated[bytes, Meta(min_length=1)]
+    detail: Annotated[str, Meta(max_length=32)] | None = None  # OpenAI's hint: "low", "high", "auto"
 
 
 class ChatMessage(Struct, kw_only=True):
     """One message of a conversation, with every field the OpenAI chat API has for it.
 
-    `content` is a string or a list of text parts; it may be null only on an assistant message that makes
-    tool calls. `tool_calls` and `reasoning_content` belong to assistant messages, `tool_call_id` to tool
-    messages (it must name a call of an earlier assistant message).
+    `content` is a string or a list of text and image parts (images in any message but an assistant's); it may be
+    null only on an assistant message that makes tool calls. `tool_calls` and `reasoning_content` belong to assistant
+    messages, `tool_call_id` to tool messages (it must name a call of an earlier assistant message).
     """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: CallId | None = None
@@ -56,14 +64,22 @@ class ChatMessage(Struct, kw_only=True):
             raise ValueError(f"only tool messages carry `tool_call_id`, not {self.role}")
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.reasoning_content)):
             raise ValueError(f"a {self.role} message needs `content`")
+        if self.role == "assistant" and self.images():
+            raise ValueError("an assistant message carries no image parts (the model writes text)")
 
     def text(self) -> str:
-        """The content as one string (text parts joined; null is empty)."""
+        """The content's text as one string (text parts joined, image parts left out; null is empty)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def images(self) -> list[ImagePart]:
+        """The content's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [p for p in self.content if isinstance(p, ImagePart)]
 
 
 class Tool(Struct, kw_only=True):

@@ -94,6 +94,7 @@ class EngineCounters(Struct, kw_only=True):
     batch_rows: int | float = 0
     decode_rows: int | float = 0
     prefill_rows: int | float = 0
+    image_rows: int | float = 0  # of prefill_rows: images' rows, encoded by the projector and decoded on their own
     reused_tokens: int | float = 0
     prefilled_tokens: int | float = 0
     generated_tokens: int | float = 0
@@ -292,6 +293,16 @@ class Constraint(Struct, kw_only=True):
     at_start: bool = False
 
 
+class JobImage(Struct, kw_only=True):
+    """An image of a job's prompt (common/media.py): its rows start at `start` and take `n_tokens` positions, where
+    the prompt holds the ids common/media.py makes from `data`, the image file's bytes, which the worker encodes with
+    its projector (`--mmproj`)."""
+
+    start: NonNeg
+    n_tokens: Annotated[int, Meta(ge=1)]
+    data: bytes
+
+
 class Job(Message, tag="job", kw_only=True):
     """Run one generation. `slot` -1 lets the worker choose."""
 
@@ -306,6 +317,7 @@ class Job(Message, tag="job", kw_only=True):
     cache_salt: CacheSalt = ""  # the tenant: its KV is reused only by jobs with the same salt ("": no tenant)
     reply_to: str = ""  # the client's endpoint for the job's output (Submit.reply_to); "": all to the router
     reply_key: str = ""  # that endpoint's CURVE public key ("": none)
+    images: list[JobImage] = []  # the prompt's images, in order (their ids are negative: common/media.py)
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens, empty_ok=False)

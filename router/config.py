@@ -18,6 +18,13 @@ class RouterConfig:
     model: str | None = opt(
         None, "GGUF model whose vocabulary the router tokenizes with (default: bundled Gemma 3 270M)", metavar="PATH"
     )
+    mmproj: str | None = opt(
+        None,
+        "the model's vision projector GGUF (llama-server's --mmproj): requests may send images, which the router places "
+        "in the prompt with it and the workers encode (`serve` gives it to its workers); several models: each its "
+        "`mmproj` in the models file",
+        metavar="FILE",
+    )
     client_endpoint: str = opt(
         DEFAULT_CLIENT_ENDPOINT,
         "endpoint bound for clients (ZMQ ROUTER); under `serve` with an API key and no CURVE client keys the default "

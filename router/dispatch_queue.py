@@ -198,4 +198,5 @@ def job_message(req: Req, d: Dispatch, job: str, prefix_cache: bool, now: float,
         cache_salt=req.salt,
         reply_to=req.direct,
         reply_key=req.direct_key,
+        images=list(req.images),
     )

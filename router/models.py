@@ -65,6 +65,7 @@ class ServedModel:
     memory_mb: float = 0.0  # what one worker takes (weights and KV), estimated or the operator's; 0: not known
     weights_mb: float = 0.0  # of that, the weights (the file's size)
     memory_given: bool = False  # memory_mb is the operator's: what its workers say does not replace it
+    mmproj: str | None = None  # its vision projector (the router's --mmproj for a single model)
     sampling: tuple[tuple[str, float | int], ...] = ()  # its sampling defaults, by `Sampling` field (router/sampling_defaults.py)
 
 

@@ -20,11 +20,14 @@ from chat.limits import MAX_NESTING, Deadline, DeadlinePassed, nesting
 from chat.output import OutputSpec
 from chat.request import ChatFormat, prompt_constraint, shift_points, shifted
 from chat.template import TemplateError
+from common.projector import Projector, ProjectorError, PromptImage
 from common.vocab import Vocab
 from protocol import (
+    ChatMessage,
     Constraint,
     Detokenize,
     Embed,
+    ImagePart,
     Submit,
     Tokenize,
     Tokens,
@@ -73,6 +76,7 @@ class Prepared:
     shift: Shift | None = None  # set when --context-shift had to shorten the messages
     text: str = ""  # a chat prompt's rendered text (its reply is remembered with it: router/prompt_tokens.py)
     add_bos: bool = False
+    images: tuple[PromptImage, ...] = ()  # its images, whose ids `tokens` holds (common/media.py)
 
 
 TokenizeFn = Callable[[str, bool], np.ndarray]
@@ -91,6 +95,26 @@ def check_nesting(msg: Submit | Tokenize) -> None:
         depth = nesting(value)
         if depth > MAX_NESTING:
             raise PrepareError(f"`{param}` nests more than {MAX_NESTING} levels deep; at most {MAX_NESTING} are served", param)
+
+
+def first_image(messages: list[ChatMessage] | None) -> str | None:
+    """Where the first image part of `messages` is (`messages[0].content[1]`), or None when they carry none."""
+    for i, m in enumerate(messages or ()):
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if isinstance(part, ImagePart):
+                    return f"messages[{i}].content[{j}]"
+    return None
+
+
+def check_images(msg: Submit | Tokenize, chat: ChatFormat) -> None:
+    """Raise PrepareError naming the first image of `msg` when its model has no vision projector to read it."""
+    if chat.vision is None and (where := first_image(msg.messages)) is not None:
+        raise PrepareError(
+            f"`{where}` is an image, and this model has no vision projector to read it: start it with `--mmproj FILE` "
+            "(the model's multimodal projector GGUF, as llama-server names it)",
+            where,
+        )
 
 
 def fits(n_prompt: int, max_tokens: int | None, ctx: int) -> bool:
@@ -127,6 +151,7 @@ def prepare(
         return np.asarray(vocab.tokenize(text, add_special=add_special), dtype=np.int32)
 
     check_nesting(msg)
+    check_images(msg, chat)
     try:
         with deadline.running("messages" if msg.messages is not None else "prompt"):
             if msg.messages is not None:
@@ -151,10 +176,27 @@ def prepare(
 def _chat(msg: Submit, chat: ChatFormat, tokenize: TokenizeFn, ctx: int | None) -> Prepared:
     p = chat.prepare(msg)
     Deadline.check_running("messages")
+    if isinstance(chat.vision, Projector) and first_image(msg.messages) is not None:
+        return _with_images(msg, chat.vision, p.text, p.add_bos, p.constraint, p.output)
     tokens = tokenize(p.text, p.add_bos)
     if ctx is None or fits(len(tokens), msg.sampling.max_tokens, ctx):
         return Prepared(tokens, p.constraint, p.output, text=p.text, add_bos=p.add_bos)
     return _shift(msg, chat, tokenize, ctx, Prepared(tokens, p.constraint, p.output, Shift(0, 0)))
+
+
+def _with_images(
+    msg: Submit, vision: Projector, text: str, add_bos: bool, constraint: Constraint | None, output: OutputSpec
+) -> Prepared:
+    """A prompt with images: its text and image rows laid out by the projector (as the workers will compute them).
+    Not remembered for the next turn's tokenizing (`text` empty), and never shortened by --context-shift."""
+    parts = [(f"messages[{i}].content[{j}]", p) for i, m in enumerate(msg.messages or ()) if isinstance(m.content, list)
+             for j, p in enumerate(m.content) if isinstance(p, ImagePart)]  # fmt: skip
+    try:
+        tokens, images = vision.tokenize(text, add_bos, [p.data for _, p in parts])
+    except ProjectorError as exc:
+        where = parts[exc.index][0] if exc.index is not None else "messages"
+        raise PrepareError(f"`{where}`: {exc}", where) from None
+    return Prepared(tokens, constraint, output, images=tuple(images))
 
 
 def _shift(msg: Submit, chat: ChatFormat, tokenize: TokenizeFn, ctx: int, whole: Prepared) -> Prepared:
@@ -203,6 +245,7 @@ def tokens_reply(
             raise PrepareError(vocab_message(bad, vocab.n_vocab), "tokens")
         return Tokens(id=msg.id, tokens=msg.tokens, text=vocab.detokenize(given.tolist()))
     check_nesting(msg)
+    check_images(msg, chat)
     try:
         with deadline.running("messages" if msg.messages is not None else "prompt"):
             if msg.messages is not None:

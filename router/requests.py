@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 
 from chat.output import OutputParser, OutputSpec
-from protocol import Choice, Constraint, EngineCounters, Hello, Sampling, Timings, TokenLogprob, Usage
+from protocol import Choice, Constraint, EngineCounters, Hello, JobImage, Sampling, Timings, TokenLogprob, Usage
 from router.mirror import Slot
 from router.prepare import Shift, fits
 from router.prepare import tenant_of as tenant  # noqa: F401 (read from here by the scheduler and views)
@@ -73,6 +73,7 @@ class Req:
     constraint: Constraint | None = None
     output: OutputSpec = field(default_factory=OutputSpec)
     prompt_text: str = ""  # a chat prompt's text, whose reply the prompt tokenizer remembers (add_bos with it)
+    images: tuple[JobImage, ...] = ()  # its prompt's images (their ids in `tokens`: common/media.py)
     prompt_bos: bool = False
     index: int = 0  # which choice, when the client asked for n > 1
     group: list[Req] | None = None  # every choice of the request when n > 1 (one list, shared by all of them)

@@ -69,6 +69,7 @@ from protocol import (
     JobDeltas,
     JobDone,
     JobError,
+    JobImage,
     Placed,
     Refusal,
     Refuse,
@@ -341,6 +342,7 @@ class Scheduler:
             return
         req.tokens, req.constraint, req.output = outcome.tokens, outcome.constraint, outcome.output
         req.prompt_text, req.prompt_bos = outcome.text, outcome.add_bos
+        req.images = tuple(JobImage(start=i.start, n_tokens=i.n_tokens, data=i.data) for i in outcome.images)
         req.shift = outcome.shift
         if req.shift is not None:
             shift = req.shift

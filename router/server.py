@@ -48,6 +48,7 @@ from chat.template import ChatTemplate
 from common import logs
 from common.inbox import Inbox
 from common.notify import alive, notify, watchdog_interval_s
+from common.projector import Projector
 from common.vocab import Vocab
 from common.weights import GGUFError, weights_fingerprint
 from protocol import (
@@ -145,6 +146,8 @@ class Router:
         self.ctx = context or zmq.asyncio.Context.instance()
         first = served or ServedModel(name=model_name(vocab), path=str(vocab.path))
         metrics = Metrics()  # one for every model's core: counters are the router's
+        if more and cfg.mmproj:
+            raise ValueError("--mmproj is one model's projector: with several models give each its `mmproj` in the models file")
         cores = [self._model_core(spec, v, metrics) for spec, v in [(first, vocab), *(more or [])]]
         self.models = Models(cores, default=default_model, models_max=models_max, memory_mb=memory_mb)
         main = self.models.default or cores[0]
@@ -189,7 +192,12 @@ class Router:
         # (PromptTokenizer: a conversation's next prompt, only its new part tokenized)
         prompts = PromptTokenizer(vocab)
         core.remember_reply = prompts.remember  # (a chat reply's tokens, for the next turn's prompt)
-        return ModelCore(spec, vocab, ChatFormat(template), prompts, core)
+        chat = ChatFormat(template)
+        mmproj = spec.mmproj or cfg.mmproj
+        if mmproj:  # (images placed in prompts as the workers will compute them: common/projector.py)
+            chat.vision = Projector(mmproj, vocab.model_ptr)
+            log.info("vision_projector", model=spec.name or model_name(vocab), mmproj=mmproj)
+        return ModelCore(spec, vocab, chat, prompts, core)
 
     @property
     def cores(self) -> list[Scheduler]:

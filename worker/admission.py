@@ -10,6 +10,9 @@ from __future__ import annotations
 import collections
 import time
 
+import numpy as np
+
+from common.media import digest, image_tokens
 from common.slots import SlotPhase
 from common.vocab import Vocab
 from protocol import EngineCounters, ErrorCode, Job, JobError, Overflow, Refusal, outside_vocab, unpack_tokens, vocab_message
@@ -41,6 +44,7 @@ class Admission:
         self.waiting: collections.deque[Task] = collections.deque()
         self.by_id: dict[str, Task] = {}
         self.draining = False
+        self.vision = False  # the worker has a projector (--mmproj): it takes jobs with images
 
     def accept(self, job: Job, sink: Sink, t_arrival: float) -> JobError | None:
         """Queue a job; or the error that answers it before any work."""
@@ -53,6 +57,7 @@ class Admission:
         deadline = t_arrival + job.deadline_ms / MS if job.deadline_ms else None
         task = Task(id=job.id, job=job, prompt=prompt, sink=sink, max_gen=max_gen, t_arrival=t_arrival, deadline=deadline)
         task.stream = TextStream(job.sampling.stop)
+        task.images = {image.start: image for image in job.images}
         try:
             guide = None if job.constraint is None else Guide(job.constraint, self.guide_tokenizer)
             task.sampler = Sampler(job.sampling, self.vocab.n_vocab, guide=guide, max_gen=max_gen, piece=self.vocab.piece)
@@ -71,7 +76,10 @@ class Admission:
             return Refusal(
                 ErrorCode.BAD_REQUEST, f"slot {job.slot} does not exist (this worker has slots 0..{len(self.table) - 1})"
             )
-        if (bad := outside_vocab(prompt, self.vocab.n_vocab)) is not None:
+        if job.images and (problem := self.image_problem(job, prompt)) is not None:
+            return Refusal(ErrorCode.BAD_REQUEST, problem)
+        texts = [t for t in prompt if t >= 0] if job.images else prompt  # (an image's ids are checked above)
+        if (bad := outside_vocab(texts, self.vocab.n_vocab)) is not None:
             return Refusal(ErrorCode.BAD_REQUEST, f"prompt: {vocab_message(bad, self.vocab.n_vocab)}")
         n, ctx, mt = len(prompt), self.n_ctx, job.sampling.max_tokens
         numbers = Overflow(prompt_tokens=n, max_tokens=mt, context=ctx)
@@ -81,6 +89,23 @@ class Admission:
         if mt is not None and n + mt > ctx:
             text = f"prompt of {n} tokens + max_tokens {mt} = {n + mt} is over a slot's context of {ctx} tokens"
             return Refusal(ErrorCode.CONTEXT_OVERFLOW, text, overflow=numbers)
+        return None
+
+    def image_problem(self, job: Job, prompt: list[int]) -> str | None:
+        """Why the job's images cannot be computed here: no projector, or ids that are not its images' (common/media.py:
+        what the slot would believe it holds must be what its KV gets)."""
+        if not self.vision:
+            return "this worker has no vision projector (start it with --mmproj FILE): it cannot read images"
+        covered = 0
+        for image in job.images:
+            end = image.start + image.n_tokens
+            if end > len(prompt) - 1:
+                return f"an image at {image.start} reaches the prompt's end: a text token must follow it"
+            if not np.array_equal(prompt[image.start : end], image_tokens(digest(image.data), image.n_tokens)):
+                return f"the prompt's ids at {image.start}..{end - 1} are not those of its image"
+            covered += image.n_tokens
+        if sum(1 for t in prompt if t < 0) != covered:
+            return "the prompt has image ids that no image of the job covers"
         return None
 
     def cancel(self, job_id: str) -> None:

@@ -11,7 +11,8 @@ The rules (why: worker/core.py's docstring):
   only (never beside another prompt's rows); then its decode rows beside the others', without guesses;
 - deterministic mode: the generating slots together, at most EXACT_OUTPUTS of them a batch, every slot from the
   first to the last padded to the same rows; then each prompt chunk alone, at least EXACT_ROWS tokens;
-- a prompt chunk ends where its slot takes a context checkpoint (`Task.checkpoint_at`, worker/checkpoints.py);
+- a prompt chunk ends where its slot takes a context checkpoint (`Task.checkpoint_at`, worker/checkpoints.py), and
+  where an image begins (its rows are decoded on their own: worker/core.py `_images`);
 - a memory that cannot be cut back (`uncut`: recurrent, hybrid) gets no padding: in deterministic mode each
   generating slot decodes its row alone.
 """
@@ -152,7 +153,10 @@ class Batcher:
     def _chunk(self, slot: Slot, task: Task, budget: int) -> Piece | None:
         """The slot's next prompt chunk, at most `budget` tokens; None when none fits this step."""
         start, end = slot.n_tokens, len(task.prompt)
+        if start in task.images:
+            return None  # (an image's rows are decoded on their own: worker/core.py `_images`)
         stop = next((p for p in task.checkpoint_at if p > start), end)  # (a checkpoint is taken there)
+        stop = min([stop, *(p for p in task.images if p > start)])  # (and an image begins there)
         take = min(stop - start, budget)
         if self.exact and 0 < stop - start - take < EXACT_ROWS:
             take = stop - start - EXACT_ROWS  # never leave a remainder too small to compute exactly

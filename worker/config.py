@@ -121,6 +121,9 @@ def env_gpu() -> int | None:
 @dataclass(frozen=True)
 class WorkerConfig:
     model: str | None = opt(None, "GGUF model file (default: the bundled Gemma 3 270M)", metavar="PATH")
+    mmproj: str | None = opt(
+        None, "the model's vision projector GGUF (llama-server's --mmproj): images in prompts are encoded with it", metavar="FILE"
+    )
     slots: int = opt(4, "number of slots (parallel sequences, llama seq_ids 0..N-1)")
     ctx_per_slot: int = ctx_per_slot_opt()
     kv_budget_mb: int = kv_budget_opt("")

@@ -65,6 +65,7 @@ from collections.abc import Collection
 
 from common import logs
 from common.model import resolve_model
+from common.projector import Projector, ProjectorError
 from common.slots import EXACT_ROWS
 from protocol import (
     EngineCounters,
@@ -125,6 +126,10 @@ class EngineCore:
             rollback=ROLLBACK if cfg.spec != "none" and not cfg.deterministic else 0,
         )
         self.vocab = self.llama.vocab
+        # images: encoded with the model's projector, their rows decoded on their own (`_images`)
+        self.projector = (
+            Projector(cfg.mmproj, self.llama.model, threads=cfg.threads, use_gpu=cfg.gpu is not None) if cfg.mmproj else None
+        )
         self.guide_tokenizer = GuideTokenizer(self.vocab)  # built on its own thread, ready long before a grammar is
         self.n_ctx = self.llama.ctx_per_slot
         self.n_batch = cfg.n_batch
@@ -171,6 +176,7 @@ class EngineCore:
         )
         self.prefixes.rollback = self.rollback
         self.admission = Admission(self.vocab, self.guide_tokenizer, self.table, self.prefixes, self.counters, self.n_ctx)
+        self.admission.vision = self.projector is not None
         self.batcher = Batcher(self.llama.batch, self.table.slots, self.n_ctx, self.exact, self.uncut, self._guess)
         self._decode = self.llama.decode  # tests replace this to inject failures
         self.faults = Faults.from_env()  # failpoints of the fault tests; none unless KVROUTE_FAULTS is set
@@ -225,11 +231,39 @@ class EngineCore:
         if not busy:
             return
         self._check(busy)
+        if self.projector is not None:
+            self._images(busy)
         budget = self.n_batch
         for group in self.batcher.groups(self.table.busy()):  # (one llama_decode each: worker/batching.py)
             left = self._run(group.slots, budget)
             budget = left if group.budgeted else budget
         self.counters.step_s += time.perf_counter() - t0
+
+    def _images(self, slots: list[Slot]) -> None:
+        """Decode the image each prefilling slot's prompt has next, whole and on its own (its rows attend to each other:
+        Gemma 3's), before the step's batches; the text after it goes in them."""
+        assert self.projector is not None
+        for slot in slots:
+            task = slot.task
+            while task is not None and not task.generated and (image := task.images.get(slot.n_tokens)) is not None:
+                start = slot.n_tokens
+                try:
+                    n = self.projector.eval_image(self.llama.ctx, image.data, start, slot.id, self.llama.rows)
+                except (ProjectorError, RuntimeError) as exc:
+                    self.prefixes.clear(slot)  # (what of the image was decoded is not known)
+                    self._error(task, ErrorCode.BAD_REQUEST, f"image at prompt position {start}: {exc}")
+                    break
+                slot.tokens.extend(task.prompt[start : start + n])
+                if slot.n_exact == start:  # (decoded alone, the same way every time: exact, as a prompt chunk is)
+                    slot.n_exact = slot.n_tokens
+                self.counters.prefill_rows += n
+                self.counters.image_rows += n
+                if n != image.n_tokens:  # the router counted otherwise: what the slot holds is not what it believes
+                    self._error(task, ErrorCode.INTERNAL, f"an image took {n} rows here, the job said {image.n_tokens}")
+                    self.prefixes.clear(slot)
+                    break
+                self._check([slot])
+                task = slot.task
 
     def _run(self, group: list[Slot], budget: int) -> int:
         """Build, decode and commit one batch for `group`. Returns the prefill budget left."""

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from common import logs
+from common.media import image_floor
 from common.slots import COPY_MIN, common_prefix, restore_keep, reused, worth_copy
 from protocol import EngineCounters
 from worker import checkpoints
@@ -91,7 +92,8 @@ class Prefixes:
         task.reused = slot.n_tokens
         if self.budget is not None:  # where its slot takes checkpoints (the first one now: where its new tokens begin)
             where = checkpoints.for_saves if self.for_saves else checkpoints.positions
-            task.checkpoint_at = where(task.reused, len(prompt), self.every, self.n_batch, self.exact)
+            at = where(task.reused, len(prompt), self.every, self.n_batch, self.exact)
+            task.checkpoint_at = [p for p in at if image_floor(prompt, p) == p]  # (an image is computed whole)
             self.checkpoint(slot)
         task.restored = min(task.restored, task.reused)
         c = self.counters
@@ -118,12 +120,12 @@ class Prefixes:
         KV computed as prompt, leaving a full-size chunk to compute, and to a seeded job otherwise only KV computed as
         a seeded job's prompt (`n_exact` both); then where its memory can be cut back to (`min_keep`), or its longest
         checkpoint within that, or nothing."""
-        lcp = reused(common_prefix(slot.tokens, prompt), len(prompt), slot.n_exact, self.exact, seeded)
+        lcp = image_floor(prompt, reused(common_prefix(slot.tokens, prompt), len(prompt), slot.n_exact, self.exact, seeded))
         return restore_keep(lcp, slot.n_tokens, self.min_keep(slot), checkpoints.cuts(slot.checkpoints))
 
     def restorable(self, entry: SavedState, prompt: list[int], seeded: bool = False) -> int:
         """Prompt tokens a saved state gives (as `held`)."""
-        lcp = reused(common_prefix(entry.tokens, prompt), len(prompt), entry.n_exact, self.exact, seeded)
+        lcp = image_floor(prompt, reused(common_prefix(entry.tokens, prompt), len(prompt), entry.n_exact, self.exact, seeded))
         return restore_keep(lcp, len(entry.tokens), self.entry_min_keep(entry.pos_min, len(entry.tokens)), entry.cuts)
 
     def min_keep(self, slot: Slot) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protocol import Job, Message, Timings
+from protocol import Job, JobImage, Message, Timings
 from worker.sampling import Sampler
 from worker.speculate import Drafter
 from worker.stopping import TextStream
@@ -45,6 +45,7 @@ class Task:
     withheld: bool = False  # no guess in that batch: its guesses were taken too rarely to pay there
     exact_chunk: bool = False  # its prompt chunk in that batch is padded as a seeded job's is (worker/batching.py)
     checkpoint_at: list[int] = field(default_factory=list)  # prompt positions where its slot takes a checkpoint
+    images: dict[int, JobImage] = field(default_factory=dict)  # the prompt's images by where they start
     t_first: float = 0.0
 
     @property

@@ -33,6 +33,8 @@ TOOLS: list[Any] = [
 # arguments nested past what a template may walk (a cut call's arguments, not JSON, are rendered as written instead)
 DEEP_ARGUMENTS = '{"a": ' + "[" * 10_000 + "]" * 10_000 + "}"
 ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+# a 1x1 PNG
+RED_PIXEL = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
 
 
 def oai(served: Served) -> openai.OpenAI:
@@ -246,6 +248,10 @@ def test_bad_agent_requests_get_a_400_naming_the_field_while_others_stream(serve
         ({"modalities": ["audio"]}, "modalities"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+            "messages[0].content[0].image_url.url",  # (the server fetches no URL)
+        ),
+        (  # an image, read by no projector: the router's refusal names it
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": RED_PIXEL}}]}]},
             "messages[0].content[0]",
         ),
     ]

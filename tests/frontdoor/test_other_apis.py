@@ -23,6 +23,9 @@ WEATHER = {
 }
 
 
+RED_PIXEL = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"  # a 1x1 PNG, base64
+RED_URL = "data:image/png;base64," + RED_PIXEL
+RED_BLOCK = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": RED_PIXEL}}
 GREEDY = {"temperature": 0}  # (this anthropic SDK has no `temperature` argument: Claude's newest models take none)
 
 
@@ -117,8 +120,10 @@ def test_anthropic_count_tokens_and_errors_in_anthropic_shape(served: Served) ->
             ),
             (
                 {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-                "messages[0].content[0]",
+                "messages[0].content[0].source",
             ),
+            # an image, read by no projector: the router refuses it, naming the flag that serves one
+            ({"max_tokens": 5, "messages": [{"role": "user", "content": [RED_BLOCK]}]}, "--mmproj FILE"),
             ({"max_tokens": 5, "messages": ask, "tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type"),
         ]
         for body, field in cases:
@@ -206,7 +211,12 @@ def test_responses_refuses_what_it_cannot_serve(served: Served) -> None:
             ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
             ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
             ({"input": "x", "background": True}, "background"),
-            ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input[0].content[0]"),
+            (
+                {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+                "input[0].content[0].image_url",
+            ),
+            # an image, read by no projector: the router's refusal names it (as the router's messages number it)
+            ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": RED_URL}]}]}, "messages[0].content[0]"),
         ]:
             r = http.post("/v1/responses", json=body)
             assert r.status_code == 400, r.text

@@ -94,7 +94,9 @@ def test_chat_bad_messages_name_the_field() -> None:
     for body, param in [
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages[0].content[0].image_url"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "messages[0].content[0]"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
         ({"messages": [{"role": "user", "content": "x"}], "functions": []}, "functions"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "custom", "custom": {}}]}, "tools[0].type"),

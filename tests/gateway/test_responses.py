@@ -160,7 +160,8 @@ def test_sampling_and_template_fields() -> None:
         ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
         ({"input": "hi", "tools": [{"name": "f"}]}, "tools[0].type"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0]"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input[0].content[0].image_url"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
         ({"input": "hi", "temperature": 2.5}, "temperature"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ],
@@ -287,3 +288,19 @@ async def test_router_errors_before_and_during_the_stream() -> None:
     async with client_for(fake) as c:
         evs = events((await c.post("/v1/responses", json={"input": "hi", "stream": True})).text)
     assert evs[-1] == ("error", {"type": "error", "code": "worker_lost", "message": "worker died", "param": None})
+
+
+def test_an_output_of_no_call_is_read_as_context_not_refused() -> None:
+    """Codex 0.x writes its goal's objective as a `function_call_output` with a `name` and `namespace` and no `call_id`
+    (seen in a real run, bench/reports/2026-12-02/codex-runs-issue63.json: it was a 400 on every later turn)."""
+    from gateway.fields import Policy
+
+    policy = Policy("responses")
+    items = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "function_call_output", "id": "fco_1", "name": "goal_objective", "namespace": "agent",
+         "output": "Describe a goal"},
+    ]  # fmt: skip
+    messages = responses.to_messages(None, items, policy)
+    assert [(m.role, m.text()) for m in messages] == [("user", "hi"), ("user", "Describe a goal")]
+    assert "input[].function_call_output without call_id" in policy.ignored

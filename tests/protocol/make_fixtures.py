@@ -64,6 +64,11 @@ SAMPLING = p.Sampling(
 )
 SLOT_TOKENS = PROMPT_TOKENS + GEN_TOKENS[:-1]
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+# a 1x1 PNG of one red pixel: an image part holds the file's bytes as the client sent it
+RED_PIXEL_PNG = bytes.fromhex(
+    "89504e470d0a1a0a0000000d4948445200000001000000010802000000907753de0000000c49444154789c63f8cfc0000003010100c9fe92ef"
+    "0000000049454e44ae426082"
+)
 LOGPROB = p.TokenLogprob(
     token=1437,
     logprob=-0.25,
@@ -170,6 +175,21 @@ EXAMPLES: list[Example] = [
             chat_template_kwargs={"enable_thinking": False},
             n=2,
             sampling=p.Sampling(max_tokens=64, temperature=0.0, presence_penalty=0.5, logprobs=2),
+        ),
+        {},
+    ),
+    Example(
+        "submit_image",
+        "client_request",
+        p.Submit(
+            id="req-8",
+            messages=[
+                p.ChatMessage(
+                    role="user",
+                    content=[p.TextPart(text="What colour is this?"), p.ImagePart(data=RED_PIXEL_PNG, detail="low")],
+                ),
+            ],
+            sampling=p.Sampling(max_tokens=8, temperature=0.0),
         ),
         {},
     ),
@@ -669,6 +689,8 @@ ALL_STRUCTS: list[type[msgspec.Struct]] = [
     p.Overflow,
     p.ChatMessage,
     p.TextPart,
+    p.ImagePart,
+    p.JobImage,
     p.ToolCall,
     p.Tool,
     p.NamedTool,
@@ -713,7 +735,8 @@ def type_name(t: mi.Type, field: str = "") -> str:
     if isinstance(t, mi.BytesType):
         return "bin (int32 LE token ids)" if field == "tokens" else "bin"
     if isinstance(t, mi.ListType):
-        return f"array of {type_name(t.item_type)}"
+        item = type_name(t.item_type)
+        return f"array of ({item})" if isinstance(t.item_type, mi.UnionType) else f"array of {item}"
     if isinstance(t, mi.DictType):
         return f"map {type_name(t.key_type)} → {type_name(t.value_type)}"
     if isinstance(t, mi.StructType):
@@ -737,6 +760,9 @@ def constraints(t: mi.Type) -> list[str]:
     elif isinstance(t, mi.StrType):
         if t.min_length is not None or t.max_length is not None:
             out.append(f"length {t.min_length or 0}..{t.max_length if t.max_length is not None else ''}".rstrip("."))
+    elif isinstance(t, mi.BytesType):
+        if t.min_length is not None or t.max_length is not None:
+            out.append(f"{t.min_length or 0}..{t.max_length if t.max_length is not None else ''} bytes".replace(".. ", "+ "))
     elif isinstance(t, mi.LiteralType):
         out.append("one of " + ", ".join(f'`"{v}"`' for v in t.values))
     elif isinstance(t, mi.ListType):

@@ -8,7 +8,19 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from protocol import Constraint, Job, JobDelta, JobDone, JobError, Message, Sampling, pack_tokens, token_hash, unpack_tokens
+from protocol import (
+    Constraint,
+    Job,
+    JobDelta,
+    JobDone,
+    JobError,
+    JobImage,
+    Message,
+    Sampling,
+    pack_tokens,
+    token_hash,
+    unpack_tokens,
+)
 from worker.engine import Engine
 
 _ids = itertools.count()
@@ -61,6 +73,7 @@ def job(
     deadline_ms: int | None = None,
     constraint: Constraint | None = None,
     cache_salt: str = "",
+    images: list[JobImage] | None = None,
     **sampling,
 ) -> Job:
     sampling.setdefault("temperature", 0.0)
@@ -74,6 +87,7 @@ def job(
         deadline_ms=deadline_ms,
         constraint=constraint,
         cache_salt=cache_salt,
+        images=images or [],
     )
 
 

@@ -1,0 +1,144 @@
+"""A model's vision projector (`--mmproj`, llama-server's flag) through llama.cpp's multimodal library, mtmd.
+
+The router loads it beside its vocabulary (a vocab-only model serves: mtmd lays out the chunks and counts an image's
+rows as the worker will) to turn a rendered prompt with one media marker per image into token ids, each image as the
+ids common/media.py makes from its bytes. The worker loads it beside its weights to compute an image's rows into a
+slot's sequence (`eval_image`). mtmd facts and gotchas: bench/tiny_mmproj.py's docstring.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import llama_cpp
+import llama_cpp.mtmd_cpp as mtmd
+import numpy as np
+
+from common.media import digest, image_tokens
+
+MARKER = mtmd.mtmd_default_marker().decode()  # "<__media__>": where a rendered prompt has an image
+TEXT, IMAGE = mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT, mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE
+
+
+class ProjectorError(ValueError):
+    """The projector cannot be loaded, or an image cannot be read (`index`: which of the request's, when one)."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """An image of a prompt: where its rows start, how many, and its file's bytes (the worker encodes them)."""
+
+    start: int
+    n_tokens: int
+    data: bytes
+
+
+class Projector:
+    """One mtmd context. Not thread-safe: calls are serialised (the router prepares on several threads)."""
+
+    def __init__(self, path: str, model: Any, *, threads: int = 1, use_gpu: bool = False, warmup: bool = False) -> None:
+        mtmd.mtmd_helper_log_set(llama_cpp._logger.llama_log_callback, None)  # (quiet as llama.cpp's own log)
+        p = mtmd.mtmd_context_params_default()
+        p.use_gpu, p.print_timings, p.n_threads, p.warmup = use_gpu, False, threads, warmup
+        self.ctx = mtmd.mtmd_init_from_file(path.encode(), model, p)
+        if not self.ctx:
+            raise ProjectorError(
+                f"--mmproj {path}: llama.cpp's multimodal library could not load it as a projector for this model "
+                "(not a projector GGUF, or one made for another model's width)"
+            )
+        self.path = path
+        if not mtmd.mtmd_support_vision(self.ctx):
+            self.close()
+            raise ProjectorError(f"--mmproj {path}: this projector reads no images (audio only)")
+        if mtmd.mtmd_decode_use_mrope(self.ctx):
+            self.close()
+            raise ProjectorError(
+                f"--mmproj {path}: this model places image rows with M-RoPE (Qwen-VL's), which kvroute does not serve yet"
+            )
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        if self.ctx:
+            mtmd.mtmd_free(self.ctx)
+            self.ctx = None
+
+    def _chunks(self, text: str, add_special: bool, images: list[bytes]) -> Any:
+        """mtmd's chunks of `text` (one MARKER per image, in order); the caller frees them."""
+        bitmaps = []
+        try:
+            for i, data in enumerate(images):
+                buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                bmp = mtmd.mtmd_helper_bitmap_init_from_buf(self.ctx, buf, len(data), False)
+                if not bmp:
+                    raise ProjectorError(f"image {i}: not an image llama.cpp can decode (PNG, JPEG, GIF, BMP)", i)
+                bitmaps.append(bmp)
+            chunks = mtmd.mtmd_input_chunks_init()
+            raw = text.encode()
+            inp = mtmd.mtmd_input_text(raw, len(raw), add_special, True)
+            arr = (mtmd.mtmd_bitmap_p_ctypes * len(bitmaps))(*bitmaps)
+            rc = mtmd.mtmd_tokenize(self.ctx, chunks, ctypes.byref(inp), arr, len(bitmaps))
+        finally:
+            for bmp in bitmaps:
+                mtmd.mtmd_bitmap_free(bmp)  # (the chunks hold the preprocessed image)
+        if rc != 0:
+            mtmd.mtmd_input_chunks_free(chunks)
+            markers = text.count(MARKER)
+            if markers != len(images):
+                raise ProjectorError(f"the prompt has {markers} image markers ({MARKER}) for {len(images)} images")
+            raise ProjectorError(f"an image could not be prepared for the projector (mtmd_tokenize returned {rc})")
+        return chunks
+
+    def tokenize(self, text: str, add_special: bool, images: list[bytes]) -> tuple[np.ndarray, list[PromptImage]]:
+        """The prompt's token ids (each image as common/media.py's ids) and where its images are."""
+        with self._lock:
+            chunks = self._chunks(text, add_special, images)
+            try:
+                parts: list[np.ndarray] = []
+                placed: list[PromptImage] = []
+                at = 0
+                for i in range(mtmd.mtmd_input_chunks_size(chunks)):
+                    c = mtmd.mtmd_input_chunks_get(chunks, i)
+                    if mtmd.mtmd_input_chunk_get_type(c) == TEXT:
+                        n = ctypes.c_size_t()
+                        ptr = mtmd.mtmd_input_chunk_get_tokens_text(c, ctypes.byref(n))
+                        part = np.ctypeslib.as_array(ptr, shape=(n.value,)).astype(np.int32) if n.value else np.empty(0, np.int32)
+                    else:
+                        data = images[len(placed)]
+                        part = image_tokens(digest(data), mtmd.mtmd_input_chunk_get_n_tokens(c))
+                        placed.append(PromptImage(at, len(part), data))
+                    parts.append(part)
+                    at += len(part)
+            finally:
+                mtmd.mtmd_input_chunks_free(chunks)
+        return (np.concatenate(parts) if parts else np.empty(0, np.int32)), placed
+
+    def eval_image(self, lctx: Any, data: bytes, n_past: int, seq: int, n_batch: int) -> int:
+        """Encode the image `data` and decode its rows into sequence `seq` from position `n_past` (no logits: a text
+        token after it is sampled); the rows it took. `n_batch` and the context's n_batch and n_ubatch must be at least
+        the image's rows (llama.cpp asserts it for a non-causal image: bench/tiny_mmproj.py)."""
+        with self._lock:
+            chunks = self._chunks(MARKER, False, [data])
+            try:
+                image = next(
+                    mtmd.mtmd_input_chunks_get(chunks, i)
+                    for i in range(mtmd.mtmd_input_chunks_size(chunks))
+                    if mtmd.mtmd_input_chunk_get_type(mtmd.mtmd_input_chunks_get(chunks, i)) == IMAGE
+                )
+                n = mtmd.mtmd_input_chunk_get_n_tokens(image)
+                if n > n_batch:
+                    raise ProjectorError(f"an image of {n} rows does not fit a batch of {n_batch}")
+                new_past = llama_cpp.llama_pos(n_past)
+                past = ctypes.byref(new_past)
+                rc = mtmd.mtmd_helper_eval_chunk_single(self.ctx, lctx, image, n_past, seq, n_batch, False, past)
+                if rc != 0:
+                    raise RuntimeError(f"mtmd_helper_eval_chunk_single returned {rc}")
+                return int(new_past.value) - n_past
+            finally:
+                mtmd.mtmd_input_chunks_free(chunks)
