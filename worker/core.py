@@ -251,7 +251,8 @@ class EngineCore:
                     n = self.projector.eval_image(self.llama.ctx, image.data, start, slot.id, self.llama.rows)
                 except (ProjectorError, RuntimeError) as exc:
                     self.prefixes.clear(slot)  # (what of the image was decoded is not known)
-                    self._error(task, ErrorCode.BAD_REQUEST, f"image at prompt position {start}: {exc}")
+                    code = ErrorCode.BAD_REQUEST if isinstance(exc, ProjectorError) else ErrorCode.INTERNAL
+                    self._error(task, code, f"image at prompt position {start}: {exc}")
                     break
                 slot.tokens.extend(task.prompt[start : start + n])
                 if slot.n_exact == start:  # (decoded alone, the same way every time: exact, as a prompt chunk is)
@@ -259,6 +260,7 @@ class EngineCore:
                 self.counters.prefill_rows += n
                 self.counters.image_rows += n
                 if n != image.n_tokens:  # the router counted otherwise: what the slot holds is not what it believes
+                    self.counters.invariant_violations += 1
                     self._error(task, ErrorCode.INTERNAL, f"an image took {n} rows here, the job said {image.n_tokens}")
                     self.prefixes.clear(slot)
                     break
