@@ -85,7 +85,8 @@ async def agent(n: int, http: httpx.AsyncClient, args: argparse.Namespace, tally
             tally.outcomes[f"error {status}"] += 1
             tally.messages[error] += 1
             talk.pop()
-            if "context_overflow" in error:  # the conversation outgrew its slot: a new one, as an agent compacts
+            # the conversation outgrew its slot: a new one, as an agent compacts
+            if "maximum context length" in error or "context_length_exceeded" in error:
                 talk = []
         turn += 1
 

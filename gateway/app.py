@@ -24,7 +24,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from common import logs
@@ -96,7 +96,7 @@ def kvroute_error_response(exc: KvrouteError, errors: Errors) -> JSONResponse:
     headers = None
     if exc.code == ErrorCode.QUEUE_FULL:
         headers = {"Retry-After": str(max(1, round((exc.retry_after_ms or 1000) / 1000)))}
-    return errors.response(message, status, type_=type_, code=exc.code, param=exc.param, headers=headers)
+    return errors.response(message, status, type_=type_, code=errors.code(exc.code), param=exc.param, headers=headers)
 
 
 class SharedStatus:
@@ -393,7 +393,14 @@ class Gateway:
         sub = normalise.served(call.sub, asked, keep_alive, self.salt_of(request, call.sub.cache_salt), self.owner_of(request))
         t0 = asyncio.get_running_loop().time()
         messages = self.client.stream_submit(sub)
-        first = await self._first(messages, request, sub)
+        try:
+            first = await self._first(messages, request, sub)
+        except KvrouteError as exc:
+            if not (call.stream and call.failed and exc.code == ErrorCode.CONTEXT_OVERFLOW):
+                raise
+            text = dialect.errors.message(error_text(exc), exc.code, exc.overflow)
+            failed = call.failed(dialect.errors.code(exc.code), text)
+            return StreamingResponse(iter([failed]), media_type="text/event-stream", headers=SSE_HEADERS)
         if first is None:
             return Response(status_code=499)
         if not call.stream:

@@ -34,6 +34,9 @@ class Call:
     stream: bool
     reply: Callable[[Result], dict[str, Any]]
     events: Events
+    # a stream that fails before its first token, as the API's own events (Responses' `response.failed`, which Codex
+    # reads for a context overflow, and compacts), or None: an HTTP error status
+    failed: Callable[[str, str], bytes] | None = None  # (error code as the API names it, message)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ def _responses(raw: dict[str, Any], rid: str, policy: Policy, model: str, images
         stream,
         lambda r: responses.response_body(r, rid, model, asked, created, logprobs),
         lambda msgs: responses.response_events(msgs, rid, model, asked, created),
+        lambda code, message: responses.failed_events(rid, model, asked, created, code, message),
     )
 
 

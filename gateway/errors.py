@@ -76,6 +76,20 @@ def prompt_too_long(o: Overflow) -> str:
     return f"prompt is too long: {o.prompt_tokens + (o.max_tokens or 0)} tokens > {o.context} maximum"
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""OpenAI's error code for a context overflow, which its clients (Codex: then it compacts) and many others match."""
+
+
+def maximum_context_length(o: Overflow, detail: str) -> str:
+    """OpenAI's words for a context overflow ("maximum context length", which clients match), then the router's."""
+    asked = o.prompt_tokens + (o.max_tokens or 0)
+    return (
+        f"This model's maximum context length is {o.context} tokens. However, you requested {asked} tokens "
+        f"({o.prompt_tokens} in the messages, {o.max_tokens or 0} in the completion). Please reduce the length of the "
+        f"messages or completion. ({detail})"
+    )
+
+
 @dataclass(frozen=True)
 class Errors:
     """An API family's errors: OpenAI's or Anthropic's."""
@@ -88,10 +102,14 @@ class Errors:
         return kind.anthropic if self.anthropic else kind.openai
 
     def message(self, message: str, code: str, overflow: Overflow | None = None) -> str:
-        """What a client of this family reads: the router's words, or Anthropic's for a context overflow."""
-        if self.anthropic and code == ErrorCode.CONTEXT_OVERFLOW and overflow is not None:
-            return prompt_too_long(overflow)
+        """What a client of this family reads: the router's words, or the family's own for a context overflow."""
+        if code == ErrorCode.CONTEXT_OVERFLOW and overflow is not None:
+            return prompt_too_long(overflow) if self.anthropic else maximum_context_length(overflow, message)
         return message
+
+    def code(self, code: str) -> str:
+        """A protocol error code as this family's bodies name it (OpenAI's own code for a context overflow)."""
+        return CONTEXT_LENGTH_EXCEEDED if code == ErrorCode.CONTEXT_OVERFLOW and not self.anthropic else code
 
     def body(self, message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, object]:
         if self.anthropic:
@@ -130,13 +148,15 @@ def errors_for(path: str) -> Errors:
 
 def chat_stream_error(message: str, code: str, overflow: Overflow | None = None) -> bytes:
     """Chat Completions and Completions: an `error` chunk, then `[DONE]`."""
-    body = OPENAI_ERRORS.body(message, OPENAI_ERRORS.status_of(code)[1], code)
+    errors = OPENAI_ERRORS
+    body = errors.body(errors.message(message, code, overflow), errors.status_of(code)[1], errors.code(code))
     return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 def responses_stream_error(message: str, code: str, overflow: Overflow | None = None) -> bytes:
     """Responses: an `error` event."""
-    data = {"type": "error", "code": code, "message": message, "param": None}
+    errors = OPENAI_ERRORS
+    data = {"type": "error", "code": errors.code(code), "message": errors.message(message, code, overflow), "param": None}
     return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
 
 

@@ -538,5 +538,19 @@ async def response_events(
         yield event(kind, response=final, timings=timings_body(msg))  # (llama-server's, beside the response)
 
 
+def failed_events(rid: str, model: str, asked: Asked, created: float, code: str, message: str) -> bytes:
+    """A stream that failed before its first token: response.created, then response.failed with the error (how
+    OpenAI's Codex backend reports a context overflow, `context_length_exceeded`, which Codex answers by compacting;
+    an HTTP 400 it takes for a request it must not send again)."""
+    base = envelope(rid, model, asked, created)
+    failed = {**base, "status": "failed", "error": {"code": code, "message": message}}
+    events = [("response.created", base), ("response.failed", failed)]
+    return b"".join(
+        b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode({"type": kind, "sequence_number": i, "response": r})
+        + b"\n\n"
+        for i, (kind, r) in enumerate(events)
+    )  # fmt: skip
+
+
 def now() -> float:
     return time.time()

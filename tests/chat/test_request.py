@@ -1,4 +1,4 @@
-"""A chat request prepared for the model: the tool history checked as OpenAI checks it, the generic polyfill (no model)."""
+"""A chat request prepared for the model: the tool history checked, the generic polyfill (no model)."""
 
 from __future__ import annotations
 
@@ -37,13 +37,32 @@ def user(text: str = "hi") -> ChatMessage:
             ],
             "messages[2].tool_call_id",
         ),
-        ([user(), ChatMessage(role="assistant", tool_calls=[CALL]), user("go on")], "messages[1].tool_calls"),
     ],
 )
 def test_malformed_tool_history_names_the_field(messages: list[ChatMessage], param: str) -> None:
     with pytest.raises(ChatError) as info:
         prepare(messages)
     assert info.value.param == param
+
+
+def test_calls_left_unanswered_render_as_they_are_and_the_conversation_goes_on() -> None:
+    """Codex, after a reply cut off in its calls, sends them back unrun: OpenAI refuses that history, llama-server
+    renders it, and so does kvroute (a refusal would end the session: every later turn sends the same history)."""
+    second = ToolCall(id="call_2", name="lookup", arguments='{"q": "y"}')
+    history = [
+        user("find x"),
+        ChatMessage(role="assistant", tool_calls=[CALL, second]),
+        ChatMessage(role="tool", tool_call_id="call_1", content="found"),
+        user("go on"),
+    ]
+    text = prepare(history)
+    assert '{"name": "lookup", "arguments": {"q": "y"}}' in text  # the unanswered call, as the model wrote it
+    assert "<tool_response>\nfound\n</tool_response>" in text
+    assert text.index("found") < text.index("go on")
+    # and a tool message after them answers no call: still refused, naming it
+    with pytest.raises(ChatError) as info:
+        prepare([*history, ChatMessage(role="tool", tool_call_id="call_2", content="late")])
+    assert info.value.param == "messages[4].tool_call_id"
 
 
 def test_a_well_formed_tool_history_renders_with_the_model_s_own_text() -> None:

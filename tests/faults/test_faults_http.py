@@ -69,7 +69,7 @@ def test_a_9_mb_prompt_and_a_40_mb_body_are_refused_alone_while_4_streams_finish
 
     # just under the limit: parsed and tokenized off the event loop, then refused for its length
     r = httpx.post(url, json={"messages": [{"role": "user", "content": "word " * (7 * MB // 5)}]}, timeout=BOUND_S)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_overflow", r.text[:300]
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
 
     # the same prompt as one raw ZMQ frame over the router's 8 MiB cap: an error that names the request
     sock = zmq.Context.instance().socket(zmq.DEALER)

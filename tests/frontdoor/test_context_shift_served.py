@@ -79,13 +79,14 @@ def test_a_last_message_longer_than_the_slot_is_still_refused_with_both_numbers(
     history = conversation(2)
     history[-1] = {"role": "user", "content": "Tell me about every boat in the harbour. " * 40}
     r = chat(shifted, history)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_overflow", r.text[:300]
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
     message = r.json()["error"]["message"]
     assert "after --context-shift dropped 4 messages" in message and f"a slot of {CTX} tokens" in message
 
 
 def test_without_context_shift_the_long_conversation_is_refused(served: Served) -> None:
     r = chat(served, conversation())
-    assert r.status_code == 400 and r.json()["error"]["code"] == "context_overflow", r.text[:300]
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
     message = r.json()["error"]["message"]
-    assert message.startswith("prompt of ") and "a slot of 1024 tokens" in message and "context-shift" not in message
+    assert message.startswith("This model's maximum context length is 1024 tokens. However, you requested ")
+    assert "(prompt of " in message and "a slot of 1024 tokens" in message and "context-shift" not in message

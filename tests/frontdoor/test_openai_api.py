@@ -72,7 +72,7 @@ def test_error_statuses(served: Served) -> None:
         r = c.post("/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5000}, headers=h)
-        assert r.status_code == 400 and r.json()["error"]["code"] == "context_overflow"
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
         assert "1024" in r.json()["error"]["message"]  # the numbers are named
         r = c.post("/v1/completions", json={"prompt": "hi", "top_p": 7}, headers=h)
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"

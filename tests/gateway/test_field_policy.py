@@ -3,6 +3,7 @@ refusals name the field, unknown fields are hints unless --strict-api."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -357,7 +358,7 @@ def test_count_tokens_takes_the_same_body() -> None:
         "prompt of 32729 tokens + max_tokens 64 = 32793 is over a slot's context of 32768 tokens",  # a worker's
     ],
 )
-async def test_anthropic_context_overflow_reads_as_prompt_too_long(words: str) -> None:
+async def test_a_context_overflow_reads_in_each_api_s_own_words(words: str) -> None:
     # Claude Code compacts its conversation on Anthropic's wording, and stops on any other; the wording is made from
     # the error's numbers, whoever refused the prompt and in whatever words
     fake = FakeRouter()
@@ -367,5 +368,21 @@ async def test_anthropic_context_overflow_reads_as_prompt_too_long(words: str) -
         r = await c.post("/v1/messages", json={"max_tokens": 64, "messages": USER})
         assert r.status_code == 400
         assert r.json()["error"]["message"] == "prompt is too long: 32793 tokens > 32768 maximum"
+        # OpenAI's code and words (Codex compacts on the code; many clients match "maximum context length"), then ours
         r = await c.post("/v1/chat/completions", json={"messages": USER})
-        assert r.json()["error"]["message"] == words
+        error = r.json()["error"]
+        assert (r.status_code, error["code"]) == (400, "context_length_exceeded")
+        assert error["message"] == (
+            "This model's maximum context length is 32768 tokens. However, you requested 32793 tokens (32729 in the "
+            f"messages, 64 in the completion). Please reduce the length of the messages or completion. ({words})"
+        )
+        # a Responses stream says it in its own events (Codex reads `response.failed` with OpenAI's code, and
+        # compacts; an HTTP 400 it takes for a request never to send again), a Responses body as an HTTP 400
+        r = await c.post("/v1/responses", json={"input": "hi", "stream": True})
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and [e["type"] for e in events] == ["response.created", "response.failed"]
+        failed = events[1]["response"]
+        assert failed["status"] == "failed" and failed["error"]["code"] == "context_length_exceeded"
+        assert failed["error"]["message"] == error["message"]
+        r = await c.post("/v1/responses", json={"input": "hi"})
+        assert (r.status_code, r.json()["error"]["code"]) == (400, "context_length_exceeded")

@@ -279,9 +279,9 @@ SERIES_BOUND = 600  # metric series of this server (one worker): the HTTP API's,
 @pytest.mark.parametrize("name", list(SECOND_ROUND))
 def test_a_second_round_request_harms_no_one(served: Serve, name: str, tmp_path: Path) -> None:
     """Issue 61: beside a normal stream, the stream's longest gap stays under 1 s and its worker is not restarted,
-    `/health` answers within 100 ms throughout, a one-token chat during the tokenize flood takes under twice its time
-    without it (the same key's: the flood's texts are not small work), the metric series stay under a bound, and a
-    foreign Host is refused. The hostile client is a process of its own (tests/hostile/outside.py)."""
+    `/health` answers within 100 ms throughout, a one-token chat during the tokenize flood (the same key's: the flood's
+    texts are not small work) is not queued behind it (under twice its time without it plus 0.5 s), the metric series
+    stay under a bound, and a foreign Host is refused. The hostile client is a process of its own (tests/hostile/outside.py)."""
     path, body, times, headers = SECOND_ROUND[name]
     (tmp_path / "body").write_bytes(body)
     restarts = dict(served.router.restarts)
@@ -308,7 +308,9 @@ def test_a_second_round_request_harms_no_one(served: Serve, name: str, tmp_path:
     if chats:
         during, before = seen["chat_during_s"], seen["chat_before_s"]
         assert seen["outlasted_chats"], "the flood was over before the chats"
-        assert during < 2 * before, f"{name}: a one-token chat took {during:.2f} s, {before:.2f} s without it"
+        # queued behind the flood it would wait seconds (its tokenizes expire after 3-5 s); the 0.5 s allows for the
+        # flood's tokenizing taking CPU from the worker on 2 cores, which slowed a step from 60 to 190 ms in one CI run
+        assert during < 2 * before + 0.5, f"{name}: a one-token chat took {during:.2f} s, {before:.2f} s without it"
     assert series_count(served.url) < SERIES_BOUND
 
 
