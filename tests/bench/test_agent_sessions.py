@@ -1,0 +1,71 @@
+"""bench.agent_sessions without a model: the traffic's shape against a stand-in server that counts words as tokens,
+and the figures (new and recomputed tokens) from what each reply says it computed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+
+from bench.agent_sessions import Conversation, Run, Sent, Traffic, figures, new_tokens, summarize, words
+
+
+class StandIn:
+    """A server whose tokens are words and which keeps each session's last prompt + reply (`forget`: none)."""
+
+    def __init__(self, forget: set[str] | None = None) -> None:
+        self.kept: dict[str, int] = {}
+        self.forget = forget or set()
+        self.sessions: list[str] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        session = request.headers["x-session-id"]
+        self.sessions.append(session)
+        prompt = sum(len(m["content"].split()) for m in body["messages"])
+        cached = 0 if session in self.forget else min(self.kept.get(session, 0), prompt)
+        self.kept[session] = prompt + 2
+        usage = {"prompt_tokens": prompt, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": cached}}
+        return httpx.Response(200, json={"choices": [{"message": {"content": "ok then"}}], "usage": usage})
+
+
+def run(server: StandIn, traffic: Traffic) -> dict[str, Any]:
+    r = Run("http://stand-in", "m", traffic, transport=httpx.MockTransport(server))
+    wall = asyncio.run(r.run())
+    return summarize(r.conversations, wall)
+
+
+SMALL = Traffic(parent_words=300, sub_words=150, other_words=150, tool_wait_s=0.0, user_words=10, result_words=20)
+
+
+def test_the_parent_starts_its_sub_agents_on_its_spawn_turns_beside_the_others() -> None:
+    server = StandIn()
+    f = run(server, SMALL)
+    assert f["parent"]["requests"] == 5 and f["sub"]["requests"] == 2 * 3 * 3 and f["everyone"]["failed"] == 0
+    assert {s for s in server.sessions if s.startswith("parent/sub-")} == {
+        f"parent/sub-{t}-{k}" for t in (2, 4) for k in (1, 2, 3)
+    }
+    assert f["other"]["requests"] >= 2  # each other user spoke at least once while the parent ran
+    # a server that keeps every session's history computes exactly the new tokens: nothing recomputed
+    assert f["parent"]["recomputed"] == 0 and f["parent"]["computed"] == f["parent"]["new"]
+
+
+def test_a_server_that_forgets_the_parent_recomputes_its_history() -> None:
+    f = run(StandIn(forget={"parent"}), SMALL)
+    assert f["parent"]["computed"] == f["parent"]["sent"] and f["parent"]["recomputed"] > 0
+    assert f["sub"]["recomputed"] == 0
+
+
+def test_new_tokens_are_those_past_the_previous_prompt_and_reply() -> None:
+    conv = Conversation("c", "parent")
+    conv.sent = [Sent("c", "parent", 1, 100, 100, 5, 1.0, 200), Sent("c", "parent", 2, 130, 130, 5, 1.0, 200)]
+    new_tokens([conv])
+    assert [s.new for s in conv.sent] == [100, 25]
+    assert figures(conv.sent)["recomputed"] == 105  # the second computed its whole prompt: 105 of it was history
+
+
+def test_words_are_the_same_for_the_same_seed() -> None:
+    assert words("parent/system", 50) == words("parent/system", 50) != words("other-1/system", 50)
+    assert len(words("x", 50).split()) == 50
