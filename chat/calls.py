@@ -9,11 +9,13 @@ is the call's arguments text: the client's `function.arguments` deltas, and the 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 _decoder = json.JSONDecoder()
 WS = " \t\r\n"
+NUMBER_TEXT = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")  # a JSON number, as written
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,11 @@ class Head:
 
 
 # ---- JSON helpers the families share ---------------------------------------------------------------------------------
+
+
+def json_chars(text: str) -> str:
+    """`text` as the characters of a JSON string (escaped, without its quotes): a string value given out as it streams."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
 def skip_ws(text: str, i: int) -> int:
@@ -252,3 +259,12 @@ def match_exact(text: str, i: int, lit: str) -> int | Literal[False] | None:
 def hit(got: int | Literal[False] | None) -> bool:
     """Whether a match answered an index (False is an int to Python: this says what is meant)."""
     return got is not None and got is not False
+
+
+def partial_mark(text: str, i: int, mark: str) -> int:
+    """Length of the longest suffix of text[i:] that is a proper prefix of `mark` (text held back: `mark` may be
+    arriving)."""
+    for k in range(min(len(mark) - 1, len(text) - i), 0, -1):
+        if text.endswith(mark[:k]):
+            return k
+    return 0

@@ -35,16 +35,12 @@ from typing import Any, Literal
 from chat.calls import Call, Head, JsonArgs, Pattern, WholeArgs, call_from_object, decode_at, match_literal, skip_ws
 from chat.gemma_args import GemmaArgs, gemma_grammar
 from chat.schema import for_grammar
+from chat.value_grammar import lit
 from protocol import Tool
 
 ALNUM = string.ascii_letters + string.digits
 EMPTY: Mapping[str, frozenset[str]] = {}
 __all__ = ["Call", "Family", "Generic"]
-
-
-def lit(text: str) -> str:
-    """A Lark string literal matching `text` exactly."""
-    return json.dumps(text, ensure_ascii=False)
 
 
 def object_schema(tool: Tool) -> dict[str, Any]:
@@ -70,7 +66,7 @@ def head_of(pattern: Pattern, section: str, i: int) -> Head | Literal[False] | N
 class Family:
     """A tool-call syntax. Subclasses set the class attributes and implement `calls_rules`, `head` and `tail`.
 
-    Reading: the parser (chat/output.py) gives the tool-call section (the text from the trigger on) to `head` at
+    Reading: the parser (chat/section_parser.py) gives the tool-call section (the text from the trigger on) to `head` at
     the start of each call; the head's reader follows the arguments; `tail` reads what closes the call. So a call
     is given out while it is written: its name as soon as the head is read, its arguments as they come."""
 
@@ -113,7 +109,7 @@ class Family:
         return self.triggers
 
     def parser(self, spec: Any) -> Any:
-        """A reader of its own for replies (chat/output.py's OutputParser interface), or None: the section machinery."""
+        """A reader of its own for replies (chat/output_parser.py's OutputParser), or None: the section machinery."""
         return None
 
     def write(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
@@ -135,6 +131,18 @@ def closing(section: str, i: int, text: str) -> int | None:
     if got is None:
         return None
     return i if got is False else got
+
+
+def listed_head(
+    first: Pattern, more: Pattern, close: str, section: str, i: int, k: int
+) -> tuple[dict[str, str], int] | int | None:
+    """The head of call `k` in a section that lists its calls: `first` matched for the first call, `more` for one after
+    a call. (slots, index after) when it is there; else the index after the section's `close` (`i` when that is not
+    there either: the rest is reply text); None while undecided."""
+    got = (more if k else first).match(section, i)
+    if got is not False:
+        return got
+    return closing(section, i, close) if k else i
 
 
 class Hermes(Family):
@@ -213,8 +221,7 @@ class Mistral(Family):
     def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
         at = match_literal(section, i, "[TOOL_CALLS][" if k == 0 else ",")
         if at is False and k:
-            end = match_literal(section, i, "]")
-            return None if end is None else (i if end is False else end)
+            return closing(section, i, "]")
         if at is None or at is False:
             return None if at is None else i
         if JsonArgs(at).read(section, False)[1] is None:
@@ -304,11 +311,11 @@ class Generic(Family):
         return head + call + self._named(tools, '"{name}\\", \\"arguments\\": " {args}')
 
     def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
-        got = head_of(self.NEXT if k else self.FIRST, section, i)
-        if got is not False or not k:
-            return i if got is False else got
-        end = match_literal(section, i, "]}")
-        return None if end is None else (i if end is False else end)
+        got = listed_head(self.FIRST, self.NEXT, "]}", section, i, k)
+        if not isinstance(got, tuple):
+            return got
+        slots, at = got
+        return Head(slots["name"], JsonArgs(at), slots.get("id"))
 
     def tail(self, section: str, i: int) -> int | None:
         return closing(section, i, "}")

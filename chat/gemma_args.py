@@ -12,92 +12,62 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
-from chat.calls import ArgsReader
+from chat.calls import NUMBER_TEXT, ArgsReader, json_chars
+from chat.value_grammar import ValueGrammar, lit
 
 # at most 16 digits before the point and after it, as llama.cpp's grammars write numbers (a small model would not stop)
-NUMBER = r"/-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][-+]?[0-9]{1,3})?/"
-INTEGER = r"/-?(0|[1-9][0-9]{0,15})/"
+JSON_NUMBER = r"/-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][-+]?[0-9]{1,3})?/"
 SMALL_RANGE = 256  # an integer range this small is written out value by value
 KEY = r"/[A-Za-z_][A-Za-z0-9_]*/"
 
 
-def _lit(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
-
-
-class _Writer:
+class _Writer(ValueGrammar):
     """Collects the rules of one argument grammar; rule names are prefixed with the grammar's name."""
 
+    SEP = ","
+    NUMBER = JSON_NUMBER
+    BOOLEAN = '"true" | "false"'
+    NULL = '"null"'
+
     def __init__(self, prefix: str, quote: str) -> None:
-        self.prefix, self.quote = prefix, quote
-        self.rules: list[str] = []
-        self.n = 0
+        super().__init__(prefix)
+        self.quote = quote
+        self._any = ""
         # one lexeme, quotes included: the body is anything without the quote token's first two characters (a
         # lexeme of its own would have to end before a `<` it cannot yet tell from the closing quote)
         a, b, q = re.escape(quote[0]), re.escape(quote[1]), re.escape(quote)
-        self.string = f"/{q}([^{a}]|{a}[^{b}])*{q}/"
-
-    def rule(self, body: str) -> str:
-        self.n += 1
-        name = f"{self.prefix}_{self.n}"
-        self.rules.append(f"{name}: {body}\n")
-        return name
+        self.string_lexeme = f"/{q}([^{a}]|{a}[^{b}])*{q}/"
 
     def any_value(self) -> str:
-        if not hasattr(self, "_any"):
+        if not self._any:
             self._any = f"{self.prefix}_any"
             obj = f'"{{" ({KEY} ":" {self._any} ("," {KEY} ":" {self._any})*)? "}}"'
             arr = f'"[" ({self._any} ("," {self._any})*)? "]"'
-            self.rules.append(f'{self._any}: {self.string} | {NUMBER} | "true" | "false" | "null" | {obj} | {arr}\n')
+            self.rules.append(f'{self._any}: {self.string_lexeme} | {JSON_NUMBER} | "true" | "false" | "null" | {obj} | {arr}\n')
         return self._any
 
-    def value(self, schema: Any) -> str:
-        if not isinstance(schema, dict):
-            return self.any_value()
+    def enum(self, schema: dict[str, Any]) -> str | None:
         if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]) and schema["enum"]:
-            return self.rule(" | ".join(_lit(self.quote + v + self.quote) for v in schema["enum"]))
-        kind = schema.get("type")
-        if kind == "string":
-            return self.rule(self.string)
-        if kind == "integer":
-            low, high = schema.get("minimum"), schema.get("maximum")
-            if isinstance(low, int) and isinstance(high, int) and 0 <= high - low <= SMALL_RANGE:
-                return self.rule(" | ".join(f'"{v}"' for v in range(low, high + 1)))
-            return self.rule(INTEGER)
-        if kind == "number":
-            return self.rule(NUMBER)
-        if kind == "boolean":
-            return self.rule('"true" | "false"')
-        if kind == "null":
-            return self.rule('"null"')
-        if kind == "array":
-            item = self.value(schema.get("items"))
-            return self.rule(f'"[" ({item} ("," {item})*)? "]"')
-        if kind == "object":
-            return self.object(schema)
-        return self.any_value()
+            return self.rule(" | ".join(lit(self.quote + v + self.quote) for v in schema["enum"]))
+        return None
+
+    def string(self) -> str:
+        return self.rule(self.string_lexeme)
+
+    def integer(self, schema: dict[str, Any]) -> str:
+        low, high = schema.get("minimum"), schema.get("maximum")
+        if isinstance(low, int) and isinstance(high, int) and 0 <= high - low <= SMALL_RANGE:
+            return self.rule(" | ".join(f'"{v}"' for v in range(low, high + 1)))
+        return super().integer(schema)
 
     def object(self, schema: dict[str, Any]) -> str:
         props = schema.get("properties")
         if not isinstance(props, dict) or not props:
             return self.rule(f'"{{" ({KEY} ":" {self.any_value()} ("," {KEY} ":" {self.any_value()})*)? "}}"')
-        required = set(schema.get("required") or [])
-        keys = sorted(props)
-        # members(i, first): the members from keys[i] on; a comma precedes each but the first written
-        tail = {len(keys): ('""', '""')}
-        for i in range(len(keys) - 1, -1, -1):
-            kv = f"{_lit(keys[i] + ':')} {self.value(props[keys[i]])}"
-            rest_first, rest_more = tail[i + 1]
-            if keys[i] in required:
-                first = self.rule(f"{kv} {rest_more}")
-                more = self.rule(f'"," {kv} {rest_more}')
-            else:
-                first = self.rule(f"{kv} {rest_more} | {rest_first}")
-                more = self.rule(f'"," {kv} {rest_more} | {rest_more}')
-            tail[i] = (first, more)
-        return self.rule(f'"{{" {tail[0][0]} "}}"')
+        return self.members(props, sorted(props), set(schema.get("required") or []), lambda key: key + ":")
 
 
 def gemma_grammar(name: str, parameters: dict[str, Any], quote: str) -> str:
@@ -134,17 +104,16 @@ class _Parser:
         for word, val in (("true", True), ("false", False), ("null", None), ("None", None)):
             if t.startswith(word, i):
                 return val, i + len(word)
-        m = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?").match(t, i)
+        m = NUMBER_TEXT.match(t, i)
         if not m:
             raise ValueError(f"no value at {i}")
-        s = m.group(0)
-        return (float(s) if any(c in s for c in ".eE") else int(s)), m.end()
+        return _number(m.group(0)), m.end()
 
     def members(self, i: int) -> tuple[dict[str, Any], int]:
-        t, out = self.text, dict[str, Any]()
-        if t.startswith("}", i):
-            return out, i + 1
-        while True:
+        out: dict[str, Any] = {}
+
+        def member(i: int) -> int:
+            t = self.text
             if t.startswith(self.quote, i):  # an escaped key (nested objects in declarations)
                 key, i = self.value(i)
             else:
@@ -155,26 +124,33 @@ class _Parser:
             if not t.startswith(":", i):
                 raise ValueError(f"no ':' at {i}")
             out[key], i = self.value(i + 1)
-            if t.startswith(",", i):
-                i += 1
-            elif t.startswith("}", i):
-                return out, i + 1
-            else:
-                raise ValueError(f"no ',' or '}}' at {i}")
+            return i
+
+        return out, self._listed(i, "}", member)
 
     def items(self, i: int) -> tuple[list[Any], int]:
-        t, out = self.text, list[Any]()
-        if t.startswith("]", i):
-            return out, i + 1
-        while True:
+        out: list[Any] = []
+
+        def item(i: int) -> int:
             v, i = self.value(i)
             out.append(v)
+            return i
+
+        return out, self._listed(i, "]", item)
+
+    def _listed(self, i: int, close: str, read: Callable[[int], int]) -> int:
+        """Read elements (`read`: the index after one) separated by commas up to `close`; the index after it."""
+        t = self.text
+        if t.startswith(close, i):
+            return i + 1
+        while True:
+            i = read(i)
             if t.startswith(",", i):
                 i += 1
-            elif t.startswith("]", i):
-                return out, i + 1
+            elif t.startswith(close, i):
+                return i + 1
             else:
-                raise ValueError(f"no ',' or ']' at {i}")
+                raise ValueError(f"no ',' or '{close}' at {i}")
 
 
 class GemmaArgs(ArgsReader):
@@ -207,7 +183,7 @@ class GemmaArgs(ArgsReader):
                 if q.startswith(section[i:]):  # (the quote token may be arriving)
                     break
                 if st == "string":
-                    out.append(json.dumps(c, ensure_ascii=False)[1:-1])
+                    out.append(json_chars(c))
                 else:
                     self.word += c
                 i += 1
@@ -301,6 +277,10 @@ def _scalar(word: str) -> str:
         return w
     if w == "None":
         return "null"
-    if not re.fullmatch(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?", w):
+    if not NUMBER_TEXT.fullmatch(w):
         raise ValueError(f"not a value: {w!r}")
-    return json.dumps(float(w) if any(c in w for c in ".eE") else int(w))
+    return json.dumps(_number(w))
+
+
+def _number(text: str) -> int | float:
+    return float(text) if any(c in text for c in ".eE") else int(text)

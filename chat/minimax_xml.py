@@ -18,9 +18,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from chat.calls import WS, ArgsReader, Head, Pattern, match_literal
-from chat.families import EMPTY, Family, lit
-from chat.python_values import INTEGER, NUMBER
+from chat.calls import NUMBER_TEXT, WS, ArgsReader, Head, Pattern, json_chars, partial_mark
+from chat.families import EMPTY, Family, listed_head
+from chat.python_values import PY_NUMBER
+from chat.value_grammar import INTEGER, Rules, lit
 from protocol import Tool
 
 NS = "]<]minimax[>["
@@ -28,7 +29,7 @@ OPEN, CLOSE = NS + "<tool_call>", NS + "</tool_call>"
 INVOKE_END = NS + "</invoke>"
 _NS_RX = re.escape(NS).replace("/", "\\/")
 _KEY = r"[A-Za-z0-9_.\-]+"
-SCALAR = re.compile(r"true|false|-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?")
+SCALAR = re.compile(rf"true|false|{NUMBER_TEXT.pattern}")
 
 
 class XmlArgs(ArgsReader):
@@ -52,9 +53,9 @@ class XmlArgs(ArgsReader):
         while i < n:
             if self.state == "text":
                 at = section.find(NS, i)
-                upto = at if at >= 0 else n - _partial(section, i, NS)
+                upto = at if at >= 0 else n - partial_mark(section, i, NS)
                 piece = section[i:upto]
-                out.append(json.dumps(piece, ensure_ascii=False)[1:-1] if self.stream else "")
+                out.append(json_chars(piece) if self.stream else "")
                 self.text += "" if self.stream else piece
                 i = upto
                 if at < 0:
@@ -128,13 +129,6 @@ class XmlArgs(ArgsReader):
         return bool(m.group(1)), m.group(2), m.end()
 
 
-def _partial(text: str, i: int, mark: str) -> int:
-    for k in range(min(len(mark) - 1, len(text) - i), 0, -1):
-        if text.endswith(mark[:k]):
-            return k
-    return 0
-
-
 def _scalar(text: str) -> str:
     """A value the schema does not call a string: `true`, `false` and numbers as such, anything else a string."""
     return text if SCALAR.fullmatch(text) else json.dumps(text, ensure_ascii=False)
@@ -147,14 +141,9 @@ class MinimaxXml(Family):
     NEXT = Pattern(NS + '<invoke name="{name}">')
 
     def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
-        got = (self.NEXT if k else self.FIRST).match(section, i)
-        if got is None:
-            return None
-        if got is False:
-            if not k:
-                return i
-            end = match_literal(section, i, CLOSE)
-            return None if end is None else (i if end is False else end)
+        got = listed_head(self.FIRST, self.NEXT, CLOSE, section, i, k)
+        if not isinstance(got, tuple):
+            return got
         slots, at = got
         return Head(slots["name"], XmlArgs(at, strings.get(slots["name"], frozenset())))
 
@@ -169,25 +158,16 @@ class MinimaxXml(Family):
         return f"calls: {lit(OPEN + chr(10))} {calls} {lit(CLOSE)}\ncall: {' | '.join(alts)}\n" + g.text()
 
 
-class XmlGrammar:
+class XmlGrammar(Rules):
     """Lark rules for values written as `to_xml` writes them; each value rule writes its element's close tag too."""
 
     def __init__(self) -> None:
-        self.rules = [
+        super().__init__("xml")
+        self.rules += [
             f"XML_TEXT: /(?s:.*)/ & ~/(?s:.*){_NS_RX}(?s:.*)/\n",  # (a value holds no namespace token)
             f"XML_ANY_CLOSE: /{_NS_RX}<\\/{_KEY}>/\n",
         ]
-        self.n = 0
         self._any = ""
-
-    def rule(self, body: str, options: str = "") -> str:
-        self.n += 1
-        name = f"xml_{self.n}"
-        self.rules.append(f"{name}{options}: {body}\n")
-        return name
-
-    def text(self) -> str:
-        return "".join(self.rules)
 
     def element(self, key: str, schema: Any) -> str:
         return f"{lit(NS + '<' + key + '>')} {self.value(schema, NS + '</' + key + '>')}"
@@ -208,7 +188,7 @@ class XmlGrammar:
         if kind == "string":
             return self.rule("XML_TEXT", f"[suffix={end}]")
         if kind in ("integer", "number"):
-            return self.rule(f"{INTEGER if kind == 'integer' else NUMBER} {end}")
+            return self.rule(f"{INTEGER if kind == 'integer' else PY_NUMBER} {end}")
         if kind == "boolean":
             return self.rule(f'("true" | "false") {end}')
         if kind == "object" and isinstance(schema.get("properties"), dict) and schema["properties"]:

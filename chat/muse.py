@@ -8,9 +8,10 @@
     </atem:function_calls><|eom|>                                  (<|eot|> after the turn's last message)
     <|start|>assistant to=user<|message|>REPLY<|eot|>
 
-The prompt ends with `<|start|>assistant`, so the first header is ` to=...` alone. A message to one of the tools is
-a call, its parameters tagged as MiniMax M2's are (read by chat/derived.py's TaggedArgs: strings as they are, other
-values as JSON); to `self` it is thinking; anything else is reply text. The template writes each call as a message
+The prompt ends with `<|start|>assistant`, so the first header is ` to=...` alone (chat/message_parser.py reads the
+messages). A message to one of the tools is a call, its parameters tagged as MiniMax M2's are (read by
+chat/tagged_args.py's TaggedArgs: strings as they are, other values as JSON); to `self` it is thinking; anything else
+is reply text. The template writes each call as a message
 of its own and leaves out the reply text of a turn that calls tools.
 """
 
@@ -19,18 +20,19 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from chat.calls import Head, Pattern, WholeArgs, hit, match_literal
-from chat.derived import TYPES, Syntax, TaggedArgs
-from chat.derived_grammar import tagged_rule
-from chat.families import EMPTY, Family, lit
-from chat.output import OpenCall, OutputParser, OutputSpec, Piece, partial_suffix
-from protocol import Tool, ToolCallDelta
+from chat.calls import Head, Pattern, hit, match_literal
+from chat.families import EMPTY, Family
+from chat.message_parser import MESSAGE, START, MessageParser
+from chat.output_parser import OpenCall, OutputParser, Piece, ReadSpec
+from chat.piece_syntax import TYPES, Syntax
+from chat.piece_syntax_grammar import tagged_rule
+from chat.tagged_args import TaggedArgs
+from chat.value_grammar import lit
+from protocol import Tool
 
-START, MESSAGE, EOM, EOT = "<|start|>", "<|message|>", "<|eom|>", "<|eot|>"
-ENDS = (EOM, EOT, START)
+EOM, EOT = "<|eom|>", "<|eot|>"
 OPEN, CLOSE = " to=self" + MESSAGE, EOM  # (the thinking, as a reasoning pair for the spec on the wire)
 RECIPIENT = re.compile(r"to=(\S+)")
-HEADER_MAX = 200  # a header longer than this is no header (a model that does not write these turns): reply text
 ATEM = Syntax(
     section_open="<atem:function_calls>\n", call_open='<atem:invoke name="', name_close='">\n',
     call_close="</atem:invoke>\n", call_sep="", section_close="</atem:function_calls>", tagged=True,
@@ -66,100 +68,33 @@ class Muse(Family):
     def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
         return i  # (read by MuseParser, not through the section machinery)
 
-    def parser(self, spec: OutputSpec) -> OutputParser:
+    def parser(self, spec: ReadSpec) -> OutputParser:
         return MuseParser(spec)
 
 
-class MuseParser(OutputParser):
-    """Reads a Muse Glimmer reply as it streams (chat/output.py's interface)."""
+class MuseParser(MessageParser):
+    """Reads a Muse Glimmer reply as it streams: a message to one of the tools is a call, its body tagged parameters."""
 
-    def __init__(self, spec: OutputSpec) -> None:
+    ENDS = (EOM, EOT, START)
+    BLANK_TAIL_IS_TEXT = False
+
+    def __init__(self, spec: ReadSpec) -> None:
         super().__init__(spec)
-        self.state = "header"  # header | body
-        self.kind = "content"  # of the current body: content | reasoning | call
-        self.call: OpenCall | None = None
         self.body = ""  # a call's body so far
         self.args: TaggedArgs | None = None
         self.args_end: int | None = None
 
-    @property
-    def in_reasoning(self) -> bool:
-        return self.state == "body" and self.kind == "reasoning"
-
-    @property
-    def opening_reasoning(self) -> bool:
-        return self.state == "header"  # (the header may open the thinking)
-
-    def _feed(self, text: str) -> Piece:
-        out = Piece()
-        self.buf += text
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> Piece:
-        out = Piece()
-        while self._step(out, final=True):
-            pass
-        if self.state == "header" and self.buf.strip():  # (no header after all: reply text)
-            self._emit(out, "content", self.buf, True)
-        self.buf = ""
-        return out
-
-    def _step(self, out: Piece, final: bool) -> bool:
-        if self.state == "header":
-            at = self.buf.find(MESSAGE)
-            if at < 0:
-                if len(self.buf) > HEADER_MAX:
-                    self.state, self.kind = "body", "content"  # not these turns: reply text from here
-                    return True
-                return False
-            self._open(out, self.buf[:at])
-            self.buf = self.buf[at + len(MESSAGE) :]
-            self.state = "body"
-            return True
-        hits = [(j, m) for m in ENDS if (j := self.buf.find(m)) >= 0]
-        if hits:
-            j, mark = min(hits)
-            self._emit(out, self.kind, self.buf[:j], True)
-            thought = self.kind == "reasoning"
-            self.buf = self.buf[j + (0 if mark == START else len(mark)) :]
-            if thought:
-                self.reasoning_end = self.fed - len(self.buf)
-            self.call, self.kind, self.state = None, "content", "header"
-            return True
-        keep = 0 if final else partial_suffix(self.buf, ENDS)
-        self._emit(out, self.kind, self.buf[: len(self.buf) - keep], final)
-        self.buf = self.buf[len(self.buf) - keep :]
-        return False
-
-    def _open(self, out: Piece, header: str) -> None:
-        """A message's header, read: where its body goes."""
+    def _recipient(self, header: str) -> str | None:
         recipient = RECIPIENT.search(header)
-        name = recipient.group(1) if recipient else "user"
-        if name in self.spec.tool_names:
-            assert self.family is not None
-            call = OpenCall(len(self.calls), self.family.new_id(), name, Head(name, WholeArgs(0, "", 0)))
-            self.calls.append(call)
-            self.call, self.kind, self.body, self.args, self.args_end = call, "call", "", None, None
-            out.calls.append(ToolCallDelta(index=call.index, id=call.id, name=name, arguments=""))
-        elif name == "self":
-            self.kind, self.reasoned = "reasoning", True
-        else:
-            self.kind = "content"
+        return recipient.group(1) if recipient else "user"
 
-    def _emit(self, out: Piece, kind: str, text: str, final: bool) -> None:
-        if kind == "call" and self.call is not None:
-            self._call_body(out, self.call, text, final)
-        elif not text:
-            return
-        elif kind == "reasoning":
-            self._reason(out, text)
-        else:
-            self.content.append(text)
-            out.content += text
+    def _thinking(self, header: str) -> bool:
+        return self._recipient(header) == "self"
 
-    def _call_body(self, out: Piece, call: OpenCall, text: str, final: bool) -> None:
+    def _call_opened(self) -> None:
+        self.body, self.args, self.args_end = "", None, None
+
+    def _call_text(self, out: Piece, call: OpenCall, text: str, final: bool) -> None:
         """Read the call's body as far as it is written (`final`: it ends here)."""
         self.body += text
         if self.args is None:
@@ -178,3 +113,7 @@ class MuseParser(OutputParser):
                 self._args(out, call.index, piece)
         if self.args_end is not None and self.args_end >= 0 and not call.done:
             call.done = hit(match_literal(self.body, self.args_end, BODY_END))
+
+    def _end_message(self, cut: bool) -> None:
+        if not cut:  # (a call's end is its body's: read in `_call_text`)
+            self.call, self.kind = None, "content"

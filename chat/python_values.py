@@ -14,9 +14,10 @@ import ast
 import json
 from typing import Any
 
-INTEGER = r"/-?(0|[1-9][0-9]{0,15})/"
+from chat.value_grammar import ValueGrammar, lit
+
 # Python's repr of a float: no trailing zeros but `.0` (`2.5`, `3.0`, `3`: an integer where JSON wrote one)
-NUMBER = r"/-?(0|[1-9][0-9]{0,15})(\.0|\.[0-9]{0,15}[1-9])?/"
+PY_NUMBER = r"/-?(0|[1-9][0-9]{0,15})(\.0|\.[0-9]{0,15}[1-9])?/"
 _CHAR = r"[^{q}\\\x00-\x1f\x7f]|\\[\\nrt]"
 PY_STRING = (
     "/'(" + _CHAR.format(q="'") + ")*'/"  # (no `'` inside: repr uses `'`)
@@ -27,10 +28,6 @@ PY_STRING = (
 def python_text(value: Any) -> str:
     """`value` as Jinja's `string` filter writes it (Python's `str`)."""
     return str(value)
-
-
-def lit(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
 
 
 def literal_json(text: str) -> str:
@@ -75,23 +72,17 @@ def _json_words_to_python(text: str) -> str:
     return "".join(out)
 
 
-class PythonGrammar:
-    """Collects the Lark rules of values written as Python writes them; rule names start with `prefix`."""
+class PythonGrammar(ValueGrammar):
+    """Collects the Lark rules of values written as Python writes them (`str()`); rule names start with `prefix`."""
+
+    NUMBER = PY_NUMBER
+    BOOLEAN = '"True" | "False"'
+    NULL = '"None"'
 
     def __init__(self, prefix: str) -> None:
-        self.prefix = prefix
-        self.rules: list[str] = []
-        self.n = 0
+        super().__init__(prefix)
         self._any = ""
-
-    def rule(self, body: str) -> str:
-        self.n += 1
-        name = f"{self.prefix}_{self.n}"
-        self.rules.append(f"{name}: {body}\n")
-        return name
-
-    def text(self) -> str:
-        return "".join(self.rules)
+        self._string = ""
 
     def any_value(self) -> str:
         if not self._any:
@@ -99,52 +90,25 @@ class PythonGrammar:
             a = self._any
             pair = f'{self.string()} ": " {a}'
             self.rules.append(
-                f'{a}: {self.string()} | {NUMBER} | "True" | "False" | "None" | "[" ({a} (", " {a})*)? "]"'
+                f'{a}: {self.string()} | {PY_NUMBER} | "True" | "False" | "None" | "[" ({a} (", " {a})*)? "]"'
                 f' | "{{" ({pair} (", " {pair})*)? "}}"\n'
             )
         return self._any
 
     def string(self) -> str:
-        if not hasattr(self, "_string"):
+        if not self._string:
             self._string = self.rule(PY_STRING)
         return self._string
 
-    def value(self, schema: Any) -> str:
-        """A rule for a value of `schema` as `str()` writes it."""
-        if not isinstance(schema, dict):
-            return self.any_value()
+    def enum(self, schema: dict[str, Any]) -> str | None:
         choices = schema.get("enum")
         if isinstance(choices, list) and choices and all(isinstance(v, str | int | float | bool) for v in choices):
             return self.rule(" | ".join(lit(repr(v)) for v in choices))
-        kind = schema.get("type")
-        if kind == "string":
-            return self.string()
-        if kind == "integer":
-            return self.rule(INTEGER)
-        if kind == "number":
-            return self.rule(NUMBER)
-        if kind == "boolean":
-            return self.rule('"True" | "False"')
-        if kind == "null":
-            return self.rule('"None"')
-        if kind == "array":
-            item = self.value(schema.get("items"))
-            return self.rule(f'"[" ({item} (", " {item})*)? "]"')
-        if kind == "object" and isinstance(schema.get("properties"), dict) and schema["properties"]:
-            return self.members(schema)
-        return self.any_value()
+        return None
 
-    def members(self, schema: dict[str, Any]) -> str:
-        """An object of its properties in the schema's order (Python keeps the order they were written in), each
-        written once at most, the required ones always."""
-        props, required = schema["properties"], set(schema.get("required") or [])
-        keys = list(props)
-        tail = {len(keys): ('""', '""')}  # (the members from keys[i] on: the first written, or after a comma)
-        for i in range(len(keys) - 1, -1, -1):
-            kv = f"{lit(repr(keys[i]) + ': ')} {self.value(props[keys[i]])}"
-            rest_first, rest_more = tail[i + 1]
-            if keys[i] in required:
-                tail[i] = (self.rule(f"{kv} {rest_more}"), self.rule(f'", " {kv} {rest_more}'))
-            else:
-                tail[i] = (self.rule(f"{kv} {rest_more} | {rest_first}"), self.rule(f'", " {kv} {rest_more} | {rest_more}'))
-        return self.rule(f'"{{" {tail[0][0]} "}}"')
+    def object(self, schema: dict[str, Any]) -> str:
+        """Its properties in the schema's order (Python keeps the order they were written in); any object without."""
+        props = schema.get("properties")
+        if not isinstance(props, dict) or not props:
+            return self.any_value()
+        return self.members(props, list(props), set(schema.get("required") or []), lambda key: repr(key) + ": ")

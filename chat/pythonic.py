@@ -16,10 +16,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from chat.calls import WS, ArgsReader, Head, Pattern, match_literal, skip_ws
-from chat.families import EMPTY, Family, lit
-from chat.python_values import NUMBER, PythonGrammar, literal_json, python_text
+from chat.calls import WS, ArgsReader, Head, Pattern, json_chars, match_literal, skip_ws
+from chat.families import EMPTY, Family, listed_head
+from chat.python_values import PY_NUMBER, PythonGrammar, literal_json, python_text
 from chat.schema import for_grammar
+from chat.value_grammar import lit
 from protocol import Tool
 
 OPEN, CLOSE = "<|tool_call_start|>", "<|tool_call_end|>"
@@ -91,13 +92,13 @@ class PythonArgs(ArgsReader):
                     j = i
                     while j < n and section[j] != self.quote:
                         j += 1
-                    out.append(json.dumps(section[i:j], ensure_ascii=False)[1:-1])
+                    out.append(json_chars(section[i:j]))
                     i = j
                     continue
                 closes = string_closes(section, i + 1, final)
                 if closes is None:
                     break
-                out.append('"' if closes else json.dumps(c)[1:-1])
+                out.append('"' if closes else json_chars(c))
                 self.state = "after" if closes else "string"
                 i += 1
                 continue
@@ -183,14 +184,9 @@ class Pythonic(Family):
         return write_calls(calls)
 
     def head(self, section: str, i: int, k: int, strings: Mapping[str, frozenset[str]] = EMPTY) -> Head | int | None:
-        got = (self.NEXT if k else self.FIRST).match(section, i)
-        if got is None:
-            return None
-        if got is False:
-            if not k:
-                return i
-            end = match_literal(section, i, "]" + CLOSE)
-            return None if end is None else (i if end is False else end)
+        got = listed_head(self.FIRST, self.NEXT, "]" + CLOSE, section, i, k)
+        if not isinstance(got, tuple):
+            return got
         slots, at = got
         return Head(slots["name"], PythonArgs(at))
 
@@ -260,5 +256,5 @@ def _value(schema: dict[str, Any], kind: str | None, enum: list[Any] | None, g: 
         return g.rule(f"%json {json.dumps(for_grammar(schema), ensure_ascii=False)}")
     if kind is None:  # (any value: the string terminals are its other alternative)
         obj = json.dumps(for_grammar({"type": "object"}))
-        return g.rule(f'{NUMBER} | "True" | "False" | "None" | {g.value({"type": "array"})} | %json {obj}')
+        return g.rule(f'{PY_NUMBER} | "True" | "False" | "None" | {g.value({"type": "array"})} | %json {obj}')
     return g.value(schema)

@@ -3,7 +3,7 @@ by a client reading direct replies (kvroute/direct.py), so that both give the cl
 
 from __future__ import annotations
 
-from chat.output import OutputParser, Piece
+from chat.output_parser import OutputParser, Piece
 from protocol import Choice, Delta, FinishReason, JobDone, Result, Timings, TokenLogprob, ToolCall, Usage
 
 

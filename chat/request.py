@@ -14,13 +14,13 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from chat.derive import detect
-from chat.derive_thinking import derive_reasoning, empty_thinking_block
 from chat.families import Family, Generic
+from chat.family_detection import detect
 from chat.grammar import ChatError, constraint
 from chat.limits import MAX_NESTING, nesting
-from chat.output import OutputSpec, reasoning_tags
+from chat.output import OutputSpec
 from chat.template import ChatTemplate, RawJSON, TemplateError
+from chat.thinking_derivation import derive_reasoning, empty_thinking_block, reasoning_tags
 from protocol import ChatMessage, Constraint, ImagePart, Submit, TextPart, Tool
 
 log = logging.getLogger(__name__)

@@ -33,21 +33,22 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-import msgspec
 from msgspec import Meta
 
 from gateway import normalise
 from gateway.blocks import Blocks, Kind
-from gateway.fields import Policy, undated
+from gateway.errors import RequestError
+from gateway.fields import Policy, Strict, decode, undated
 from gateway.images import Images
 from gateway.keepalive import Tick
-from gateway.openai_chat import RequestError, Strict, context_shift, decode
+from gateway.replies import context_shift, sse
 from protocol import (
     MAX_DEADLINE_MS,
     ChatMessage,
     Delta,
     FinishReason,
     ImagePart,
+    MaxTokens,
     NamedTool,
     ResponseFormat,
     Result,
@@ -56,6 +57,8 @@ from protocol import (
     Tokenize,
     Tool,
     ToolCall,
+    TopK,
+    TopP,
 )
 
 
@@ -140,15 +143,15 @@ class OutputConfig(Strict):
 
 
 class MessagesRequest(Strict):
-    max_tokens: Annotated[int, Meta(ge=1)]
+    max_tokens: MaxTokens
     messages: Annotated[list[Message], Meta(min_length=1)]
     model: str | None = None
     system: str | list[Text] | None = None
     stop_sequences: Annotated[list[str], Meta(max_length=16)] | None = None
     stream: bool = False
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Meta(ge=0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: TopK | None = None
+    top_p: TopP | None = None
     tools: list[dict[str, Any]] | None = None  # each decoded on its own (`tool_defs`): server tools are hints
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
@@ -311,13 +314,10 @@ def _tools(raw: list[dict[str, Any]] | None, policy: Policy) -> list[Tool] | Non
     tools = tool_defs(raw, policy)
     if tools is None:
         return None
-    out = []
-    for i, t in enumerate(tools):
-        try:
-            out.append(msgspec.convert({"name": t.name, "description": t.description, "parameters": t.input_schema}, Tool))
-        except msgspec.ValidationError as exc:
-            raise RequestError(f"tools[{i}].name: {exc}", param=f"tools[{i}].name") from None
-    return out
+    return [
+        normalise.tool(t.name, t.description, t.input_schema, where=f"tools[{i}].name", param=f"tools[{i}].name")
+        for i, t in enumerate(tools)
+    ]
 
 
 def _tool_choice(tc: ToolChoice | None) -> tuple[Any, bool]:
@@ -368,30 +368,28 @@ def messages_request(
     fmt = None
     if body.output_config is not None and body.output_config.format is not None:
         fmt = ResponseFormat(type="json_schema", schema=body.output_config.format.schema)
-    try:
-        sampling, unset = normalise.sampling(
-            {
-                "max_tokens": body.max_tokens,
-                "temperature": body.temperature,
-                "top_k": body.top_k,
-                "top_p": body.top_p,
-                "stop": [s for s in body.stop_sequences or [] if s],
-            }
-        )
-        sub = Submit(
-            id=request_id,
-            messages=to_messages(body.system, body.messages, policy, images),
-            sampling=sampling,
-            sampling_unset=unset,
-            deadline_ms=body.deadline_ms,
-            tools=tools,
-            tool_choice=choice,
-            parallel_tool_calls=parallel,
-            response_format=fmt,
-            chat_template_kwargs=_kwargs(body),
-        )
-    except (msgspec.ValidationError, ValueError) as exc:
-        raise RequestError(str(exc)) from None
+    sampling = normalise.sampling(
+        {
+            "max_tokens": body.max_tokens,
+            "temperature": body.temperature,
+            "top_k": body.top_k,
+            "top_p": body.top_p,
+            "stop": [s for s in body.stop_sequences or [] if s],
+        }
+    )
+    with normalise.refused():
+        messages = to_messages(body.system, body.messages, policy, images)
+    sub = normalise.submit(
+        request_id,
+        sampling,
+        messages=messages,
+        deadline_ms=body.deadline_ms,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        response_format=fmt,
+        chat_template_kwargs=_kwargs(body),
+    )
     omit = body.thinking is not None and body.thinking.display == "omitted"
     return sub, Asked(stream=body.stream, omit_thinking=omit)
 
@@ -400,14 +398,12 @@ def count_tokens_request(raw: dict[str, Any], policy: Policy | None = None, imag
     """/v1/messages/count_tokens body -> the `tokenize` of the same rendering a message would get."""
     policy = policy or Policy("messages")
     body: CountTokensRequest = decode(raw, CountTokensRequest, policy)
-    try:
+    with normalise.refused():
         return Tokenize(
             messages=to_messages(body.system, body.messages, policy, images),
             tools=_tools(body.tools, policy),
             chat_template_kwargs=_kwargs(body),
         )
-    except ValueError as exc:
-        raise RequestError(str(exc)) from None
 
 
 # ---- replies ----------------------------------------------------------------------------------------------------
@@ -484,10 +480,6 @@ def tool_input(arguments: str) -> Any:
         return json.loads(arguments)
     except ValueError:
         return {}
-
-
-def sse(event: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + event.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
 
 
 async def message_events(

@@ -28,13 +28,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from common import logs
-from gateway import anthropic, helpers, normalise
+from gateway import anthropic, llama_helpers, normalise
 from gateway.browsers import AllowedHosts, host_refused_message, is_json, not_json_message
 from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Call, Dialect
 from gateway.embeddings import embed_message, embeddings_reply
-from gateway.errors import Errors, errors_for
+from gateway.errors import Errors, RequestError, errors_for
 from gateway.fields import Policy
-from gateway.helpers import keep_alive_s
 from gateway.images import ImageLimits, Images
 from gateway.keepalive import IDLE_S, Clock, Ticking
 from gateway.limits import (
@@ -46,7 +45,7 @@ from gateway.limits import (
     limited,
     too_large_message,
 )
-from gateway.openai_chat import RequestError, chat_submit
+from gateway.openai_chat import chat_submit
 from gateway.openapi import OPENAPI
 from gateway.rerank import RERANK_PATHS, rerank_message, rerank_reply
 from kvroute.client import AsyncClient, KvrouteError
@@ -231,7 +230,7 @@ class Gateway:
             raise RequestError(
                 f"model {model!r} not found; this server serves {', '.join(map(repr, self.names))}",
                 param="model",
-                status=404,
+                kind="not_found",
                 code="model_not_found",
             )
         return body
@@ -345,15 +344,15 @@ class Gateway:
         return JSONResponse(rerank_reply(self.own_reuse(got), msg, body, body.model or self.model_name))
 
     async def tokenize(self, request: Request) -> Response:
-        body, asked = await self.decoded(request, lambda raw: (helpers.TokenizeBody.decode(raw), self.asked_model(raw)))
+        body, asked = await self.decoded(request, lambda raw: (llama_helpers.TokenizeBody.decode(raw), self.asked_model(raw)))
         msg = body.message()
         msg.model = asked
         tokens = await self.tokens(request, msg)
-        return JSONResponse(await self._work(len(tokens.tokens), helpers.tokenize_reply, tokens, body.with_pieces))
+        return JSONResponse(await self._work(len(tokens.tokens), llama_helpers.tokenize_reply, tokens, body.with_pieces))
 
     async def detokenize(self, request: Request) -> Response:
         # (a million ids: checked and packed off the loop)
-        msg, asked = await self.decoded(request, lambda raw: (helpers.detokenize_message(raw), self.asked_model(raw)))
+        msg, asked = await self.decoded(request, lambda raw: (llama_helpers.detokenize_message(raw), self.asked_model(raw)))
         msg.model = asked
         return JSONResponse({"content": (await self.tokens(request, msg)).text})
 
@@ -371,15 +370,15 @@ class Gateway:
         policy = Policy("chat", strict=self.strict_api)
         images = Images(self.image_limits)
         sub, _, _ = await self.decoded(request, lambda raw: chat_submit(raw, "template", policy, images))
-        return JSONResponse({"prompt": (await self.tokens(request, helpers.render_message(sub))).text})
+        return JSONResponse({"prompt": (await self.tokens(request, llama_helpers.render_message(sub))).text})
 
     async def props(self, request: Request) -> Response:
         status = await asyncio.wait_for(self.client.status(cache_salt=self.salt_of(request, None)), 10.0)
-        return JSONResponse(helpers.props_body(status, request.query_params.get("model")))
+        return JSONResponse(llama_helpers.props_body(status, request.query_params.get("model")))
 
     async def slots(self, request: Request) -> Response:
         status = self.client.status(cache_salt=self.salt_of(request, None))
-        return JSONResponse(helpers.slots_body(await asyncio.wait_for(status, 10.0)))
+        return JSONResponse(llama_helpers.slots_body(await asyncio.wait_for(status, 10.0)))
 
     async def serve(self, request: Request, dialect: Dialect) -> Response:
         """Run one generating request in its API's dialect: decode it (its hints counted), submit it, and answer with
@@ -453,7 +452,7 @@ class Gateway:
     def _decode(self, dialect: Dialect, rid: str, policy: Policy, raw: dict[str, Any]) -> tuple[str | None, float | None, Call]:
         """A generating request's body: the model it asks for, its keep-alive, and its call in `dialect` (which names
         the model serving it)."""
-        asked, keep_alive = self.asked_model(raw), keep_alive_s(raw.pop("keep_alive", None))
+        asked, keep_alive = self.asked_model(raw), normalise.keep_alive_s(raw.pop("keep_alive", None))
         model = asked if asked in self.names else self.model_name
         return asked, keep_alive, dialect.decode(raw, rid, policy, model, Images(self.image_limits))
 
@@ -587,15 +586,15 @@ class Guard:
         request, path, errors = Request(scope), scope["path"], errors_for(scope["path"])
         host = request.headers.get("host")
         if not self.gateway.allowed_hosts.allows(host):
-            return errors.of("host", host_refused_message(host or ""), 403, code="host_not_allowed")
+            return errors.of("host", host_refused_message(host or ""), code="host_not_allowed")
         if path != "/health" and not self.gateway.authorized(request):
-            return errors.of("auth", "missing or wrong API key", 401, code="invalid_api_key")
+            return errors.of("auth", "missing or wrong API key", code="invalid_api_key")
         content_type = request.headers.get("content-type")
         if scope["method"] == "POST" and not is_json(content_type):
-            return errors.of("not_json", not_json_message(content_type), 415, code="unsupported_media_type")
+            return errors.of("not_json", not_json_message(content_type), code="unsupported_media_type")
         length, limit = declared_length(scope), self.gateway.max_body_bytes
         if length is not None and length > limit:
-            return errors.of("too_large", too_large_message(length, limit), 413, code="too_large")
+            return errors.of("too_large", too_large_message(length, limit), code="too_large")
         return None
 
 
@@ -622,22 +621,20 @@ def build_app(gateway: Gateway) -> Starlette:
 
     async def on_request_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestError)
-        errors = errors_for(request.url.path)
-        type_ = "not_found_error" if errors.anthropic and exc.status == 404 else exc.type
-        return errors.response(exc.message, exc.status, type_=type_, code=exc.code, param=exc.param)
+        return errors_for(request.url.path).of(exc.kind, exc.message, code=exc.code, param=exc.param)
 
     async def on_kvroute_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, KvrouteError)
         return kvroute_error_response(exc, errors_for(request.url.path))
 
     async def on_timeout(request: Request, exc: Exception) -> Response:
-        return errors_for(request.url.path).of("timeout", str(exc) or "timeout", 504, code="timeout")
+        return errors_for(request.url.path).of("timeout", str(exc) or "timeout", code="timeout")
 
     async def on_internal(request: Request, exc: Exception) -> Response:
         error_id = uuid.uuid4().hex[:12]
         log.error("http_internal_error", error_id=error_id, path=request.url.path, error=repr(exc))
         message = f"internal error {type(exc).__name__} (error id {error_id})"
-        return errors_for(request.url.path).of("internal", message, 500, code=ErrorCode.INTERNAL)
+        return errors_for(request.url.path).of("internal", message, code=ErrorCode.INTERNAL)
 
     # (CORS, when origins are given, outside the guard: a browser's preflight carries no key and no body)
     cors = [Middleware(CORSMiddleware, allow_origins=gateway.cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"])]

@@ -14,8 +14,9 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from gateway.fields import Policy
-from gateway.openai_chat import RequestError, decode
+from gateway.errors import RequestError
+from gateway.fields import Policy, decode
+from gateway.replies import inputs_usage
 from protocol import MAX_EMBED_INPUTS, Embed, Embeddings, pack_tokens
 
 
@@ -70,7 +71,4 @@ def embeddings_reply(got: Embeddings, body: EmbeddingsBody, model: str) -> dict[
         else:
             vector = np.frombuffer(raw, dtype="<f4").tolist()
         data.append({"object": "embedding", "index": i, "embedding": vector})
-    usage: dict[str, Any] = {"prompt_tokens": got.prompt_tokens, "total_tokens": got.prompt_tokens}
-    if got.cached_tokens:  # (as chat's usage says it; OpenAI's embeddings usage has no such field)
-        usage["prompt_tokens_details"] = {"cached_tokens": got.cached_tokens}
-    return {"object": "list", "data": data, "model": model, "usage": usage}
+    return {"object": "list", "data": data, "model": model, "usage": inputs_usage(got.prompt_tokens, got.cached_tokens)}

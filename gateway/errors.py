@@ -1,5 +1,6 @@
-"""Errors as each API gives them, in one place: the table from the protocol's error code to each API's HTTP status and
-error type, each API family's error body, and an error in the middle of each API's stream. A context overflow's words
+"""Errors as each API gives them, in one place: the table from the protocol's error code, or an error the gateway makes
+itself (`OWN`: a refused body, a Host, a key, a body's size or time), to each API's HTTP status and error type, each API
+family's error body, and an error in the middle of each API's stream. A context overflow's words
 for Anthropic's clients are made from its numbers (protocol `Overflow`), never read back from the router's English.
 
 OpenAI's body is `{"error": {message, type, param, code}}`; Anthropic's `{"type": "error", "error": {type, message}}`
@@ -11,31 +12,30 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import msgspec
 from starlette.responses import JSONResponse
 
+from gateway.replies import sse
 from protocol import ErrorCode, Overflow
 
 
 class RequestError(Exception):
-    """A request body we cannot serve: HTTP status, OpenAI error type, param name."""
+    """A request the gateway refuses itself (no protocol code): its `kind` (a row of `OWN`: the HTTP status and each
+    family's error type), the field it names (`param`) and the body's `code`."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        param: str | None = None,
-        status: int = 400,
-        code: str | None = None,
-        type_: str = "invalid_request_error",
-    ) -> None:
+    def __init__(self, message: str, *, param: str | None = None, kind: str = "bad_request", code: str | None = None) -> None:
         super().__init__(message)
-        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type_
+        self.message, self.param, self.kind, self.code = message, param, kind, code
+
+    @property
+    def status(self) -> int:
+        """Its HTTP status (the same in both families)."""
+        return OWN[self.kind].openai[0]
 
 
 @dataclass(frozen=True)
 class Kind:
-    """What one protocol error code is in each API family: (HTTP status, error type)."""
+    """What one error (a protocol error code, or one the gateway makes: `OWN`) is in each API family: (HTTP status,
+    error type)."""
 
     openai: tuple[int, str]
     anthropic: tuple[int, str]
@@ -60,14 +60,17 @@ TABLE: dict[str, Kind] = {
 }
 INTERNAL = Kind((500, "internal_error"), (500, "api_error"))
 
-# errors the gateway makes itself (no protocol code): a kind -> (OpenAI's type, Anthropic's type)
-OWN = {
-    "auth": ("authentication_error", "authentication_error"),
-    "host": ("invalid_request_error", "permission_error"),  # 403: a Host this server does not answer to
-    "not_json": ("invalid_request_error", "invalid_request_error"),  # 415: a body that is not JSON
-    "too_large": ("invalid_request_error", "request_too_large"),
-    "timeout": ("timeout", "timeout_error"),
-    "internal": ("internal_error", "api_error"),
+# errors the gateway makes itself (no protocol code), by kind: a row of TABLE where one is the same error, else its own
+OWN: dict[str, Kind] = {
+    "bad_request": TABLE[ErrorCode.BAD_REQUEST],  # a body it cannot serve (RequestError's default)
+    "auth": TABLE[ErrorCode.UNAUTHORIZED],  # a missing or wrong API key
+    "host": Kind((403, "invalid_request_error"), (403, "permission_error")),  # a Host this server does not answer to
+    "not_found": TABLE[ErrorCode.NOT_FOUND],  # a model this server does not serve (--strict-model-name)
+    "body_timeout": Kind((408, "invalid_request_error"), (408, "invalid_request_error")),  # a body slower than allowed
+    "too_large": TABLE[ErrorCode.TOO_LARGE],  # a body over --max-body-bytes (by its Content-Length, or as it is read)
+    "not_json": Kind((415, "invalid_request_error"), (415, "invalid_request_error")),  # a POST body that is not JSON
+    "timeout": TABLE[ErrorCode.DEADLINE_EXCEEDED],  # a wait on the router given up
+    "internal": INTERNAL,
 }
 
 
@@ -128,10 +131,10 @@ class Errors:
     ) -> JSONResponse:
         return JSONResponse(self.body(message, type_, code, param), status, headers=headers)
 
-    def of(self, kind: str, message: str, status: int, code: str | None = None) -> JSONResponse:
-        """An error the gateway makes itself, of a kind both families have (`OWN`), in this family's words."""
-        openai_type, anthropic_type = OWN[kind]
-        return self.response(message, status, type_=anthropic_type if self.anthropic else openai_type, code=code)
+    def of(self, kind: str, message: str, *, code: str | None = None, param: str | None = None) -> JSONResponse:
+        """An error the gateway makes itself, of a kind in `OWN`: its status and this family's type and words."""
+        status, type_ = OWN[kind].anthropic if self.anthropic else OWN[kind].openai
+        return self.response(message, status, type_=type_, code=code, param=param)
 
 
 OPENAI_ERRORS = Errors(anthropic=False)
@@ -163,5 +166,4 @@ def responses_stream_error(message: str, code: str, overflow: Overflow | None = 
 def messages_stream_error(message: str, code: str, overflow: Overflow | None = None) -> bytes:
     """Anthropic Messages: an `error` event."""
     errors = ANTHROPIC_ERRORS
-    body = errors.body(errors.message(message, code, overflow), errors.status_of(code)[1])
-    return b"event: error\ndata: " + msgspec.json.encode(body) + b"\n\n"
+    return sse("error", errors.body(errors.message(message, code, overflow), errors.status_of(code)[1]))

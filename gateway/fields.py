@@ -28,6 +28,7 @@ import msgspec.inspect as mi
 from prometheus_client import Counter
 
 from common import logs
+from gateway.errors import RequestError
 
 log = logs.get(__name__)
 
@@ -172,6 +173,11 @@ _MAX_UNKNOWN = 256  # conversions of a body, each finding one unknown field the 
 _DATED = re.compile(r"_(\d{8}|\d{4}_\d{2}_\d{2})$")  # a hosted tool's version: `_20250305`, `_2025_03_11`
 
 
+class Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A request shape that refuses fields it does not name (every HTTP API's body types derive from it): the policy
+    finds a body's unknown fields by it, then strips them as hints or, with --strict-api, refuses them."""
+
+
 class FieldError(ValueError):
     """A field refused by the policy: `param` names it (a path such as `tools[2].type`)."""
 
@@ -204,15 +210,17 @@ def _pop(obj: Any, segments: list[str]) -> bool:
     return _pop(obj[head], rest)
 
 
-def _unknown_field(exc: msgspec.ValidationError) -> str | None:
-    """The path of the unknown field msgspec stopped on, or None when it failed on something else."""
+def validation_problem(exc: Exception) -> tuple[str | None, str, str]:
+    """What a body failed on, from msgspec's error (or a struct's own check): (the path of a field the type does not
+    have, or None; the path of the value at fault, '' for the body itself; the message without the path). Paths as
+    `messages[0].role`."""
     text = str(exc)
-    unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
-    if not unknown:
-        return None
     at = re.search(r" - at `\$\.?([^`]*)`$", text)
     where = at.group(1) if at else ""
-    return f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+    unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
+    if unknown:
+        return (f"{where}.{unknown.group(1)}" if where else unknown.group(1)), where, text
+    return None, where, text.split(" - at ")[0]
 
 
 @functools.cache
@@ -335,7 +343,7 @@ class Policy:
             try:
                 return msgspec.convert(raw, kind)
             except msgspec.ValidationError as exc:
-                inner = _unknown_field(exc)
+                inner = validation_problem(exc)[0]
                 if inner is None:
                     raise
                 path = f"{at}.{inner}" if at and not inner.startswith("[") else f"{at}{inner}"
@@ -356,6 +364,22 @@ class Policy:
         named = [field[:LOGGED_NAME_CHARS] for field in itertools.islice(self._ignored, LOGGED_FIELDS)]
         more = len(self._ignored) - len(named)
         log.info("request_fields_ignored", api=self.api, request_id=request_id, fields=named, **({"more": more} if more else {}))
+
+
+def decode(body: dict[str, Any], kind: Any, policy: Policy, *, at: str = "") -> Any:
+    """A JSON body (or a part of one, at `at`) checked against its type under the policy. Raises RequestError naming
+    the field."""
+    try:
+        return policy.decode(body, kind, at=at)
+    except FieldError as exc:
+        raise RequestError(exc.message, param=exc.param) from None
+    except msgspec.ValidationError as exc:
+        _, where, message = validation_problem(exc)
+        if at:
+            where = f"{at}.{where}" if where and not where.startswith("[") else f"{at}{where}"
+        raise RequestError(
+            f"invalid `{where}`: {message}" if where else f"invalid request: {message}", param=where or None
+        ) from None
 
 
 def table() -> dict[str, dict[str, list[str]]]:

@@ -26,7 +26,7 @@ from starlette.responses import StreamingResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from common import logs
-from gateway.openai_chat import RequestError
+from gateway.errors import RequestError
 
 log = logs.get(__name__)
 
@@ -66,12 +66,12 @@ def limited(receive: Receive, limit: int, timeout_s: float | None = None) -> Rec
                     message = await receive()
             except TimeoutError:
                 text = f"the request body did not arrive within {timeout_s:g} s (--body-timeout-s)"
-                raise RequestError(text, status=408, code="timeout") from None
+                raise RequestError(text, kind="body_timeout", code="timeout") from None
         if message["type"] == "http.request":
             seen += len(message.get("body", b""))
             complete = not message.get("more_body", False)
             if seen > limit:
-                raise RequestError(too_large_message(seen, limit), status=413, code="too_large")
+                raise RequestError(too_large_message(seen, limit), kind="too_large", code="too_large")
         return message
 
     return receive_limited

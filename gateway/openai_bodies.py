@@ -11,15 +11,23 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-import msgspec
 from msgspec import Meta
 
-from protocol import MAX_CHOICES, MAX_DEADLINE_MS, MAX_LOGPROBS
-
-
-class Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A body part whose every field is listed (unknown fields are refused)."""
-
+from gateway.fields import Strict
+from protocol import (
+    MAX_CHOICES,
+    MAX_DEADLINE_MS,
+    MAX_LOGPROBS,
+    LogitBias,
+    MaxTokens,
+    MinP,
+    Penalty,
+    RepeatLastN,
+    RepeatPenalty,
+    Seed,
+    TopK,
+    TopP,
+)
 
 # ---- messages ---------------------------------------------------------------------------------------------------
 
@@ -130,30 +138,29 @@ class StreamOptions(Strict):
 
 Stop = str | Annotated[list[str], Meta(max_length=16)] | None
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 
 class Common(Strict):
     """Fields both endpoints take."""
 
     model: str | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_p: TopP | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
     stop: Stop = None
-    seed: Annotated[int, Meta(ge=0, le=2**32 - 2)] | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    seed: Seed | None = None
+    logit_bias: LogitBias | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     response_format: ResponseFormat | None = None
     # llama.cpp's extensions
-    top_k: Annotated[int, Meta(ge=0)] | None = None
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    repeat_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
-    repeat_last_n: Annotated[int, Meta(ge=-1)] | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repeat_penalty: RepeatPenalty | None = None
+    repeat_last_n: RepeatLastN | None = None
     grammar: str | None = None
     # kvroute's extensions
     ignore_eos: bool | None = None
@@ -164,7 +171,7 @@ class Common(Strict):
 
 class ChatRequest(Common, kw_only=True):
     messages: Annotated[list[Message], Meta(min_length=1)]
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[ToolDef] | None = None

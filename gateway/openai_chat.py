@@ -1,4 +1,5 @@
-"""OpenAI request bodies -> protocol `Submit`, and protocol replies -> OpenAI response bodies and stream chunks.
+"""OpenAI Chat Completions (`/v1/chat/completions`) and Completions (`/v1/completions`): their bodies -> protocol
+`Submit`, and protocol replies -> their response bodies and stream chunks.
 
 Bodies are checked against gateway/openai_bodies.py under gateway/fields.py's policy: a refused field, or a value
 kvroute cannot serve, is a 400 naming the field (`param`); hints are served, logged and counted.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -16,10 +17,12 @@ import msgspec
 from gateway import normalise
 from gateway import openai_bodies as t
 from gateway.errors import RequestError
-from gateway.fields import FieldError, Policy
+from gateway.fields import Policy, decode, validation_problem
 from gateway.images import Images
 from gateway.keepalive import Tick
+from gateway.replies import chat_logprobs, context_shift, piece, timings_body
 from protocol import (
+    COMPLETIONS_MAX_TOKENS,
     ChatMessage,
     Choice,
     Defaultable,
@@ -38,46 +41,7 @@ from protocol import (
     pack_tokens,
 )
 
-OPENAI_COMPLETIONS_MAX_TOKENS = 16  # the OpenAI default for /v1/completions
-
-
-class Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A request shape that refuses fields it does not name (every HTTP API's body types derive from it)."""
-
-
-def validation_problem(exc: msgspec.ValidationError) -> tuple[str | None, str, str]:
-    """What a body failed on, from msgspec's error: (the path of a field the type does not have, or None; the path of
-    the value at fault, '' for the body itself; msgspec's message without the path). Paths as `messages[0].role`."""
-    text = str(exc)
-    at = re.search(r" - at `\$\.?([^`]*)`$", text)
-    where = at.group(1) if at else ""
-    unknown = re.match(r"Object contains unknown field `([^`]*)`", text)
-    if unknown:
-        return (f"{where}.{unknown.group(1)}" if where else unknown.group(1)), where, text
-    return None, where, text.split(" - at ")[0]
-
-
-def decode(body: dict[str, Any], kind: Any, policy: Policy, *, at: str = "") -> Any:
-    """A JSON body (or a part of one, at `at`) checked against its type under the policy. Raises RequestError naming
-    the field."""
-    try:
-        return policy.decode(body, kind, at=at)
-    except FieldError as exc:
-        raise RequestError(exc.message, param=exc.param) from None
-    except msgspec.ValidationError as exc:
-        _, where, message = validation_problem(exc)
-        if at:
-            where = f"{at}.{where}" if where and not where.startswith("[") else f"{at}{where}"
-        raise RequestError(
-            f"invalid `{where}`: {message}" if where else f"invalid request: {message}", param=where or None
-        ) from None
-
-
-def _submit(**fields: Any) -> Submit:
-    try:
-        return Submit(**fields)
-    except (msgspec.ValidationError, ValueError, TypeError) as exc:
-        raise RequestError(str(exc)) from None
+OPENAI_COMPLETIONS_MAX_TOKENS = COMPLETIONS_MAX_TOKENS  # the OpenAI default for /v1/completions (protocol/common.py)
 
 
 def _sampling(body: t.Common, max_tokens: int | None, logprobs: int | None) -> tuple[Sampling, list[Defaultable]]:
@@ -136,17 +100,15 @@ def completion_submit(raw: dict[str, Any], request_id: str, policy: Policy | Non
         raise RequestError("`echo` is not supported (the reply never repeats the prompt)", param="echo")
     stream, include_usage = _stream_flags(body)
     sampling, unset = _sampling(body, body.max_tokens or OPENAI_COMPLETIONS_MAX_TOKENS, body.logprobs)
-    sub = _submit(
-        id=request_id,
+    sub = normalise.submit(
+        request_id,
+        (sampling, unset),
         prompt=prompt,
         tokens=None if tokens is None else pack_tokens(tokens),
-        sampling=sampling,
-        sampling_unset=unset,
-        stream=True,
         deadline_ms=body.deadline_ms,
         response_format=_response_format(body),
         grammar=body.grammar,
-        n=body.n or 1,
+        n=body.n,
         cache_salt=body.cache_salt,
     )
     return sub, stream, include_usage
@@ -184,27 +146,21 @@ def _message(m: t.Message, i: int, images: Images) -> ChatMessage:
     }
     try:
         return msgspec.convert(fields, ChatMessage)
-    except (msgspec.ValidationError, ValueError) as exc:
-        text = str(exc)
-        at = re.search(r" - at `\$\.?([^`]*)`$", text)
-        inner = at.group(1) if at else ""
+    except normalise.REFUSED as exc:
+        _, inner, message = validation_problem(exc)
         # the protocol's flat ToolCall is OpenAI's {id, function: {name, arguments}}
         inner = re.sub(r"^(tool_calls\[\d+\])\.(name|arguments)$", r"\1.function.\2", inner)
         where = f"messages[{i}]" + ("" if not inner else inner if inner.startswith("[") else "." + inner)
-        raise RequestError(f"{where}: {text.split(' - at ')[0]}", param=where) from None
+        raise RequestError(f"{where}: {message}", param=where) from None
 
 
 def _tools(body: t.ChatRequest) -> list[Tool] | None:
     if body.tools is None:
         return None
-    out = []
-    for i, tool in enumerate(body.tools):
-        f = tool.function
-        try:
-            out.append(msgspec.convert({"name": f.name, "description": f.description, "parameters": f.parameters or {}}, Tool))
-        except msgspec.ValidationError as exc:
-            raise RequestError(f"tools[{i}].function: {exc}", param=f"tools[{i}].function.name") from None
-    return out
+    return [
+        normalise.tool(f.name, f.description, f.parameters or {}, where=f"tools[{i}].function", param=f"tools[{i}].function.name")
+        for i, f in enumerate(tool.function for tool in body.tools)
+    ]
 
 
 def chat_submit(
@@ -229,20 +185,18 @@ def chat_submit(
     stream, include_usage = _stream_flags(body)
     max_tokens = body.max_completion_tokens or body.max_tokens
     sampling, unset = _sampling(body, max_tokens, logprobs)
-    sub = _submit(
-        id=request_id,
+    sub = normalise.submit(
+        request_id,
+        (sampling, unset),
         messages=messages,
-        sampling=sampling,
-        sampling_unset=unset,
-        stream=True,
         deadline_ms=body.deadline_ms,
         tools=tools,
         tool_choice=choice,
-        parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+        parallel_tool_calls=body.parallel_tool_calls,
         response_format=_response_format(body),
         grammar=body.grammar,
-        chat_template_kwargs=thinking_kwargs(body.chat_template_kwargs, body.reasoning_effort),
-        n=body.n or 1,
+        chat_template_kwargs=normalise.thinking_kwargs(body.chat_template_kwargs, body.reasoning_effort),
+        n=body.n,
         cache_salt=body.cache_salt,
     )
     return sub, stream, include_usage
@@ -261,33 +215,6 @@ def usage_body(result: Result) -> dict[str, Any]:
         "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},  # (the thinking's, tags included)
     }
     return body | context_shift(result)
-
-
-def timings_body(result: Result) -> dict[str, Any]:
-    """llama-server's `timings` (its replies carry them beside the usage, streamed or not; its web UI and scripts read
-    them): the prompt tokens reused (`cache_n`) and computed (`prompt_n`) and the time they took, then the generated
-    ones (`predicted_n`) and theirs. A stream gets them on its last chunk whether it asked for usage or not."""
-    u, t = result.usage, result.timings
-    computed = u.prompt_tokens - u.cached_tokens
-    return {
-        "cache_n": u.cached_tokens,
-        "prompt_n": computed,
-        "prompt_ms": t.prefill_ms,
-        "prompt_per_token_ms": t.prefill_ms / computed if computed else 0.0,
-        "prompt_per_second": 1e3 * computed / t.prefill_ms if t.prefill_ms else 0.0,
-        "predicted_n": u.completion_tokens,
-        "predicted_ms": t.decode_ms,
-        "predicted_per_token_ms": t.decode_ms / u.completion_tokens if u.completion_tokens else 0.0,
-        "predicted_per_second": 1e3 * u.completion_tokens / t.decode_ms if t.decode_ms else 0.0,
-    }
-
-
-def context_shift(result: Result) -> dict[str, Any]:
-    """The usage's `context_shift` when --context-shift dropped messages: the prompt served is not the one sent (every
-    API's usage says so the same way)."""
-    if not result.dropped_messages:
-        return {}
-    return {"context_shift": {"dropped_messages": result.dropped_messages, "dropped_tokens": result.dropped_tokens}}
 
 
 def finish_reason(reason: str) -> str:
@@ -312,35 +239,16 @@ def choices_of(result: Result) -> list[Choice]:
     ]
 
 
-def _piece(data: bytes) -> str:
-    return data.decode("utf-8", "replace")
-
-
-def chat_logprobs(lps: list[TokenLogprob]) -> dict[str, Any]:
-    return {
-        "content": [
-            {
-                "token": _piece(lp.piece),
-                "logprob": lp.logprob,
-                "bytes": list(lp.piece),
-                "top_logprobs": [{"token": _piece(x.piece), "logprob": x.logprob, "bytes": list(x.piece)} for x in lp.top],
-            }
-            for lp in lps
-        ],
-        "refusal": None,
-    }
-
-
 def completion_logprobs(lps: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
     tokens, offsets = [], []
     for lp in lps:
-        tokens.append(_piece(lp.piece))
+        tokens.append(piece(lp.piece))
         offsets.append(offset)
         offset += len(tokens[-1])
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{_piece(x.piece): x.logprob for x in lp.top} for lp in lps],
+        "top_logprobs": [{piece(x.piece): x.logprob for x in lp.top} for lp in lps],
         "text_offset": offsets,
     }
 
@@ -349,24 +257,33 @@ def tool_calls_body(calls: list[ToolCall]) -> list[dict[str, Any]]:
     return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
-def completion_body(result: Result, model: str, created: int, logprobs: bool = False) -> dict[str, Any]:
+def reply_id(rid: str, chat: bool) -> str:
+    """A reply's `id` (each chunk of its stream has the same)."""
+    return f"chatcmpl-{rid}" if chat else f"cmpl-{rid}"
+
+
+def _body(result: Result, model: str, created: int, chat: bool, choice: Callable[[Choice], dict[str, Any]]) -> dict[str, Any]:
+    """A Chat Completions (`chat`) or Completions reply: each choice's `index`, what `choice` gives of it and its finish
+    reason, then the usage and llama-server's timings."""
     return {
-        "id": f"cmpl-{result.id}",
-        "object": "text_completion",
+        "id": reply_id(result.id, chat),
+        "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "text": c.text,
-                "logprobs": completion_logprobs(c.logprobs) if logprobs else None,
-                "finish_reason": finish_reason(c.finish_reason),
-            }
-            for c in choices_of(result)
-        ],
+        "choices": [{"index": c.index, **choice(c), "finish_reason": finish_reason(c.finish_reason)} for c in choices_of(result)],
         "usage": usage_body(result),
         "timings": timings_body(result),
     }
+
+
+def completion_body(result: Result, model: str, created: int, logprobs: bool = False) -> dict[str, Any]:
+    return _body(
+        result,
+        model,
+        created,
+        False,
+        lambda c: {"text": c.text, "logprobs": completion_logprobs(c.logprobs) if logprobs else None},
+    )
 
 
 def chat_message(c: Choice) -> dict[str, Any]:
@@ -379,23 +296,13 @@ def chat_message(c: Choice) -> dict[str, Any]:
 
 
 def chat_body(result: Result, model: str, created: int, logprobs: bool = False) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-{result.id}",
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "message": chat_message(c),
-                "logprobs": chat_logprobs(c.logprobs) if logprobs else None,
-                "finish_reason": finish_reason(c.finish_reason),
-            }
-            for c in choices_of(result)
-        ],
-        "usage": usage_body(result),
-        "timings": timings_body(result),
-    }
+    return _body(
+        result,
+        model,
+        created,
+        True,
+        lambda c: {"message": chat_message(c), "logprobs": chat_logprobs(c.logprobs) if logprobs else None},
+    )
 
 
 def chat_delta(d: Delta, logprobs: bool) -> dict[str, Any] | None:
@@ -410,17 +317,6 @@ def chat_delta(d: Delta, logprobs: bool) -> dict[str, Any] | None:
     if not delta and not (logprobs and d.logprobs):
         return None
     return {"index": d.index, "delta": delta, "logprobs": chat_logprobs(d.logprobs) if logprobs else None, "finish_reason": None}
-
-
-def thinking_kwargs(kwargs: dict[str, Any] | None, effort: str | None) -> dict[str, Any]:
-    """The template's variables with what an effort asks for (`chat_template_kwargs` win): `reasoning_effort` (gpt-oss
-    reads it), and `enable_thinking` off for "none" (Qwen 3, GLM, ... read that)."""
-    out = dict(kwargs or {})
-    if effort is not None:
-        if effort != "none":
-            out.setdefault("reasoning_effort", effort)
-        out.setdefault("enable_thinking", effort != "none")
-    return out
 
 
 def call_chunk(c: ToolCallDelta) -> dict[str, Any]:
@@ -469,7 +365,7 @@ async def openai_events(
     """A Chat Completions (`chat`) or Completions stream: chunks per delta, a last chunk per choice with its finish
     reason, the usage chunk when asked, then `[DONE]`."""
     obj = "chat.completion.chunk" if chat else "text_completion"
-    cid = f"chatcmpl-{rid}" if chat else f"cmpl-{rid}"
+    cid = reply_id(rid, chat)
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, end: Result | None = None) -> bytes:
         body: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": model, "choices": choices}

@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from gateway.anthropic import CountTokensRequest, MessagesRequest
-from gateway.helpers import TokenizeBody
+from gateway.llama_helpers import TokenizeBody
 from gateway.openai_bodies import ChatRequest, CompletionRequest
 from gateway.responses import ResponsesRequest
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import msgspec
 
-from gateway.fields import Policy
-from gateway.openai_chat import RequestError, decode
+from gateway.errors import RequestError
+from gateway.fields import Policy, decode
+from gateway.replies import inputs_usage
 from protocol import MAX_EMBED_INPUTS, Ranked, Rerank
 
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/reranking", "/v1/reranking", "/v2/rerank")  # llama-server's four, Cohere's
@@ -68,7 +69,5 @@ def rerank_reply(got: Ranked, msg: Rerank, body: RerankBody, model: str) -> Any:
         }
         for i in order
     ]
-    usage: dict[str, Any] = {"prompt_tokens": got.prompt_tokens, "total_tokens": got.prompt_tokens}
-    if got.cached_tokens:
-        usage["prompt_tokens_details"] = {"cached_tokens": got.cached_tokens}
+    usage = inputs_usage(got.prompt_tokens, got.cached_tokens)
     return {"model": model, "object": "list", "usage": usage, "results": results}

@@ -27,10 +27,11 @@ from msgspec import Meta
 
 from gateway import normalise
 from gateway.blocks import Blocks, Event, Kind
-from gateway.fields import Policy, undated
+from gateway.errors import RequestError
+from gateway.fields import Policy, Strict, decode, undated
 from gateway.images import Images
 from gateway.keepalive import Tick
-from gateway.openai_chat import RequestError, Strict, chat_logprobs, context_shift, decode, thinking_kwargs, timings_body
+from gateway.replies import chat_logprobs, context_shift, sse, timings_body
 from protocol import (
     MAX_DEADLINE_MS,
     MAX_LOGPROBS,
@@ -38,6 +39,8 @@ from protocol import (
     Delta,
     FinishReason,
     ImagePart,
+    MaxTokens,
+    MinP,
     NamedTool,
     ResponseFormat,
     Result,
@@ -46,6 +49,8 @@ from protocol import (
     Tool,
     ToolCall,
     ToolCallDelta,
+    TopK,
+    TopP,
     Usage,
 )
 
@@ -172,14 +177,14 @@ class ResponsesRequest(Strict):
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
-    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_output_tokens: MaxTokens | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_p: TopP | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     stream: bool = False
     reasoning: Reasoning | None = None
-    top_k: Annotated[int, Meta(ge=0)] | None = None
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     deadline_ms: Annotated[int, Meta(ge=1, le=MAX_DEADLINE_MS)] | None = None
 
@@ -215,10 +220,7 @@ def function_tools(raw: list[dict[str, Any]] | None, policy: Policy) -> tuple[li
 
 
 def _tool(name: str, f: FunctionTool, where: str) -> Tool:
-    try:
-        return msgspec.convert({"name": name, "description": f.description or "", "parameters": f.parameters or {}}, Tool)
-    except msgspec.ValidationError as exc:
-        raise RequestError(f"{where}.name: {exc}", param=f"{where}.name") from None
+    return normalise.tool(name, f.description or "", f.parameters or {}, where=f"{where}.name", param=f"{where}.name")
 
 
 def _items(raw: list[Any], policy: Policy) -> list[Any]:
@@ -277,7 +279,7 @@ def to_messages(
             out.append(ChatMessage(role=item.role, content=_parts(item.content, f"{where}.content", images)))
         elif isinstance(item, MessageItem | EasyMessage):
             parts = _parts(item.content, f"{where}.content", None)
-            if last is not None and not last.tool_calls:
+            if last is not None:  # (text after the same turn's calls too: their outputs follow it, Codex's order)
                 last.content = [*(last.content if isinstance(last.content, list) else []), *parts]
             else:
                 out.append(ChatMessage(role="assistant", content=parts))
@@ -329,7 +331,7 @@ def responses_submit(
     policy = policy or Policy("responses")
     body: ResponsesRequest = decode(raw, ResponsesRequest, policy)
     tools, namespaced = function_tools(body.tools, policy)
-    kwargs = thinking_kwargs(body.chat_template_kwargs, body.reasoning.effort if body.reasoning is not None else None)
+    kwargs = normalise.thinking_kwargs(body.chat_template_kwargs, body.reasoning.effort if body.reasoning is not None else None)
     choice: Any = body.tool_choice or "auto"
     if isinstance(choice, NamedFunction):
         choice = NamedTool(name=choice.name)
@@ -343,31 +345,29 @@ def responses_submit(
         if f.schema is None:
             raise RequestError("text.format json_schema needs `schema`", param="text.format.schema")
         fmt = ResponseFormat(type="json_schema", schema=f.schema, name=f.name)
-    try:
-        sampling, unset = normalise.sampling(
-            {
-                "max_tokens": body.max_output_tokens,
-                "temperature": body.temperature,
-                "top_p": body.top_p,
-                "top_k": body.top_k,
-                "min_p": body.min_p,
-                "logprobs": body.top_logprobs,
-            }
-        )
-        sub = Submit(
-            id=request_id,
-            messages=to_messages(body.instructions, body.input, policy, images),
-            sampling=sampling,
-            sampling_unset=unset,
-            deadline_ms=body.deadline_ms,
-            tools=tools,
-            tool_choice=choice,
-            parallel_tool_calls=True if body.parallel_tool_calls is None else body.parallel_tool_calls,
-            response_format=fmt,
-            chat_template_kwargs=kwargs,
-        )
-    except (msgspec.ValidationError, ValueError) as exc:
-        raise RequestError(str(exc)) from None
+    sampling = normalise.sampling(
+        {
+            "max_tokens": body.max_output_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "min_p": body.min_p,
+            "logprobs": body.top_logprobs,
+        }
+    )
+    with normalise.refused():
+        messages = to_messages(body.instructions, body.input, policy, images)
+    sub = normalise.submit(
+        request_id,
+        sampling,
+        messages=messages,
+        deadline_ms=body.deadline_ms,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=fmt,
+        chat_template_kwargs=kwargs,
+    )
     return sub, body.stream, Asked(body, namespaced)
 
 
@@ -482,7 +482,7 @@ async def response_events(
         nonlocal seq
         data = {"type": kind, "sequence_number": seq, **fields}
         seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
+        return sse(kind, data)
 
     base = envelope(rid, model, asked, created)
     yield event("response.created", response=base)
@@ -545,11 +545,7 @@ def failed_events(rid: str, model: str, asked: Asked, created: float, code: str,
     base = envelope(rid, model, asked, created)
     failed = {**base, "status": "failed", "error": {"code": code, "message": message}}
     events = [("response.created", base), ("response.failed", failed)]
-    return b"".join(
-        b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode({"type": kind, "sequence_number": i, "response": r})
-        + b"\n\n"
-        for i, (kind, r) in enumerate(events)
-    )  # fmt: skip
+    return b"".join(sse(kind, {"type": kind, "sequence_number": i, "response": r}) for i, (kind, r) in enumerate(events))
 
 
 def now() -> float:

@@ -27,7 +27,8 @@ from typing import Any
 import zmq
 
 from chat import reply_messages
-from chat.output import OutputParser, OutputSpec
+from chat.output import OutputSpec
+from chat.output_parser import OutputParser
 from common import logs
 from common.files import runtime_dir
 from common.inbox import Inbox

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import enum
+import functools
 from typing import Annotated, Any, Literal
 
 import msgspec
+import msgspec.inspect
 from msgspec import Meta
 
 PROTOCOL_VERSION = 1
@@ -71,24 +73,50 @@ TokenBytes = bytes
 """Token ids as little-endian int32, packed back to back (msgpack `bin`)."""
 
 
+# The bounds of each sampling field, in one place: `Sampling` (the wire) decodes with them, and the gateway's request
+# types read the same ones for each API's fields (temperature aside: each API has its own range, gateway/). The router
+# checks an operator's defaults against `Sampling`'s (router/sampling_defaults.py).
+MaxTokens = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0.0, le=100.0)]
+TopK = NonNeg  # 0 = off
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
+Seed = Annotated[int, Meta(ge=0, le=2**32 - 2)]
+LogitBias = dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]  # presence_penalty, frequency_penalty
+RepeatPenalty = Annotated[float, Meta(gt=0.0, le=10.0)]
+RepeatLastN = Annotated[int, Meta(ge=-1)]  # -1 = all generated
+TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
+
+# Where each default of `max_tokens` is decided (what a request that sets no output cap may generate), in one place:
+DEFAULT_MAX_TOKENS = 256
+"""A protocol `submit` (or `job`) whose `sampling` leaves `max_tokens` out; `nil` sent explicitly is no limit."""
+COMPLETIONS_MAX_TOKENS = 16
+"""OpenAI's legacy Completions API (`/v1/completions`) without `max_tokens`: OpenAI's documented default (gateway/)."""
+OPEN_MAX_TOKENS = 8192
+"""A request that asks for no limit (`max_tokens` nil: Chat's without max_tokens, Responses' without
+max_output_tokens) gets at most this many when its slot has more room: the router's `--default-max-tokens` default
+(0 there: until the slot's context is full, llama-server's). `--max-tokens` (default 0: none) caps every request."""
+
+
 class Sampling(Struct, kw_only=True):
     """How to pick tokens and when to stop. Defaults follow the OpenAI API."""
 
-    max_tokens: Annotated[int, Meta(ge=1)] | None = 256  # None: until the slot's context is full
-    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
-    top_k: NonNeg = 0  # 0 = off
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    seed: Annotated[int, Meta(ge=0, le=2**32 - 2)] | None = None  # None = random
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] = {}
+    max_tokens: MaxTokens | None = DEFAULT_MAX_TOKENS  # None: until the slot's context is full
+    temperature: Temperature = 1.0
+    top_k: TopK = 0  # 0 = off
+    top_p: TopP = 1.0
+    min_p: MinP = 0.0
+    seed: Seed | None = None  # None = random
+    logit_bias: LogitBias = {}
     stop: list[Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LEN)]] = []
     ignore_eos: bool = False
     # penalties over the generated tokens (llama.cpp's formulas): 0 / 1 = off
-    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    repeat_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
-    repeat_last_n: Annotated[int, Meta(ge=-1)] = 64  # tokens the penalties look back over; -1 = all generated
-    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # None: none; k: each token's logprob and the top k
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repeat_penalty: RepeatPenalty = 1.0
+    repeat_last_n: RepeatLastN = 64  # tokens the penalties look back over; -1 = all generated
+    logprobs: TopLogprobs | None = None  # None: none; k: each token's logprob and the top k
 
     @property
     def penalized(self) -> bool:
@@ -104,6 +132,20 @@ class Sampling(Struct, kw_only=True):
 
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(k): v for k, v in self.logit_bias.items()}
+
+
+@functools.cache
+def sampling_bounds(name: str) -> tuple[float | None, float | None, bool]:
+    """The values `Sampling.<name>` (a number) takes, read from its type above: (the lowest, the highest, whether the
+    lowest is itself left out); None where there is no bound. What checks an operator's default reads it."""
+    struct = msgspec.inspect.type_info(Sampling)
+    assert isinstance(struct, msgspec.inspect.StructType)
+    (info,) = [f for f in struct.fields if f.name == name]
+    kind = info.type
+    if isinstance(kind, msgspec.inspect.UnionType):  # (`X | None`)
+        kind = next(t for t in kind.types if not isinstance(t, msgspec.inspect.NoneType))
+    assert isinstance(kind, msgspec.inspect.IntType | msgspec.inspect.FloatType), name
+    return (kind.gt if kind.ge is None else kind.ge), kind.le, kind.ge is None and kind.gt is not None
 
 
 # the sampling fields a server may default for requests that leave them out (the router's: its flags, else the model's
@@ -129,6 +171,12 @@ class Usage(Struct, kw_only=True, omit_defaults=True):
     reasoning_tokens: NonNeg = 0  # of the completion tokens, those of the model's thinking (its tags included)
 
 
+def fits(prompt_tokens: int, max_tokens: int | None, context: int) -> bool:
+    """Whether a prompt and its max_tokens fit a slot of `context` tokens (without max_tokens, one token at least): the
+    one rule of the router (before a request is queued, and --context-shift's) and of a worker (before any work)."""
+    return prompt_tokens < context and prompt_tokens + (max_tokens or 0) <= context
+
+
 class Overflow(Struct, kw_only=True):
     """A `context_overflow`'s numbers, so that each API words its own message from them (Anthropic's clients read
     "prompt is too long: N tokens > M maximum")."""
@@ -136,6 +184,26 @@ class Overflow(Struct, kw_only=True):
     prompt_tokens: NonNeg
     max_tokens: NonNeg | None = None  # what the request asked to generate, when it asked
     context: NonNeg  # the largest slot's context, in tokens
+
+    @classmethod
+    def of(cls, prompt_tokens: int, max_tokens: int | None, context: int) -> Overflow | None:
+        """The numbers of a prompt that does not fit a slot of `context` tokens (`fits`), or None when it fits."""
+        if fits(prompt_tokens, max_tokens, context):
+            return None
+        return cls(prompt_tokens=prompt_tokens, max_tokens=max_tokens, context=context)
+
+    def message(self, shifted: str = "") -> str:
+        """Its words, made from its numbers, as the router says them (the largest slot of its workers); `shifted`:
+        what --context-shift dropped, when it tried."""
+        asked = "" if self.max_tokens is None else f" + max_tokens {self.max_tokens}"
+        return f"prompt of {self.prompt_tokens} tokens{shifted}{asked} does not fit a slot of {self.context} tokens"
+
+    def slot_message(self) -> str:
+        """Its words, made from its numbers, as a worker says them (its own slot's context, and the sum that is over)."""
+        n, mt, ctx = self.prompt_tokens, self.max_tokens, self.context
+        if n >= ctx or mt is None:
+            return f"prompt of {n} tokens does not fit a slot's context of {ctx} tokens"
+        return f"prompt of {n} tokens + max_tokens {mt} = {n + mt} is over a slot's context of {ctx} tokens"
 
 
 class Timings(Struct, kw_only=True):

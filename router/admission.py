@@ -167,14 +167,9 @@ def capped(sampling: Sampling, cap: int) -> Sampling:
 
 
 def overflow_refusal(req: Req, ctx: int) -> Refusal:
-    """A context overflow: its words and its numbers (each API words its own message from them)."""
+    """A context overflow: its numbers, and its words made from them (each API words its own message from the
+    numbers); what --context-shift dropped, if it tried."""
     numbers = Overflow(prompt_tokens=len(req.tokens), max_tokens=req.sampling.max_tokens, context=ctx)
-    return Refusal(ErrorCode.CONTEXT_OVERFLOW, overflow(req, ctx), overflow=numbers)
-
-
-def overflow(req: Req, ctx: int) -> str:
-    """Both numbers: the prompt (and max_tokens) and the largest slot; what --context-shift dropped, if it tried."""
-    asked = "" if req.sampling.max_tokens is None else f" + max_tokens {req.sampling.max_tokens}"
     s = req.shift
     shifted = f" (after --context-shift dropped {s.messages} messages, {s.tokens} tokens)" if s is not None else ""
-    return f"prompt of {len(req.tokens)} tokens{shifted}{asked} does not fit a slot of {ctx} tokens"
+    return Refusal(ErrorCode.CONTEXT_OVERFLOW, numbers.message(shifted), overflow=numbers)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from chat import reply_messages
-from chat.output import Piece
+from chat.output_parser import Piece
 from protocol import Choice, Delta, JobDone, Result, TokenLogprob, Usage
 from router.requests import Req
 

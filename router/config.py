@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import opt
+from protocol import OPEN_MAX_TOKENS
 from router.sampling_defaults import out_of_bounds
 
 POLICIES = ["prefix", "round-robin", "least-loaded"]
@@ -88,7 +89,7 @@ class RouterConfig:
         "many and ends with finish reason 'length'; 0 = no cap",
     )
     default_max_tokens: int = opt(
-        8192,
+        OPEN_MAX_TOKENS,
         "what a request that sets no output cap (Chat's max_tokens, Responses' max_output_tokens, Codex sends none) may "
         "generate before it ends with finish reason 'length' (llama-server's -n): one reply cannot hold a slot for its "
         "whole context; 0 = until the slot's context is full (llama-server's default)",

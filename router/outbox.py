@@ -17,7 +17,7 @@ import zmq
 
 from common import logs
 from protocol import encode
-from router.scheduler import Out
+from router.lifecycle import Out
 
 log = logs.get(__name__)
 

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from chat.output import Piece
+from chat.output_parser import Piece
 from common import logs
 from protocol import JobDelta, JobDone, JobError, Timings, token_array, unpack_tokens
 from router.metrics import Metrics, RequestRecord, mispredicted

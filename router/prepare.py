@@ -8,8 +8,9 @@ was under way."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -31,6 +32,7 @@ from protocol import (
     Submit,
     Tokenize,
     Tokens,
+    fits,
     outside_vocab,
     pack_tokens,
     token_array,
@@ -117,9 +119,18 @@ def check_images(msg: Submit | Tokenize, chat: ChatFormat) -> None:
         )
 
 
-def fits(n_prompt: int, max_tokens: int | None, ctx: int) -> bool:
-    """Whether a prompt and its max_tokens fit a slot of `ctx` tokens (without max_tokens, one token at least)."""
-    return n_prompt < ctx and n_prompt + (max_tokens or 0) <= ctx
+@contextlib.contextmanager
+def refused_as_prepare_errors() -> Iterator[None]:
+    """A template's, a chat request's or the deadline's refusal while a request is rendered and tokenized, raised as
+    the PrepareError naming its field (OutOfTime for the deadline)."""
+    try:
+        yield
+    except ChatError as exc:
+        raise PrepareError(str(exc), exc.param) from None
+    except TemplateError as exc:
+        raise PrepareError(f"chat template error: {exc}", "messages") from None
+    except DeadlinePassed as exc:
+        raise OutOfTime(str(exc), exc.param) from None
 
 
 def text_chars(msg: Submit | Tokenize) -> int:
@@ -152,20 +163,13 @@ def prepare(
 
     check_nesting(msg)
     check_images(msg, chat)
-    try:
-        with deadline.running("messages" if msg.messages is not None else "prompt"):
-            if msg.messages is not None:
-                return _chat(msg, chat, tokenize, shift_to)
-            limit = prompt_constraint(msg)
-            if msg.prompt is not None:
-                deadline.check("prompt")
-                return Prepared(tokenize(msg.prompt, True), limit, PLAIN)
-    except ChatError as exc:
-        raise PrepareError(str(exc), exc.param) from None
-    except TemplateError as exc:
-        raise PrepareError(f"chat template error: {exc}", "messages") from None
-    except DeadlinePassed as exc:
-        raise OutOfTime(str(exc), exc.param) from None
+    with refused_as_prepare_errors(), deadline.running("messages" if msg.messages is not None else "prompt"):
+        if msg.messages is not None:
+            return _chat(msg, chat, tokenize, shift_to)
+        limit = prompt_constraint(msg)
+        if msg.prompt is not None:
+            deadline.check("prompt")
+            return Prepared(tokenize(msg.prompt, True), limit, PLAIN)
     assert msg.tokens is not None
     toks = token_array(msg.tokens)
     if (bad := outside_vocab(toks, vocab.n_vocab)) is not None:
@@ -246,23 +250,16 @@ def tokens_reply(
         return Tokens(id=msg.id, tokens=msg.tokens, text=vocab.detokenize(given.tolist()))
     check_nesting(msg)
     check_images(msg, chat)
-    try:
-        with deadline.running("messages" if msg.messages is not None else "prompt"):
-            if msg.messages is not None:
-                sub = Submit(messages=msg.messages, tools=msg.tools, chat_template_kwargs=msg.chat_template_kwargs)
-                p = chat.prepare(sub)
-                text, add_special, parse_special = p.text, p.add_bos and msg.add_special, True
-            else:
-                assert msg.prompt is not None
-                text, add_special, parse_special = msg.prompt, msg.add_special, msg.parse_special
-            if cost is not None and parse_special:
-                cost.check(text, deadline)
-    except ChatError as exc:
-        raise PrepareError(str(exc), exc.param) from None
-    except TemplateError as exc:
-        raise PrepareError(f"chat template error: {exc}", "messages") from None
-    except DeadlinePassed as exc:
-        raise OutOfTime(str(exc), exc.param) from None
+    with refused_as_prepare_errors(), deadline.running("messages" if msg.messages is not None else "prompt"):
+        if msg.messages is not None:
+            sub = Submit(messages=msg.messages, tools=msg.tools, chat_template_kwargs=msg.chat_template_kwargs)
+            p = chat.prepare(sub)
+            text, add_special, parse_special = p.text, p.add_bos and msg.add_special, True
+        else:
+            assert msg.prompt is not None
+            text, add_special, parse_special = msg.prompt, msg.add_special, msg.parse_special
+        if cost is not None and parse_special:
+            cost.check(text, deadline)
     ids = vocab.tokenize(text, add_special=add_special, parse_special=parse_special)
     pieces = [vocab.piece(t) for t in ids] if msg.with_pieces else []
     return Tokens(id=msg.id, tokens=pack_tokens(ids), text=text, pieces=pieces)

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from chat.output import OutputParser, OutputSpec
-from protocol import Choice, Constraint, EngineCounters, Hello, JobImage, Sampling, Timings, TokenLogprob, Usage
+from chat.output import OutputSpec
+from chat.output_parser import OutputParser
+from protocol import Choice, Constraint, EngineCounters, Hello, JobImage, Sampling, Timings, TokenLogprob, Usage, fits
 from router.mirror import Slot
-from router.prepare import Shift, fits
+from router.prepare import Shift
 from router.prepare import tenant_of as tenant  # noqa: F401 (read from here by the scheduler and views)
 from router.select import WorkerLoad
 
@@ -25,7 +26,7 @@ PREFILL_SAMPLE_MIN = 64  # a job prefilling fewer tokens says little about the w
 
 
 class ReqState(enum.Enum):
-    """Changed only by the scheduler's transitions (router/scheduler.py)."""
+    """Changed only by the core's transitions (router/lifecycle.py)."""
 
     TOKENIZING = "tokenizing"  # accepted; its prompt is being rendered and tokenized
     QUEUED = "queued"  # waiting in the router's queue

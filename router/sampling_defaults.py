@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from protocol import DEFAULTABLE, sampling_bounds
+
 # llama-server's values for a request that sets none (vendored common/common.h, common_params_sampling)
 LLAMA_SERVER: dict[str, float | int] = {
     "temperature": 0.8,
@@ -42,24 +44,22 @@ NOT_RUN = (
     "general.sampling.mirostat_tau",
     "general.sampling.mirostat_eta",
 )
-# the values `Sampling` accepts (protocol/common.py), checked on the operator's flags too (router/config.py)
-BOUNDS: dict[str, tuple[float, float]] = {
-    "temperature": (0.0, 2.0),
-    "top_k": (0, 1 << 20),
-    "top_p": (1e-9, 1.0),
-    "min_p": (0.0, 1.0),
-    "seed": (0, 2**32 - 2),
-    "repeat_penalty": (1e-9, 10.0),
-    "repeat_last_n": (-1, 1 << 20),
-}
-OPERATOR_FIELDS = tuple(BOUNDS)
+# the fields an operator (a flag, a models file) may give a default of: `Sampling`'s defaultable ones, each within the
+# values `Sampling` takes (protocol `sampling_bounds`: the bounds' one home), at most OPERATOR_MAX where that is less
+OPERATOR_FIELDS: tuple[str, ...] = DEFAULTABLE
+OPERATOR_MAX: dict[str, float] = {"temperature": 2.0, "top_k": 1 << 20, "repeat_last_n": 1 << 20}
 
 Source = str  # "models file", "flag", "gguf", "llama-server"
 
 
 def out_of_bounds(name: str, value: float) -> str | None:
-    """Why `value` cannot be the default of field `name`, or None."""
-    low, high = BOUNDS[name]
+    """Why `value` cannot be the default of field `name` (router/config.py, commands/models_config.py, a GGUF's), or
+    None."""
+    low, high, low_out = sampling_bounds(name)
+    high = OPERATOR_MAX.get(name, high)
+    assert low is not None and high is not None, name  # (each operator field has both)
+    if low_out:
+        return None if low < value <= high else f"must be more than {low} and at most {high}, got {value}"
     return None if low <= value <= high else f"must be between {low} and {high}, got {value}"
 
 

@@ -1,5 +1,6 @@
 """The router's core without a socket: the life cycle of its requests, over the worker table (router/workers.py),
-the queue and its placements (router/dispatch_queue.py) and the mirror (router/mirror.py).
+the queue and its placements (router/dispatch_queue.py) and the mirror (router/mirror.py). A client's events and time
+are here; a worker's in router/worker_events.py; the records and transitions both drive in router/lifecycle.py.
 
 Every event is a method call: `accept` and `prepared` (a submit, before and after its prompt is rendered and
 tokenized), `cancel`, `client_gone`, `hello`, `worker_message` (heartbeat, job_delta, job_done, job_error),
@@ -43,252 +44,38 @@ Failure rules:
 
 from __future__ import annotations
 
-import itertools
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, ClassVar
-
-import numpy as np
 
 from common import logs
 from protocol import (
-    Accept,
-    Choice,
-    Delta,
     Embed,
-    EmbedDone,
-    Error,
     ErrorCode,
     FailedWorker,
-    Heartbeat,
-    Hello,
     JobCancel,
-    JobDelta,
-    JobDeltas,
-    JobDone,
-    JobError,
     JobImage,
-    Placed,
     Refusal,
-    Refuse,
     Rerank,
-    SlotTaken,
-    SlotUpdate,
     StatusReply,
     Submit,
-    Timings,
-    Usage,
-    kind_of,
-    token_array,
-    unpack_tokens,
 )
-from router import admission, handshake, outcomes, sampling_defaults, views
-from router.client_replies import choice_of, delta_of, result_of
-from router.config import RouterConfig
-from router.dispatch_queue import DispatchQueue, job_message
-from router.embeds import EmbedReq, Embeds, EmbedWait
-from router.metrics import Metrics
-from router.mirror import Mirror
+from router import admission, views
+from router.embeds import EmbedWait
+from router.lifecycle import Out  # noqa: F401 (read from here by the shell and the tests)
 from router.prepare import Prepared
-from router.requests import Attempt, Req, ReqState, WorkerConn, WorkerState, tenant
-from router.select import Dispatch
-from router.workers import Kill, WorkerTable
-
-WorkerReport = Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate | EmbedDone
+from router.requests import Req, ReqState, tenant
+from router.worker_events import WorkerEvents
+from router.workers import Kill
 
 log = logs.get(__name__)
 
 DEADLINE_GRACE_S = 1.0  # a worker ends a job at its deadline itself; the router steps in this much later
 
 
-@dataclass(frozen=True)
-class Out:
-    """A message to send: to a client (with its envelope) or, with `worker`, to a worker."""
-
-    to: bytes  # ZMQ identity
-    msg: Any
-    envelope: tuple[bytes, ...] = ()
-    worker: bool = False
-    batch: bool = False  # a Delta its client takes inside a `deltas` message with others (Submit.batch_deltas)
-
-
-class Scheduler:
-    """The router's state and the life cycle of its requests. Owned by one thread (the shell's event loop)."""
-
-    def __init__(
-        self,
-        cfg: RouterConfig,
-        *,
-        fingerprint: str,
-        model: str,
-        router_id: str,
-        weights: str = "",
-        metrics: Metrics | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self.fingerprint, self.model, self.router_id = fingerprint, model, router_id
-        self.weights = weights  # the model file's weights fingerprint ("" : not checked)
-        self.mirror = Mirror()
-        self.metrics = metrics or Metrics()  # (several models' cores share the router's)
-        self.table = WorkerTable(cfg, self.mirror, self.metrics)
-        self.workers = self.table.workers  # by id (the same dict: the views, the shell and the tests read it)
-        self.restarts, self.expected, self.failed = self.table.restarts, self.table.expected, self.table.failed
-        self.queue = DispatchQueue(cfg, self.mirror, self.metrics, self.table)
-        self.params = self.queue.params
-        self.requests: dict[tuple[bytes, str, int], Req] = {}  # by (client, request id, choice)
-        self.jobs: dict[str, Req] = {}
-        self.embeds = Embeds(router_id)
-        self.draining = False
-        # (prompt, add_bos, prompt tokens, reply tokens, tenant) of a finished chat job: router/prompt_tokens.py `remember`
-        self.remember_reply: Callable[[str, bool, np.ndarray, np.ndarray, str], None] = lambda *_: None
-        self.outbox: list[Out] = []
-        self._job_ids = itertools.count(1)
-        self._rid = itertools.count(1)
-        # what a request leaves to the server: the operator's, else llama-server's, until router/server.py gives the
-        # model's (its GGUF's values)
-        self.sampling = sampling_defaults.resolve({}, cfg.sampling_flags(), lambda _key: None)
-
-    def take(self) -> list[Out]:
-        """The messages the last events produced (the outbox is emptied)."""
-        out, self.outbox = self.outbox, []
-        return out
-
-    # ---- sending ----------------------------------------------------------------------------------
-
-    def _to_client(self, req: Req, msg: Any) -> None:
-        if req.reply_to is not None:
-            self.outbox.append(Out(req.reply_to, msg, tuple(req.envelope), batch=req.batch_deltas and isinstance(msg, Delta)))
-
-    def _to_worker(self, conn: WorkerConn, msg: Any) -> None:
-        self.outbox.append(Out(conn.identity, msg, worker=True))
-
-    def reply(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any) -> None:
-        self.outbox.append(Out(identity, msg, envelope))
-
-    # ---- transitions ------------------------------------------------------------------------------
-
-    def _enqueue(self, req: Req, front: bool = False) -> None:
-        req.state, req.attempt = ReqState.QUEUED, None
-        req.queued_at, req.wait_since = time.monotonic(), None
-        self.requests[req.key] = req
-        self.queue.push(req, front)
-
-    def _dispatch(self, req: Req, d: Dispatch) -> None:
-        conn = self.workers[d.slot.worker]
-        slot = d.slot
-        job = f"{req.rid[:100]}.{self.router_id[:8]}.{next(self._job_ids)}"  # (unique among routers side by side)
-        prefix_cache = self.cfg.prefix_cache and not slot.dirty
-        self.mirror.assign(slot, job, req.tokens, req.salt)
-        self.queue.remove(req)
-        now = time.monotonic()
-        req.queue_ms += (now - req.queued_at) * 1000
-        self.metrics.queue_wait_ms.observe((now - req.queued_at) * 1000)
-        req.state, req.attempts = ReqState.RUNNING, req.attempts + 1
-        req.attempt = Attempt(job, conn.id, slot, d.reuse, len(req.tokens) - d.reuse, req.output.parser())
-        if not conn.jobs:
-            conn.progress_at = now  # progress is expected from now on
-        self.jobs[job] = req
-        conn.jobs[job] = req
-        conn.refresh()
-        kind = "guarded" if d.guarded else "restore" if d.restore else "affinity" if d.affinity else "cold"
-        self.metrics.decisions[kind] += 1
-        sampling = admission.open_capped(req.sampling, self.cfg.default_max_tokens, conn.hello.ctx_per_slot - len(req.tokens))
-        self._to_worker(conn, job_message(req, d, job, prefix_cache, now, sampling))
-        if req.direct:  # the client reads the job's output from the worker: it learns where, and how to read it
-            self.metrics.direct_jobs += 1
-            shift = req.shift
-            self._to_client(
-                req,
-                Placed(
-                    id=req.rid,
-                    job=job,
-                    worker=conn.id,
-                    slot=slot.index,
-                    format=req.output.wire(),
-                    prompt_tokens=len(req.tokens),
-                    queue_ms=req.queue_ms,
-                    dropped_messages=shift.messages if shift else 0,
-                    dropped_tokens=shift.tokens if shift else 0,
-                ),
-            )
-
-    def _requeue(self, req: Req) -> None:
-        """Back to the front of the queue, to be placed again (its worker died, or refused it)."""
-        self._leave_worker(req)
-        self.jobs.pop(req.job or "", None)
-        self._enqueue(req, front=True)
-        self.metrics.redispatched += 1
-        log.info("request_requeued", request_id=req.rid, attempts=req.attempts, deaths=req.deaths)
-
-    def _cancel(self, req: Req) -> None:
-        """Stop a choice: one not running yet ends now (an empty `cancelled` choice), a running one is told to stop."""
-        if req.state in (ReqState.QUEUED, ReqState.TOKENIZING):
-            self._finish_empty(req, "cancelled")
-        elif req.state is ReqState.RUNNING:
-            req.state = ReqState.CANCELLING
-            conn = self.table.get(req.worker)
-            if conn is not None and req.job:
-                self._to_worker(conn, JobCancel(id=req.job))
-
-    def _finish(self, req: Req) -> None:
-        """Forget a choice: out of the queue, the request table and the job tables; its worker's load drops."""
-        self._leave_worker(req)
-        req.state = ReqState.DONE
-        self.requests.pop(req.key, None)
-        self.queue.remove(req)
-        if req.job:
-            self.jobs.pop(req.job, None)
-
-    def _leave_worker(self, req: Req) -> None:
-        conn = self.table.get(req.worker)
-        if conn is not None and req.job in conn.jobs:
-            del conn.jobs[req.job]
-            conn.refresh()
-
-    def _fail(self, req: Req, refusal: Refusal) -> None:
-        """End the request with an error: every choice of it (the others' jobs are cancelled), one reply."""
-        if req.state is ReqState.DONE:
-            return  # already ended (another choice of it failed first)
-        reply_to = req.reply_to if all(r.reply_to is not None for r in req.choices) else None
-        for r in req.choices:
-            r.reply_to, r.ended = None, True  # nothing more is sent for any choice, nor counted
-            if not self._on_worker(r):
-                self._finish(r)
-            elif r.state is ReqState.RUNNING:
-                self._cancel(r)  # its job's end still updates the mirror, then finishes it
-        self.metrics.requests[refusal.code] += 1
-        log.info("request_failed", request_id=req.rid, job=req.job, code=refusal.code, message=refusal.message)
-        if reply_to is not None:
-            self.outbox.append(Out(reply_to, refusal.error(req.rid), tuple(req.envelope)))
-
-    def _on_worker(self, req: Req) -> bool:
-        """Whether the request's job is on a connected worker (its end is still to come)."""
-        conn = self.table.get(req.worker)
-        return conn is not None and req.job in conn.jobs
-
-    def _finish_empty(self, req: Req, reason: str) -> None:
-        """End a choice that produced nothing (cancelled before it ran)."""
-        self._finish(req)
-        if not req.ended:
-            self.metrics.requests[reason] += 1
-        waited = (time.monotonic() - req.arrived) * 1000
-        req.choice = Choice(index=req.index, finish_reason=reason, text="", tokens=b"")
-        req.usage = Usage(prompt_tokens=len(req.tokens), cached_tokens=0, completion_tokens=0)
-        req.timings = Timings(queue_ms=waited, total_ms=waited)
-        self._complete(req)
-
-    def _complete(self, req: Req) -> None:
-        """A choice ended: the result goes out once every choice of the request has ended."""
-        choices = req.choices
-        if any(r.choice is None for r in choices):
-            return
-        lead = choices[0]
-        result = result_of(choices, lead.worker or "", lead.slot.index if lead.slot else -1)
-        if lead.shift is not None:  # the client is told its prompt is not the one it sent
-            result.dropped_messages, result.dropped_tokens = lead.shift.messages, lead.shift.tokens
-        self._to_client(lead, result)
+class Scheduler(WorkerEvents):
+    """The router's state and the life cycle of its requests: a client's events and time here, a worker's in
+    router/worker_events.py, the transitions and records they share in router/lifecycle.py. Owned by one thread
+    (the shell's event loop)."""
 
     # ---- client events ----------------------------------------------------------------------------
 
@@ -371,55 +158,13 @@ class Scheduler:
         rid = msg.id or f"e{next(self._rid)}-{uuid.uuid4().hex[:8]}"
         refusal = self._at_submit(None, 1, msg.owner)
         if refusal is not None:
-            self.metrics.requests[refusal.code] += 1
-            self.reply(identity, envelope, refusal.error(rid))
+            self.refuse(identity, envelope, rid, refusal)
             return
         pooling, normalize = ("rank", False) if isinstance(msg, Rerank) else (msg.pooling or "mean", msg.normalize)
         deadline = None if msg.deadline_ms is None else time.monotonic() + msg.deadline_ms / 1000.0
         wait = EmbedWait(identity, envelope, rid, inputs, pooling, normalize, msg.owner or "", deadline)
         self.embeds.waiting.append(wait)
         self._place_embeds()
-
-    def _place_embeds(self) -> None:
-        """The waiting embed and rerank requests to ready workers, in order; with none ready they fail when a queued
-        request would: no worker will come (each failed at start), or none was connected for `no_workers_grace_s`."""
-        while self.embeds.waiting and (conn := self.embeds.place(list(self.workers.values()))) is not None:
-            w = self.embeds.waiting.popleft()
-            job = self.embeds.start(conn, w)
-            log.info("embed_placed", request_id=w.rid, job=job.id, worker=conn.id, inputs=len(w.inputs))
-            self._to_worker(conn, job)
-        if not self.embeds.waiting:
-            return
-        failed = self.none_can_come()
-        if failed is not None:
-            why = f"no worker can serve this request: {failed}"
-        elif not self.workers and self.table.none_for(self.cfg.no_workers_grace_s):
-            why = f"no worker connected for {self.cfg.no_workers_grace_s:g} s"
-        else:
-            return
-        self._embed_replies(self.embeds.fail_waiting(ErrorCode.NO_WORKERS, why))
-
-    def _embed_reply(self, answer: tuple[Any, Any] | None) -> None:
-        if answer is not None and answer[0].client:
-            req, msg = answer
-            self.reply(req.client, req.envelope, msg)
-
-    def _embed_replies(self, answers: list[tuple[Any, Any]]) -> None:
-        for answer in answers:
-            self._embed_reply(answer)
-
-    def _stop_embeds(self, stopped: list[EmbedReq | EmbedWait], code: str | None, message: str) -> None:
-        """Stopped embed requests (router/embeds.py `stop`): each answered with an error `code` (None: not at all, its
-        client is gone), and a running one's job cancelled on its worker (its end, still to come, answers nobody)."""
-        for r in stopped:
-            log.info("embed_stopped", request_id=r.rid, code=code or "client_gone", running=isinstance(r, EmbedReq))
-            if code is not None and r.client:
-                self.reply(r.client, r.envelope, Error(id=r.rid, code=code, message=message))
-            if isinstance(r, EmbedReq):
-                r.client = b""
-                conn = self.table.get(r.worker)
-                if conn is not None:
-                    self._to_worker(conn, JobCancel(id=r.job))
 
     def cancel(self, identity: bytes, rid: str) -> None:
         stopped = self.embeds.stop(lambda r: r.client == identity and r.rid == rid)
@@ -456,204 +201,6 @@ class Scheduler:
             log.info("client_gone", request_id=req.rid, job=req.job)
             req.reply_to = None
             self._cancel(req)
-
-    # ---- dispatch ---------------------------------------------------------------------------------
-
-    def _pump(self) -> None:
-        """Dispatch the queued requests that have a slot now (router/dispatch_queue.py), and waiting embeds."""
-        for req, d in self.queue.placements():
-            self._dispatch(req, d)
-        if self.embeds.waiting:
-            self._place_embeds()
-
-    # ---- worker events ----------------------------------------------------------------------------
-
-    def hello(self, identity: bytes, msg: Hello) -> None:
-        refusal = handshake.refusal(identity, msg, self.fingerprint, self.weights, self.model)
-        if refusal is not None:
-            if refusal.code == ErrorCode.MODEL_MISMATCH:
-                log.warning("worker_refused", worker=msg.worker_id, code="model_mismatch", reason=refusal.reason)
-            self.outbox.append(Out(identity, refusal, worker=True))
-            return
-        conn = self.table.repeated(msg)
-        if conn is None:
-            if msg.worker_id in self.workers:
-                self.worker_dead(msg.worker_id, f"new incarnation {msg.incarnation}")
-            conn = self.table.join(msg)
-        features = ["job_deltas", "slot_notices"]
-        self._to_worker(conn, Accept(worker_id=msg.worker_id, router_id=self.router_id, features=features))
-        self._pump()
-
-    def worker_message(self, identity: bytes, msg: WorkerReport) -> None:
-        """A message from a worker that said hello; one that did not is told to."""
-        conn = self.workers.get(identity.decode("utf-8", "replace"))
-        if conn is None or (isinstance(msg, Heartbeat) and msg.incarnation != conn.hello.incarnation):
-            reason = "this router does not know this worker; say hello"
-            self.outbox.append(Out(identity, Refuse(code=ErrorCode.NOT_FOUND, reason=reason), worker=True))
-            return
-        conn.last_seen = time.monotonic()
-        handler = self.WORKER_HANDLERS.get(type(msg))
-        if handler is None:  # (a type the decoder knows and this table does not: say so, never guess)
-            self.metrics.unknown_messages += 1
-            log.warning("unknown_worker_message", worker=conn.id, kind=kind_of(msg))
-            return
-        getattr(self, handler)(conn, msg)
-
-    # each message a worker sends after its hello, and the name of its handler (a method, looked up at each call)
-    WORKER_HANDLERS: ClassVar[dict[type, str]] = {
-        Heartbeat: "_heartbeat",
-        JobDelta: "_job_delta",
-        JobDeltas: "_job_deltas",
-        JobDone: "_job_done",
-        JobError: "_job_error",
-        EmbedDone: "_embed_done",
-        SlotTaken: "_slot_taken",  # (another router's job: routers side by side over one fleet)
-        SlotUpdate: "_slot_update",
-    }
-
-    def _heartbeat(self, conn: WorkerConn, msg: Heartbeat) -> None:
-        self.table.heartbeat(conn, msg)
-
-    def _embed_done(self, conn: WorkerConn, msg: EmbedDone) -> None:
-        self._embed_reply(self.embeds.done(msg))
-
-    def _slot_taken(self, conn: WorkerConn, msg: SlotTaken) -> None:
-        self.table.slot_taken(conn, msg)
-
-    def _job_deltas(self, conn: WorkerConn, msg: JobDeltas) -> None:
-        for delta in msg.items:  # one engine step's deltas
-            self._job_delta(conn, delta)
-
-    def _slot_update(self, conn: WorkerConn, msg: SlotUpdate) -> None:
-        self.table.slot_update(conn, msg)
-        self._pump()
-
-    def _job_delta(self, conn: WorkerConn, msg: JobDelta) -> None:
-        req = conn.jobs.get(msg.id)
-        if req is None or req.attempt is None:
-            return
-        if req.direct:  # (its worker sends the router only the job's first delta, without text: output has begun)
-            outcomes.output_began(conn, req)
-            return
-        piece = outcomes.delta_taken(conn, req, msg)
-        if req.stream and req.reply_to is not None:
-            delta = delta_of(req, piece, msg.tokens, msg.logprobs)
-            if msg.reused_tokens is not None:  # the job's first token: what the prompt cost is known now
-                delta.usage = Usage(prompt_tokens=len(req.tokens), cached_tokens=msg.reused_tokens, completion_tokens=0)
-            req.attempt.delivered += 1
-            self._to_client(req, delta)
-
-    def _job_done(self, conn: WorkerConn, msg: JobDone) -> None:
-        self.table.cache_changed(conn, msg)
-        req = conn.jobs.get(msg.id)
-        if req is None or req.attempt is None:
-            log.warning("unknown_job_done", worker=conn.id, job=msg.id)
-            return
-        self._leave_worker(req)
-        attempt = req.attempt
-        timings = outcomes.settle_done(self.mirror, self.metrics, self.params.min_match, conn, req, msg)
-        if req.prompt_text:  # the next turn's prompt may hold this reply: its tokens as the model wrote them
-            self.remember_reply(req.prompt_text, req.prompt_bos, req.tokens, token_array(msg.tokens), req.salt)
-        self._finish(req)
-        if req.direct:  # its client has the job's output and end from the worker, and makes the result
-            self._pump()
-            return
-        tail = attempt.parser.finish()
-        if req.stream and (tail.content or tail.reasoning or tail.calls):
-            self._to_client(req, delta_of(req, tail, b"", []))
-        req.choice = choice_of(req, msg)
-        req.usage = Usage(
-            prompt_tokens=msg.prompt_tokens,
-            cached_tokens=msg.reused_tokens,
-            completion_tokens=msg.generated_tokens,
-            reasoning_tokens=attempt.parser.reasoning_tokens,
-        )
-        req.timings = timings
-        self._complete(req)
-        self._pump()
-
-    def _job_error(self, conn: WorkerConn, msg: JobError) -> None:
-        self.table.cache_changed(conn, msg)
-        if msg.id in self.embeds.running:
-            self._embed_reply(self.embeds.failed(msg.id, msg.code, msg.message, msg.error_id))
-            return
-        req = conn.jobs.get(msg.id)
-        if req is None or req.attempt is None:
-            return
-        self._leave_worker(req)
-        slot = req.attempt.slot
-        if req.direct:
-            req.attempt.streamed = unpack_tokens(msg.tokens)
-        outcomes.settle_slot(self.mirror, self.metrics, req, msg)
-        conn.refresh()
-        if msg.code == ErrorCode.DRAINING and req.state is ReqState.RUNNING and not req.started:
-            conn.state = WorkerState.DRAINING
-            self._requeue(req)
-        elif msg.code == ErrorCode.SLOT_BUSY and req.state is ReqState.RUNNING and not req.started:
-            self.mirror.refused(slot)  # another router's job holds it: placed again, elsewhere or after it
-            conn.refresh()
-            self.metrics.slot_conflicts += 1
-            log.info("slot_conflict", request_id=req.rid, worker=conn.id, slot=slot.index)
-            self._requeue(req)
-        elif req.state is ReqState.CANCELLING:
-            self._finish_empty(req, "cancelled")
-        else:
-            self._fail(req, Refusal(msg.code, msg.message, overflow=msg.overflow, error_id=msg.error_id))
-        self._pump()
-
-    def worker_dead(self, worker: str, reason: str) -> None:
-        """A worker is gone: purge its slots now, re-dispatch what it had not streamed, fail the rest."""
-        conn = self.table.remove(worker, reason)
-        if conn is None:
-            return
-        for answer in self.embeds.lost(worker, reason):
-            self._to_worker(conn, JobCancel(id=answer[0].job))  # in case it is only slow
-            self._embed_reply(answer)
-        for req in list(conn.jobs.values()):
-            self._to_worker(conn, JobCancel(id=req.job or ""))  # in case it is only slow
-            del conn.jobs[req.job or ""]
-            req.deaths += 1
-            if req.state is ReqState.CANCELLING:
-                self._finish_empty(req, "cancelled")
-            elif req.started:
-                self._fail(req, Refusal(ErrorCode.WORKER_LOST, f"worker {worker} died ({reason}) while streaming this request"))
-            elif req.deaths >= self.cfg.max_worker_deaths:
-                log.warning("poison_request", request_id=req.rid, deaths=req.deaths)
-                self._fail(
-                    req,
-                    Refusal(
-                        ErrorCode.WORKER_LOST,
-                        f"{req.deaths} workers died while running this request (the last: {worker}, {reason}); it is"
-                        f" not sent to another (--max-worker-deaths {self.cfg.max_worker_deaths})",
-                    ),
-                )
-            else:
-                self._requeue(req)
-        self._pump()
-
-    def worker_failed(self, worker: str, reason: str) -> None:
-        self.failed[worker] = reason
-        self._fail_hopeless()
-        if self.embeds.waiting:
-            self._place_embeds()
-
-    def _fail_hopeless(self) -> bool:
-        """Queued requests fail at once, with the reason, when no worker will come to serve them."""
-        failed = self.none_can_come() if self.queue else None
-        if failed is None:
-            return False
-        for req in list(self.queue):
-            self._fail(req, Refusal(ErrorCode.NO_WORKERS, f"no worker can serve this request: {failed}"))
-        return True
-
-    def none_can_come(self) -> str | None:
-        return self.table.none_can_come()
-
-    def worker_exited(self, worker: str, incarnation: int, returncode: int | None) -> None:
-        """From the supervisor: the process of this worker incarnation exited."""
-        conn = self.workers.get(worker)
-        if conn is not None and conn.hello.incarnation == incarnation:
-            self.worker_dead(worker, f"process exited with status {returncode}")
 
     # ---- time -------------------------------------------------------------------------------------
 

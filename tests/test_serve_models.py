@@ -12,8 +12,8 @@ from commands.cli import build_parser
 from commands.models_config import from_file, from_flags
 from commands.serve import LocalWorkers, served_models, worker_specs
 from common.config import ConfigFileError, add_args, from_args
-from gateway.helpers import keep_alive_s
-from gateway.openai_chat import RequestError
+from gateway.errors import RequestError
+from gateway.normalise import keep_alive_s
 from worker.config import WorkerConfig
 
 

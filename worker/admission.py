@@ -81,14 +81,8 @@ class Admission:
         texts = [t for t in prompt if t >= 0] if job.images else prompt  # (an image's ids are checked above)
         if (bad := outside_vocab(texts, self.vocab.n_vocab)) is not None:
             return Refusal(ErrorCode.BAD_REQUEST, f"prompt: {vocab_message(bad, self.vocab.n_vocab)}")
-        n, ctx, mt = len(prompt), self.n_ctx, job.sampling.max_tokens
-        numbers = Overflow(prompt_tokens=n, max_tokens=mt, context=ctx)
-        if n >= ctx:
-            text = f"prompt of {n} tokens does not fit a slot's context of {ctx} tokens"
-            return Refusal(ErrorCode.CONTEXT_OVERFLOW, text, overflow=numbers)
-        if mt is not None and n + mt > ctx:
-            text = f"prompt of {n} tokens + max_tokens {mt} = {n + mt} is over a slot's context of {ctx} tokens"
-            return Refusal(ErrorCode.CONTEXT_OVERFLOW, text, overflow=numbers)
+        if (numbers := Overflow.of(len(prompt), job.sampling.max_tokens, self.n_ctx)) is not None:  # (protocol `fits`)
+            return Refusal(ErrorCode.CONTEXT_OVERFLOW, numbers.slot_message(), overflow=numbers)
         return None
 
     def image_problem(self, job: Job, prompt: list[int]) -> str | None:

@@ -1,10 +1,11 @@
-"""The engine's work on its compute thread (worker/engine.py runs it): admission, the step, commit and ends.
+"""The compute core: the engine's work itself (admission, the step, commit, ends), run on the engine's thread
+(worker/engine.py) and never touching the process's sockets (worker/main.py).
 
 A step places waiting jobs on slots (worker/admission.py; their prefixes: worker/prefix.py), builds the step's
 batches (worker/batching.py: one decode row for every generating slot first, then prefill chunks of the slots still
 reading their prompt, up to `n_batch` prompt tokens, the prompt with the least left to compute first), decodes each,
 commits what it computed and samples the rows that ask for it. Jobs join and leave between steps. Results go out
-as protocol messages (JobDelta, then one JobDone or JobError) passed to the job's sink.
+as protocol messages (JobDelta, then one JobDone or JobError: worker/job_ends.py) passed to the job's sink.
 
 Deterministic mode (measured on CPU, see DESIGN.md): a token's KV and logits are bit-reproducible only if they
 are computed the same way every time. Measured with flash attention off (it is: its result depends on how much
@@ -54,13 +55,12 @@ back (ROLLBACK positions).
 Invariant (checked after every decode, and before building a batch): for every slot,
 `llama_memory_seq_pos_max(slot) + 1 == len(slot.tokens)`, and its memory's lowest position is what it keeps
 (worker/llama.py `holds`). A violation is counted, logged with an id, reported to the slot's job as an `internal`
-error carrying that id, and the slot is cleared.
+error carrying that id, and the slot is cleared (worker/failures.py, as a failed decode and a bug in a step are).
 """
 
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Collection
 
 from common import logs
@@ -69,26 +69,24 @@ from common.projector import Projector, ProjectorError
 from common.slots import EXACT_ROWS
 from protocol import (
     EngineCounters,
-    Error,
     ErrorCode,
     FinishReason,
     Job,
     JobDelta,
-    JobDone,
     JobError,
-    Message,
     TokenLogprob,
     pack_tokens,
-    token_hash,
 )
 from worker.admission import Admission
 from worker.batching import Batcher, Planned
-from worker.checkpoints import FOR_SAVES_MAX, Budget, cuts
+from worker.checkpoints import FOR_SAVES_MAX, Budget
 from worker.config import WorkerConfig
 from worker.embed_jobs import EmbedJobs
 from worker.embedder import Embedder
+from worker.failures import Failures, new_error_id
 from worker.faults import Faults
 from worker.guide import GuideTokenizer
+from worker.job_ends import JobEnds, send
 from worker.llama import Llama
 from worker.prefix import Prefixes
 from worker.saved_states import SavedStates, open_disk_tier
@@ -185,6 +183,8 @@ class EngineCore:
         self.progress = 0  # steps completed; a worker whose progress stops while it has jobs is hung
         llama = self.llama  # embed jobs, one input between two steps (worker/engine.py's loop runs them)
         self.embeds = EmbedJobs(lambda pooling: Embedder(llama.model, pooling, cfg.threads, llama.n_ctx_train))
+        self.ends = JobEnds(self.table, self.admission, self.prefixes, self.saved, self.embeds, self.counters)
+        self.failures = Failures(self.llama, self.table, self.prefixes, self.ends, self.counters, self.uncut)
 
     def entry_min_keep(self, pos_min: int, n: int) -> int:
         """The shortest prefix a saved state of `n` tokens can be cut to (worker/prefix.py)."""
@@ -195,13 +195,13 @@ class EngineCore:
         try:
             refused = self.admission.accept(job, sink, t_arrival)
         except Exception as exc:  # a bug met by one job: that job fails with an id, the worker goes on
-            error_id = uuid.uuid4().hex[:16]
+            error_id = new_error_id()
             log.exception("job_accept_failed", error_id=error_id, request_id=job.id)
             self.admission.forget_id(job.id)
             message = f"the worker could not start this job: {type(exc).__name__}: {exc} (error {error_id})"
             refused = JobError(id=job.id, code=ErrorCode.INTERNAL, message=message, error_id=error_id)
         if refused is not None:
-            self._send(sink, refused)
+            send(sink, refused)
             self.counters.jobs_failed += 1
 
     def cancel(self, job_id: str) -> None:
@@ -213,7 +213,7 @@ class EngineCore:
         try:
             self._step()
         except Exception as exc:
-            self._fail_all(exc)
+            self.failures.step_failed(exc)
         self.progress += 1
 
     def idle(self) -> bool:
@@ -225,12 +225,12 @@ class EngineCore:
         t0 = time.perf_counter()
         self._expire()
         for task, code in self.admission.expired():
-            self._error(task, code, f"job {code.value} while waiting for a slot")
+            self.ends.error(task, code, f"job {code.value} while waiting for a slot")
         self.admission.admit()
         busy = self.table.busy()
         if not busy:
             return
-        self._check(busy)
+        self.failures.check(busy)
         if self.projector is not None:
             self._images(busy)
         budget = self.n_batch
@@ -252,7 +252,7 @@ class EngineCore:
                 except (ProjectorError, RuntimeError) as exc:
                     self.prefixes.clear(slot)  # (what of the image was decoded is not known)
                     code = ErrorCode.BAD_REQUEST if isinstance(exc, ProjectorError) else ErrorCode.INTERNAL
-                    self._error(task, code, f"image at prompt position {start}: {exc}")
+                    self.ends.error(task, code, f"image at prompt position {start}: {exc}")
                     break
                 slot.tokens.extend(task.prompt[start : start + n])
                 if slot.n_exact == start:  # (decoded alone, the same way every time: exact, as a prompt chunk is)
@@ -261,10 +261,10 @@ class EngineCore:
                 self.counters.image_rows += n
                 if n != image.n_tokens:  # the router counted otherwise: what the slot holds is not what it believes
                     self.counters.invariant_violations += 1
-                    self._error(task, ErrorCode.INTERNAL, f"an image took {n} rows here, the job said {image.n_tokens}")
+                    self.ends.error(task, ErrorCode.INTERNAL, f"an image took {n} rows here, the job said {image.n_tokens}")
                     self.prefixes.clear(slot)
                     break
-                self._check([slot])
+                self.failures.check([slot])
                 task = slot.task
 
     def _run(self, group: list[Slot], budget: int) -> int:
@@ -296,7 +296,7 @@ class EngineCore:
         c.spec_withheld += sum(1 for slot, _, _ in plan if slot.task.withheld)
         used = sum(n - 1 if slot.task.generated else n for slot, n, _ in plan)  # prompt and guessed rows
         if ret != 0:
-            self._decode_failed(plan, ret)
+            self.failures.decode_failed(plan, ret)
             return budget - used
         rows, decode_only = self.llama.batch.n, not self.exact and all(slot.task.generated for slot, _, _ in plan)
         self._commit(plan)
@@ -340,7 +340,7 @@ class EngineCore:
                     slot.n_exact = slot.n_tokens
                 if slot.n_tokens in task.checkpoint_at:
                     self.prefixes.checkpoint(slot)
-        self._check([slot for slot, _, _ in plan])
+        self.failures.check([slot for slot, _, _ in plan])
         ctx = self.llama.ctx
         now = time.monotonic()
         for slot, _, row in plan:
@@ -375,10 +375,10 @@ class EngineCore:
         if keep < slot.n_tokens:
             self.prefixes.unguess(slot, keep)
             if slot.n_tokens != keep:  # the trim failed and cleared the slot: this job's KV is gone
-                error_id = uuid.uuid4().hex[:16]
+                error_id = new_error_id()
                 log.error("spec_trim_failed", error_id=error_id, slot=slot.id, keep=keep)
                 message = f"could not remove rejected guesses from slot {slot.id} (error {error_id})"
-                self._error(task, ErrorCode.INTERNAL, message, error_id)
+                self.ends.error(task, ErrorCode.INTERNAL, message, error_id)
                 return
         for tok, logprob, complete in picked:
             self._on_token(task, slot, tok, now, logprob, complete)
@@ -409,14 +409,14 @@ class EngineCore:
         if len(task.generated) == 1:
             delta.reused_tokens = task.reused
         if stream.stop is not None:
-            self._send(task.sink, delta)
+            send(task.sink, delta)
             self._done(task, slot, FinishReason.STOP)
         elif complete or len(task.generated) >= task.max_gen:
             delta.text += stream.flush()
-            self._send(task.sink, delta)
+            send(task.sink, delta)
             self._done(task, slot, FinishReason.STOP if complete else FinishReason.LENGTH)
         else:
-            self._send(task.sink, delta)
+            send(task.sink, delta)
 
     def _expire(self) -> None:
         """End running jobs that were cancelled or ran past their deadline; their slots keep the valid KV."""
@@ -431,163 +431,22 @@ class EngineCore:
     def _flush_and_done(self, task: Task, slot: Slot, reason: FinishReason) -> None:
         text = task.stream.flush()
         if text:
-            self._send(task.sink, JobDelta(id=task.id, text=text, tokens=b""))
+            send(task.sink, JobDelta(id=task.id, text=text, tokens=b""))
         self._done(task, slot, reason)
 
-    # -- endings --
+    # -- endings (worker/job_ends.py) and failures (worker/failures.py) --
 
     def _done(self, task: Task, slot: Slot, reason: FinishReason) -> None:
-        now = time.monotonic()
-        held = len(task.prompt) + len(task.generated)
-        if slot.n_tokens > held:  # guessed tokens past where the job ended (it stopped mid-guess)
-            self.prefixes.unguess(slot, held)
-        done = JobDone(
-            id=task.id,
-            slot=slot.id,
-            finish_reason=reason.value,
-            text=task.stream.full_text(),
-            tokens=pack_tokens(task.generated),
-            prompt_tokens=len(task.prompt),
-            reused_tokens=task.reused,
-            restored_tokens=task.restored,
-            prefilled_tokens=len(task.prompt) - task.reused,
-            generated_tokens=len(task.generated),
-            slot_tokens=slot.n_tokens,
-            slot_hash=token_hash(slot.tokens),
-            slot_min_keep=self.prefixes.min_keep(slot),
-            slot_cuts=cuts(slot.checkpoints),
-            slot_n_exact=slot.n_exact,
-            timings=task.timings(now),
-            stop=task.stream.stop,
-        )
-        if not task.silent:
-            done.cache_added, done.cache_dropped, done.disk_dropped = self.saved.changes()
-        if self.pool is not None:
+        if self.pool is not None:  # (recent outputs: guesses across requests)
             self.pool.add(task.job.cache_salt, task.generated)
-        self._release(task, slot)
-        self.counters.jobs_done += 1
-        log.debug("job_done", request_id=task.id, slot=slot.id, finish=reason.value, generated=len(task.generated))
-        self._send(task.sink, done, task.silent)
-
-    def _error(self, task: Task, code: ErrorCode, message: str, error_id: str | None = None) -> None:
-        """End a job with an error, reporting what its slot (if any) holds now."""
-        slot = self.table[task.slot] if task.slot >= 0 else None
-        msg = JobError(id=task.id, code=code, message=message, error_id=error_id)
-        if task.job.reply_to:  # (its router saw none of the output: the mirror needs it)
-            msg.tokens = pack_tokens(task.generated)
-        if not task.silent:
-            msg.cache_added, msg.cache_dropped, msg.disk_dropped = self.saved.changes()
-        if slot is not None:
-            msg.slot, msg.slot_tokens, msg.slot_hash = slot.id, slot.n_tokens, token_hash(slot.tokens)
-            msg.slot_min_keep, msg.slot_n_exact = self.prefixes.min_keep(slot), slot.n_exact
-            msg.slot_cuts = cuts(slot.checkpoints)
-            self._release(task, slot)
-        else:
-            self.admission.forget(task)
-        self.counters.jobs_failed += 1
-        self._send(task.sink, msg, task.silent)
-
-    def _release(self, task: Task, slot: Slot) -> None:
-        self.table.release(slot)
-        self.admission.forget(task)
-
-    def _send(self, sink: Sink, msg: Message, silent: bool = False) -> None:
-        if silent:
-            return
-        try:
-            sink(msg)
-        except Exception:
-            log.exception("sink_failed", message=type(msg).__name__)
-
-    # -- failures --
-
-    def _check(self, slots: list[Slot]) -> None:
-        """The invariant (worker/llama.py `holds`): each slot's memory holds exactly len(slot.tokens) positions, its
-        sliding-window layers the whole window before the next one. A violation is a bug."""
-        for slot in slots:
-            if self.llama.holds(slot.id, slot.n_tokens):
-                continue
-            held, floor = self.llama.seq_len(slot.id), self.llama.seq_pos_min(slot.id)
-            error_id = uuid.uuid4().hex[:16]
-            self.counters.invariant_violations += 1
-            log.error("slot_invariant_violated", error_id=error_id, slot=slot.id, believed=slot.n_tokens, kv=held, kv_from=floor)
-            believed = slot.n_tokens
-            self.prefixes.clear(slot)
-            if slot.task is not None:
-                self._error(
-                    slot.task,
-                    ErrorCode.INTERNAL,
-                    f"slot {slot.id} believed it held {believed} tokens but its KV holds positions {floor}..{held - 1}; "
-                    f"slot cleared (error {error_id})",
-                    error_id,
-                )
-
-    def _decode_failed(self, plan: list[Planned], ret: int) -> None:
-        """llama_decode failed: put each affected slot back to what it held before, end its job with an error."""
-        self.counters.decode_errors += 1
-        error_id = uuid.uuid4().hex[:16]
-        log.error("decode_failed", error_id=error_id, ret=ret, rows=self.llama.batch.n, slots=[s.id for s, _, _ in plan])
-        for slot, _, _ in plan:
-            if self.llama.seq_len(slot.id) != slot.n_tokens:  # ubatches processed before the failure are kept
-                trimmed = not self.uncut and self.llama.seq_rm(slot.id, slot.n_tokens, -1)
-                if not trimmed or self.llama.seq_len(slot.id) != slot.n_tokens:
-                    self.prefixes.clear(slot)
-            if slot.task is not None:
-                self._error(slot.task, ErrorCode.INTERNAL, f"llama_decode failed with code {ret} (error {error_id})", error_id)
-
-    def _fail_all(self, exc: Exception) -> None:
-        error_id = uuid.uuid4().hex[:16]
-        log.exception("engine_step_failed", error_id=error_id)
-        for slot in self.table.busy():
-            self.prefixes.clear(slot)
-            if slot.task is not None:
-                message = f"engine error {type(exc).__name__}: {exc} (error {error_id})"
-                self._error(slot.task, ErrorCode.INTERNAL, message, error_id)
+        self.ends.done(task, slot, reason)
 
     def _hand_back(self, running: bool) -> int:
-        reqs = self.admission.take_waiting()
-        if running:
-            reqs += [slot.task for slot in self.table.busy() if slot.task is not None]
-        for task in reqs:
-            self._error(task, ErrorCode.DRAINING, "the worker is shutting down; this job was handed back")
-        return len(reqs) + (self.embeds.hand_back() if running else 0)  # (waiting embed jobs finish while draining)
+        return self.ends.hand_back(running)
 
     def forget_jobs(self, only: Collection[str] | None = None) -> int:
         """End jobs (every one, or those `only` names) without a word; their slots keep the KV they computed."""
-        waiting = self.admission.take_waiting()
-        if only is not None:  # the others wait on, in their order
-            waiting, kept = [t for t in waiting if t.id in only], [t for t in waiting if t.id not in only]
-            self.admission.put_back(kept)
-        running = [s for s in self.table.busy() if s.task is not None and (only is None or s.task.id in only)]
-        reqs = [*waiting, *(slot.task for slot in running)]
-        for task in waiting:
-            self.admission.forget(task)
-        for slot in running:
-            self._release(slot.task, slot)  # the slot keeps the KV its job computed
-        for task in reqs:
-            self._orphaned(task)
-        forgotten = len(reqs) + len(self.embeds.take(only))  # (embed jobs: a router that forgot them reads no reply)
-        if forgotten:
-            log.info("jobs_forgotten", jobs=forgotten, reason="the router does not know this worker any more")
-        return forgotten
-
-    def _orphaned(self, task: Task) -> None:
-        """A job its router forgot (the router restarted) ends here without a report; a client reading its output
-        itself is told (no router will tell it)."""
-        task.silent = True
-        if task.job.reply_to:
-            message = "the router that placed this request restarted and forgot it; its output stopped here"
-            self._send(task.sink, Error(id=task.id, code=ErrorCode.ROUTER_LOST, message=message))
+        return self.ends.forget(only)
 
     def _reset(self) -> None:
-        for task in self.admission.take_waiting():
-            self._orphaned(task)
-            self.admission.forget(task)
-        for slot in self.table.slots:
-            if slot.task is not None:
-                self._orphaned(slot.task)
-                self._release(slot.task, slot)
-            self.prefixes.clear(slot)
-        self.embeds.take()
-        self.host.clear()
-        log.info("slots_reset", slots=len(self.table))
+        self.ends.reset()

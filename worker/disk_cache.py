@@ -25,56 +25,39 @@ Contract:
 - Thread safe: every method may be called from any thread. `read` reads a whole file (and `used` sets its mtime)
   on the caller's thread.
 
-File format: worker/disk_format.py.
+Its files, one at a time (writing, reading back, the scan at start): worker/disk_files.py; the bytes in them:
+worker/disk_format.py. The prefix search: worker/tier.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import os
-import re
 import threading
 import time
-import zlib
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from common import logs
 from common.files import open_private, private_dir
-from common.slots import common_prefix, restore_keep
-from worker.disk_format import (
-    CRC_BYTES,
-    Bad,
-    Cuts,
-    check_crc,
-    crc_bytes,
-    file_size,
-    header_bytes,
-    read_exact,
-    read_header,
-    readinto_exact,
-    write_all,
-)
+from worker.disk_files import LOCK_NAME, DiskEntry, EntryFiles, PendingWrite
+from worker.disk_format import Bad, Cuts, file_size
+from worker.tier import anywhere, gives, longest_prefix, shared_prefixes
 
 if TYPE_CHECKING:
     from worker.llama import StateData
-    from worker.tier import TierName
+    from worker.tier import MinKeep, TierName
 
     Buffer = StateData | bytes | bytearray | memoryview
 
+__all__ = ["Added", "DiskCache", "DiskEntry", "Dropped", "Event", "llama_state_version"]
+
 log = logs.get(__name__)
 
-SUFFIX = ".kvs"
-TMP_SUFFIX = ".kvs.tmp"
-LOCK_NAME = ".lock"
-_NAME = re.compile(r"(\d+)\.kvs(\.tmp)?")
 _MAX_PENDING = 1 << 30  # bytes of states queued for writing (held in RAM meanwhile) at most, by default
-_SCRATCH_STEP = 1 << 20  # the read buffer grows by whole MiB
 
 
 def llama_state_version(*extra: object) -> str:
@@ -89,24 +72,6 @@ def llama_state_version(*extra: object) -> str:
         f"seq={getattr(llama_cpp, 'LLAMA_STATE_SEQ_MAGIC', 0):#x}/{getattr(llama_cpp, 'LLAMA_STATE_SEQ_VERSION', 0)}",
     ]
     return ";".join(parts + [str(x) for x in extra])
-
-
-@dataclass(eq=False)
-class DiskEntry:
-    id: int
-    tokens: list[int]  # exactly the tokens whose KV the state holds, in position order
-    n_exact: int
-    pos_min: int
-    nbytes: int  # the whole file: what counts against the capacity
-    state_bytes: int  # the state alone: what `read` allocates
-    path: Path
-    last_used: int  # ns since the epoch; also the file's mtime, so the LRU order survives a restart
-    salt: str = ""  # the tenant whose prompt it holds ("": none); entries are shared only within a tenant
-    checkpoints: Cuts = ()  # (position, bytes) of the checkpoints stored after the state (worker/checkpoints.py)
-
-    @property
-    def cuts(self) -> list[int]:
-        return [n for n, _ in self.checkpoints]
 
 
 @dataclass(frozen=True)
@@ -125,6 +90,10 @@ class Added:
     def cuts(self) -> list[int]:
         return [n for n, _ in self.checkpoints]
 
+    @classmethod
+    def of(cls, e: DiskEntry) -> Added:
+        return cls(e.id, e.tokens, e.n_exact, e.pos_min, e.nbytes, e.salt, e.checkpoints)
+
 
 @dataclass(frozen=True)
 class Dropped:
@@ -134,19 +103,6 @@ class Dropped:
 
 
 Event = Added | Dropped
-
-
-@dataclass(eq=False)
-class _Write:
-    id: int
-    tokens: list[int]
-    n_exact: int
-    pos_min: int
-    data: tuple[Any, ...]  # C-contiguous buffers (StateData, bytes...), written in order
-    state_bytes: int
-    nbytes: int
-    salt: str = ""
-    checkpoints: Cuts = ()
 
 
 class DiskCache:
@@ -162,13 +118,13 @@ class DiskCache:
         state_version: str,
         *,
         max_pending_bytes: int | None = None,
-        min_keep: Callable[[int, int], int] | None = None,
+        min_keep: MinKeep | None = None,
     ) -> None:
         """`min_keep(pos_min, n)`: the shortest prefix a state of `n` tokens can be cut back to once restored (default
         0: any), below which it gives only its checkpoints (worker/checkpoints.py); an entry holding more tokens after
         another's covers it only where it can be cut back to it."""
         self.directory = Path(directory)
-        self.min_keep = min_keep or (lambda pos_min, n: 0)
+        self.min_keep = min_keep or anywhere
         self.capacity = max(0, capacity_bytes)
         self.fingerprint = fingerprint
         self.state_version = state_version
@@ -180,12 +136,13 @@ class DiskCache:
         self.skipped = 0  # puts dropped because the write queue was full
         self._fp = fingerprint.encode()
         self._sv = state_version.encode()
+        self.files = EntryFiles(self.directory, self._fp, self._sv)
         self._entries: dict[int, DiskEntry] = {}
         self._nbytes = 0
         self._events: list[Event] = []
-        self._queue: deque[_Write] = deque()
+        self._queue: deque[PendingWrite] = deque()
         self._pending_bytes = 0
-        self._busy: _Write | None = None  # the write in progress
+        self._busy: PendingWrite | None = None  # the write in progress
         self._cond = threading.Condition()  # guards all of the above; the writer waits on it
         self._closing = False
         self._loaded = False
@@ -194,7 +151,6 @@ class DiskCache:
         self._next_id = 1
         self._lock_fd: int | None = None
         self._writer: threading.Thread | None = None
-        self._scratch: ctypes.Array[ctypes.c_uint8] | None = None  # what `read` reads into, reused
 
     # -- start --------------------------------------------------------------------------------------------------
 
@@ -216,7 +172,8 @@ class DiskCache:
                 os.close(fd)
                 raise
             self._lock_fd = fd
-            found = self._scan()
+            found, next_id = self.files.scan(self._reject, self._remove)
+            self._next_id = max(self._next_id, next_id)
         except OSError as exc:
             self._off("directory unusable", exc)
             return []
@@ -233,42 +190,13 @@ class DiskCache:
         with self._cond:
             for e in found:
                 self._entries[e.id] = e
-                self._events.append(Added(e.id, e.tokens, e.n_exact, e.pos_min, e.nbytes, e.salt, e.checkpoints))
+                self._events.append(Added.of(e))
             self._nbytes = total
             self._clock = max([time.time_ns(), *(e.last_used for e in found)])
             self.enabled = True
         self._writer = threading.Thread(target=self._run, name="disk-cache-writer", daemon=True)
         self._writer.start()
         log.info("disk_cache_loaded", directory=str(self.directory), entries=len(found), nbytes=total, capacity=self.capacity)
-        return found
-
-    def _scan(self) -> list[DiskEntry]:
-        found: list[DiskEntry] = []
-        for path in sorted(self.directory.iterdir()):
-            m = _NAME.fullmatch(path.name)
-            if m:
-                self._next_id = max(self._next_id, int(m.group(1)) + 1)
-            if path.name == LOCK_NAME or not path.is_file():
-                continue
-            if m is None:
-                if path.name.endswith(TMP_SUFFIX) or path.name.endswith(SUFFIX):
-                    self._reject(path, "not an entry name")
-                else:
-                    log.info("disk_cache_foreign_file_left", path=str(path))  # not ours: never removed
-                continue
-            if m.group(2):
-                self._remove(path, "stray temp file (a write cut short)")
-                continue
-            try:
-                with open(path, "rb", buffering=0) as f:
-                    st = os.fstat(f.fileno())
-                    tokens, n_exact, pos_min, state_bytes, salt, cuts = read_header(f, st.st_size, self._fp, self._sv)
-            except Bad as exc:
-                self._reject(path, str(exc))
-                continue
-            entry_id = int(m.group(1))
-            stamp = st.st_mtime_ns
-            found.append(DiskEntry(entry_id, tokens, n_exact, pos_min, st.st_size, state_bytes, path, stamp, salt, cuts))
         return found
 
     def _unique(self, found: list[DiskEntry]) -> list[DiskEntry]:
@@ -324,7 +252,7 @@ class DiskCache:
             if not self.enabled or self._closing or not tokens or nbytes > self.capacity or self._covered(tokens, salt):
                 return None
             # queued writes this one extends would be superseded as soon as written: never write them
-            new = _Write(0, tokens, n_exact, pos_min, (), 0, 0, salt, checkpoints)
+            new = PendingWrite(0, tokens, n_exact, pos_min, (), 0, 0, salt, checkpoints)
             for w in [w for w in self._queue if w.salt == salt and self._gives(new, w.tokens)]:
                 self._queue.remove(w)
                 self._pending_bytes -= w.state_bytes
@@ -333,28 +261,20 @@ class DiskCache:
                 return None
             entry_id = self._next_id
             self._next_id += 1
-            self._queue.append(_Write(entry_id, tokens, n_exact, pos_min, parts, state_bytes, nbytes, salt, checkpoints))
+            self._queue.append(PendingWrite(entry_id, tokens, n_exact, pos_min, parts, state_bytes, nbytes, salt, checkpoints))
             self._pending_bytes += state_bytes
             self._cond.notify_all()
             return entry_id
 
     def best(self, prompt: list[int], salt: str = "") -> tuple[DiskEntry | None, int]:
         """This tenant's entry sharing the longest prefix with `prompt`, and that length (0 when none shares anything)."""
-        best, best_lcp = None, 0
         with self._cond:
-            for e in self._entries.values():
-                if e.salt != salt:
-                    continue
-                lcp = common_prefix(e.tokens, prompt)
-                if lcp > best_lcp:
-                    best, best_lcp = e, lcp
-        return best, best_lcp
+            return longest_prefix(self._entries.values(), prompt, salt)
 
     def sharing(self, prompt: list[int], salt: str = "") -> list[tuple[DiskEntry, int]]:
         """This tenant's entries sharing a prefix with `prompt`, each with that length."""
         with self._cond:
-            found = [(e, common_prefix(e.tokens, prompt)) for e in self._entries.values() if e.salt == salt]
-        return [(e, n) for e, n in found if n > 0]
+            return shared_prefixes(self._entries.values(), prompt, salt)
 
     def read(self, entry: DiskEntry) -> StateData | None:
         """The entry's state, checked, in a ctypes buffer (`Llama.state_set` takes it as is) that the next `read`
@@ -363,17 +283,7 @@ class DiskCache:
         if self._entries.get(entry.id) is not entry:
             return None
         try:
-            with open(entry.path, "rb", buffering=0) as f:
-                st = os.fstat(f.fileno())
-                header = read_header(f, st.st_size, self._fp, self._sv)
-                state_bytes = header[3]
-                if header != (entry.tokens, entry.n_exact, entry.pos_min, entry.state_bytes, entry.salt, entry.checkpoints):
-                    raise Bad("header differs from the one loaded")
-                f.seek(0)
-                crc = zlib.crc32(read_exact(f, st.st_size - state_bytes - CRC_BYTES))
-                buf = self._buffer(state_bytes)
-                readinto_exact(f, memoryview(buf).cast("B"))
-                check_crc(f, zlib.crc32(buf, crc))
+            buf = self.files.read(entry)
         except Bad as exc:
             if self._forget(entry):
                 self._reject(entry.path, str(exc))
@@ -383,14 +293,6 @@ class DiskCache:
                 self._reject(entry.path, f"unreadable: {exc}")
             return None
         return buf
-
-    def _buffer(self, n: int) -> ctypes.Array[ctypes.c_uint8]:
-        """An n-byte view of the buffer every read reuses: fresh memory for each state costs more than reading it
-        where page faults are slow (here, beside a 2.3 GiB KV cache: 33 ms for 10 MB; reading it 1 ms, checking 2)."""
-        if self._scratch is None or len(self._scratch) < n:
-            self._scratch = None  # (freed before the larger one is allocated)
-            self._scratch = (ctypes.c_uint8 * (-(-n // _SCRATCH_STEP) * _SCRATCH_STEP))()
-        return (ctypes.c_uint8 * n).from_buffer(self._scratch)
 
     def used(self, entry: DiskEntry) -> None:
         """Mark `entry` most recently used, in memory and in the file's mtime (so the order survives a restart)."""
@@ -461,7 +363,7 @@ class DiskCache:
                     self._busy = None
                     self._cond.notify_all()
 
-    def _write(self, w: _Write) -> None:
+    def _write(self, w: PendingWrite) -> None:
         with self._cond:
             if not self.enabled or self._covered(w.tokens, w.salt, writing=w):
                 return
@@ -479,67 +381,39 @@ class DiskCache:
             self.evicted += 1
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(e.path)
-        path = self.directory / f"{w.id}{SUFFIX}"
-        tmp = self.directory / f"{w.id}{TMP_SUFFIX}"
-        try:
-            with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb", buffering=0) as f:
-                head = header_bytes(self._fp, self._sv, w.salt, w.tokens, w.n_exact, w.pos_min, w.state_bytes, w.checkpoints)
-                write_all(f, head)
-                crc = zlib.crc32(head)
-                for part in w.data:
-                    data = memoryview(part).cast("B")
-                    write_all(f, data)
-                    crc = zlib.crc32(data, crc)
-                write_all(f, crc_bytes(crc))
-                with self._cond:
-                    stamp = self._stamp()
-                os.utime(f.fileno(), ns=(stamp, stamp))
-                os.fsync(f.fileno())  # the data is on disk before the name says the file is complete
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        self._fsync_dir()
+        path, stamp = self.files.write(w, self._locked_stamp)
         with self._cond:
             if not self.enabled:
                 return
             entry = DiskEntry(w.id, w.tokens, w.n_exact, w.pos_min, w.nbytes, w.state_bytes, path, stamp, w.salt, w.checkpoints)
             self._entries[w.id] = entry
             self._nbytes += w.nbytes
-            self._events.append(Added(w.id, w.tokens, w.n_exact, w.pos_min, w.nbytes, w.salt, w.checkpoints))
+            self._events.append(Added.of(entry))
             self.written += 1
-
-    def _fsync_dir(self) -> None:
-        """Make the rename durable (an entry announced to the router is there after a power cut)."""
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     # -- helpers --------------------------------------------------------------------------------------------------
 
-    def _covered(self, tokens: list[int], salt: str, writing: _Write | None = None) -> bool:
-        held: list[DiskEntry | _Write] = [e for e in self._entries.values() if e.salt == salt]
+    def _covered(self, tokens: list[int], salt: str, writing: PendingWrite | None = None) -> bool:
+        held: list[DiskEntry | PendingWrite] = [e for e in self._entries.values() if e.salt == salt]
         held += [w for w in self._queue if w is not writing and w.salt == salt]
         if self._busy is not None and self._busy is not writing and self._busy.salt == salt:
             held.append(self._busy)
         return any(self._gives(e, tokens) for e in held)
 
-    def _gives(self, longer: DiskEntry | _Write, tokens: list[int]) -> bool:
+    def _gives(self, longer: DiskEntry | PendingWrite, tokens: list[int]) -> bool:
         """Whether a state (written or to write) gives all of `tokens`: they are a prefix of its tokens it can be cut
         back to."""
-        n, held = len(tokens), len(longer.tokens)
-        if not _is_prefix(tokens, longer.tokens):
-            return False
         cuts = [c for c, _ in longer.checkpoints]
-        return restore_keep(n, held, self.min_keep(longer.pos_min, held), cuts) == n
+        return gives(longer.tokens, longer.pos_min, cuts, self.min_keep, tokens)
 
     def _stamp(self) -> int:
         """A strictly increasing wall-clock time in ns (ties would blur the LRU order a restart reads back)."""
         self._clock = max(time.time_ns(), self._clock + 1)
         return self._clock
+
+    def _locked_stamp(self) -> int:
+        with self._cond:
+            return self._stamp()
 
     def _unindex(self, e: DiskEntry) -> None:
         del self._entries[e.id]
@@ -578,7 +452,3 @@ class DiskCache:
             self._cond.notify_all()
         if first:
             log.warning("disk_cache_off", directory=str(self.directory), reason=reason, error=str(exc))
-
-
-def _is_prefix(a: list[int], b: list[int]) -> bool:
-    return len(a) <= len(b) and b[: len(a)] == a

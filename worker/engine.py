@@ -1,4 +1,5 @@
-"""The engine: one compute thread owns the llama context and runs the step loop over the slots (worker/core.py).
+"""The engine's thread: the one compute thread, which owns the llama context, takes the commands of the process's
+other threads (worker/main.py) and runs the compute core (worker/core.py) between them.
 
 Other threads talk to the engine only through this class: `submit`, `embed`, `cancel`, `drain`, `reset` and `call`
 put a command in a queue that the compute thread takes between two steps; results come back as protocol messages

@@ -20,12 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from common.slots import common_prefix, restore_keep
+from worker.tier import anywhere, gives, longest_prefix, shared_prefixes
 
 if TYPE_CHECKING:
     from worker.checkpoints import Checkpoint
     from worker.llama import StateData
-    from worker.tier import TierName
+    from worker.tier import MinKeep, TierName
 
 
 @dataclass(eq=False)
@@ -55,15 +55,13 @@ class HostCache:
 
     name: TierName = "ram"
 
-    def __init__(
-        self, capacity: int, spill: Callable[[Entry], None] | None = None, min_keep: Callable[[int, int], int] | None = None
-    ) -> None:
+    def __init__(self, capacity: int, spill: Callable[[Entry], None] | None = None, min_keep: MinKeep | None = None) -> None:
         """`spill` gets each entry dropped to make room (least recently used), before it goes: the disk tier.
         `min_keep(pos_min, n)`: the shortest prefix a state of `n` tokens can be cut back to once restored (default 0:
         any), below which it gives only its checkpoints (worker/checkpoints.py); an entry holding more tokens after
         another's covers it only where it can be cut back to it."""
         self.capacity = capacity
-        self.min_keep = min_keep or _anywhere
+        self.min_keep = min_keep or anywhere
         self.spill = spill
         self.entries: list[Entry] = []
         self.nbytes = 0
@@ -118,19 +116,11 @@ class HostCache:
 
     def best(self, prompt: list[int], salt: str = "") -> tuple[Entry | None, int]:
         """This tenant's entry sharing the longest prefix with `prompt`, and that length (0 when none shares any)."""
-        best, best_lcp = None, 0
-        for e in self.entries:
-            if e.salt != salt:
-                continue
-            lcp = common_prefix(e.tokens, prompt)
-            if lcp > best_lcp:
-                best, best_lcp = e, lcp
-        return best, best_lcp
+        return longest_prefix(self.entries, prompt, salt)
 
     def sharing(self, prompt: list[int], salt: str = "") -> list[tuple[Entry, int]]:
         """This tenant's entries sharing a prefix with `prompt`, each with that length."""
-        found = ((e, common_prefix(e.tokens, prompt)) for e in self.entries if e.salt == salt)
-        return [(e, n) for e, n in found if n > 0]
+        return shared_prefixes(self.entries, prompt, salt)
 
     def used(self, entry: Entry) -> None:
         self._touch(entry)
@@ -165,15 +155,8 @@ class HostCache:
 
     def _gives(self, entry: Entry, tokens: list[int]) -> bool:
         """Whether `entry` gives all of `tokens`: they are a prefix of its tokens it can be cut back to."""
-        n, held = len(tokens), len(entry.tokens)
-        if held < n or entry.tokens[:n] != tokens:
-            return False
-        return restore_keep(n, held, self.min_keep(entry.pos_min, held), entry.cuts) == n
+        return gives(entry.tokens, entry.pos_min, entry.cuts, self.min_keep, tokens)
 
     def _touch(self, entry: Entry) -> None:
         self._clock += 1
         entry.last_used = self._clock
-
-
-def _anywhere(pos_min: int, n: int) -> int:
-    return 0

@@ -17,7 +17,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from common import logs
-from kvroute.client import secure_client_socket
+from common.socket_security import secure_client_socket
 from protocol import JobDelta
 
 log = logs.get(__name__)

@@ -1,8 +1,9 @@
-"""`kvroute worker`: the engine behind a ZMQ DEALER speaking the router<->worker contract (protocol/).
+"""`kvroute worker`, the process and its sockets: it speaks the router<->worker contract (protocol/) and hands each job
+to the engine's thread (worker/engine.py), which runs the compute core (worker/core.py).
 
-The I/O thread (this module's loop) owns the DEALER socket; the compute thread (worker.engine) owns the
-llama context. Engine messages reach the I/O thread through an inproc PUSH/PULL pair, one PUSH per
-producing thread.
+The I/O thread (this module's loop) owns the sockets: a DEALER per router (worker/links.py), those to the clients that
+read their output themselves (worker/direct_replies.py); the compute thread owns the llama context. What the compute
+thread sends reaches the I/O thread through an inproc PUSH/PULL pair, one PUSH per producing thread (worker/outbox.py).
 
 Signals: SIGTERM/SIGINT drain the worker: it takes no new job (JobError `draining`, which the router
 re-dispatches), tells the router at once (a Heartbeat with draining=True: no more jobs are routed here),
@@ -17,7 +18,6 @@ slots, queue, jobs done) with every heartbeat; STOPPING=1 when draining starts.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
@@ -33,44 +33,34 @@ from common import logs
 from common.config import UsageError, add_args, from_args
 from common.model import ModelError, resolve_model
 from common.notify import alive, notify, watchdog_interval_s
+from common.socket_security import secure_client_socket
 from common.start_record import START_FAILED_EXIT, StartRecord, default_path
-from common.weights import GGUFError, weights_fingerprint
-from kvroute.client import secure_client_socket
 from protocol import (
     Accept,
-    CacheEntry,
     Drain,
-    EmbedDone,
     EmbedJob,
-    Error,
     ErrorCode,
-    Heartbeat,
-    Hello,
     Invalid,
     Job,
     JobCancel,
-    JobDelta,
-    JobDeltas,
-    JobDone,
     JobError,
     JobStart,
     Message,
     Refusal,
     Refuse,
     SlotTaken,
-    SlotUpdate,
     encode,
     kind_of,
-    pack_tokens,
     router_to_worker_decoder,
 )
-from worker.checkpoints import cuts
 from worker.config import WorkerConfig
 from worker.core import EngineCore
 from worker.direct_replies import ReplySockets
 from worker.engine import Engine
 from worker.faults import Faults
 from worker.links import LINGER_MS, RouterLink, SlotClaims
+from worker.outbox import Outbox
+from worker.reports import Reports
 from worker.startcheck import first_decode, identity
 
 log = logs.get(__name__)
@@ -79,7 +69,6 @@ BEAT_S = 1.0
 POLL_S = 0.1
 EXIT_REFUSED = 3
 PERSIST_S = 30.0  # on a graceful stop, the disk tier's writes get this long
-HELD_WAIT_S = 2.0  # a hello waits this long for the compute thread to say what the slots hold, then says "unknown"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -169,31 +158,23 @@ class WorkerServer:
         self.cfg, self.engine = cfg, engine
         self.zctx = ctx or zmq.Context.instance()
         self.inproc = f"inproc://kvroute-worker-out-{uuid.uuid4().hex}"
-        self.pull = self.zctx.socket(zmq.PULL)
+        self.pull = self.zctx.socket(zmq.PULL)  # what the other threads send (worker/outbox.py)
         self.pull.bind(self.inproc)
-        self._push = threading.local()
         self.links = [
             RouterLink.open(i, e, self.zctx, cfg.worker_id, cfg.curve_key, cfg.router_key) for i, e in enumerate(cfg.routers)
         ]
         self.claims = SlotClaims()
+        self.outbox = Outbox(self.zctx, self.inproc, self.links, self.claims, engine)
         self.replies = ReplySockets(self.zctx)  # to clients that read their jobs' output themselves (Job.reply_to)
         self.direct_jobs: dict[tuple[str, str], set[str]] = {}  # reply endpoint -> its jobs (I/O thread; pruned by sweep)
-        self.reply_deltas: dict[tuple[str, str], list[JobDelta]] = {}  # this step's, by reply endpoint
-        self._deltas_lock = threading.Lock()
         engine.after_step = self.flush_deltas
         self.decoder = router_to_worker_decoder()
         self.handlers = dict(self.HANDLERS)  # (a test takes one out)
         self.unknown_messages = 0  # (a message type with no handler: a bug, each logged and answered)
         self.ready_sent = False
         self.draining = False
-        # every process start is a new incarnation, so a router never mistakes it for the process before it
-        self.incarnation = cfg.incarnation if cfg.incarnation is not None else time.time_ns() // 1_000_000
         self.watched_progress = -1
-        try:
-            self.weights = weights_fingerprint(engine.vocab.path)
-        except (GGUFError, OSError) as exc:
-            log.warning("no_weights_fingerprint", reason=str(exc))
-            self.weights = ""
+        self.reports = Reports(cfg, engine, self.links, self.claims)  # the hello and the heartbeats
 
     @property
     def side_by_side(self) -> bool:
@@ -205,151 +186,12 @@ class WorkerServer:
         return any(link.accepted for link in self.links)
 
     def sink_for(self, link: RouterLink) -> Callable[[Message], None]:
-        return lambda msg: self.sink(link, msg)
-
-    def sink(self, link: RouterLink, msg: Message) -> None:
-        """Called by the compute thread: hand a job's message to the I/O thread, for the router that sent the job.
-        Deltas wait for the step's end (`flush_deltas`): the router's cost is per message more than per token. A router
-        that did not say it reads `job_deltas` (an older one) gets each delta alone."""
-        if isinstance(msg, JobDelta) and link.step_deltas:
-            with self._deltas_lock:
-                link.deltas.append(msg)
-            return
-        self.flush_deltas()  # a job's deltas go before its JobDone or JobError
-        if isinstance(msg, EmbedDone):
-            link.jobs.discard(msg.id)
-        elif isinstance(msg, JobDone | JobError):
-            link.jobs.discard(msg.id)
-            if self.side_by_side:  # (before its router hears of the end: the slot is free for its next job then)
-                self._tell_others(link, msg)
-        self._push_out(link, encode(msg))
-
-    def direct_sink(self, link: RouterLink, job: Job) -> Callable[[Message], None]:
-        """The sink of a job whose client reads its output itself: the deltas go to the client's endpoint (a step's
-        together), the router gets the first one without its text (output began: the prompt is computed, the request
-        cannot be placed again) and the JobDone, which the client gets after it; a JobError goes to the router only (it
-        places the request again or tells the client), an Error (its router forgot the job) to the client only."""
-        target = (job.reply_to, job.reply_key)
-
-        def sink(msg: Message) -> None:
-            if isinstance(msg, JobDelta):
-                with self._deltas_lock:
-                    self.reply_deltas.setdefault(target, []).append(msg)
-                if msg.reused_tokens is not None:
-                    self.sink(link, JobDelta(id=msg.id, text="", tokens=b"", reused_tokens=msg.reused_tokens))
-                return
-            self.flush_deltas()
-            if isinstance(msg, Error):
-                self._push_reply(target, encode(msg))
-                return
-            # the routers first (other routers' slot_update, then the job's router): the client's next turn may go to
-            # any of them at once, and each must know what the slot holds by then
-            self.sink(link, msg)
-            if isinstance(msg, JobDone):
-                self._push_reply(target, encode(msg))
-
-        return sink
-
-    def _tell_others(self, link: RouterLink, end: JobDone | JobError) -> None:
-        """A job ended (on the compute thread, so its slot is as the job left it): every other router learns what the
-        slot holds and which saved states changed, and the slot is free for any router's jobs."""
-        released = self.claims.release(end.id)
-        if released is not None:
-            update = self.slot_update(*released[:2])
-        elif end.cache_added or end.cache_dropped or end.disk_dropped:
-            update = SlotUpdate(slot=-1, epoch=0, tokens=b"")  # (only the saved states changed)
-        else:
-            return
-        update.cache_added, update.cache_dropped, update.disk_dropped = end.cache_added, end.cache_dropped, end.disk_dropped
-        frame = encode(update)
-        for other in self.links:
-            if other is not link and other.notices:
-                self._push_out(other, frame)
-
-    def slot_update(self, slot_id: int, epoch: int) -> SlotUpdate:
-        """What a slot holds now (on the compute thread)."""
-        core = self.engine.core
-        slot = core.table[slot_id]
-        tokens, min_keep = pack_tokens(slot.tokens), core.prefixes.min_keep(slot)
-        return SlotUpdate(
-            slot=slot_id,
-            epoch=epoch,
-            tokens=tokens,
-            n_exact=slot.n_exact,
-            salt=slot.salt,
-            min_keep=min_keep,
-            cuts=cuts(slot.checkpoints),
-        )
+        """The sink of a job of `link`'s router (worker/outbox.py)."""
+        return self.outbox.sink_for(link)
 
     def flush_deltas(self) -> None:
-        """The deltas of the step just made, as one message per router and per reply endpoint (one delta: a plain
-        JobDelta)."""
-        with self._deltas_lock:
-            batches = [(link, link.deltas) for link in self.links if link.deltas]
-            for link, _ in batches:
-                link.deltas = []
-            direct, self.reply_deltas = self.reply_deltas, {}
-        for link, deltas in batches:
-            self._push_out(link, encode(deltas[0] if len(deltas) == 1 else JobDeltas(items=deltas)))
-        for target, deltas in direct.items():
-            self._push_reply(target, encode(deltas[0] if len(deltas) == 1 else JobDeltas(items=deltas)))
-
-    def _push_reply(self, target: tuple[str, str], frame: bytes) -> None:
-        """To the I/O thread, for a client's reply endpoint."""
-        self._push_socket().send_multipart([target[0].encode(), target[1].encode(), frame])
-
-    def _push_out(self, link: RouterLink, frame: bytes) -> None:
-        """To the I/O thread, for a router."""
-        self._push_socket().send_multipart([bytes([link.index]), frame])
-
-    def _push_socket(self) -> zmq.Socket:
-        sock = getattr(self._push, "sock", None)
-        if sock is None:
-            sock = self._push.sock = self.zctx.socket(zmq.PUSH)
-            sock.connect(self.inproc)
-        return sock
-
-    def hello(self, link: RouterLink) -> Hello:
-        llama = self.engine.llama
-        cached: list[CacheEntry] = []
-        try:
-            held, cached = self.engine.held().result(timeout=HELD_WAIT_S)
-        except TimeoutError:
-            held = None
-            log.warning("slots_unknown", reason=f"the compute thread did not answer in {HELD_WAIT_S:g} s")
-        if held is not None and self.side_by_side:  # a slot another router's jobs hold changes: unknown until updated
-            claimed = self.claims.claimed()
-            held = [h for h in held if h.slot not in claimed]
-        link.told_held = held is not None
-        return Hello(
-            worker_id=self.cfg.worker_id,
-            incarnation=self.incarnation,
-            slots=self.cfg.slots,
-            ctx_per_slot=self.engine.n_ctx,
-            model_fingerprint=self.engine.vocab.fingerprint,
-            device=llama.device,
-            kv_bytes=llama.info.kv_bytes,
-            host_cache_bytes=self.engine.host.capacity,
-            n_batch=self.cfg.n_batch,
-            deterministic=self.cfg.deterministic,
-            pid=os.getpid(),
-            weights_fingerprint=self.weights,
-            held=held,
-            cached=cached,
-            model=self.cfg.model_name,
-        )
-
-    def heartbeat(self) -> Heartbeat:
-        e = self.engine
-        return Heartbeat(
-            worker_id=self.cfg.worker_id,
-            incarnation=self.incarnation,
-            slots=e.slot_states(),
-            queue=e.queue_len,
-            draining=e.draining or self.draining,
-            counters=e.figures(),
-            progress=e.progress,
-        )
+        """After every engine step: its deltas leave (worker/outbox.py)."""
+        self.outbox.flush_deltas()
 
     def watchdog(self) -> None:
         """systemd's WATCHDOG=1 (and --alive-file touched), but only while the engine is idle or has stepped since the
@@ -405,16 +247,20 @@ class WorkerServer:
 
     def _beat(self) -> None:
         """A heartbeat to every router that accepted this worker, a hello to the others."""
-        beat = encode(self.heartbeat())
+        beat = encode(self.reports.heartbeat(self.draining))
         for link in self.links:
-            link.send(beat if link.accepted else encode(self.hello(link)), may_drop=self.side_by_side)
+            link.send(beat if link.accepted else encode(self.reports.hello(link)), may_drop=self.side_by_side)
+
+    def _beat_now(self) -> None:
+        """A heartbeat to every router at once, not at the next beat."""
+        beat = encode(self.reports.heartbeat(self.draining))
+        for link in self.links:
+            link.send(beat, may_drop=self.side_by_side)
 
     def _start_drain(self) -> None:
         self.draining = True
         self.engine.drain()
-        beat = encode(self.heartbeat())
-        for link in self.links:
-            link.send(beat, may_drop=self.side_by_side)  # the routers stop routing here now, not at the next beat
+        self._beat_now()  # the routers stop routing here now, not at the next beat
         handed = self.engine.hand_back(running=False).result()
         self._forward()
         log.info("draining", handed_back=handed, timeout_s=self.cfg.drain_timeout_s, reason="signal")
@@ -428,9 +274,7 @@ class WorkerServer:
             handed = self.engine.hand_back(running=True).result()
             log.warning("drain_timeout", handed_back=handed, timeout_s=self.cfg.drain_timeout_s)
         self._forward()
-        beat = encode(self.heartbeat())
-        for link in self.links:
-            link.send(beat, may_drop=self.side_by_side)
+        self._beat_now()
         log.info("drained", jobs_done=self.engine.counters.jobs_done)
         persisted = self.engine.persist(PERSIST_S)  # the disk tier keeps what the slots and host RAM hold
         if persisted:
@@ -527,7 +371,7 @@ class WorkerServer:
 
     def take_embed(self, link: RouterLink, msg: EmbedJob) -> None:
         link.jobs.add(msg.id)
-        self.engine.embed(msg, lambda done: self.sink(link, done))
+        self.engine.embed(msg, lambda done: self.outbox.sink(link, done))
 
     def cancel(self, link: RouterLink, msg: JobCancel) -> None:
         if msg.id in link.jobs:
@@ -585,7 +429,7 @@ class WorkerServer:
         if job.reply_to:  # (sent from this thread before any output, which this thread forwards: it arrives first)
             self.direct_jobs.setdefault((job.reply_to, job.reply_key or ""), set()).add(job.id)
             self._reply(job.reply_to, job.reply_key or "", encode(JobStart(id=job.id)))
-            self.engine.submit(job, self.direct_sink(link, job))
+            self.engine.submit(job, self.outbox.direct_sink(link, job))
         else:
             self.engine.submit(job, self.sink_for(link))
 
@@ -599,9 +443,9 @@ class WorkerServer:
         def forget(core: EngineCore) -> None:  # on the compute thread: no job starts on those slots in between
             core.forget_jobs(ids)
             for slot, epoch, owner in filter(None, map(self.claims.release, ids)):
-                frame = encode(self.slot_update(slot, epoch))
+                frame = encode(self.outbox.slot_update(slot, epoch))
                 for other in self.links:
                     if other.index != owner and other.notices:
-                        self._push_out(other, frame)
+                        self.outbox.push_out(other, frame)
 
         self.engine.call(forget)

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -434,13 +436,20 @@ class Conversation:
         t = Turn(self.argv(n, prompt))
         proxy.take()
         start = time.monotonic()
+        # (a session of its own: on a timeout the whole client goes, not only its launcher; Codex's npm launcher
+        # left its native binary running, and its request with it, into the next turn)
+        p = subprocess.Popen(
+            t.argv, cwd=self.work, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,
+        )  # fmt: skip
         try:
-            p = subprocess.run(
-                t.argv, cwd=self.work, env=self.env, stdin=subprocess.DEVNULL, capture_output=True, timeout=TURN_TIMEOUT_S
-            )
-            t.rc, out, err = p.returncode, p.stdout, p.stderr
-        except subprocess.TimeoutExpired as e:
-            t.rc, out, err = None, e.stdout or b"", e.stderr or b""
+            out, err = p.communicate(timeout=TURN_TIMEOUT_S)
+            t.rc = p.returncode
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            t.rc = None
             t.errors.append(f"timed out after {TURN_TIMEOUT_S} s")
         t.wall_s = time.monotonic() - start
         t.stdout, t.stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")

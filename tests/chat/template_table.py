@@ -20,10 +20,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from chat.derive import CONTENT, IDS, NAMES, REASONING, Probe, boundary, lcp, turn  # noqa: E402
-from chat.output import OutputParser  # noqa: E402
+from chat.output_parser import OutputParser  # noqa: E402
 from chat.request import ChatFormat, calls_into_content  # noqa: E402
 from chat.template import ChatTemplate  # noqa: E402
+from chat.template_probes import CONTENT, IDS, NAMES, REASONING, Probe, boundary, lcp, turn  # noqa: E402
 from protocol import ChatMessage, Submit, Tool, ToolCall  # noqa: E402
 
 TEMPLATES = ROOT / "tests" / "fixtures" / "templates"

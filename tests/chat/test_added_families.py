@@ -12,7 +12,7 @@ import pytest
 import template_table as tt
 from conftest import chat_format
 
-from chat.derive import NAMES, REASONING, Probe, turn
+from chat.template_probes import NAMES, REASONING, Probe, turn
 from protocol import ChatMessage, Submit, ToolCall
 
 USER = [ChatMessage(role="user", content="userprobe")]

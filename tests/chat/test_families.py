@@ -11,10 +11,11 @@ from conftest import chat_format
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chat.derive import detect
 from chat.families import Generic
+from chat.family_detection import detect
 from chat.grammar import ChatError, constraint
-from chat.output import OutputParser, OutputSpec
+from chat.output import OutputSpec
+from chat.section_parser import SectionParser
 from chat.template import ChatTemplate
 from common.slots import common_prefix
 from common.vocab import Vocab
@@ -98,7 +99,7 @@ def one_call(fmt: Any, args: str = ARGS, call_id: str = "abcDEF123") -> str:
 
 def parse(spec: OutputSpec, text: str, chunks: list[int] | None = None) -> tuple[str, str | None, list[tuple[str, str, str]]]:
     """(content, reasoning, [(id, name, arguments)]) after feeding `text` whole or in chunks of the given sizes."""
-    p = OutputParser(spec)
+    p = SectionParser(spec)
     i = 0
     for n in chunks or []:
         p.feed(text[i : i + n])
@@ -444,7 +445,7 @@ def test_a_call_streams_its_arguments_while_they_are_written(name: str) -> None:
     fmt = chat_format(name)
     long_city = "Paris " * 30
     reply = one_call(fmt, args=json.dumps({"city": long_city, "days": 3}))
-    p = OutputParser(spec_for(fmt))
+    p = SectionParser(spec_for(fmt))
     pieces, first_at = [], None
     for i, ch in enumerate(reply):
         for d in p.feed(ch).calls:
@@ -466,7 +467,7 @@ def test_a_call_streams_its_arguments_while_they_are_written(name: str) -> None:
 def test_gemma_arguments_stream_as_the_json_they_mean() -> None:
     spec = spec_for(chat_format("google-gemma-4-31B-it"))
     text = '<|tool_call>call:get_weather{city:<|"|>a "b" \\ c<|"|>,days:-2.50,opts:{deep:[1,true,None],e:{}},f:[]}<tool_call|>'
-    p = OutputParser(spec)
+    p = SectionParser(spec)
     got = "".join(d.arguments for ch in text for d in p.feed(ch).calls) + "".join(d.arguments for d in p.finish().calls)
     assert json.loads(got) == {"city": 'a "b" \\ c', "days": -2.5, "opts": {"deep": [1, True, None], "e": {}}, "f": []}
     assert got == p.tool_calls[0].arguments == json.dumps(json.loads(got), ensure_ascii=False)

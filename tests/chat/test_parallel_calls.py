@@ -22,9 +22,9 @@ import llguidance
 import pytest
 import template_table as tt
 
-from chat.derive import IDS, Probe, boundary, lcp, turn
 from chat.output import OutputSpec
 from chat.request import ChatFormat, calls_into_content, tool_json
+from chat.template_probes import IDS, Probe, boundary, lcp, turn
 from protocol import ChatMessage, Submit, Tool, ToolCall, ToolCallDelta
 
 END = "the third call ends here"  # (the last value written: the grammar must take the text past it)

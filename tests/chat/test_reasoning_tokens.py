@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import template_table as tt
 
-from chat.output import OutputParser, OutputSpec, share
+from chat.output import OutputSpec
+from chat.output_parser import OutputParser, share
 from chat.request import ChatFormat
 
 

@@ -37,8 +37,8 @@ import zmq
 from bench.systems import free_port
 from common.keys import generate, read_key
 from common.model import cache_dir, resolve_model
+from common.socket_security import secure_client_socket
 from common.vocab import Vocab
-from kvroute.client import secure_client_socket
 from protocol import (
     Delta,
     Hello,

@@ -12,8 +12,8 @@ from fake_router import FakeRouter, ScriptedRouter, client_for, events, result
 
 from gateway import anthropic
 from gateway.app import Gateway, build_app
+from gateway.errors import RequestError
 from gateway.fields import Policy
-from gateway.openai_chat import RequestError
 from kvroute.client import KvrouteError
 from protocol import (
     ChatMessage,

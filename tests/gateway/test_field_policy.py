@@ -11,8 +11,9 @@ from fake_router import FakeRouter, client_for
 from prometheus_client import REGISTRY
 
 from gateway import anthropic, responses
+from gateway.errors import RequestError
 from gateway.fields import HINTS, REFUSED, Policy, pattern
-from gateway.openai_chat import RequestError, chat_submit, completion_submit
+from gateway.openai_chat import chat_submit, completion_submit
 from kvroute.client import KvrouteError
 from protocol import Overflow
 
@@ -34,7 +35,7 @@ def test_every_api_has_a_policy() -> None:
 
 def test_embeddings_fields_are_honoured_hinted_or_refused() -> None:
     from gateway.embeddings import embed_message
-    from gateway.openai_chat import RequestError
+    from gateway.errors import RequestError
 
     policy = Policy("embeddings")
     msg, body = embed_message({"input": ["a", "b"], "user": "u1", "x_new_field": 1, "encoding_format": "base64"}, policy, "last")

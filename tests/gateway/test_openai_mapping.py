@@ -9,7 +9,8 @@ import httpx
 import pytest
 from fake_router import FakeRouter, client_for, result
 
-from gateway.openai_chat import RequestError, chat_submit, completion_submit, usage_body
+from gateway.errors import RequestError
+from gateway.openai_chat import chat_submit, completion_submit, usage_body
 from kvroute.client import KvrouteError
 from protocol import ErrorCode, Usage, pack_tokens
 

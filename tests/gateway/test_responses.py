@@ -9,7 +9,7 @@ import pytest
 from fake_router import FakeRouter, ScriptedRouter, client_for, events, result
 
 from gateway import responses
-from gateway.openai_chat import RequestError
+from gateway.errors import RequestError
 from kvroute.client import KvrouteError
 from protocol import (
     ChatMessage,
@@ -304,3 +304,19 @@ def test_an_output_of_no_call_is_read_as_context_not_refused() -> None:
     messages = responses.to_messages(None, items, policy)
     assert [(m.role, m.text()) for m in messages] == [("user", "hi"), ("user", "Describe a goal")]
     assert "input[].function_call_output without call_id" in policy.ignored
+
+
+def test_text_after_a_turn_s_calls_joins_their_message_so_their_outputs_still_answer_them() -> None:
+    """A reply cut off in its calls ends in text (the call it was writing); Codex sends the calls, that message, then
+    the outputs (a real run: 196 calls, then `, {"name": "...`, then 196 outputs, a 400 on every later turn)."""
+    items = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": ', {"name": "'}]},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "function_call_output", "call_id": "c2", "output": "two"},
+    ]
+    messages = responses.to_messages(None, items)
+    assert [m.role for m in messages] == ["user", "assistant", "tool", "tool"]
+    assert [c.id for c in messages[1].tool_calls or []] == ["c1", "c2"] and messages[1].text() == ', {"name": "'

@@ -85,6 +85,16 @@ async def test_a_lone_surrogate_is_a_400_naming_it() -> None:
 
 
 @pytest.mark.anyio
+async def test_an_integer_msgpack_cannot_carry_is_a_400_naming_it() -> None:
+    """Found by schemathesis: JSON integers have no bound, msgpack's do (a 500, OverflowError, on count_tokens)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "chat_template_kwargs": {"k": -(2**70)}}
+    async with client_for(EncodingRouter()) as c:
+        r = await c.post(CHAT, json=body)
+    assert r.status_code == 400, r.text
+    assert "outside -2^63 .. 2^64 - 1" in r.json()["error"]["message"]
+
+
+@pytest.mark.anyio
 async def test_unknown_fields_are_found_in_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue item 4: each unknown field cost a conversion of the whole body (256 of them: 257 conversions of 2 MB)."""
     conversions = 0

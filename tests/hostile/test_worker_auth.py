@@ -14,8 +14,8 @@ from hostile_helpers import FakeWorker, endpoints, start_router
 
 from commands.serve import worker_keys_for_this_run
 from common.keys import generate
+from common.socket_security import secure_client_socket
 from common.vocab import Vocab
-from kvroute.client import secure_client_socket
 from protocol import Accept, Hello, encode
 from router.config import RouterConfig
 

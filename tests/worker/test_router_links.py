@@ -134,14 +134,14 @@ def test_each_job_on_a_slot_has_its_own_epoch_and_frees_the_slot_before_its_rout
         server.take_job(a, job("x.ra.2", 0))  # router a's second job waits behind its first on the slot
         assert received(rb) == [SlotTaken(slot=0, epoch=1), SlotTaken(slot=0, epoch=2)]
         claimed_when_pushed = []
-        push = server._push_out
+        push = server.outbox.push_out
 
         def push_noting(link: Any, frame: bytes) -> None:
             if link is a:  # what is claimed when router a is told of its job's end
                 claimed_when_pushed.append(server.claims.claimed())
             push(link, frame)
 
-        server._push_out = push_noting  # type: ignore[method-assign]
+        server.outbox.push_out = push_noting  # type: ignore[method-assign]
         server.sink_for(a)(end("x.ra.1", 0))
         server._forward()
         (update,) = received(rb)

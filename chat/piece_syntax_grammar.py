@@ -1,5 +1,5 @@
-"""The grammar (llguidance Lark) of a derived tool-call syntax (chat/derived.py): the section for a request's tools,
-written as the template writes it."""
+"""The grammar (llguidance Lark) of a tool-call syntax known by its pieces (chat/piece_syntax.py): the section for a
+request's tools, written as the template writes it."""
 
 from __future__ import annotations
 
@@ -8,14 +8,11 @@ import re
 from typing import Any
 
 from chat.calls import WS
-from chat.derived import ID_REGEX, Syntax
+from chat.piece_syntax import ID_REGEX, Syntax
 from chat.python_values import PythonGrammar
 from chat.schema import for_grammar
+from chat.value_grammar import lit
 from protocol import Tool
-
-
-def lit(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
 
 
 def slotted(piece: str) -> str:

@@ -6,8 +6,8 @@ from typing import Any
 
 import msgspec
 
-from common.config import keep_alive_seconds
-from gateway.openai_chat import RequestError, Strict, validation_problem
+from gateway.errors import RequestError
+from gateway.fields import Strict, validation_problem
 from protocol import Detokenize, StatusReply, Submit, Tokenize, Tokens, pack_tokens, unpack_tokens
 
 
@@ -104,15 +104,3 @@ def props_body(status: StatusReply, model: str | None) -> dict[str, Any]:
         "sampling_sources": m.sampling_from,
         "sampling_not_applied": m.sampling_not_applied,
     }
-
-
-def keep_alive_s(value: Any) -> float | None:
-    """Ollama's `keep_alive` (honoured in every generating API): how long the model stays loaded after this request,
-    as seconds or a duration ("5m", "1h30m", "300ms"); 0 unloads it once idle, a negative value keeps it. None: not
-    given."""
-    if value is None:
-        return None
-    try:
-        return keep_alive_seconds(value)
-    except ValueError as exc:
-        raise RequestError(f"`keep_alive`: {exc}", param="keep_alive") from None

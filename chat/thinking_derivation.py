@@ -1,5 +1,6 @@
-"""A template's thinking tags, derived by rendering an assistant turn with `reasoning_content` (chat/derive.py's probes)
-and reading back what the template writes around it; the empty thinking block a turn without thinking opens with."""
+"""A template's thinking tags, derived by rendering an assistant turn with `reasoning_content` (chat/template_probes.py)
+and reading back what the template writes around it; the empty thinking block a turn without thinking opens with;
+the usual tags where a template says no more than their close (`reasoning_tags`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,20 @@ import re
 from typing import Any
 
 from chat.calls import WS
-from chat.derive import CONTENT, KEYS, NAMES, REASONING, VALUES, Probe, boundary, lcp, turn
+from chat.output import OutputSpec
 from chat.template import ChatTemplate
+from chat.template_probes import CONTENT, KEYS, NAMES, REASONING, VALUES, Probe, boundary, lcp, turn
 
+REASONING_TAGS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
 THINKING_ON: list[dict[str, Any]] = [{}, {"enable_thinking": True, "thinking": True, "reasoning_effort": "high"}]
+
+
+def reasoning_tags(source: str) -> tuple[str, str] | None:
+    """The thinking tags a template uses, if it has any."""
+    for open_, close in REASONING_TAGS:
+        if close in source:
+            return open_, close
+    return None
 
 
 def derive_reasoning(template: ChatTemplate, triggers: tuple[str, ...] = ()) -> tuple[str, str] | None:
@@ -66,8 +77,6 @@ def empty_thinking_block(template: ChatTemplate, tags: tuple[str, str] | None) -
 
 def _reads_back(full: str, gen: str, tags: tuple[str, str]) -> bool:
     """The thinking of the rendered turn is read back from the text the model writes after the prompt."""
-    from chat.output import OutputSpec
-
     shared = lcp(full, gen)
     text = full[shared if shared == len(gen) else boundary(full, shared) :]
     spec = OutputSpec(reasoning=tags, in_reasoning=gen.rstrip(WS).endswith(tags[0]))

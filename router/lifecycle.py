@@ -1,0 +1,291 @@
+"""A request's records and the transitions of its life cycle (router/scheduler.py lists them: enqueue, dispatch,
+requeue, cancel, finish, fail), over the worker table (router/workers.py), the queue and its placements
+(router/dispatch_queue.py) and the mirror (router/mirror.py); and what each sends, appended to `outbox` (`Out`
+records) for the I/O shell (router/server.py) to send after the event. Embed and rerank requests are placed and
+answered here too (router/embeds.py).
+
+The events that drive these transitions are router/worker_events.py's (a worker's messages, its death) and
+router/scheduler.py's (a client's, time).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from common import logs
+from protocol import (
+    Choice,
+    Delta,
+    Error,
+    ErrorCode,
+    JobCancel,
+    Placed,
+    Refusal,
+    Timings,
+    Usage,
+)
+from router import admission, sampling_defaults
+from router.client_replies import result_of
+from router.config import RouterConfig
+from router.dispatch_queue import DispatchQueue, job_message
+from router.embeds import EmbedReq, Embeds, EmbedWait
+from router.metrics import Metrics
+from router.mirror import Mirror
+from router.requests import Attempt, Req, ReqState, WorkerConn
+from router.select import Dispatch
+from router.workers import WorkerTable
+
+log = logs.get(__name__)
+
+
+@dataclass(frozen=True)
+class Out:
+    """A message to send: to a client (with its envelope) or, with `worker`, to a worker."""
+
+    to: bytes  # ZMQ identity
+    msg: Any
+    envelope: tuple[bytes, ...] = ()
+    worker: bool = False
+    batch: bool = False  # a Delta its client takes inside a `deltas` message with others (Submit.batch_deltas)
+
+
+class Lifecycle:
+    """The router's records of one model's requests and workers, and the transitions between a request's states.
+    Owned by one thread (the shell's event loop)."""
+
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        *,
+        fingerprint: str,
+        model: str,
+        router_id: str,
+        weights: str = "",
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.fingerprint, self.model, self.router_id = fingerprint, model, router_id
+        self.weights = weights  # the model file's weights fingerprint ("" : not checked)
+        self.mirror = Mirror()
+        self.metrics = metrics or Metrics()  # (several models' cores share the router's)
+        self.table = WorkerTable(cfg, self.mirror, self.metrics)
+        self.workers = self.table.workers  # by id (the same dict: the views, the shell and the tests read it)
+        self.restarts, self.expected, self.failed = self.table.restarts, self.table.expected, self.table.failed
+        self.queue = DispatchQueue(cfg, self.mirror, self.metrics, self.table)
+        self.params = self.queue.params
+        self.requests: dict[tuple[bytes, str, int], Req] = {}  # by (client, request id, choice)
+        self.jobs: dict[str, Req] = {}
+        self.embeds = Embeds(router_id)
+        self.draining = False
+        # (prompt, add_bos, prompt tokens, reply tokens, tenant) of a finished chat job: router/prompt_tokens.py `remember`
+        self.remember_reply: Callable[[str, bool, np.ndarray, np.ndarray, str], None] = lambda *_: None
+        self.outbox: list[Out] = []
+        self._job_ids = itertools.count(1)
+        self._rid = itertools.count(1)
+        # what a request leaves to the server: the operator's, else llama-server's, until router/server.py gives the
+        # model's (its GGUF's values)
+        self.sampling = sampling_defaults.resolve({}, cfg.sampling_flags(), lambda _key: None)
+
+    def take(self) -> list[Out]:
+        """The messages the last events produced (the outbox is emptied)."""
+        out, self.outbox = self.outbox, []
+        return out
+
+    # ---- sending ----------------------------------------------------------------------------------
+
+    def _to_client(self, req: Req, msg: Any) -> None:
+        if req.reply_to is not None:
+            self.outbox.append(Out(req.reply_to, msg, tuple(req.envelope), batch=req.batch_deltas and isinstance(msg, Delta)))
+
+    def _to_worker(self, conn: WorkerConn, msg: Any) -> None:
+        self.outbox.append(Out(conn.identity, msg, worker=True))
+
+    def reply(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any) -> None:
+        self.outbox.append(Out(identity, msg, envelope))
+
+    def refuse(self, identity: bytes, envelope: tuple[bytes, ...], rid: str | None, refusal: Refusal) -> None:
+        """Refuse a client's request that is not in flight: counted by its code, answered with its error."""
+        self.metrics.requests[refusal.code] += 1
+        self.reply(identity, envelope, refusal.error(rid))
+
+    # ---- transitions ------------------------------------------------------------------------------
+
+    def _enqueue(self, req: Req, front: bool = False) -> None:
+        req.state, req.attempt = ReqState.QUEUED, None
+        req.queued_at, req.wait_since = time.monotonic(), None
+        self.requests[req.key] = req
+        self.queue.push(req, front)
+
+    def _dispatch(self, req: Req, d: Dispatch) -> None:
+        conn = self.workers[d.slot.worker]
+        slot = d.slot
+        job = f"{req.rid[:100]}.{self.router_id[:8]}.{next(self._job_ids)}"  # (unique among routers side by side)
+        prefix_cache = self.cfg.prefix_cache and not slot.dirty
+        self.mirror.assign(slot, job, req.tokens, req.salt)
+        self.queue.remove(req)
+        now = time.monotonic()
+        req.queue_ms += (now - req.queued_at) * 1000
+        self.metrics.queue_wait_ms.observe((now - req.queued_at) * 1000)
+        req.state, req.attempts = ReqState.RUNNING, req.attempts + 1
+        req.attempt = Attempt(job, conn.id, slot, d.reuse, len(req.tokens) - d.reuse, req.output.parser())
+        if not conn.jobs:
+            conn.progress_at = now  # progress is expected from now on
+        self.jobs[job] = req
+        conn.jobs[job] = req
+        conn.refresh()
+        kind = "guarded" if d.guarded else "restore" if d.restore else "affinity" if d.affinity else "cold"
+        self.metrics.decisions[kind] += 1
+        sampling = admission.open_capped(req.sampling, self.cfg.default_max_tokens, conn.hello.ctx_per_slot - len(req.tokens))
+        self._to_worker(conn, job_message(req, d, job, prefix_cache, now, sampling))
+        if req.direct:  # the client reads the job's output from the worker: it learns where, and how to read it
+            self.metrics.direct_jobs += 1
+            shift = req.shift
+            self._to_client(
+                req,
+                Placed(
+                    id=req.rid,
+                    job=job,
+                    worker=conn.id,
+                    slot=slot.index,
+                    format=req.output.wire(),
+                    prompt_tokens=len(req.tokens),
+                    queue_ms=req.queue_ms,
+                    dropped_messages=shift.messages if shift else 0,
+                    dropped_tokens=shift.tokens if shift else 0,
+                ),
+            )
+
+    def _requeue(self, req: Req) -> None:
+        """Back to the front of the queue, to be placed again (its worker died, or refused it)."""
+        self._leave_worker(req)
+        self.jobs.pop(req.job or "", None)
+        self._enqueue(req, front=True)
+        self.metrics.redispatched += 1
+        log.info("request_requeued", request_id=req.rid, attempts=req.attempts, deaths=req.deaths)
+
+    def _cancel(self, req: Req) -> None:
+        """Stop a choice: one not running yet ends now (an empty `cancelled` choice), a running one is told to stop."""
+        if req.state in (ReqState.QUEUED, ReqState.TOKENIZING):
+            self._finish_empty(req, "cancelled")
+        elif req.state is ReqState.RUNNING:
+            req.state = ReqState.CANCELLING
+            conn = self.table.get(req.worker)
+            if conn is not None and req.job:
+                self._to_worker(conn, JobCancel(id=req.job))
+
+    def _finish(self, req: Req) -> None:
+        """Forget a choice: out of the queue, the request table and the job tables; its worker's load drops."""
+        self._leave_worker(req)
+        req.state = ReqState.DONE
+        self.requests.pop(req.key, None)
+        self.queue.remove(req)
+        if req.job:
+            self.jobs.pop(req.job, None)
+
+    def _leave_worker(self, req: Req) -> None:
+        conn = self.table.get(req.worker)
+        if conn is not None and req.job in conn.jobs:
+            del conn.jobs[req.job]
+            conn.refresh()
+
+    def _fail(self, req: Req, refusal: Refusal) -> None:
+        """End the request with an error: every choice of it (the others' jobs are cancelled), one reply."""
+        if req.state is ReqState.DONE:
+            return  # already ended (another choice of it failed first)
+        reply_to = req.reply_to if all(r.reply_to is not None for r in req.choices) else None
+        for r in req.choices:
+            r.reply_to, r.ended = None, True  # nothing more is sent for any choice, nor counted
+            if not self._on_worker(r):
+                self._finish(r)
+            elif r.state is ReqState.RUNNING:
+                self._cancel(r)  # its job's end still updates the mirror, then finishes it
+        self.metrics.requests[refusal.code] += 1
+        log.info("request_failed", request_id=req.rid, job=req.job, code=refusal.code, message=refusal.message)
+        if reply_to is not None:
+            self.outbox.append(Out(reply_to, refusal.error(req.rid), tuple(req.envelope)))
+
+    def _on_worker(self, req: Req) -> bool:
+        """Whether the request's job is on a connected worker (its end is still to come)."""
+        conn = self.table.get(req.worker)
+        return conn is not None and req.job in conn.jobs
+
+    def _finish_empty(self, req: Req, reason: str) -> None:
+        """End a choice that produced nothing (cancelled before it ran)."""
+        self._finish(req)
+        if not req.ended:
+            self.metrics.requests[reason] += 1
+        waited = (time.monotonic() - req.arrived) * 1000
+        req.choice = Choice(index=req.index, finish_reason=reason, text="", tokens=b"")
+        req.usage = Usage(prompt_tokens=len(req.tokens), cached_tokens=0, completion_tokens=0)
+        req.timings = Timings(queue_ms=waited, total_ms=waited)
+        self._complete(req)
+
+    def _complete(self, req: Req) -> None:
+        """A choice ended: the result goes out once every choice of the request has ended."""
+        choices = req.choices
+        if any(r.choice is None for r in choices):
+            return
+        lead = choices[0]
+        result = result_of(choices, lead.worker or "", lead.slot.index if lead.slot else -1)
+        if lead.shift is not None:  # the client is told its prompt is not the one it sent
+            result.dropped_messages, result.dropped_tokens = lead.shift.messages, lead.shift.tokens
+        self._to_client(lead, result)
+
+    # ---- dispatch ---------------------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        """Dispatch the queued requests that have a slot now (router/dispatch_queue.py), and waiting embeds."""
+        for req, d in self.queue.placements():
+            self._dispatch(req, d)
+        if self.embeds.waiting:
+            self._place_embeds()
+
+    def _place_embeds(self) -> None:
+        """The waiting embed and rerank requests to ready workers, in order; with none ready they fail when a queued
+        request would: no worker will come (each failed at start), or none was connected for `no_workers_grace_s`."""
+        while self.embeds.waiting and (conn := self.embeds.place(list(self.workers.values()))) is not None:
+            w = self.embeds.waiting.popleft()
+            job = self.embeds.start(conn, w)
+            log.info("embed_placed", request_id=w.rid, job=job.id, worker=conn.id, inputs=len(w.inputs))
+            self._to_worker(conn, job)
+        if not self.embeds.waiting:
+            return
+        failed = self.none_can_come()
+        if failed is not None:
+            why = f"no worker can serve this request: {failed}"
+        elif not self.workers and self.table.none_for(self.cfg.no_workers_grace_s):
+            why = f"no worker connected for {self.cfg.no_workers_grace_s:g} s"
+        else:
+            return
+        self._embed_replies(self.embeds.fail_waiting(ErrorCode.NO_WORKERS, why))
+
+    def _embed_reply(self, answer: tuple[Any, Any] | None) -> None:
+        if answer is not None and answer[0].client:
+            req, msg = answer
+            self.reply(req.client, req.envelope, msg)
+
+    def _embed_replies(self, answers: list[tuple[Any, Any]]) -> None:
+        for answer in answers:
+            self._embed_reply(answer)
+
+    def _stop_embeds(self, stopped: list[EmbedReq | EmbedWait], code: str | None, message: str) -> None:
+        """Stopped embed requests (router/embeds.py `stop`): each answered with an error `code` (None: not at all, its
+        client is gone), and a running one's job cancelled on its worker (its end, still to come, answers nobody)."""
+        for r in stopped:
+            log.info("embed_stopped", request_id=r.rid, code=code or "client_gone", running=isinstance(r, EmbedReq))
+            if code is not None and r.client:
+                self.reply(r.client, r.envelope, Error(id=r.rid, code=code, message=message))
+            if isinstance(r, EmbedReq):
+                r.client = b""
+                conn = self.table.get(r.worker)
+                if conn is not None:
+                    self._to_worker(conn, JobCancel(id=r.job))
+
+    def none_can_come(self) -> str | None:
+        return self.table.none_can_come()
