@@ -8,7 +8,20 @@ import msgspec
 from msgspec import Meta
 
 from protocol.chat import MAX_TOOLS, ChatMessage, ResponseFormat, TokenLogprob, Tool, ToolCall, ToolCallDelta, ToolChoice
-from protocol.common import DeadlineMs, Defaultable, Message, NonNeg, Overflow, Sampling, Struct, Timings, TokenBytes, Usage
+from protocol.common import (
+    DeadlineMs,
+    Defaultable,
+    Message,
+    NonNeg,
+    Overflow,
+    Priority,
+    Sampling,
+    SessionId,
+    Struct,
+    Timings,
+    TokenBytes,
+    Usage,
+)
 from protocol.tokens import check_token_bytes
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=128)]
@@ -57,6 +70,12 @@ class Submit(Message, tag="submit", kw_only=True):
     keep_alive_s: Annotated[float, Meta(ge=-1)] | None = None
     # whose share of the queue it counts against (an HTTP front: a digest of the API key it came with)
     owner: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    # hints (never required): the conversation or agent session this request continues (an HTTP front reads the
+    # clients' own signals: Claude Code's session id, OpenAI's prompt_cache_key, ...), the session of the agent that
+    # started it when it is a sub-agent's, and its priority: 1 interactive, 0 normal, -1 background (service_tier)
+    session: SessionId | None = None
+    parent_session: SessionId | None = None
+    priority: Priority = 0
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.messages, self.tokens))
@@ -307,6 +326,8 @@ class SlotStatus(Struct, kw_only=True):
     reused_total: int = 0  # tokens reused on this slot so far
     last_used_s: float = 0.0  # seconds since the slot last finished a job
     other_tenant: bool = False  # it holds another tenant's prompt: its length, request and reuse are not shown
+    session: str | None = None  # the session (Submit.session) of the request it last ran (not shown to another tenant)
+    awaited_s: float = 0.0  # seconds its session is still expected back for this KV (0: not awaited)
 
 
 class WorkerStatus(Struct, kw_only=True):

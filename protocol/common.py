@@ -68,6 +68,8 @@ class Message(Struct, tag_field="type"):
 
 
 NonNeg = Annotated[int, Meta(ge=0)]
+SessionId = Annotated[str, Meta(min_length=1, max_length=256)]
+Priority = Annotated[int, Meta(ge=-1, le=1)]  # 1 interactive, 0 normal, -1 background
 NonNegFloat = Annotated[float, Meta(ge=0.0)]
 TokenBytes = bytes
 """Token ids as little-endian int32, packed back to back (msgpack `bin`)."""

@@ -9,7 +9,7 @@ from msgspec import Meta
 
 from protocol.chat import TokenLogprob
 from protocol.client_messages import MAX_GRAMMAR_CHARS, RequestId
-from protocol.common import DeadlineMs, Message, NonNeg, Overflow, Sampling, Struct, Timings, TokenBytes
+from protocol.common import DeadlineMs, Message, NonNeg, Overflow, Priority, Sampling, Struct, Timings, TokenBytes
 from protocol.tokens import check_token_bytes
 
 WorkerId = Annotated[str, Meta(min_length=1, max_length=64)]
@@ -318,6 +318,8 @@ class Job(Message, tag="job", kw_only=True):
     reply_to: str = ""  # the client's endpoint for the job's output (Submit.reply_to); "": all to the router
     reply_key: str = ""  # that endpoint's CURVE public key ("": none)
     images: list[JobImage] = []  # the prompt's images, in order (their ids are negative: common/media.py)
+    # Submit.priority: while a job of higher priority runs on the worker, jobs of lower priority wait (keeping their KV)
+    priority: Priority = 0
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens, empty_ok=False)
