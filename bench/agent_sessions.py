@@ -20,7 +20,9 @@ parent's turn latency and its prompt tokens computed, recomputed and sent; the s
 
 `--systems` starts each system of bench/systems.py in turn with the same model, workers, slots, context per slot
 and threads, runs the traffic, stops it, `--repeats` times with the systems interleaved. Each conversation sends
-its name as `x-session-id` (a hint; servers that do not read it ignore it).
+its name as `x-session-id` (a hint; servers that do not read it ignore it), a sub-agent its parent's (as Claude Code's
+sub-agents send their parent's session id); the parent and its sub-agents send `service_tier: "priority"`
+(`--parent-tier`; "" sends none): the user waits on them, the other users' sessions are the team's other traffic.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class Traffic:
     max_tokens: int = 32
     user_words: int = 40
     result_words: int = 150
+    parent_tier: str = "priority"  # the parent's and its sub-agents' `service_tier` ("": none sent)
 
 
 class Run:
@@ -100,11 +103,16 @@ class Run:
         return conv
 
     async def ask(self, http: httpx.AsyncClient, conv: Conversation, user: str) -> str:
-        """One request: `user` appended, the reply appended after it; its figures recorded."""
+        """One request: `user` appended, the reply appended after it; its figures recorded. A sub-agent sends its
+        parent's session id (as Claude Code's Task tool does), the parent and its sub-agents `parent_tier`."""
         conv.messages.append({"role": "user", "content": user})
-        body = {"model": self.model, "messages": conv.messages, "max_tokens": self.t.max_tokens, "temperature": 0}
+        body: dict[str, Any] = {"model": self.model, "messages": conv.messages, "max_tokens": self.t.max_tokens}
+        body["temperature"] = 0
+        if conv.role in ("parent", "sub") and self.t.parent_tier:
+            body["service_tier"] = self.t.parent_tier
+        session = "parent" if conv.role == "sub" else conv.name
         t0 = time.monotonic()
-        r = await http.post(f"{self.url}/v1/chat/completions", json=body, headers={"x-session-id": conv.name}, timeout=1800)
+        r = await http.post(f"{self.url}/v1/chat/completions", json=body, headers={"x-session-id": session}, timeout=1800)
         took = time.monotonic() - t0
         got = r.json() if r.status_code == 200 else {}
         prompt, computed = computed_of(got)
@@ -219,6 +227,7 @@ def main() -> None:
         ap.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(defaults, f))
     ap.add_argument("--spawn-turns", default=",".join(map(str, defaults.spawn_turns)))
     ap.add_argument("--tool-wait-s", type=float, default=defaults.tool_wait_s)
+    ap.add_argument("--parent-tier", default=defaults.parent_tier, help='the parent\'s `service_tier` ("" sends none)')
     ap.add_argument("--systems", help="comma-separated systems of bench/systems.py to start and run on in turn")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--slots", type=int, default=3, help="slots per worker")
@@ -230,7 +239,7 @@ def main() -> None:
     traffic = Traffic(
         args.parent_words, args.sub_words, args.other_words, args.parent_turns,
         tuple(int(t) for t in args.spawn_turns.split(",") if t), args.subagents, args.sub_steps, args.others,
-        args.tool_wait_s, args.max_tokens,
+        args.tool_wait_s, args.max_tokens, parent_tier=args.parent_tier,
     )  # fmt: skip
     print(HEADER, flush=True)
     results: list[dict[str, Any]] = []

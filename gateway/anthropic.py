@@ -8,8 +8,9 @@ one in the conversation: rendered where it stands; content a string or blocks: `
 `disable_parallel_tool_use`), `thinking` (`enabled` / `disabled`: the template's `enable_thinking`; `adaptive`:
 the template's default; `display: "omitted"`: the model thinks, and its thinking blocks come with no text, the
 signature carrying it, as Anthropic's do: a block sent back so renders the thinking the model wrote),
-`output_config.format` (a JSON Schema), llama.cpp's `chat_template_kwargs` and kvroute's `deadline_ms`. Hints
-(gateway/fields.py): `cache_control` anywhere (kvroute caches every prefix anyway), `metadata`,
+`output_config.format` (a JSON Schema), llama.cpp's `chat_template_kwargs` and kvroute's `deadline_ms`;
+`metadata.user_id` (Claude Code's names its session) and `service_tier` give the request's session and priority
+(gateway/normalise.py). Hints (gateway/fields.py): `cache_control` anywhere (kvroute caches every prefix anyway),
 `context_management`, `output_config.effort`, `thinking.budget_tokens`, `tools[].defer_loading`, server tools the
 hosted API runs (`web_search_*`, `web_fetch_*`, `code_execution_*`, ...), `anthropic-beta` headers,
 `redacted_thinking` blocks (opaque provider data). Refused with a 400 in Anthropic's error shape naming the field:
@@ -142,6 +143,10 @@ class OutputConfig(Strict):
     format: JsonFormat | None = None
 
 
+class Metadata(Strict):
+    user_id: str | None = None  # Claude Code's names its session (gateway/normalise.py `claude_user_id`)
+
+
 class MessagesRequest(Strict):
     max_tokens: MaxTokens
     messages: Annotated[list[Message], Meta(min_length=1)]
@@ -158,6 +163,9 @@ class MessagesRequest(Strict):
     output_config: OutputConfig | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     deadline_ms: Annotated[int, Meta(ge=1, le=MAX_DEADLINE_MS)] | None = None
+    # the request's session and priority (gateway/normalise.py), read leniently (gateway/fields.py LENIENT)
+    metadata: Metadata | None = None
+    service_tier: str | None = None
 
 
 class CountTokensRequest(Strict):
@@ -168,6 +176,7 @@ class CountTokensRequest(Strict):
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    metadata: Metadata | None = None  # (as a message's: nothing is generated, nothing to do with it)
 
 
 SERVER_TOOLS = ("web_search_", "web_fetch_", "code_execution_", "tool_search_tool_", "mcp_toolset")
@@ -389,9 +398,16 @@ def messages_request(
         parallel_tool_calls=parallel,
         response_format=fmt,
         chat_template_kwargs=_kwargs(body),
+        session=_session(body.metadata),
+        priority=normalise.priority_of(body.service_tier, normalise.ANTHROPIC_TIERS, policy),
     )
     omit = body.thinking is not None and body.thinking.display == "omitted"
     return sub, Asked(stream=body.stream, omit_thinking=omit)
+
+
+def _session(metadata: Metadata | None) -> str | None:
+    user_id = metadata.user_id if metadata is not None else None
+    return normalise.session_of(None if user_id is None else normalise.claude_user_id(user_id))
 
 
 def count_tokens_request(raw: dict[str, Any], policy: Policy | None = None, images: Images | None = None) -> Tokenize:

@@ -388,8 +388,10 @@ class Gateway:
         for header in dialect.hint_headers:
             if header in request.headers:
                 policy.hint(f"header:{header}")
+        headed = normalise.SessionHeaders.read(request.headers, policy)  # (before the decode: counted with its hints)
         asked, keep_alive, call = await self.decoded(request, functools.partial(self._decode, dialect, rid, policy), policy, rid)
         sub = normalise.served(call.sub, asked, keep_alive, self.salt_of(request, call.sub.cache_salt), self.owner_of(request))
+        headed.apply(sub)
         t0 = asyncio.get_running_loop().time()
         messages = self.client.stream_submit(sub)
         try:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway import anthropic, openai_chat, responses
+from gateway import anthropic, normalise, openai_chat, responses
 from gateway.errors import (
     ANTHROPIC_ERRORS,
     OPENAI_ERRORS,
@@ -28,7 +28,9 @@ Events = Callable[[AsyncIterator[Delta | Result | Tick]], AsyncIterator[bytes]]
 
 @dataclass
 class Call:
-    """One decoded request: its submit, whether it streams, and how its reply is written."""
+    """One decoded request: its submit, whether it streams, and how its reply is written. `reply` and `events` read
+    `sub` as they write (the service tier a reply names is the priority applied, the request's headers' included:
+    `Gateway.serve` adds them to `sub` after the body is decoded)."""
 
     sub: Submit
     stream: bool
@@ -49,8 +51,9 @@ class Dialect:
 
 
 def _chat(raw: dict[str, Any], rid: str, policy: Policy, model: str, images: Images) -> Call:
+    named = raw.get("service_tier") is not None  # (OpenAI's reply names the tier applied when the request names one)
     sub, stream, include_usage = openai_chat.chat_submit(raw, rid, policy, images)
-    return _openai_call(sub, stream, include_usage, rid, model, chat=True)
+    return _openai_call(sub, stream, include_usage, rid, model, chat=True, named_tier=named)
 
 
 def _completions(raw: dict[str, Any], rid: str, policy: Policy, model: str, images: Images) -> Call:
@@ -58,28 +61,39 @@ def _completions(raw: dict[str, Any], rid: str, policy: Policy, model: str, imag
     return _openai_call(sub, stream, include_usage, rid, model, chat=False)
 
 
-def _openai_call(sub: Submit, stream: bool, include_usage: bool, rid: str, model: str, *, chat: bool) -> Call:
+def _openai_call(
+    sub: Submit, stream: bool, include_usage: bool, rid: str, model: str, *, chat: bool, named_tier: bool = False
+) -> Call:
     created, logprobs = openai_chat.now(), sub.sampling.logprobs is not None
+
+    def tier() -> str | None:
+        return normalise.service_tier(sub) if named_tier else None
+
     make = openai_chat.chat_body if chat else openai_chat.completion_body
     return Call(
         sub,
         stream,
-        lambda r: make(r, model, created, logprobs),
+        lambda r: make(r, model, created, logprobs, tier()),
         lambda msgs: openai_chat.openai_events(
-            msgs, chat=chat, rid=rid, model=model, created=created, include_usage=include_usage, logprobs=logprobs
+            msgs, chat=chat, rid=rid, model=model, created=created, include_usage=include_usage, logprobs=logprobs,
+            service_tier=tier(),
         ),
-    )
+    )  # fmt: skip
 
 
 def _responses(raw: dict[str, Any], rid: str, policy: Policy, model: str, images: Images) -> Call:
     sub, stream, asked = responses.responses_submit(raw, rid, policy, images)
     created, logprobs = responses.now(), sub.sampling.logprobs is not None
+
+    def tier() -> str | None:
+        return normalise.service_tier(sub) if asked.body.service_tier is not None else None
+
     return Call(
         sub,
         stream,
-        lambda r: responses.response_body(r, rid, model, asked, created, logprobs),
-        lambda msgs: responses.response_events(msgs, rid, model, asked, created),
-        lambda code, message: responses.failed_events(rid, model, asked, created, code, message),
+        lambda r: responses.response_body(r, rid, model, asked, created, logprobs, tier()),
+        lambda msgs: responses.response_events(msgs, rid, model, asked, created, tier()),
+        lambda code, message: responses.failed_events(rid, model, asked, created, code, message, tier()),
     )
 
 

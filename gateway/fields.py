@@ -1,13 +1,15 @@
 """The field policy of every HTTP API, in one place: each request field is honoured, accepted as a hint, or refused.
 
 - *honoured*: the field is in the API's request type (gateway/openai_bodies.py, responses.py, anthropic.py) and
-  changes what is computed or returned;
-- *hint* (`HINTS`): metadata, cache and session hints, knobs without meaning for this model, hosted tools the model
-  cannot call. The request is served; the field is named in the log and counted in
-  `kvroute_request_fields_ignored_total{api,field}`. A field the type does not know is a hint too (new clients add
-  fields every month), unless the operator runs with `--strict-api`: then it is a 400 naming it. The metric's
-  `field` label is one of a fixed set (`labels`: the hints, the refused names, the hosted tools and hint headers),
-  or `other` for any name a client made up; the log line names the first LOGGED_FIELDS of them;
+  changes what is computed or returned. The fields that give a request's session and priority (`prompt_cache_key`,
+  `user`, `safety_identifier`, Anthropic's `metadata.user_id`, `service_tier`: gateway/normalise.py) are honoured
+  and read leniently (`LENIENT`): a value of another type, or a tier the API does not name, is a hint, not a 400;
+- *hint* (`HINTS`): metadata, cache hints, knobs without meaning for this model, hosted tools the model cannot call.
+  The request is served; the field is named in the log and counted in `kvroute_request_fields_ignored_total{api,field}`.
+  A field the type does not know is a hint too (new clients add fields every month), unless the operator runs with
+  `--strict-api`: then it is a 400 naming it. The metric's `field` label is one of a fixed set (`labels`: the hints,
+  the refused names, the hosted tools and hint headers), or `other` for any name a client made up; the log line names
+  the first LOGGED_FIELDS of them;
 - *refused* (`REFUSED`, and values the types reject): the client would rely on something kvroute cannot do; a 400
   naming the field.
 
@@ -37,13 +39,9 @@ FIELDS_IGNORED = Counter(
 )
 
 _OPENAI_COMMON = (
-    "user",
     "metadata",
     "store",
-    "service_tier",
-    "prompt_cache_key",
     "prompt_cache_retention",
-    "safety_identifier",
     "cache_prompt",  # llama-server's: kvroute caches every prefix anyway
     "stream_options.include_obfuscation",
 )
@@ -73,8 +71,6 @@ HINTS: dict[str, tuple[str, ...]] = {
         "tools[].tools[].strict",
     ),
     "messages": (
-        "metadata",
-        "service_tier",
         "cache_control",
         "context_management",
         "container",
@@ -163,8 +159,27 @@ HOSTED_TOOLS: dict[str, tuple[str, ...]] = {
     "messages": ("web_search", "web_fetch", "code_execution", "tool_search_tool_regex", "tool_search_tool_bm25", "mcp_toolset"),
 }
 
-# other hints a decoder records by value: a block that is not text and is dropped
-VALUE_HINTS: dict[str, tuple[str, ...]] = {"messages": ("messages[].content[].type=redacted_thinking",)}
+# honoured fields read leniently (gateway/normalise.py: the session and priority they give): a value the request type
+# does not take (a `user` that is not a string) is a hint, served as if absent, never a 400; so is a `service_tier`
+# the API does not name
+_OPENAI_SIGNALS = ("prompt_cache_key", "user", "safety_identifier", "service_tier")
+LENIENT: dict[str, tuple[str, ...]] = {
+    "chat": _OPENAI_SIGNALS,
+    "completions": _OPENAI_SIGNALS,
+    "responses": _OPENAI_SIGNALS,
+    "messages": ("metadata", "service_tier"),
+    "embeddings": (),
+    "rerank": (),
+}
+
+# other hints a decoder records by value: a block that is not text and is dropped, an `x-priority` it does not know
+_PRIORITY_HEADER = "header:x-priority"
+VALUE_HINTS: dict[str, tuple[str, ...]] = {
+    "chat": (_PRIORITY_HEADER,),
+    "completions": (_PRIORITY_HEADER,),
+    "responses": (_PRIORITY_HEADER,),
+    "messages": ("messages[].content[].type=redacted_thinking", _PRIORITY_HEADER),
+}
 
 OTHER = "other"  # the metric's label for a field name outside the fixed set (a client's own, or a made-up one)
 LOGGED_FIELDS = 20  # field names a log line names; the rest are a count
@@ -221,6 +236,12 @@ def validation_problem(exc: Exception) -> tuple[str | None, str, str]:
     if unknown:
         return (f"{where}.{unknown.group(1)}" if where else unknown.group(1)), where, text
     return None, where, text.split(" - at ")[0]
+
+
+@functools.cache
+def _field_types(kind: Any) -> dict[str, Any]:
+    """A request type's fields by their JSON names, with their types."""
+    return {f.encode_name: f.type for f in msgspec.structs.fields(kind)}
 
 
 @functools.cache
@@ -284,6 +305,7 @@ def labels(api: str) -> frozenset[str]:
         (
             *HINTS[api],
             *REFUSED[api],
+            *LENIENT[api],
             *(f"header:{h}" for h in HINT_HEADERS.get(api, ())),
             *(f"tools[].type={kind}" for kind in HOSTED_TOOLS.get(api, ())),
             *VALUE_HINTS.get(api, ()),
@@ -339,6 +361,8 @@ class Policy:
         if not self.strict:
             for path in sorted(unknown_fields(raw, kind, at)):
                 self.hint(pattern(path))
+        if isinstance(raw, dict) and not prefix:
+            self._lenient(raw, kind)
         for _ in range(_MAX_UNKNOWN):  # (what the walk did not see, and --strict-api's first unknown field)
             try:
                 return msgspec.convert(raw, kind)
@@ -352,6 +376,18 @@ class Policy:
                 _pop(raw, _segments(pattern(inner)))
                 self.hint(pattern(path))
         raise FieldError("the request has too many unknown fields", at or "body")
+
+    def _lenient(self, raw: dict[str, Any], kind: Any) -> None:
+        """The API's LENIENT fields whose values `kind` does not take, removed from `raw` and recorded as hints."""
+        types = _field_types(kind) if LENIENT[self.api] else {}
+        for name in LENIENT[self.api]:
+            if raw.get(name) is None or name not in types:
+                continue
+            try:
+                msgspec.convert(raw[name], types[name])
+            except msgspec.ValidationError:
+                del raw[name]
+                self.hint(name)
 
     def report(self, request_id: str) -> None:
         """Count and log the hints this request carried (once per request): each label once, by how many of the

@@ -3,7 +3,8 @@ from them, so the two cannot disagree.
 
 The fields here are the honoured ones: they change the reply as OpenAI documents (plus llama.cpp's extensions
 `top_k`, `min_p`, `repeat_penalty`, `repeat_last_n`, `grammar`, `chat_template_kwargs`, and kvroute's `ignore_eos`,
-`deadline_ms`, `cache_salt`). Hints and refusals are gateway/fields.py's policy, applied before these types see
+`deadline_ms`, `cache_salt`); `prompt_cache_key`, `user`, `safety_identifier` and `service_tier` give the request's
+session and priority (gateway/normalise.py). Hints and refusals are gateway/fields.py's policy, applied before these types see
 a body.
 """
 
@@ -167,6 +168,11 @@ class Common(Strict):
     deadline_ms: Annotated[int, Meta(ge=1, le=MAX_DEADLINE_MS)] | None = None
     # vLLM's: cached prefixes are shared only between requests with the same salt (a tenant)
     cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    # the request's session and priority (gateway/normalise.py), read leniently (gateway/fields.py LENIENT)
+    prompt_cache_key: str | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
 
 
 class ChatRequest(Common, kw_only=True):

@@ -77,6 +77,14 @@ def _response_format(body: t.Common) -> ResponseFormat | None:
     return ResponseFormat(type="json_schema", schema=fmt.json_schema.schema, name=fmt.json_schema.name)
 
 
+def _session(body: t.Common, policy: Policy) -> dict[str, Any]:
+    """The request's session and priority, as its body gives them (gateway/normalise.py; headers go on top)."""
+    return {
+        "session": normalise.session_of(body.prompt_cache_key, body.user, body.safety_identifier),
+        "priority": normalise.priority_of(body.service_tier, normalise.OPENAI_TIERS, policy),
+    }
+
+
 def _stream_flags(body: t.Common) -> tuple[bool, bool]:
     stream = bool(body.stream)
     include_usage = bool(stream and body.stream_options and body.stream_options.include_usage)
@@ -85,7 +93,8 @@ def _stream_flags(body: t.Common) -> tuple[bool, bool]:
 
 def completion_submit(raw: dict[str, Any], request_id: str, policy: Policy | None = None) -> tuple[Submit, bool, bool]:
     """/v1/completions body -> (submit, stream?, include_usage?)."""
-    body: t.CompletionRequest = decode(raw, t.CompletionRequest, policy or Policy("completions"))
+    policy = policy or Policy("completions")
+    body: t.CompletionRequest = decode(raw, t.CompletionRequest, policy)
     prompt: Any = body.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -110,6 +119,7 @@ def completion_submit(raw: dict[str, Any], request_id: str, policy: Policy | Non
         grammar=body.grammar,
         n=body.n,
         cache_salt=body.cache_salt,
+        **_session(body, policy),
     )
     return sub, stream, include_usage
 
@@ -170,7 +180,8 @@ def chat_submit(
     modalities = raw.get("modalities")
     if isinstance(modalities, list) and any(m != "text" for m in modalities):
         raise RequestError("`modalities` other than text are not supported: the served model writes text", param="modalities")
-    body: t.ChatRequest = decode(raw, t.ChatRequest, policy or Policy("chat"))
+    policy = policy or Policy("chat")
+    body: t.ChatRequest = decode(raw, t.ChatRequest, policy)
     images = images or Images()
     messages = [_message(m, i, images) for i, m in enumerate(body.messages)]
     if body.top_logprobs is not None and not body.logprobs:
@@ -198,6 +209,7 @@ def chat_submit(
         chat_template_kwargs=normalise.thinking_kwargs(body.chat_template_kwargs, body.reasoning_effort),
         n=body.n,
         cache_salt=body.cache_salt,
+        **_session(body, policy),
     )
     return sub, stream, include_usage
 
@@ -262,27 +274,39 @@ def reply_id(rid: str, chat: bool) -> str:
     return f"chatcmpl-{rid}" if chat else f"cmpl-{rid}"
 
 
-def _body(result: Result, model: str, created: int, chat: bool, choice: Callable[[Choice], dict[str, Any]]) -> dict[str, Any]:
+def _body(
+    result: Result,
+    model: str,
+    created: int,
+    chat: bool,
+    choice: Callable[[Choice], dict[str, Any]],
+    service_tier: str | None = None,
+) -> dict[str, Any]:
     """A Chat Completions (`chat`) or Completions reply: each choice's `index`, what `choice` gives of it and its finish
-    reason, then the usage and llama-server's timings."""
+    reason, then the usage and llama-server's timings; the service tier it was served at, when the request named one
+    (as OpenAI's)."""
     return {
         "id": reply_id(result.id, chat),
         "object": "chat.completion" if chat else "text_completion",
         "created": created,
         "model": model,
+        **({"service_tier": service_tier} if service_tier is not None else {}),
         "choices": [{"index": c.index, **choice(c), "finish_reason": finish_reason(c.finish_reason)} for c in choices_of(result)],
         "usage": usage_body(result),
         "timings": timings_body(result),
     }
 
 
-def completion_body(result: Result, model: str, created: int, logprobs: bool = False) -> dict[str, Any]:
+def completion_body(
+    result: Result, model: str, created: int, logprobs: bool = False, service_tier: str | None = None
+) -> dict[str, Any]:
     return _body(
         result,
         model,
         created,
         False,
         lambda c: {"text": c.text, "logprobs": completion_logprobs(c.logprobs) if logprobs else None},
+        service_tier,
     )
 
 
@@ -295,13 +319,16 @@ def chat_message(c: Choice) -> dict[str, Any]:
     return msg
 
 
-def chat_body(result: Result, model: str, created: int, logprobs: bool = False) -> dict[str, Any]:
+def chat_body(
+    result: Result, model: str, created: int, logprobs: bool = False, service_tier: str | None = None
+) -> dict[str, Any]:
     return _body(
         result,
         model,
         created,
         True,
         lambda c: {"message": chat_message(c), "logprobs": chat_logprobs(c.logprobs) if logprobs else None},
+        service_tier,
     )
 
 
@@ -361,14 +388,16 @@ async def openai_events(
     created: int,
     include_usage: bool,
     logprobs: bool,
+    service_tier: str | None = None,
 ) -> AsyncIterator[bytes]:
     """A Chat Completions (`chat`) or Completions stream: chunks per delta, a last chunk per choice with its finish
-    reason, the usage chunk when asked, then `[DONE]`."""
+    reason, the usage chunk when asked, then `[DONE]`; each chunk names `service_tier` when given (as OpenAI's)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     cid = reply_id(rid, chat)
+    tier = {"service_tier": service_tier} if service_tier is not None else {}
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, end: Result | None = None) -> bytes:
-        body: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": model, "choices": choices}
+        body: dict[str, Any] = {"id": cid, "object": obj, "created": created, "model": model, **tier, "choices": choices}
         if include_usage:
             body["usage"] = usage
         if end is not None:  # the stream's last chunk

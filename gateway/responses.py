@@ -7,7 +7,8 @@ stands, `input_image` parts (a data URL in `image_url`: gateway/images.py) in in
 with `name` and `namespace` apart), `tool_choice`, `parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`),
 `max_output_tokens`, `temperature`, `top_p`, `top_logprobs`, `stream`, `reasoning.effort` (the template's
 `reasoning_effort`; `none`: its `enable_thinking` off), llama.cpp's `top_k`, `min_p`, `chat_template_kwargs` and
-kvroute's `deadline_ms`.
+kvroute's `deadline_ms`; `prompt_cache_key` (Codex's conversation id), `user`, `safety_identifier` and `service_tier`
+give the request's session and priority (gateway/normalise.py), and the reply names the tier applied.
 
 Stateless, as llama-server is: a response is not kept, so `previous_response_id` and `conversation` are refused
 (send the whole conversation in `input`, which kvroute serves from cache anyway) and `store`, the API's default,
@@ -187,6 +188,11 @@ class ResponsesRequest(Strict):
     min_p: MinP | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     deadline_ms: Annotated[int, Meta(ge=1, le=MAX_DEADLINE_MS)] | None = None
+    # the request's session and priority (gateway/normalise.py), read leniently (gateway/fields.py LENIENT)
+    prompt_cache_key: str | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
 
 
 def flat_name(namespace: str, name: str) -> str:
@@ -367,6 +373,8 @@ def responses_submit(
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=fmt,
         chat_template_kwargs=kwargs,
+        session=normalise.session_of(body.prompt_cache_key, body.user, body.safety_identifier),
+        priority=normalise.priority_of(body.service_tier, normalise.OPENAI_TIERS, policy),
     )
     return sub, body.stream, Asked(body, namespaced)
 
@@ -389,8 +397,9 @@ def _tool_choice(body: ResponsesRequest) -> Any:
     return msgspec.to_builtins(tc) if tc is not None else "auto"
 
 
-def envelope(rid: str, model: str, asked: Asked, created: float) -> dict[str, Any]:
-    """A response object without its output (status `in_progress`)."""
+def envelope(rid: str, model: str, asked: Asked, created: float, service_tier: str | None = None) -> dict[str, Any]:
+    """A response object without its output (status `in_progress`); the service tier it is served at, when the
+    request named one (as OpenAI's)."""
     body = asked.body
     fmt = body.text.format if body.text and body.text.format else None
     return {
@@ -415,6 +424,7 @@ def envelope(rid: str, model: str, asked: Asked, created: float) -> dict[str, An
         "truncation": "disabled",
         "usage": None,
         "metadata": {},
+        **({"service_tier": service_tier} if service_tier is not None else {}),
     }
 
 
@@ -446,13 +456,15 @@ def finish(result: Result, asked: Asked) -> tuple[str, dict[str, Any] | None]:
     return "completed", None
 
 
-def response_body(result: Result, rid: str, model: str, asked: Asked, created: float, logprobs: bool) -> dict[str, Any]:
+def response_body(
+    result: Result, rid: str, model: str, asked: Asked, created: float, logprobs: bool, service_tier: str | None = None
+) -> dict[str, Any]:
     blocks = Blocks()
     delta = Delta(id=rid, text=result.text, tokens=b"", reasoning=result.reasoning or "")
     delta.tool_calls = [_call_delta(i, c) for i, c in enumerate(result.tool_calls)]
     events = list(blocks.feed(delta)) + list(blocks.finish())
     lps = chat_logprobs(result.logprobs)["content"] if logprobs else None
-    out = envelope(rid, model, asked, created)
+    out = envelope(rid, model, asked, created, service_tier)
     status, incomplete = finish(result, asked)
     u = result.usage
     out.update(
@@ -469,7 +481,12 @@ def _call_delta(i: int, c: ToolCall) -> ToolCallDelta:
 
 
 async def response_events(
-    messages: AsyncIterator[Delta | Result | Tick], rid: str, model: str, asked: Asked, created: float
+    messages: AsyncIterator[Delta | Result | Tick],
+    rid: str,
+    model: str,
+    asked: Asked,
+    created: float,
+    service_tier: str | None = None,
 ) -> AsyncIterator[bytes]:
     """The documented event sequence: response.created, response.in_progress, then per output item
     output_item.added, (content_part.added, output_text.delta..., output_text.done, content_part.done |
@@ -484,7 +501,7 @@ async def response_events(
         seq += 1
         return sse(kind, data)
 
-    base = envelope(rid, model, asked, created)
+    base = envelope(rid, model, asked, created, service_tier)
     yield event("response.created", response=base)
     yield event("response.in_progress", response=base)
 
@@ -538,11 +555,13 @@ async def response_events(
         yield event(kind, response=final, timings=timings_body(msg))  # (llama-server's, beside the response)
 
 
-def failed_events(rid: str, model: str, asked: Asked, created: float, code: str, message: str) -> bytes:
+def failed_events(
+    rid: str, model: str, asked: Asked, created: float, code: str, message: str, service_tier: str | None = None
+) -> bytes:
     """A stream that failed before its first token: response.created, then response.failed with the error (how
     OpenAI's Codex backend reports a context overflow, `context_length_exceeded`, which Codex answers by compacting;
     an HTTP 400 it takes for a request it must not send again)."""
-    base = envelope(rid, model, asked, created)
+    base = envelope(rid, model, asked, created, service_tier)
     failed = {**base, "status": "failed", "error": {"code": code, "message": message}}
     events = [("response.created", base), ("response.failed", failed)]
     return b"".join(sse(kind, {"type": kind, "sequence_number": i, "response": r}) for i, (kind, r) in enumerate(events))

@@ -65,6 +65,9 @@ SUBMIT_FIELDS = (
     "cache_salt",
     "model",
     "keep_alive_s",
+    "session",  # hints (PROTOCOL.md `submit`): the conversation or agent session this request continues,
+    "parent_session",  # the session of the agent that started it (a sub-agent's),
+    "priority",  # 1 interactive, 0 normal, -1 background
 )
 
 
@@ -79,8 +82,9 @@ def build_submit(
     **kwargs: Any,
 ) -> Submit:
     """A `submit` from keyword arguments: those of protocol.Submit (tools, tool_choice, response_format, grammar,
-    n, ...; as dicts or structs) and of protocol.Sampling (temperature, max_tokens, logprobs, ...). Sampling fields not
-    given are the router's to default (--temp, --seed, ...), as for an HTTP request that leaves them out."""
+    n, session, parent_session, priority, ...; as dicts or structs) and of protocol.Sampling (temperature, max_tokens,
+    logprobs, ...). Sampling fields not given are the router's to default (--temp, --seed, ...), as for an HTTP request
+    that leaves them out."""
     extra = {k: kwargs.pop(k) for k in SUBMIT_FIELDS if k in kwargs}
     try:
         params, unset = sampling_of({"max_tokens": Sampling().max_tokens, **kwargs})

@@ -122,6 +122,7 @@ class EngineCounters(Struct, kw_only=True):
     spec_proposed: int | float = 0  # guessed tokens verified (speculation)
     spec_accepted: int | float = 0  # of spec_proposed: taken by the sampler
     spec_withheld: int | float = 0  # guesses not computed: the job's guesses were taken too rarely to pay in its batch
+    paused_steps: int | float = 0  # steps that left a running job out for one of higher priority (one per job and step)
     decode_s: float = 0.0  # time inside llama_decode
     step_s: float = 0.0  # time of whole steps (batch building + decode + sampling + messages)
     # gauges, set when a heartbeat is made

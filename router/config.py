@@ -65,6 +65,12 @@ class RouterConfig:
         "after a job a slot is held this long for its own conversation's next turn; others wait (--busy-wait-ms at most). "
         "Off by default: workers keep evicted contents in host RAM (--host-cache-mb), so holding only idles slots",
     )
+    tool_wait_s: float = opt(
+        60.0,
+        "a request with a session (an agent's) whose reply is tool calls keeps its slot for its conversation's next turn "
+        "this long, or twice its longest recent pause when longer (at most 600 s): others take that slot only when no "
+        "other idle slot is left; 0 = off",
+    )
     queue_order: str = opt(
         "shortest",
         "which waiting request takes a freed slot: 'shortest' = the least prompt left to compute after the longest "
@@ -185,6 +191,8 @@ class RouterConfig:
             raise ValueError(f"min_match must be at least 1, got {self.min_match}")
         if self.heartbeat_timeout_s <= 0 or self.no_workers_grace_s < 0 or self.busy_wait_ms < 0 or self.hold_ms < 0:
             raise ValueError("timeouts must be positive")
+        if self.tool_wait_s < 0:
+            raise ValueError(f"tool_wait_s must be at least 0, got {self.tool_wait_s}")
         if self.hung_after_s <= 0:
             raise ValueError(f"hung_after_s must be positive, got {self.hung_after_s}")
         if self.max_worker_deaths < 1:

@@ -1,9 +1,10 @@
 """The queue: the requests waiting for a slot, and where each goes when one is free.
 
-Requests are looked at in `--queue-order` (router/queue_order.py); each goes to the slot router/select.py picks among
-the ready workers that can hold it (`--policy round-robin`: the one worker it was pinned to), or waits for a busy
-slot that holds its prefix, or waits for a worker with an idle slot. Another choice of a request with n > 1 goes
-beside its first choice, on the same worker (which copies the computed prompt instead of computing it again).
+Requests are looked at by priority, then in `--queue-order` (router/queue_order.py); each goes to the slot
+router/select.py picks among the ready workers that can hold it (`--policy round-robin`: the one worker it was pinned
+to), or waits for a busy slot that holds its prefix, or waits for a worker with an idle slot. Another choice of a
+request with n > 1 goes beside its first choice, on the same worker (which copies the computed prompt instead of
+computing it again).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from router.metrics import Metrics
 from router.mirror import Mirror
 from router.queue_order import in_order
 from router.requests import Req, ReqState, WorkerConn, WorkerState
-from router.select import Dispatch, Params, Wait, WorkerLoad, coldest, expected_reuse, select
+from router.select import Dispatch, Params, Wait, WorkerLoad, coldest_for, expected_reuse, select
 from router.workers import WorkerTable
 
 log = logs.get(__name__)
@@ -76,7 +77,10 @@ class DispatchQueue:
             self._reqs.remove(req)
 
     def params_of(self, req: Req) -> Params:
-        return self.seeded_params if req.sampling.seed is not None else self.params
+        """The cost model's settings for `req`: its reuse rule (seeded or not), its conversation (a slot it awaits is
+        no last resort for it)."""
+        params = self.seeded_params if req.sampling.seed is not None else self.params
+        return params if req.conv is None else dataclasses.replace(params, conversation=req.conv)
 
     def pin(self, req: Req, conns: list[WorkerConn] | None = None) -> None:
         """--policy round-robin: unless it is pinned to one of the workers it may go to already (`conns`, found
@@ -163,17 +167,29 @@ class DispatchQueue:
         conn = self.workers.get(lead.worker)
         if conn is None or conn.state is not WorkerState.READY:
             return None
-        slot = coldest(conn.load, self.params.evict_half_life_s)
+        slot = coldest_for(conn.load, self.params.evict_half_life_s, params.conversation, time.monotonic())
         if slot is None:
             return None
         reuse, restore = expected_reuse(match, slot, params, conn.load.saved)
         return Dispatch(slot, reuse, 0.0, False, restore=restore)
 
 
-def job_message(req: Req, d: Dispatch, job: str, prefix_cache: bool, now: float, sampling: Sampling | None = None) -> Job:
-    """The Job that dispatches `req` as `job` to the slot `d` names (logged); `sampling`: the request's as this slot
-    runs it (its open output cap bounded), else `req.sampling`."""
+def job_message(
+    req: Req, d: Dispatch, job: str, prefix_cache: bool, now: float, sampling: Sampling | None = None, awaited: str = ""
+) -> Job:
+    """The Job that dispatches `req` as `job` to the slot `d` names (logged, with its session and what its placing did
+    to an awaited slot: `awaited`, router/mirror.py `Sessions.placed`); `sampling`: the request's as this slot runs it
+    (its open output cap bounded), else `req.sampling`."""
     slot = d.slot
+    more: dict[str, object] = {}
+    if req.session:
+        more["session"] = req.session[:16]
+    if req.parent_session:
+        more["parent"] = req.parent_session[:16]
+    if req.priority:
+        more["priority"] = req.priority
+    if awaited:
+        more["awaited"] = awaited
     log.info(
         "slot_assigned",
         request_id=req.rid,
@@ -185,6 +201,7 @@ def job_message(req: Req, d: Dispatch, job: str, prefix_cache: bool, now: float,
         cost=round(d.cost, 1),
         affinity=d.affinity,
         restore=d.restore,
+        **more,
     )
     return Job(
         id=job,
@@ -199,4 +216,5 @@ def job_message(req: Req, d: Dispatch, job: str, prefix_cache: bool, now: float,
         reply_to=req.direct,
         reply_key=req.direct_key,
         images=list(req.images),
+        priority=req.priority,
     )

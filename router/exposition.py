@@ -5,6 +5,7 @@ one, vLLM's metric of the same meaning with `kvroute_` for `vllm:` (`prefix_cach
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ WORKER_COUNTERS = {
     "spec_withheld": ("kvroute_worker_spec_withheld", "Guesses not computed: taken too rarely to pay in their batch"),
     "disk_restores": ("kvroute_worker_disk_restores", "Prefixes restored from the disk tier (--cache-dir)"),
     "disk_restore_failures": ("kvroute_worker_disk_restore_failures", "Disk-tier files that did not check out (served cold)"),
+    "paused_steps": ("kvroute_worker_paused_steps", "Jobs left out of a step for a job of higher priority (one per job a step)"),
 }
 
 
@@ -87,6 +89,14 @@ class _Collector:
         yield _counter(
             "kvroute_direct_jobs", "Jobs whose output went from the worker straight to the client (reply_to)", m.direct_jobs
         )
+        now = time.monotonic()
+        awaited = sum(s.awaited(now) is not None for c in cores for s in c.mirror.slots())
+        yield _gauge("kvroute_awaited_slots", "Idle slots kept for a session's next turn after its tool calls", awaited)
+        yield _counter(
+            "kvroute_retention", "Awaited slots: their conversation came back to them (hit), lost them (miss), or came "
+            "back after their time-to-live (expired)", m.retention, "outcome"
+        )  # fmt: skip
+        yield _counter("kvroute_requests_by_priority", "Requests accepted, by priority (1, 0, -1)", m.priorities, "priority")
         yield _counter("kvroute_worker_deaths", "Workers declared dead", m.dead_workers)
         yield _counter("kvroute_worker_restarts", "Local workers restarted by the supervisor", m.restarts)
         yield _counter("kvroute_preparations", "Work queued for the preparing threads, by kind", m.preparations, "kind")

@@ -36,7 +36,7 @@ from router.config import RouterConfig
 from router.dispatch_queue import DispatchQueue, job_message
 from router.embeds import EmbedReq, Embeds, EmbedWait
 from router.metrics import Metrics
-from router.mirror import Mirror
+from router.mirror import Mirror, Sessions
 from router.requests import Attempt, Req, ReqState, WorkerConn
 from router.select import Dispatch
 from router.workers import WorkerTable
@@ -74,6 +74,7 @@ class Lifecycle:
         self.weights = weights  # the model file's weights fingerprint ("" : not checked)
         self.mirror = Mirror()
         self.metrics = metrics or Metrics()  # (several models' cores share the router's)
+        self.sessions = Sessions(cfg.tool_wait_s, self.metrics.retention)  # conversations awaiting their slots
         self.table = WorkerTable(cfg, self.mirror, self.metrics)
         self.workers = self.table.workers  # by id (the same dict: the views, the shell and the tests read it)
         self.restarts, self.expected, self.failed = self.table.restarts, self.table.expected, self.table.failed
@@ -127,9 +128,10 @@ class Lifecycle:
         slot = d.slot
         job = f"{req.rid[:100]}.{self.router_id[:8]}.{next(self._job_ids)}"  # (unique among routers side by side)
         prefix_cache = self.cfg.prefix_cache and not slot.dirty
-        self.mirror.assign(slot, job, req.tokens, req.salt)
-        self.queue.remove(req)
         now = time.monotonic()
+        awaited = self.sessions.placed(req.conv if req.index == 0 else None, slot, now)
+        self.mirror.assign(slot, job, req.tokens, req.salt, req.session)
+        self.queue.remove(req)
         req.queue_ms += (now - req.queued_at) * 1000
         self.metrics.queue_wait_ms.observe((now - req.queued_at) * 1000)
         req.state, req.attempts = ReqState.RUNNING, req.attempts + 1
@@ -142,7 +144,7 @@ class Lifecycle:
         kind = "guarded" if d.guarded else "restore" if d.restore else "affinity" if d.affinity else "cold"
         self.metrics.decisions[kind] += 1
         sampling = admission.open_capped(req.sampling, self.cfg.default_max_tokens, conn.hello.ctx_per_slot - len(req.tokens))
-        self._to_worker(conn, job_message(req, d, job, prefix_cache, now, sampling))
+        self._to_worker(conn, job_message(req, d, job, prefix_cache, now, sampling, awaited=",".join(awaited)))
         if req.direct:  # the client reads the job's output from the worker: it learns where, and how to read it
             self.metrics.direct_jobs += 1
             shift = req.shift

@@ -97,6 +97,9 @@ class Metrics:
     unknown_messages: int = 0  # messages of a type the process decodes and has no handler for (a bug: each is logged)
     peers_cut: int = 0  # clients (or workers) that did not read their messages for too long
     queue_depth: int = 0
+    # retention (router/mirror.py `Sessions`): "hit", "miss", "expired"
+    retention: Counter[str] = field(default_factory=Counter)
+    priorities: Counter[int] = field(default_factory=Counter)  # requests accepted, by Submit.priority
     worker_load: dict[str, dict[str, int]] = field(default_factory=dict)
     recent: deque[RequestRecord] = field(default_factory=lambda: deque(maxlen=4096))
 
@@ -135,5 +138,7 @@ class Metrics:
             "bad_frames": self.bad_frames,
             "unknown_messages": self.unknown_messages,
             "queue_depth": self.queue_depth,
+            "retention": dict(self.retention),
+            "priorities": {str(k): v for k, v in self.priorities.items()},
             "worker_load": {k: dict(v) for k, v in self.worker_load.items()},
         }

@@ -20,12 +20,21 @@ first `slot_tokens` tokens of (prompt + generated tokens), and `slot_hash` is th
 - Routers side by side (several routers, one fleet): another router's job on a slot makes it busy here (`taken`)
   until the worker says what it left (`updated_by_other`); the worker numbers each job on a slot (its epoch), so the
   two reports may arrive in either order.
+- Sessions (Submit.session, a client's hint): each slot remembers the session of the request it last ran. A
+  conversation is keyed by (session, a digest of its prompt's first CONVERSATION_HEAD tokens): a client session can
+  hold several conversations (Claude Code's sub-agents send their parent's session id with another system prompt),
+  so the same session with another head is a sub-agent of that session (its parent is that session, unless the
+  request's parent_session names another). A conversation whose job ended in tool calls *awaits* its slot
+  (`Sessions`): the slot is kept for its next turn until a time-to-live passes (selection overwrites it only as a last
+  resort, router/select.py), learned from the conversation's own pauses. Only this router's view: another router
+  side by side places without it.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +45,16 @@ from protocol import CacheEntry, token_array, token_hash
 from router.index import Index, Match, Tokens, as_tokens
 
 EMPTY: Tokens = np.empty(0, dtype=np.int32)
+
+CONVERSATION_HEAD = 32  # the prompt's leading tokens that tell a session's conversations apart (its system prompt)
+Conversation = tuple[str, str]  # (Submit.session, digest of the prompt's first CONVERSATION_HEAD tokens)
+
+
+def conversation_of(session: str | None, tokens: Tokens) -> Conversation | None:
+    """The conversation a request continues: its session and its prompt's head; None without a session."""
+    if not session:
+        return None
+    return (session, token_hash(np.asarray(tokens[:CONVERSATION_HEAD], dtype=np.int32))[:12])
 
 
 @dataclass(eq=False)
@@ -66,6 +85,18 @@ class Slot:
     # (SlotTaken, or a refusal), and the latest one it said ended (SlotUpdate); while the first is ahead, it is theirs
     taken: int = 0
     updated: int = 0
+    session: str | None = None  # the session (Submit.session) of the request it last ran
+    before_session: str | None = None  # (that of the request before the running job)
+    awaited_by: Conversation | None = None  # the conversation expected back for what it holds (its job made tool calls)
+    awaited_until: float = 0.0  # (monotonic) until then; past it the slot is an ordinary idle slot again
+
+    def awaited(self, now: float) -> Conversation | None:
+        """The conversation that awaits this slot now (None: none, or its time-to-live passed)."""
+        return self.awaited_by if self.awaited_by is not None and now < self.awaited_until else None
+
+    def awaited_s(self, now: float) -> float:
+        """Seconds the slot is still awaited (0: not awaited)."""
+        return max(0.0, self.awaited_until - now) if self.awaited_by is not None else 0.0
 
     @property
     def busy(self) -> bool:
@@ -286,10 +317,11 @@ class Mirror:
         slot.n_exact, slot.min_keep = min(n_exact, len(tokens)), min_keep if len(tokens) else 0
         slot.cuts = tuple(cuts) if len(tokens) else ()
 
-    def assign(self, slot: Slot, job: str, prompt: Tokens, salt: str = "") -> None:
+    def assign(self, slot: Slot, job: str, prompt: Tokens, salt: str = "", session: str | None = None) -> None:
         if slot.busy:
             raise RuntimeError(f"{slot!r} is busy with {slot.job}, cannot take {job}")
         slot.phase, slot.job = SlotPhase.BUSY, job
+        slot.before_session, slot.session = slot.session, session
         slot.before = None if slot.dirty else slot.tokens
         slot.before_exact, slot.before_salt = slot.n_exact, slot.salt
         slot.before_min_keep, slot.before_cuts = slot.min_keep, slot.cuts
@@ -339,6 +371,7 @@ class Mirror:
                 self._unindex(slot, slot.salt)
                 slot.salt = slot.before_salt
             min_keep, cuts = slot.before_min_keep, slot.before_cuts  # (kept: what the slot held is unchanged)
+            slot.session = slot.before_session
             self._idle(slot, EMPTY if before is None else before, dirty=before is None)
             slot.n_exact = before_exact if before is not None else 0
             slot.min_keep = min_keep if before is not None else 0
@@ -391,3 +424,123 @@ class Mirror:
             self._unindex(slot, slot.salt)
         slot.last_used = time.monotonic()
         slot.rev[0] += 1
+
+
+# ---- sessions: conversations that await their slot ------------------------------------------------------------
+
+TTL_CAP_S = 600.0  # a learned time-to-live is at most this (--tool-wait-s itself may be longer)
+PAUSES_KEPT = 4  # a conversation's TTL is learned from its last this many pauses
+CONVERSATIONS_KEPT = 4096  # conversations remembered (least recently seen forgotten first)
+
+
+@dataclass(eq=False)
+class Conv:
+    """What the router remembers of one conversation: its parent, its pauses, the slot it awaits."""
+
+    key: Conversation
+    parent: str | None = None  # the session it is a sub-agent of (None: its session's first conversation)
+    pauses: deque[float] = field(default_factory=lambda: deque(maxlen=PAUSES_KEPT))  # tool-call end -> next arrival
+    ended: float | None = None  # when its last job ended in tool calls (monotonic): the pause runs from there
+    slot: Slot | None = None  # the slot it awaits, until its next request is placed
+    until: float = 0.0  # when that wait ends
+    lost: bool = False  # another conversation overwrote that slot before `until` (a miss, counted then)
+
+
+class Sessions:
+    """Retention: a conversation whose job ended in tool calls awaits its slot for a time-to-live (TTL), the
+    configured `tool_wait_s` (0: retention off), or, once it has come back, max(tool_wait_s, 2 x the longest of its last
+    PAUSES_KEPT pauses), the learned part capped at TTL_CAP_S. A pause runs from a job's end in tool calls to the
+    conversation's next request's arrival (a pause after a plain reply, a person's, is not learned). The wait ends when
+    its next request is placed or the TTL passes (lazily: `Slot.awaited`). Outcomes, counted in `retention`: `hit` (it
+    came back within its TTL and was placed on its slot), `miss` (another conversation overwrote the slot within the
+    TTL, or it came back within the TTL and was placed elsewhere: its KV gone), `expired` (it came back after its
+    TTL)."""
+
+    def __init__(self, tool_wait_s: float, retention: dict[str, int] | None = None) -> None:
+        self.tool_wait_s = tool_wait_s
+        self.convs: OrderedDict[Conversation, Conv] = OrderedDict()
+        self.firsts: OrderedDict[str, str] = OrderedDict()  # session -> head digest of its first conversation
+        self.retention: dict[str, int] = retention if retention is not None else {}
+
+    def _count(self, outcome: str) -> None:
+        self.retention[outcome] = self.retention.get(outcome, 0) + 1
+
+    def conv(self, key: Conversation, parent_session: str | None = None) -> Conv:
+        """The conversation `key` (remembered from now on): a session's first conversation has no parent unless the
+        request names one; another conversation of the same session is a sub-agent of it (or of parent_session)."""
+        c = self.convs.get(key)
+        if c is not None:
+            self.convs.move_to_end(key)
+            return c
+        session, head = key
+        first = self.firsts.setdefault(session, head)
+        self.firsts.move_to_end(session)
+        parent = parent_session if parent_session or first == head else session
+        c = self.convs[key] = Conv(key, parent)
+        while len(self.convs) > CONVERSATIONS_KEPT:
+            self.convs.popitem(last=False)
+        while len(self.firsts) > CONVERSATIONS_KEPT:
+            self.firsts.popitem(last=False)
+        return c
+
+    def arrived(self, key: Conversation, parent_session: str | None, at: float) -> Conv:
+        """A request of conversation `key` arrived at `at` (monotonic): the pause since its tool calls is learned."""
+        c = self.conv(key, parent_session)
+        if c.ended is not None:
+            c.pauses.append(max(0.0, at - c.ended))
+            c.ended = None
+        return c
+
+    def ttl(self, c: Conv) -> float:
+        """How long conversation `c` is awaited after its tool calls."""
+        learned = min(TTL_CAP_S, 2 * max(c.pauses)) if c.pauses else 0.0
+        return max(self.tool_wait_s, learned)
+
+    def ended(self, key: Conversation, slot: Slot, tool_calls: bool, now: float) -> float:
+        """A job of conversation `key` on `slot` ended: with tool calls (and retention on, and the slot's contents
+        known) the slot is awaited by it for its TTL, which is returned (0: not awaited)."""
+        c = self.conv(key)
+        c.ended = now if tool_calls else None
+        if not tool_calls or self.tool_wait_s <= 0 or slot.dirty or not slot.tokens.size:
+            return 0.0
+        self._release(c)
+        ttl = self.ttl(c)
+        c.slot, c.until, c.lost = slot, now + ttl, False
+        slot.awaited_by, slot.awaited_until = key, c.until
+        return ttl
+
+    def placed(self, key: Conversation | None, slot: Slot, now: float) -> list[str]:
+        """A request of conversation `key` (None: no session) is placed on `slot`: a wait that this ends, or a slot of
+        another conversation's it overwrites, is counted; what happened, for the log (empty: nothing awaited)."""
+        said = []
+        other = slot.awaited(now)
+        if other is not None and other != key:
+            self._count("miss")  # overwritten before its TTL passed (the worker saves it to its host tier, if any)
+            said.append(f"overwrote:{other[0][:16]}")
+            lost = self.convs.get(other)
+            if lost is not None and lost.slot is slot:
+                lost.lost = True
+            slot.awaited_by = None
+        c = self.convs.get(key) if key is not None else None
+        if c is None or c.slot is None:
+            return said
+        if c.lost:
+            outcome = "lost"  # (counted when it was overwritten)
+        elif now >= c.until:
+            outcome = "expired"
+        elif c.slot is slot:
+            outcome = "hit"
+        else:
+            outcome = "miss"  # its KV is gone (its worker left, its slot's contents unknown) or did not win
+        if outcome != "lost":
+            self._count(outcome)
+        said.append(outcome)
+        self._release(c)
+        return said
+
+    @staticmethod
+    def _release(c: Conv) -> None:
+        """Conversation `c` awaits no slot any more."""
+        if c.slot is not None and c.slot.awaited_by == c.key:
+            c.slot.awaited_by = None
+        c.slot, c.lost = None, False

@@ -14,7 +14,7 @@ import numpy as np
 from chat.output import OutputSpec
 from chat.output_parser import OutputParser
 from protocol import Choice, Constraint, EngineCounters, Hello, JobImage, Sampling, Timings, TokenLogprob, Usage, fits
-from router.mirror import Slot
+from router.mirror import Conversation, Slot
 from router.prepare import Shift
 from router.prepare import tenant_of as tenant  # noqa: F401 (read from here by the scheduler and views)
 from router.select import WorkerLoad
@@ -88,6 +88,12 @@ class Req:
     batch_deltas: bool = False  # its client reads `deltas` messages (Submit.batch_deltas)
     direct: str = ""  # its output goes from the worker to this endpoint of its client (Submit.reply_to), not through here
     direct_key: str = ""  # that endpoint's CURVE public key
+    session: str | None = None  # the conversation or agent session it continues (Submit.session, a hint)
+    # a sub-agent's parent session: Submit.parent_session, else, for a conversation of a session other than its first
+    # (another prompt head: router/mirror.py `Sessions.conv`), that session
+    parent_session: str | None = None
+    priority: int = 0  # 1 interactive, 0 normal, -1 background: higher takes free slots first
+    conv: Conversation | None = None  # its conversation (router/mirror.py `conversation_of`), once its prompt is known
 
     def __post_init__(self) -> None:
         self.reply_to = self.client
@@ -125,6 +131,7 @@ class Req:
         twin = Req(self.client, self.envelope, self.rid, sampling, self.stream, self.deadline, self.n, self.tokens, self.arrived)
         twin.constraint, twin.output, twin.index, twin.group = self.constraint, self.output, index, self.group
         twin.salt, twin.owner, twin.batch_deltas = self.salt, self.owner, self.batch_deltas
+        twin.session, twin.parent_session, twin.priority, twin.conv = self.session, self.parent_session, self.priority, self.conv
         return twin
 
 

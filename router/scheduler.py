@@ -62,6 +62,7 @@ from protocol import (
 from router import admission, views
 from router.embeds import EmbedWait
 from router.lifecycle import Out  # noqa: F401 (read from here by the shell and the tests)
+from router.mirror import conversation_of
 from router.prepare import Prepared
 from router.requests import Req, ReqState, tenant
 from router.worker_events import WorkerEvents
@@ -100,6 +101,8 @@ class Scheduler(WorkerEvents):
         # REQ sockets take exactly one reply per request: no deltas for them
         req = Req(identity, list(envelope), rid, sampling, msg.stream and not envelope, deadline, msg.n)
         req.salt, req.owner, req.batch_deltas = tenant(msg.cache_salt), msg.owner or "", msg.batch_deltas
+        req.session, req.parent_session, req.priority = msg.session, msg.parent_session, msg.priority
+        self.metrics.priorities[msg.priority] += 1
         if msg.reply_to and msg.n == 1 and not envelope:  # (n > 1: the choices' one result is made here)
             req.direct, req.direct_key = msg.reply_to, msg.reply_key or ""
         self.requests[req.key] = req
@@ -131,6 +134,9 @@ class Scheduler(WorkerEvents):
         req.prompt_text, req.prompt_bos = outcome.text, outcome.add_bos
         req.images = tuple(JobImage(start=i.start, n_tokens=i.n_tokens, data=i.data) for i in outcome.images)
         req.shift = outcome.shift
+        req.conv = conversation_of(req.session, req.tokens)
+        if req.conv is not None:  # (the pause since its tool calls is learned; a sub-agent's parent is known)
+            req.parent_session = self.sessions.arrived(req.conv, req.parent_session, req.arrived).parent
         if req.shift is not None:
             shift = req.shift
             log.info("context_shift", request_id=req.rid, dropped_messages=shift.messages, dropped_tokens=shift.tokens)

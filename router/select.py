@@ -11,6 +11,7 @@ Cost of sending a prompt of L tokens to idle slot s of worker w, in prompt-token
                + queued_prefill(w)                             prefill already sent to w, not yet done
                + busy_slot_cost * busy(w)                      each running slot shares w's compute
                + evict_weight * (n(s) - reuse(s)) * recency(s) * share(w)   what the choice overwrites
+               + AWAITED_COST, when s is awaited by another conversation  a last resort (see Awaited, below)
     affine(s)  = reuse(s) if reuse(s) >= min_match else 0     a tiny match (BOS, "The") is no affinity
     recency(s) = 0.5 ** (idle seconds of s / evict_half_life_s) a hot, recently used prefix is dear
     share(w)   = 1, or where w saves what a job overwrites in host RAM (its Hello's host_cache_bytes), the cost of
@@ -21,6 +22,17 @@ that worker's cheapest slot to overwrite gives reuse(saved) (the worker's rule: 
 `worth_copy`) at an extra cost of its bytes x the worker's `restore_cost` (prompt-token equivalents per byte: its
 measured prefill speed / restore speed). The reuse a dispatch predicts includes the restore the worker will do on
 the chosen slot, whichever way it was chosen.
+
+Awaited slots (router/mirror.py `Sessions`): a slot whose last job, of a request with a session, ended in tool calls
+is awaited by that conversation (its session and prompt head: `Params.conversation`) until a time-to-live passes
+(`Slot.awaited`). For any other request it costs AWAITED_COST more (1e9 prompt-token equivalents, more than any other
+candidate's cost can be): so it is chosen only when no other idle slot of any candidate worker is left (and, among
+several awaited ones, the cheapest as above). For its own conversation it costs what any slot costs, and its prefix
+wins it. A worker's coldest slot being awaited, its other idle slots are candidates too (`_Cheapest.cold`), and a
+saved state is restored on the worker's coldest slot not awaited (`coldest_for`). When one is overwritten after all,
+the worker saves what it held to its host tier first, as for any slot (and the reuse predicted stays exact).
+The baselines (`round-robin`, `least-loaded`) ignore it; another choice of a request with n > 1 (router/dispatch_queue.py
+`_beside`) takes its worker's coldest slot that no other conversation awaits (`coldest_for`).
 
 Guards:
 - Imbalance: when busy(max) - busy(min) > imbalance_abs and busy(max) > imbalance_rel * busy(min)
@@ -57,7 +69,7 @@ import numpy as np
 from common.slots import restore_keep, reused, worth_copy
 from router.config import RouterConfig
 from router.index import Match
-from router.mirror import Saved, SavedKey, Slot
+from router.mirror import Conversation, Saved, SavedKey, Slot
 
 _CONFIG: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
 # Until a worker has measured both: prefill ~1,000 tokens/s, restore ~1 GB/s (a CPU worker; a GPU prefills faster
@@ -65,6 +77,8 @@ _CONFIG: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterC
 RESTORE_COST_PER_BYTE = 1e-6
 DISK_RESTORE_COST_PER_BYTE = 1e-5  # ~100 MB/s, a slow disk's cold read
 MAX_WAIT_MS = 60_000.0  # the longest a request waits for the slot or worker holding its prefix
+AWAITED_COST = 1e9  # an idle slot another conversation awaits: beyond any other candidate's cost (prompt tokens)
+_PER_REQUEST = ("seeded", "conversation")  # Params' fields that are a request's, not the router's flags
 
 
 @dataclass(frozen=True)
@@ -82,10 +96,11 @@ class Params:
     busy_wait_ms: float = float(_CONFIG["busy_wait_ms"])
     hold_ms: float = float(_CONFIG["hold_ms"])
     seeded: bool = False  # the request has a seed: it reuses only KV computed for seeded jobs (common/slots.py)
+    conversation: Conversation | None = None  # the request's conversation: a slot awaiting it is no last resort for it
 
     @classmethod
     def from_config(cls, cfg: RouterConfig) -> Params:
-        kinds: dict[str, Any] = {f.name: type(f.default) for f in dataclasses.fields(cls) if f.name != "seeded"}
+        kinds: dict[str, Any] = {f.name: type(f.default) for f in dataclasses.fields(cls) if f.name not in _PER_REQUEST}
         return cls(**{name: kind(getattr(cfg, name)) for name, kind in kinds.items()})
 
 
@@ -192,6 +207,14 @@ def _rotated(workers: list[WorkerLoad], rotation: int) -> list[WorkerLoad]:
     return workers[k:] + workers[:k]
 
 
+def _cold_key(s: Slot, half_life: float) -> float:
+    """How dear an idle slot is to overwrite, in `coldest`'s order: empty or dirty first (-inf), else by
+    log2(n_tokens * 2 ** (last_used / half_life))."""
+    if s.dirty or not s.tokens.size:
+        return -math.inf
+    return math.log2(len(s.tokens)) + s.last_used / half_life
+
+
 def coldest(w: WorkerLoad, half_life: float) -> Slot | None:
     """The idle slot of `w` that is cheapest to overwrite: empty or dirty first, else the smallest
     n_tokens * recency. That order does not change with time (recency is exponential), so it is
@@ -204,14 +227,29 @@ def coldest(w: WorkerLoad, half_life: float) -> Slot | None:
     for s in w.slots:
         if s.busy:
             continue
-        if s.dirty or not s.tokens.size:
-            best = s
-            break
-        key = math.log2(len(s.tokens)) + s.last_used / half_life
+        key = _cold_key(s, half_life)
         if key < best_key:
             best, best_key = s, key
+            if key == -math.inf:
+                break
     w.cold, w.cold_rev = best, rev
     return best
+
+
+def awaited_by_other(s: Slot, conversation: Conversation | None, now: float) -> bool:
+    """Whether `s` is awaited by a conversation other than `conversation` (router/mirror.py `Sessions`)."""
+    other = s.awaited(now)
+    return other is not None and other != conversation
+
+
+def coldest_for(w: WorkerLoad, half_life: float, conversation: Conversation | None, now: float) -> Slot | None:
+    """`coldest`, unless another conversation awaits it: then the coldest idle slot of `w` no other conversation
+    awaits, when there is one."""
+    cold = coldest(w, half_life)
+    if cold is None or not awaited_by_other(cold, conversation, now):
+        return cold
+    free = [s for s in w.slots if not s.busy and not awaited_by_other(s, conversation, now)]
+    return min(free, key=lambda s: _cold_key(s, half_life)) if free else cold
 
 
 def select(match: Match, workers: list[WorkerLoad], params: Params, now: float, rotation: int, waited_ms: float) -> Decision:
@@ -311,6 +349,7 @@ class _Cheapest:
         self.evict = {w.worker: params.evict_weight * w.evict_share for w in workers}
         self.by_name = {w.worker: w for w in workers}
         self.holding = params.prefix_cache and params.hold_ms > 0  # the wait ends when the hold does
+        self.conversation = params.conversation
         self.hold_since = now - params.hold_ms / 1000.0
         self.key: tuple[float, int, int] | None = None  # (cost, rank, slot index) of the cheapest so far
         self.slot: Slot | None = None
@@ -337,20 +376,24 @@ class _Cheapest:
         cost = length - (reuse if reuse >= mm else 0) + self.load[s.worker] + extra
         if lost > 0 and params.evict_weight > 0:
             cost += self.evict[s.worker] * lost * _recency(s, self.now, params.evict_half_life_s)
+        if s.awaited_by is not None and awaited_by_other(s, self.conversation, self.now):
+            cost += AWAITED_COST  # another conversation's, expected back soon: a last resort
         key = (cost, self.rank[s.worker], s.index)
         if self.key is None or key < self.key:
             self.key, self.slot, self.reuse, self.restore = key, s, reuse, reuse > own
 
     def cold(self, w: WorkerLoad) -> None:
-        """The worker's cheapest slot to overwrite; when that one is held, the worker's other idle slots."""
+        """The worker's cheapest slot to overwrite; when that one is held, or awaited by another conversation, the
+        worker's other idle slots."""
         cold = coldest(w, self.params.evict_half_life_s)
         if cold is None:
             return
-        self.consider(cold, self.match.lcp(cold) if self.params.prefix_cache else 0)
-        if self.held is cold:
+        prefix = self.params.prefix_cache
+        self.consider(cold, self.match.lcp(cold) if prefix else 0)
+        if self.held is cold or awaited_by_other(cold, self.conversation, self.now):
             for s in w.slots:
                 if not s.busy and s is not cold:
-                    self.consider(s, self.match.lcp(s))
+                    self.consider(s, self.match.lcp(s) if prefix else 0)
 
     def holders(self) -> None:
         """The idle slots and saved states holding a prefix of the prompt, deepest first, while one can still win."""
@@ -363,7 +406,8 @@ class _Cheapest:
                 break  # shallower levels reuse less: none of them can win
             for saved in owners:
                 if isinstance(saved, Saved) and saved.worker in self.rank:
-                    target = coldest(self.by_name[saved.worker], hl)  # (a restore overwrites what the slot holds)
+                    # (a restore overwrites what the slot holds)
+                    target = coldest_for(self.by_name[saved.worker], hl, self.conversation, self.now)
                     if target is not None:
                         self.consider(target, self.match.lcp(target), saved, depth)
             idle = [s for s in owners if isinstance(s, Slot) and not s.busy and s.worker in self.rank]
@@ -376,9 +420,9 @@ class _Cheapest:
             for s in idle:
                 self.consider(s, depth)
             return
-        plain = [s for s in idle if not (s.dirty or s.exact or s.min_keep)]
+        plain = [s for s in idle if not (s.dirty or s.exact or s.min_keep or s.awaited_by is not None)]
         for s in idle:
-            if s.dirty or s.exact or s.min_keep:
+            if s.dirty or s.exact or s.min_keep or s.awaited_by is not None:
                 self.consider(s, depth)
         if plain:
             i = _vector_best(plain, top, self.length, self.load, self.rank, self.now, self.params.evict_half_life_s, self.evict)

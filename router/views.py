@@ -36,6 +36,8 @@ def worker_statuses(
                     request_id=(jobs[s.job].rid if s.job is not None and s.job in jobs else None),
                     reused_total=s.reused_total,
                     last_used_s=round(now - s.last_used, 3),
+                    session=s.session,
+                    awaited_s=round(s.awaited_s(now), 3),
                 )
                 for s in c.slots
             ],

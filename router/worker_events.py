@@ -132,12 +132,16 @@ class WorkerEvents(Lifecycle):
             self.remember_reply(req.prompt_text, req.prompt_bos, req.tokens, token_array(msg.tokens), req.salt)
         self._finish(req)
         if req.direct:  # its client has the job's output and end from the worker, and makes the result
+            if req.conv is not None and req.index == 0:  # (its calls are read by its client: no slot is awaited)
+                self.sessions.ended(req.conv, attempt.slot, False, time.monotonic())
             self._pump()
             return
         tail = attempt.parser.finish()
         if req.stream and (tail.content or tail.reasoning or tail.calls):
             self._to_client(req, delta_of(req, tail, b"", []))
         req.choice = choice_of(req, msg)
+        if req.conv is not None and req.index == 0:  # (a session's tool calls: its slot awaits its next turn)
+            self.sessions.ended(req.conv, attempt.slot, req.choice.finish_reason == "tool_calls", time.monotonic())
         req.usage = Usage(
             prompt_tokens=msg.prompt_tokens,
             cached_tokens=msg.reused_tokens,

@@ -3,6 +3,13 @@ rows, prompt chunks, padding). Plain data in, rows out: it writes into anything 
 (worker/llama.py `Batch`, or a list in the tests) and calls nothing in llama.cpp; guesses come from a callable.
 
 The rules (why: worker/core.py's docstring):
+- priority (worker/task.py `runnable`): a step computes only the busy slots of the highest priority among them (Job.priority: 1
+  interactive, 0 normal, -1 background); the others are paused, keeping their slots and KV untouched (no decode row,
+  no prompt chunk, no guess, not passed over), and go on once no job of higher priority runs. Why: on a small box
+  every row beside an interactive job's slows its steps, so a background agent's work waits instead of sharing them;
+  with every job at one priority (0 by default) nothing is left out. A job paused PRIORITY_MAX_PAUSE_S in all is
+  computed beside them until it ends (`Task.aged`): a client that sends nothing but interactive work delays the
+  others' jobs by that much, never stalls them;
 - default mode: one llama_decode for every slot but those computing a seeded job's prompt, each of which has its own
   (a starved one first); decode rows first, then prompt chunks up to the step's prefill budget, in `prefill_order`;
   the rows go into the batch in seq id order, a padding row in each slot between that has none (`_write`: llama.cpp's

@@ -7,6 +7,13 @@ reading their prompt, up to `n_batch` prompt tokens, the prompt with the least l
 commits what it computed and samples the rows that ask for it. Jobs join and leave between steps. Results go out
 as protocol messages (JobDelta, then one JobDone or JobError: worker/job_ends.py) passed to the job's sink.
 
+Priority (worker/batching.py `runnable`): while a job of higher priority runs, a step leaves the jobs of lower
+priority out entirely, so that an interactive session is not slowed by background work on a small box. A paused job
+keeps its slot and KV as they are (its padding rows, like an idle slot's, are removed after the decode), and its
+cancel or deadline still ends it at the next step (`_expire` looks at every busy slot); the steps go on for the job
+that runs, so the worker's progress does not stop. It is logged when it pauses and when it goes on (`job_paused`,
+`job_resumed`). Paused PRIORITY_MAX_PAUSE_S in all, it is computed beside them until it ends (`Task.aged`).
+
 Deterministic mode (measured on CPU, see DESIGN.md): a token's KV and logits are bit-reproducible only if they
 are computed the same way every time. Measured with flash attention off (it is: its result depends on how much
 of the KV came from earlier ubatches): llama.cpp computes a ubatch of fewer than EXACT_ROWS rows, or with a single
@@ -92,7 +99,7 @@ from worker.prefix import Prefixes
 from worker.saved_states import SavedStates, open_disk_tier
 from worker.slots import Slot, SlotTable
 from worker.speculate import Drafter, OutputPool, StepCost
-from worker.task import Sink, Task
+from worker.task import PRIORITY_MAX_PAUSE_S, Sink, Task, runnable, top_priority
 
 log = logs.get(__name__)
 
@@ -232,12 +239,44 @@ class EngineCore:
             return
         self.failures.check(busy)
         if self.projector is not None:
-            self._images(busy)
+            self._images(runnable(self.table.busy()))
         budget = self.n_batch
-        for group in self.batcher.groups(self.table.busy()):  # (one llama_decode each: worker/batching.py)
+        for group in self.batcher.groups(self._runnable()):  # (one llama_decode each: worker/batching.py)
             left = self._run(group.slots, budget)
             budget = left if group.budgeted else budget
         self.counters.step_s += time.perf_counter() - t0
+
+    def _runnable(self) -> list[Slot]:
+        """The busy slots this step computes (worker/batching.py `runnable`); the jobs it leaves out for one of higher
+        priority are paused, logged when they pause and when they go on."""
+        busy = self.table.busy()
+        running = runnable(busy)
+        if len(running) == len(busy) and not any(s.task.paused for s in busy):
+            return running
+        now = time.monotonic()
+        for slot in busy:
+            task: Task = slot.task
+            if task.paused_at and task.paused_s + now - task.paused_at >= PRIORITY_MAX_PAUSE_S:
+                task.aged = True  # (paused long enough: it runs beside them until it ends)
+                running = runnable(busy)
+        top = top_priority(busy)
+        for slot in busy:
+            task = slot.task
+            if slot in running:
+                if task.paused:
+                    task.paused_s += now - task.paused_at
+                    log.info(
+                        "job_resumed", request_id=task.id, slot=slot.id, priority=task.priority, paused_steps=task.paused,
+                        paused_s=round(task.paused_s, 3), aged=task.aged,
+                    )  # fmt: skip
+                    task.paused, task.paused_at = 0, 0.0
+                continue
+            if not task.paused:
+                log.info("job_paused", request_id=task.id, slot=slot.id, priority=task.priority, running_priority=top)
+                task.paused_at = now
+            task.paused += 1
+            self.counters.paused_steps += 1
+        return running
 
     def _images(self, slots: list[Slot]) -> None:
         """Decode the image each prefilling slot's prompt has next, whole and on its own (its rows attend to each other:

@@ -25,7 +25,7 @@ from worker.host_cache import Entry
 from worker.llama import Llama
 from worker.saved_states import SAVE_MIN, SavedStates, from_disk
 from worker.slots import Slot, SlotTable
-from worker.task import Task
+from worker.task import Task, runnable
 from worker.tier import SavedState
 
 log = logs.get(__name__)
@@ -306,7 +306,9 @@ class Prefixes:
         if not task.job.prefix_cache:
             return False
         prompt, salt, seeded = task.prompt, task.job.cache_salt, task.seeded
-        computing = [s for s in self.table.busy() if s.task is not None and not s.task.generated and s.salt == salt]
+        busy = [s for s in self.table.busy() if s.task is not None]
+        running = runnable(busy)  # (a job of lower priority is paused: not waited for)
+        computing = [s for s in running if not s.task.generated and s.salt == salt]
         if seeded and not self.exact:  # (a seeded job reuses only what a seeded job computes)
             computing = [s for s in computing if s.task.seeded]
         if not computing:

@@ -10,12 +10,15 @@ from dataclasses import dataclass, field
 
 from protocol import Job, JobImage, Message, Timings
 from worker.sampling import Sampler
+from worker.slots import Slot
 from worker.speculate import Drafter
 from worker.stopping import TextStream
 
 Sink = Callable[[Message], None]
 
 MS = 1000.0
+# a job paused this long for jobs of higher priority (in all) runs beside them until it ends: priority never starves
+PRIORITY_MAX_PAUSE_S = 20.0
 
 
 @dataclass(eq=False)
@@ -47,11 +50,20 @@ class Task:
     checkpoint_at: list[int] = field(default_factory=list)  # prompt positions where its slot takes a checkpoint
     images: dict[int, JobImage] = field(default_factory=dict)  # the prompt's images by where they start
     t_first: float = 0.0
+    paused: int = 0  # steps in a row that left it out for a job of higher priority (worker/batching.py `runnable`)
+    paused_s: float = 0.0  # seconds it was left out so, in all
+    paused_at: float = 0.0  # when its current pause began (0: running)
+    aged: bool = False  # paused PRIORITY_MAX_PAUSE_S in all: computed beside the jobs of higher priority from now on
 
     @property
     def seeded(self) -> bool:
         """A seed asks for the same tokens every time the same job comes (worker/core.py's docstring)."""
         return self.job.sampling.seed is not None
+
+    @property
+    def priority(self) -> int:
+        """1 interactive, 0 normal, -1 background: while a job of higher priority runs, this one's steps wait."""
+        return self.job.priority
 
     def timings(self, now: float) -> Timings:
         """Its times from arrival to `now` (its end), in ms: waiting for a slot, reading its prompt, generating."""
@@ -63,3 +75,17 @@ class Task:
             ttft_ms=(t_first - self.t_arrival) * MS,
             total_ms=(now - self.t_arrival) * MS,
         )
+
+
+def runnable(busy: list[Slot]) -> list[Slot]:
+    """The busy slots a step computes: those whose job has the highest priority among them (all of them when every
+    job has one priority), and those paused too long already (`Task.aged`: PRIORITY_MAX_PAUSE_S); the rest are paused
+    until no job of higher priority runs."""
+    busy = [s for s in busy if s.task is not None]
+    top = top_priority(busy)
+    return [s for s in busy if s.task.aged or s.task.priority == top]
+
+
+def top_priority(busy: list[Slot]) -> int:
+    """The highest priority among the busy slots' jobs (0 when none)."""
+    return max((s.task.priority for s in busy if s.task is not None), default=0)

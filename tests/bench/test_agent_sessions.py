@@ -13,20 +13,24 @@ from bench.agent_sessions import Conversation, Run, Sent, Traffic, figures, new_
 
 
 class StandIn:
-    """A server whose tokens are words and which keeps each session's last prompt + reply (`forget`: none)."""
+    """A server whose tokens are words and which keeps each conversation's last prompt + reply (`forget`: none of
+    those of these sessions); a conversation is a session and a system prompt (a sub-agent sends its parent's
+    session)."""
 
     def __init__(self, forget: set[str] | None = None) -> None:
-        self.kept: dict[str, int] = {}
+        self.kept: dict[tuple[str, str], int] = {}
         self.forget = forget or set()
-        self.sessions: list[str] = []
+        self.sessions: list[tuple[str, str | None]] = []  # (session, service_tier) of each request
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         session = request.headers["x-session-id"]
-        self.sessions.append(session)
+        self.sessions.append((session, body.get("service_tier")))
+        conversation = (session, body["messages"][0]["content"])
         prompt = sum(len(m["content"].split()) for m in body["messages"])
-        cached = 0 if session in self.forget else min(self.kept.get(session, 0), prompt)
-        self.kept[session] = prompt + 2
+        forgotten = session in self.forget and body["messages"][0]["content"].startswith(PARENT_SYSTEM)
+        cached = 0 if forgotten else min(self.kept.get(conversation, 0), prompt)
+        self.kept[conversation] = prompt + 2
         usage = {"prompt_tokens": prompt, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": cached}}
         return httpx.Response(200, json={"choices": [{"message": {"content": "ok then"}}], "usage": usage})
 
@@ -37,6 +41,7 @@ def run(server: StandIn, traffic: Traffic) -> dict[str, Any]:
     return summarize(r.conversations, wall)
 
 
+PARENT_SYSTEM = words("parent/system", 300)
 SMALL = Traffic(parent_words=300, sub_words=150, other_words=150, tool_wait_s=0.0, user_words=10, result_words=20)
 
 
@@ -44,9 +49,9 @@ def test_the_parent_starts_its_sub_agents_on_its_spawn_turns_beside_the_others()
     server = StandIn()
     f = run(server, SMALL)
     assert f["parent"]["requests"] == 5 and f["sub"]["requests"] == 2 * 3 * 3 and f["everyone"]["failed"] == 0
-    assert {s for s in server.sessions if s.startswith("parent/sub-")} == {
-        f"parent/sub-{t}-{k}" for t in (2, 4) for k in (1, 2, 3)
-    }
+    # the parent and its sub-agents send the parent's session and the priority tier; the others neither
+    assert server.sessions.count(("parent", "priority")) == 5 + 2 * 3 * 3
+    assert all(tier is None for session, tier in server.sessions if session != "parent")
     assert f["other"]["requests"] >= 2  # each other user spoke at least once while the parent ran
     # a server that keeps every session's history computes exactly the new tokens: nothing recomputed
     assert f["parent"]["recomputed"] == 0 and f["parent"]["computed"] == f["parent"]["new"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import uuid
 from typing import Any
 
 import anthropic
@@ -288,6 +289,19 @@ def test_llama_server_helpers(served: Served) -> None:
         assert http.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
         assert http.post("/tokenize", json={"text": "x"}).json()["error"]["param"] == "text"
         assert httpx.get(f"{served.url}/slots").status_code == 401  # the API key holds here too
+
+
+def test_slots_show_the_session_a_client_named(served: Served) -> None:
+    """Claude Code's session header reaches the router as the request's session (gateway/normalise.py), and /slots
+    shows it on the slot that ran the request."""
+    session = f"served-{uuid.uuid4()}"
+    with httpx.Client(base_url=served.url, headers=served.headers, timeout=120) as http:
+        chat = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2, "temperature": 0}
+        r = http.post("/v1/chat/completions", json=chat, headers={"x-claude-code-session-id": session})
+        assert r.status_code == 200, r.text
+        slots = [slot for w in http.get("/slots").json()["workers"] for slot in w["slots"]]
+    (ran,) = [slot for slot in slots if slot["session"] == session]
+    assert ran["n_tokens"] > 0 and ran["awaited_s"] >= 0  # (seconds its session is still expected back for it)
 
 
 def test_bad_input_in_any_shape_does_not_disturb_other_streams(served: Served) -> None:

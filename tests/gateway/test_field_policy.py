@@ -122,7 +122,8 @@ def test_known_hints_pass_even_strict() -> None:
     policy = Policy("chat", strict=True)
     body = {"messages": USER, "user": "u", "metadata": {"k": "v"}, "prompt_cache_key": "p", "reasoning_effort": "low"}
     sub, _, _ = chat_submit(body, "r", policy)
-    assert sorted(policy.ignored) == ["metadata", "prompt_cache_key", "user"]
+    assert policy.ignored == ["metadata"]
+    assert sub.session == "p"  # (honoured: the request's session, gateway/sessions.py)
     assert sub.chat_template_kwargs == {"reasoning_effort": "low", "enable_thinking": True}  # (honoured: it reaches the template)
 
 
@@ -199,10 +200,10 @@ def test_codex_request_is_served_with_its_hints_named() -> None:
     assert stream and [t.name for t in sub.tools or []] == ["shell", "mcp__docs__search"]
     assert [m.role for m in sub.messages or []] == ["system", "developer", "user"]
     assert sub.chat_template_kwargs == {"reasoning_effort": "medium", "enable_thinking": True}
+    assert sub.session == "019a-thread"  # (Codex's conversation, as its prompt_cache_key: honoured)
     assert set(policy.ignored) >= {
         "store",
         "include",
-        "prompt_cache_key",
         "client_metadata",
         "reasoning.summary",
         "text.verbosity",
@@ -299,8 +300,8 @@ def test_claude_code_request_is_served_with_its_hints_named() -> None:
     roles = [m.role for m in sub.messages or []]
     assert roles == ["system", "user", "system"]
     assert (sub.messages or [])[0].text().startswith("x-anthropic-billing-header: cc_version=2.1; cch=fffff;")
+    assert sub.session == "123"  # (honoured: metadata.user_id names the session)
     assert set(policy.ignored) == {
-        "metadata",
         "context_management",
         "output_config.effort",
         "system[].cache_control",

@@ -16,7 +16,7 @@ from router_client import RawClient
 from router_helpers import RouterThread, endpoints
 
 from commands.serve import LocalWorkers, serve
-from protocol import ChatMessage, Delta, Error, Result, Sampling, StatusRequest, Submit
+from protocol import ChatMessage, Delta, Error, Result, Sampling, StatusRequest, Submit, Tool
 from router.config import RouterConfig
 from router.supervisor import SupervisorConfig
 
@@ -232,6 +232,64 @@ def test_tenants_share_no_prefix_and_see_no_lengths_of_each_others_slots(system)
     status = c.recv(10)
     mine = next(s for w in status.workers for s in w.slots if (w.worker, s.slot) == (results["ta2"].worker, results["ta2"].slot))
     assert not mine.other_tenant and mine.n_tokens >= results["ta2"].usage.prompt_tokens
+    c.close()
+
+
+def test_an_agents_slot_waits_for_its_tool_result_while_other_sessions_take_the_others(system):
+    """Session A's reply is a (forced) tool call: its slot is awaited by it (status shows A's session and the time
+    left); three other sessions arriving together take the three other slots; A's next turn, with the tool's result,
+    is placed on its slot again and reuses its prompt (predicted exactly)."""
+    rt, cep = system
+    router = rt.router
+    c = RawClient(cep)
+    tools = [
+        Tool(
+            name="get_weather",
+            description="The weather in a city",
+            parameters={
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        )
+    ]
+    history = [
+        ChatMessage(role="system", content="You are a weather agent. Use the tools you are given."),
+        ChatMessage(role="user", content="What is the weather in Paris today?"),
+    ]
+    sampling = Sampling(max_tokens=64, temperature=0.0)
+    misses = router.metrics.retention.get("miss", 0)
+    first_turn = Submit(
+        id="ag1", messages=history, tools=tools, tool_choice="required", parallel_tool_calls=False, sampling=sampling, session="A"
+    )
+    c.send(first_turn)
+    first = collect(c, {"ag1"})["ag1"][1]
+    assert isinstance(first, Result) and first.finish_reason == "tool_calls" and first.tool_calls, first
+    c.send(StatusRequest(id="st-ag"))
+    status = c.recv(10)
+    mine = next(s for w in status.workers for s in w.slots if (w.worker, s.slot) == (first.worker, first.slot))
+    assert mine.session == "A" and mine.awaited_s > 0 and not mine.busy
+    others = {f"ag-{x}": x for x in ("B", "C", "D")}
+    for rid, session in others.items():
+        prompt = f"Session {session} writes a short story about a lighthouse keeper named {session}."
+        c.send(Submit(id=rid, prompt=prompt, sampling=Sampling(max_tokens=24, temperature=0.0), session=session))
+    got = collect(c, set(others))
+    places = {(r.worker, r.slot) for _, r in got.values() if isinstance(r, Result)}
+    assert len(places) == 3 and (first.worker, first.slot) not in places  # the three other slots
+    call = first.tool_calls[0]
+    history += [
+        ChatMessage(role="assistant", content=None, tool_calls=[call]),
+        ChatMessage(role="tool", tool_call_id=call.id, content='{"temp_c": 21, "sky": "clear"}'),
+    ]
+    c.send(Submit(id="ag2", messages=history, tools=tools, sampling=Sampling(max_tokens=8, temperature=0.0), session="A"))
+    back = collect(c, {"ag2"})["ag2"][1]
+    assert isinstance(back, Result), back
+    assert (back.worker, back.slot) == (first.worker, first.slot)
+    assert back.usage.cached_tokens >= first.usage.prompt_tokens - 4
+    rec = next(r for r in reversed(router.metrics.recent) if r.id == "ag2")
+    assert rec.predicted_reuse == rec.reused_tokens == back.usage.cached_tokens
+    assert router.metrics.retention.get("miss", 0) == misses  # its slot was not taken meanwhile
     c.close()
 
 

@@ -7,7 +7,7 @@ from protocol import Job, Sampling, pack_tokens
 from worker.batching import EXACT_OUTPUTS, PAD_TOKEN, PREFILL_PATIENCE_STEPS, Batcher, prefill_order
 from worker.llama import ALONE_ROWS_MIN, alone_rows
 from worker.slots import Slot
-from worker.task import Task
+from worker.task import Task, runnable
 
 Row = tuple[int, int, int, bool]  # token, position, seq id, logits
 
@@ -35,10 +35,11 @@ class Rows:
         return len(self.rows) - 1
 
 
-def busy(slot_id: int, prompt: int, held: int = 0, generated: int = 0, seed: int | None = None) -> Slot:
+def busy(slot_id: int, prompt: int, held: int = 0, generated: int = 0, seed: int | None = None, priority: int = 0) -> Slot:
     """A slot running a task of a `prompt`-token prompt of which it holds `held` tokens (plus `generated` sampled)."""
     tokens = [100 + i for i in range(prompt)]
-    job = Job(id=f"j{slot_id}", slot=slot_id, tokens=pack_tokens(tokens), sampling=Sampling(temperature=1.0, seed=seed))
+    sampling = Sampling(temperature=1.0, seed=seed)
+    job = Job(id=f"j{slot_id}", slot=slot_id, tokens=pack_tokens(tokens), sampling=sampling, priority=priority)
     task = Task(f"j{slot_id}", job, tokens, sink=lambda m: None, max_gen=100, t_arrival=0.0, deadline=None)
     task.generated = [7] * generated
     slot = Slot(slot_id, tokens=tokens[:held] + task.generated[:-1] if generated else tokens[:held])
@@ -212,3 +213,38 @@ def test_deterministic_mode_decodes_each_generating_slot_of_an_uncut_memory_alon
     assert [[s.id for s in g.slots] for g in b.groups(gens)] == [[0], [1], [2]]  # one row each: no padding needed
     plan = b.build([gens[1]], 512)
     assert [(s.id, n, row) for s, n, row in plan] == [(1, 1, 0)] and rows.n == 1
+
+
+def test_a_step_runs_only_the_jobs_of_the_highest_priority_and_all_of_them_when_they_have_one():
+    normal = [busy(0, 30), busy(1, 20, held=20, generated=2), busy(2, 40, held=10)]
+    assert runnable(normal) == normal  # (the default: nobody is left out, in the order given)
+    background, interactive = busy(3, 50, held=50, generated=4, priority=-1), busy(4, 60, priority=1)
+    assert runnable([*normal, background]) == normal  # below normal: paused while any normal job runs
+    assert runnable([background, *normal, interactive]) == [interactive]
+    other = busy(5, 10, held=10, generated=1, priority=1)
+    assert runnable([other, normal[0], interactive]) == [other, interactive]  # equal priority: batched as before
+    assert runnable([background]) == [background] and runnable([]) == []
+    ended = Slot(6)  # (a slot whose job ended during the step has no task)
+    assert runnable([ended, background]) == [background]
+    background.task.aged = True  # paused PRIORITY_MAX_PAUSE_S already: it runs beside the interactive job from now on
+    assert runnable([background, *normal, interactive]) == [background, interactive]
+
+
+def test_paused_slots_get_no_rows_no_budget_and_are_not_passed_over():
+    low_prompt, low_gen = busy(0, 300, priority=-1), busy(1, 20, held=20, generated=2, priority=-1)
+    high = busy(2, 1000, priority=1)
+    slots = [low_prompt, low_gen, high]
+    b, rows = batcher(slots)
+    for _ in range(PREFILL_PATIENCE_STEPS + 2):
+        groups = b.groups(runnable(slots))
+        assert [g.slots for g in groups] == [[high]]
+        plan = b.build(groups[0].slots, 100)
+        assert [(s.id, n) for s, n, _ in plan] == [(2, 100)] and {r[2] for r in rows.rows} == {2}
+        high.tokens += high.task.prompt[high.n_tokens : high.n_tokens + 100]
+    assert low_prompt.task.passed_over == 0 and low_prompt.n_tokens == 0  # it waits; it is not starved
+    assert low_gen.n_tokens == 21 and low_gen.task.draft == []  # (20 prompt tokens and its first sampled one)
+    high.phase, high.task = SlotPhase.IDLE, None  # the interactive job ended: the others go on as before
+    groups = b.groups(runnable(slots))
+    assert [g.slots for g in groups] == [[low_gen, low_prompt]]
+    plan = b.build(groups[0].slots, 100)
+    assert [(s.id, n) for s, n, _ in plan] == [(0, 100), (1, 1)]

@@ -28,8 +28,8 @@ def hold(slot: Slot, tokens: list[int], n_exact: int = 0, salt: str = "") -> Non
     slot.tokens, slot.n_exact, slot.salt = list(tokens), n_exact, salt
 
 
-def task(prompt: list[int], seed: int | None = None, salt: str = "") -> Task:
-    job = Job(id="j", slot=-1, tokens=pack_tokens(prompt), sampling=Sampling(seed=seed), cache_salt=salt)
+def task(prompt: list[int], seed: int | None = None, salt: str = "", priority: int = 0) -> Task:
+    job = Job(id="j", slot=-1, tokens=pack_tokens(prompt), sampling=Sampling(seed=seed), cache_salt=salt, priority=priority)
     return Task("j", job, prompt, sink=lambda m: None, max_gen=10, t_arrival=0.0, deadline=None)
 
 
@@ -107,3 +107,16 @@ def test_a_job_waits_for_a_prefix_another_slot_is_computing_unless_it_has_it():
     assert not prefixes.awaits(task([*PROMPT[:150], 7], seed=3))  # an unseeded job's KV is no use to a seeded one
     busy.task = task(PROMPT, seed=4)
     assert prefixes.awaits(task([*PROMPT[:150], 7], seed=3))
+
+
+def test_a_job_does_not_wait_for_a_prefix_a_paused_job_of_lower_priority_is_computing():
+    prefixes, table, _, _ = setup()
+    computing, interactive, _ = table.slots
+    computing.phase, computing.task = SlotPhase.BUSY, task(PROMPT, priority=-1)
+    hold(computing, PROMPT[:20])
+    assert prefixes.awaits(task([*PROMPT[:150], 7], priority=1))  # it runs now: worth waiting for
+    interactive.phase, interactive.task = SlotPhase.BUSY, task([5, 6, 7], priority=1)
+    assert not prefixes.awaits(task([*PROMPT[:150], 7], priority=1))  # paused until the interactive job ends
+    assert not prefixes.awaits(task([*PROMPT[:150], 7], priority=-1))
+    computing.task = task(PROMPT, priority=1)  # one priority: waited for as before
+    assert prefixes.awaits(task([*PROMPT[:150], 7], priority=1))

@@ -74,6 +74,7 @@ def job(
     constraint: Constraint | None = None,
     cache_salt: str = "",
     images: list[JobImage] | None = None,
+    priority: int = 0,
     **sampling,
 ) -> Job:
     sampling.setdefault("temperature", 0.0)
@@ -88,6 +89,7 @@ def job(
         constraint=constraint,
         cache_salt=cache_salt,
         images=images or [],
+        priority=priority,
     )
 
 

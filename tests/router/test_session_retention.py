@@ -1,0 +1,254 @@
+"""Agent sessions (issue 65) without the model: priority in the queue, conversations keyed by session and prompt head,
+slots awaited after tool calls (selection's last resort, their time-to-live learned), and what status and the
+metrics show of them."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from protocol import Sampling
+from router import exposition
+from router.config import RouterConfig
+from router.mirror import CONVERSATION_HEAD, TTL_CAP_S, Mirror, Sessions, conversation_of
+from router.queue_order import in_order
+from router.requests import Req
+from router.select import AWAITED_COST, Dispatch, Params, WorkerLoad, select
+from tests.router.scheduler_helpers import core, done, hello, jobs, submit
+from tests.router.test_queue_order import HISTORY, setup
+from tests.router.test_select import hold, seq
+
+# ---- priority -------------------------------------------------------------------------------------------------
+
+
+def req(rid: str, tokens: np.ndarray, arrived: float, priority: int = 0) -> Req:
+    r = Req(b"c", [], rid, Sampling(), False, None, tokens=tokens)
+    r.arrived, r.priority = arrived, priority
+    return r
+
+
+@pytest.mark.parametrize("order", ["fifo", "shortest"])
+def test_a_higher_priority_takes_a_freed_slot_first_keeping_the_order_within_a_priority(order: str) -> None:
+    mirror, workers = setup()
+    cfg = RouterConfig(queue_order=order)
+    cold = np.arange(5000, 5300, dtype=np.int32)
+    turn = np.concatenate([HISTORY, np.arange(7, 17, dtype=np.int32)])  # its history is held: `shortest` favours it
+    queue = [
+        req("bg", turn, 100.0, priority=-1),
+        req("n1", cold, 100.5),
+        req("i1", cold, 101.0, priority=1),
+        req("n2", turn, 101.5),
+        req("i2", turn, 102.0, priority=1),
+    ]
+    got = [r.rid for r in in_order(queue, mirror, workers, cfg, now=102.5)]
+    within = {"fifo": (["i1", "i2"], ["n1", "n2"]), "shortest": (["i2", "i1"], ["n2", "n1"])}[order]
+    assert got == [*within[0], *within[1], "bg"]
+    # all of one priority: exactly the order without priorities
+    for r in queue:
+        r.priority = -1
+    expected = {"fifo": ["bg", "n1", "i1", "n2", "i2"], "shortest": ["bg", "n2", "i2", "n1", "i1"]}[order]
+    assert [r.rid for r in in_order(queue, mirror, workers, cfg, now=102.5)] == expected
+
+
+def test_a_queued_interactive_request_goes_before_an_older_background_one_and_its_job_says_so() -> None:
+    s = core(queue_order="fifo")
+    hello(s, slots=1)
+    (first,) = jobs(submit(s, "first"))
+    assert first.priority == 0
+    assert not jobs(submit(s, "bg", np.arange(500, 540, dtype=np.int32), priority=-1))
+    assert not jobs(submit(s, "fg", np.arange(600, 640, dtype=np.int32), priority=1))
+    (nxt,) = jobs(done(s, first, [1, 2]))
+    assert nxt.id.startswith("fg.") and nxt.priority == 1
+    assert s.metrics.priorities == {0: 1, -1: 1, 1: 1}
+
+
+# ---- conversations ----------------------------------------------------------------------------------------------
+
+
+def test_a_conversation_is_its_session_and_its_prompt_head() -> None:
+    system, sub_system = seq(CONVERSATION_HEAD), seq(CONVERSATION_HEAD)
+    turn1 = np.concatenate([system, seq(50)])
+    turn2 = np.concatenate([turn1, seq(80)])
+    main = conversation_of("S", turn1)
+    assert main is not None and main == conversation_of("S", turn2)  # its next turn: the same conversation
+    assert conversation_of(None, turn1) is None  # no session: no conversation
+    assert conversation_of("T", turn1) != main  # another session
+    sub = conversation_of("S", np.concatenate([sub_system, seq(50)]))  # same session, another system prompt
+    assert sub is not None and sub != main and sub[0] == "S"
+    sessions = Sessions(60.0)
+    assert sessions.conv(main).parent is None  # a session's first conversation
+    assert sessions.conv(sub).parent == "S"  # a sub-agent of that session
+    other_sub = conversation_of("S", seq(60))
+    assert other_sub is not None and sessions.conv(other_sub, "P").parent == "P"  # unless parent_session says
+    child = conversation_of("C", seq(60))  # a sub-agent with a session of its own
+    assert child is not None and sessions.conv(child, "S").parent == "S"
+
+
+def test_the_time_to_live_is_learned_from_the_conversations_pauses() -> None:
+    m = Mirror()
+    (slot,) = m.add_worker("w0", 1)
+    hold(m, slot, seq(100))
+    sessions = Sessions(60.0)
+    key = ("S", "head")
+    assert sessions.ended(key, slot, True, now=1000.0) == 60.0  # nothing learned yet: tool_wait_s
+    assert slot.awaited(1059.0) == key and slot.awaited(1060.0) is None
+    sessions.arrived(key, None, at=1100.0)  # it came back after 100 s
+    assert sessions.ended(key, slot, True, now=1110.0) == 200.0  # 2 x its longest pause
+    sessions.arrived(key, None, at=1115.0)  # a short pause: the longest of the last few still counts
+    assert sessions.ended(key, slot, True, now=1120.0) == 200.0
+    sessions.arrived(key, None, at=1120.0 + 1000)  # a very long one: capped
+    assert sessions.ended(key, slot, True, now=3000.0) == TTL_CAP_S
+    for t in range(4):  # the long pauses leave the window of the last few: back to tool_wait_s
+        sessions.arrived(key, None, at=3001.0 + 10 * t)
+        sessions.ended(key, slot, True, now=3001.0 + 10 * t + 1)
+    assert sessions.ttl(sessions.conv(key)) == 60.0
+    assert sessions.ended(key, slot, False, now=4000.0) == 0.0  # a reply without tool calls: nothing awaited
+    sessions.arrived(key, None, at=5000.0)  # (a human's pause after a plain reply is not learned)
+    assert sessions.ttl(sessions.conv(key)) == 60.0
+    off = Sessions(0.0)
+    assert off.ended(key, slot, True, now=1.0) == 0.0  # --tool-wait-s 0: off
+
+
+# ---- selection ----------------------------------------------------------------------------------------------------
+
+
+def two_workers() -> tuple[Mirror, list, list]:
+    m = Mirror()
+    return m, m.add_worker("w0", 2), m.add_worker("w1", 2)
+
+
+def choose(m: Mirror, prompt: np.ndarray, conversation=None, busy: dict[str, int] | None = None):
+    loads = [WorkerLoad(w, slots, busy=(busy or {}).get(w, 0)) for w, slots in m.workers.items()]
+    params = Params(conversation=conversation)
+    return select(m.index.match(prompt), loads, params, time.monotonic(), 0, 0.0)
+
+
+def awaits(slot, key, ttl: float = 60.0) -> None:
+    slot.awaited_by, slot.awaited_until = key, time.monotonic() + ttl
+
+
+def test_an_awaited_slot_is_not_overwritten_while_another_idle_slot_exists() -> None:
+    m, (a0, a1), (b0, b1) = two_workers()
+    mine = ("A", "x")
+    hold(m, a0, seq(20), age_s=3600)  # the coldest slot of all: what a cold request would overwrite...
+    awaits(a0, mine)  # ...but A's agent is running a tool and comes back to it
+    hold(m, a1, seq(900))
+    hold(m, b0, seq(900))
+    hold(m, b1, seq(900))  # every other slot holds a long, recent prefix
+    d = choose(m, seq(100), ("B", "y"))
+    assert isinstance(d, Dispatch) and d.slot is not a0 and d.cost < AWAITED_COST
+    d = choose(m, seq(100))  # a request with no session alike
+    assert isinstance(d, Dispatch) and d.slot is not a0
+    a0.awaited_until = time.monotonic() - 1  # its time-to-live passed: an ordinary cold slot again
+    d = choose(m, seq(100), ("B", "y"))
+    assert isinstance(d, Dispatch) and d.slot is a0
+
+
+def test_an_awaited_slot_is_its_own_conversations_and_a_last_resort_for_others() -> None:
+    m, (a0, a1), (b0, b1) = two_workers()
+    history = seq(300)
+    hold(m, a0, history)
+    mine = ("A", "x")
+    awaits(a0, mine)
+    own = choose(m, np.concatenate([history, seq(40)]), mine)  # its next turn: its slot, no penalty
+    assert isinstance(own, Dispatch) and own.slot is a0 and own.reuse == 300 and own.cost < AWAITED_COST
+    for s in (a1, b0, b1):
+        m.assign(s, f"busy{s.index}{s.worker}", seq(10))  # every other slot is busy
+    other = choose(m, seq(100), ("B", "y"), busy={"w0": 1, "w1": 2})
+    assert isinstance(other, Dispatch) and other.slot is a0 and other.cost >= AWAITED_COST  # the last resort
+    # a request sharing the awaited slot's prefix is another conversation all the same (a sub-agent, another session)
+    m2, (c0, c1), _ = two_workers()
+    hold(m2, c0, history)
+    awaits(c0, mine)
+    hold(m2, c1, seq(50))
+    sub = choose(m2, np.concatenate([history, seq(10)]), ("A", "sub"))
+    assert isinstance(sub, Dispatch) and sub.slot is not c0
+
+
+def test_a_prefix_holder_among_many_idle_slots_is_costed_with_its_wait() -> None:
+    """The many-slots path (numpy, over 32 idle slots at one match depth) leaves awaited slots to `consider`."""
+    m = Mirror()
+    slots = m.add_worker("w0", 40)
+    system = seq(200)
+    for i, s in enumerate(slots):
+        hold(m, s, np.concatenate([system, seq(20)]), age_s=0.0 if i else 3600.0)
+    awaits(slots[0], ("A", "x"))  # the cheapest of them to overwrite, were it not awaited
+    d = choose(m, np.concatenate([system, seq(30)]), ("B", "y"))
+    assert isinstance(d, Dispatch) and d.slot is not slots[0] and d.reuse == 200
+
+
+def test_retention_is_counted_when_the_conversation_comes_back_or_its_slot_is_taken() -> None:
+    m, (a0, a1), _ = two_workers()
+    hold(m, a0, seq(100))
+    retention: dict[str, int] = {}
+    sessions = Sessions(60.0, retention)
+    mine, theirs = ("A", "x"), ("B", "y")
+    sessions.ended(mine, a0, True, now=10.0)
+    assert sessions.placed(theirs, a1, now=20.0) == []  # another slot: nothing awaited there
+    assert sessions.placed(mine, a0, now=30.0) == ["hit"] and a0.awaited_by is None
+    sessions.ended(mine, a0, True, now=40.0)
+    assert sessions.placed(theirs, a0, now=50.0) == ["overwrote:A"]  # taken within its TTL
+    assert sessions.placed(mine, a1, now=60.0) == ["lost"]  # (counted when it was taken)
+    sessions.ended(mine, a0, True, now=70.0)
+    assert sessions.placed(mine, a1, now=80.0) == ["miss"]  # came back elsewhere (its slot's KV was not there)
+    sessions.ended(mine, a0, True, now=100.0)
+    assert sessions.placed(mine, a0, now=100.0 + sessions.ttl(sessions.conv(mine)) + 1) == ["expired"]
+    assert retention == {"hit": 1, "miss": 2, "expired": 1}
+
+
+# ---- the core: a session's tool calls, its next turn, status and metrics --------------------------------------------
+
+
+def test_a_sessions_tool_calls_keep_its_slot_for_its_next_turn_and_status_shows_it() -> None:
+    s = core()
+    hello(s, slots=2)
+    a_prompt = np.arange(1000, 1100, dtype=np.int32)
+    (a1,) = jobs(submit(s, "a1", a_prompt, session="agent-A", cache_salt="t"))
+    (b1,) = jobs(submit(s, "b1", np.arange(2000, 2300, dtype=np.int32), session="agent-B"))
+    done(s, a1, [7, 8, 9], finish="tool_calls")  # A's slot: shorter and less recent than B's, yet awaited
+    done(s, b1, [5, 6], finish="stop")
+    a_slot = s.mirror.workers["w0"][a1.slot]
+    assert a_slot.awaited(time.monotonic()) == conversation_of("agent-A", a_prompt)
+    status = s.status(None, cache_salt="t").workers[0].slots[a1.slot]
+    assert status.session == "agent-A" and status.awaited_s > 0
+    hidden = s.status(None, cache_salt="other").workers[0].slots[a1.slot]  # another tenant's view
+    assert hidden.other_tenant and hidden.session is None and hidden.awaited_s == 0.0
+    assert "kvroute_awaited_slots 1.0" in exposition.text(s)
+    (c1,) = jobs(submit(s, "c1", np.arange(3000, 3050, dtype=np.int32), session="agent-C"))
+    assert c1.slot == b1.slot  # another session takes the other slot, though it holds more and is more recent
+    turn = np.concatenate([a_prompt, [7, 8, 9], np.arange(4000, 4020, dtype=np.int32)])
+    (a2,) = jobs(submit(s, "a2", turn, session="agent-A", cache_salt="t"))
+    assert a2.slot == a1.slot and a2.predicted_reuse == len(a_prompt) + 2
+    assert s.metrics.retention == {"hit": 1}
+    assert s.status(None, cache_salt="t").workers[0].slots[a1.slot].awaited_s == 0.0  # placed: no longer awaited
+    text = exposition.text(s)
+    assert 'kvroute_retention_total{outcome="hit"} 1.0' in text and "kvroute_awaited_slots 0.0" in text
+
+
+def test_with_tool_wait_off_a_sessions_slot_is_an_ordinary_one() -> None:
+    s = core(tool_wait_s=0)
+    hello(s, slots=1)
+    (a1,) = jobs(submit(s, "a1", session="agent-A"))
+    done(s, a1, [7, 8], finish="tool_calls")
+    assert s.status(None).workers[0].slots[0].awaited_s == 0.0
+    with pytest.raises(ValueError, match="tool_wait_s"):
+        RouterConfig(tool_wait_s=-1)
+
+
+def test_a_sub_agent_of_the_session_does_not_take_its_parents_awaited_slot_unless_nothing_else_is_idle() -> None:
+    s = core()
+    hello(s, slots=2)
+    main = np.arange(1000, 1100, dtype=np.int32)
+    (m1,) = jobs(submit(s, "m1", main, session="S"))
+    (o1,) = jobs(submit(s, "o1", np.arange(2000, 2400, dtype=np.int32)))
+    done(s, m1, [7, 8], finish="tool_calls")  # the parent calls a tool (which runs a sub-agent)
+    done(s, o1, [5], finish="stop")
+    sub_prompt = np.arange(5000, 5060, dtype=np.int32)  # the same session, another system prompt: a sub-agent
+    (sub1,) = jobs(submit(s, "sub1", sub_prompt, session="S"))
+    assert sub1.slot == o1.slot  # not its parent's slot, though that one is shorter and less recent
+    assert s.sessions.conv(conversation_of("S", sub_prompt)).parent == "S"
+    (last,) = jobs(submit(s, "other", np.arange(7000, 7050, dtype=np.int32), session="T"))
+    assert last.slot == m1.slot  # nothing else idle: the last resort, counted as a miss
+    assert s.metrics.retention == {"miss": 1}
