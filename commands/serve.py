@@ -296,6 +296,8 @@ def http_config(args: argparse.Namespace, router_cfg: RouterConfig) -> HttpConfi
         max_images=args.max_images,
         max_image_side=args.max_image_side,
         max_image_pixels=args.max_image_pixels,
+        image_fetch=args.image_fetch,
+        image_fetch_timeout_s=args.image_fetch_timeout_s,
         processes=args.processes or auto_http_processes(os.cpu_count() or 1, len(LocalWorkers(gpus=args.gpus).gpu_list())),
     )
 

@@ -3,7 +3,8 @@
 The router loads it beside its vocabulary (a vocab-only model serves: mtmd lays out the chunks and counts an image's
 rows as the worker will) to turn a rendered prompt with one media marker per image into token ids, each image as the
 ids common/media.py makes from its bytes. The worker loads it beside its weights to compute an image's rows into a
-slot's sequence (`eval_image`). mtmd facts and gotchas: bench/tiny_mmproj.py's docstring.
+slot's sequence: `encode_image` (on a thread of its own: worker/images.py), then `decode_image` (on the compute thread).
+mtmd facts and gotchas: bench/tiny_mmproj.py's docstring.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from common.media import digest, image_tokens
 
 MARKER = mtmd.mtmd_default_marker().decode()  # "<__media__>": where a rendered prompt has an image
 TEXT, IMAGE = mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT, mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE
+NO_CALLBACK = mtmd.mtmd_helper_post_decode_callback()  # (a NULL one: what mtmd_helper_eval_chunk_single passes)
 
 
 class ProjectorError(ValueError):
@@ -38,6 +40,19 @@ class PromptImage:
     start: int
     n_tokens: int
     data: bytes
+
+
+class EncodedImage:
+    """An image's rows as the projector encoded them (n_tokens x the text model's input width floats), with the mtmd
+    chunk they belong to (decoding them needs it); `free` once decoded or no longer wanted (twice is harmless)."""
+
+    def __init__(self, chunks: Any, chunk: Any, n_tokens: int, rows: ctypes.Array[ctypes.c_float]) -> None:
+        self._chunks, self.chunk, self.n_tokens, self.rows = chunks, chunk, n_tokens, rows
+
+    def free(self) -> None:
+        if self._chunks is not None:
+            mtmd.mtmd_input_chunks_free(self._chunks)
+            self._chunks = self.chunk = None
 
 
 class Projector:
@@ -62,6 +77,7 @@ class Projector:
             raise ProjectorError(
                 f"--mmproj {path}: this model places image rows with M-RoPE (Qwen-VL's), which kvroute does not serve yet"
             )
+        self.n_embd = llama_cpp.llama_model_n_embd_inp(model)  # (an encoded image's row: what the text model reads)
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -119,9 +135,10 @@ class Projector:
                 mtmd.mtmd_input_chunks_free(chunks)
         return (np.concatenate(parts) if parts else np.empty(0, np.int32)), placed
 
-    def eval_image(self, lctx: Any, data: bytes, n_past: int, seq: int, n_batch: int) -> int:
-        """Encode the image `data` and decode its rows into sequence `seq` from position `n_past` (no logits: a text
-        token after it is sampled); the rows it took. `n_batch` and the context's n_batch and n_ubatch must be at least
+    def encode_image(self, data: bytes, n_batch: int) -> EncodedImage:
+        """Encode the image `data` with the projector (mtmd_encode_chunk: the projector's forward, which does not touch
+        any llama context, so it may run on another thread than the one decoding) and copy its rows out; the caller
+        decodes them (`decode_image`) or frees them. `n_batch` and the context's n_batch and n_ubatch must be at least
         the image's rows (llama.cpp asserts it for a non-causal image: bench/tiny_mmproj.py)."""
         with self._lock:
             chunks = self._chunks(MARKER, False, [data])
@@ -134,11 +151,26 @@ class Projector:
                 n = mtmd.mtmd_input_chunk_get_n_tokens(image)
                 if n > n_batch:
                     raise ProjectorError(f"an image of {n} rows does not fit a batch of {n_batch}")
-                new_past = llama_cpp.llama_pos(n_past)
-                past = ctypes.byref(new_past)
-                rc = mtmd.mtmd_helper_eval_chunk_single(self.ctx, lctx, image, n_past, seq, n_batch, False, past)
+                rc = mtmd.mtmd_encode_chunk(self.ctx, image)
                 if rc != 0:
-                    raise RuntimeError(f"mtmd_helper_eval_chunk_single returned {rc}")
-                return int(new_past.value) - n_past
-            finally:
+                    raise RuntimeError(f"mtmd_encode_chunk returned {rc}")
+                # (the output is the context's, overwritten by the next encode: copied while the lock is held)
+                rows = (ctypes.c_float * (n * self.n_embd))()
+                ctypes.memmove(rows, mtmd.mtmd_get_output_embd(self.ctx), ctypes.sizeof(rows))
+                return EncodedImage(chunks, image, n, rows)
+            except BaseException:
                 mtmd.mtmd_input_chunks_free(chunks)
+                raise
+
+    def decode_image(self, lctx: Any, image: EncodedImage, n_past: int, seq: int, n_batch: int) -> int:
+        """Decode an encoded image's rows into sequence `seq` from position `n_past` (no logits: a text token after it
+        is sampled), as mtmd_helper_eval_chunk_single does after its encode (mtmd_helper_decode_image_chunk: causal
+        attention off around it where the projector asks, as for Gemma 3); the rows it took. Not under the lock: it
+        reads only the projector's type, never what an encode writes, so another image may be encoding meanwhile."""
+        new_past = llama_cpp.llama_pos(n_past)
+        rc = mtmd.mtmd_helper_decode_image_chunk(
+            self.ctx, lctx, image.chunk, image.rows, n_past, seq, n_batch, ctypes.byref(new_past), NO_CALLBACK, None
+        )
+        if rc != 0:
+            raise RuntimeError(f"mtmd_helper_decode_image_chunk returned {rc}")
+        return int(new_past.value) - n_past

@@ -2,8 +2,9 @@
 
 Honoured: `model`, `max_tokens` (required), `messages` (roles user and assistant, and system where a client puts
 one in the conversation: rendered where it stands; content a string or blocks: `text`, `tool_use`, `tool_result`,
-`thinking`, and `image` with a base64 `source` in user turns and inside `tool_result` content: gateway/images.py),
-`system` (a string or text blocks), `stop_sequences`, `stream`, `temperature`, `top_k`, `top_p`,
+`thinking`, and `image` with a base64 `source` (or a `url` one, with --image-fetch) in user turns and inside
+`tool_result` content: gateway/images.py), `system` (a string or text blocks), `stop_sequences`, `stream`,
+`temperature`, `top_k`, `top_p`,
 `tools` (custom tools: `name`, `description`, `input_schema`), `tool_choice` (`auto`, `any`, `tool`, `none`,
 `disable_parallel_tool_use`), `thinking` (`enabled` / `disabled`: the template's `enable_thinking`; `adaptive`:
 the template's default; `display: "omitted"`: the model thinks, and its thinking blocks come with no text, the
@@ -14,7 +15,7 @@ signature carrying it, as Anthropic's do: a block sent back so renders the think
 `context_management`, `output_config.effort`, `thinking.budget_tokens`, `tools[].defer_loading`, server tools the
 hosted API runs (`web_search_*`, `web_fetch_*`, `code_execution_*`, ...), `anthropic-beta` headers,
 `redacted_thinking` blocks (opaque provider data). Refused with a 400 in Anthropic's error shape naming the field:
-document blocks, images by `url` or `file` source (the server fetches nothing and keeps no files), and
+document blocks, images by `file` source (kvroute keeps no files) or `url` source without --image-fetch, and
 Anthropic-schema client tools (`bash_*`, `text_editor_*`, `computer_*`, `memory_*`) whose schema the model has never
 seen.
 
@@ -77,7 +78,7 @@ class ImageSource(Strict):
     type: Literal["base64", "url", "file"]
     media_type: str | None = None  # with base64
     data: str | None = None  # with base64
-    url: str | None = None  # refused: the server fetches no URLs
+    url: str | None = None  # with url: fetched with --image-fetch (gateway/image_fetch.py), else refused
     file_id: str | None = None  # refused: kvroute keeps no files
 
 
@@ -233,10 +234,15 @@ def _refuse(block: Any, where: str) -> None:
 
 
 def image_part(b: Image, where: str, images: Images) -> ImagePart:
-    """An image block's image (`where`: the block): base64 decoded and checked; a URL or a file is refused."""
+    """An image block's image (`where`: the block): base64 decoded and checked; a URL fetched with --image-fetch (else
+    refused); a file refused."""
     src = b.source
+    if src.type == "url" and images.limits.fetch:
+        if src.url is None:
+            raise RequestError(f"{where}.source.url: a url image needs its `url`", param=f"{where}.source.url")
+        return images.by_url(src.url, part=where, field=f"{where}.source.url")
     if src.type != "base64":
-        what = "this server does not fetch URLs" if src.type == "url" else "kvroute keeps no files"
+        what = "this server does not fetch URLs: --image-fetch is off" if src.type == "url" else "kvroute keeps no files"
         raise RequestError(
             f"{where}.source.type: {src.type!r} images are not served ({what}); send the image as base64: "
             '{"type": "base64", "media_type": "image/png", "data": ...}',

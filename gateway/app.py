@@ -208,10 +208,16 @@ class Gateway:
         return msgspec.structs.replace(got, cached_tokens=0) if self.tenants_by_key else got
 
     async def decoded(
-        self, request: Request, decode: Callable[[dict[str, Any]], T], policy: Policy | None = None, rid: str = ""
+        self,
+        request: Request,
+        decode: Callable[[dict[str, Any]], T],
+        policy: Policy | None = None,
+        rid: str = "",
+        images: Images | None = None,
     ) -> T:
         """`decode` of the request's body (a JSON object), with the hints it found reported: parsed, decoded and
-        counted in one go, on a thread for a body over DECODE_INLINE_BYTES (the event loop serves everyone else)."""
+        counted in one go, on a thread for a body over DECODE_INLINE_BYTES (the event loop serves everyone else);
+        then the images `decode` met by URL fetched into their parts (--image-fetch: gateway/images.py)."""
         raw = await request.body()
 
         def work() -> T:
@@ -220,7 +226,10 @@ class Gateway:
                 policy.report(rid)
             return decoded
 
-        return work() if len(raw) <= DECODE_INLINE_BYTES else await asyncio.to_thread(work)
+        decoded = work() if len(raw) <= DECODE_INLINE_BYTES else await asyncio.to_thread(work)
+        if images is not None:
+            await images.fetch()
+        return decoded
 
     def parsed(self, raw: bytes) -> dict[str, Any]:
         """A body as a JSON object naming a model this server serves (RequestError if not)."""
@@ -307,7 +316,7 @@ class Gateway:
     async def count_tokens(self, request: Request) -> Response:
         policy = Policy("messages", strict=self.strict_api)
         images = Images(self.image_limits)
-        counted = await self.decoded(request, lambda raw: anthropic.count_tokens_request(raw, policy, images))
+        counted = await self.decoded(request, lambda raw: anthropic.count_tokens_request(raw, policy, images), images=images)
         tokens = await self.tokens(request, counted)
         return JSONResponse({"input_tokens": len(tokens.tokens) // 4})
 
@@ -369,7 +378,7 @@ class Gateway:
     async def apply_template(self, request: Request) -> Response:
         policy = Policy("chat", strict=self.strict_api)
         images = Images(self.image_limits)
-        sub, _, _ = await self.decoded(request, lambda raw: chat_submit(raw, "template", policy, images))
+        sub, _, _ = await self.decoded(request, lambda raw: chat_submit(raw, "template", policy, images), images=images)
         return JSONResponse({"prompt": (await self.tokens(request, llama_helpers.render_message(sub))).text})
 
     async def props(self, request: Request) -> Response:
@@ -389,7 +398,9 @@ class Gateway:
             if header in request.headers:
                 policy.hint(f"header:{header}")
         headed = normalise.SessionHeaders.read(request.headers, policy)  # (before the decode: counted with its hints)
-        asked, keep_alive, call = await self.decoded(request, functools.partial(self._decode, dialect, rid, policy), policy, rid)
+        images = Images(self.image_limits)
+        decode = functools.partial(self._decode, dialect, rid, policy, images)
+        asked, keep_alive, call = await self.decoded(request, decode, policy, rid, images)
         sub = normalise.served(call.sub, asked, keep_alive, self.salt_of(request, call.sub.cache_salt), self.owner_of(request))
         headed.apply(sub)
         t0 = asyncio.get_running_loop().time()
@@ -451,12 +462,14 @@ class Gateway:
 
         return self._stream(body(), dialect.stream_error)
 
-    def _decode(self, dialect: Dialect, rid: str, policy: Policy, raw: dict[str, Any]) -> tuple[str | None, float | None, Call]:
+    def _decode(
+        self, dialect: Dialect, rid: str, policy: Policy, images: Images, raw: dict[str, Any]
+    ) -> tuple[str | None, float | None, Call]:
         """A generating request's body: the model it asks for, its keep-alive, and its call in `dialect` (which names
-        the model serving it)."""
+        the model serving it); `images` reads its images."""
         asked, keep_alive = self.asked_model(raw), normalise.keep_alive_s(raw.pop("keep_alive", None))
         model = asked if asked in self.names else self.model_name
-        return asked, keep_alive, dialect.decode(raw, rid, policy, model, Images(self.image_limits))
+        return asked, keep_alive, dialect.decode(raw, rid, policy, model, images)
 
     def _stream(self, events: AsyncIterator[bytes], on_error: Any) -> BoundedStream:
         """An event stream cut, with `on_error`'s event last, when its reader stalls (gateway/limits.py)."""

@@ -2,8 +2,10 @@
 `image_url.url`, Responses' `image_url`), bare base64 (llama-server takes it there too), or Anthropic's base64
 `source`. Each image is decoded and checked before the request goes on, each problem a 400 naming the field:
 
-- a URL the server would have to fetch (`http(s)://`, Anthropic's `source.type: "url"`) is refused: the server does
-  not fetch URLs (a request would make it reach any host its network can), send the image as a data URL;
+- a URL the server would have to fetch (`http(s)://`, Anthropic's `source.type: "url"`) is refused unless the
+  operator turned fetching on (`--image-fetch`: a request could make the server reach any host its network can); with
+  it on, the image is fetched after the body is decoded (`Images.fetch`, on the event loop, all of a request's images
+  at once, within gateway/image_fetch.py's bounds), its bytes then checked as an image sent in the request;
 - base64 that does not decode, a media type that is not an image, or bytes whose signature is none of PNG, JPEG,
   GIF, BMP, WebP (what llama.cpp's image loader reads);
 - the bounds (`ImageLimits`, the HTTP server's flags): bytes per image, images per request, and pixels, read from
@@ -11,11 +13,12 @@
   `max_pixels` in all (a 100 KB PNG can claim a 50,000 x 50,000 canvas).
 
 The work is done where the body is decoded: on a thread for a body over gateway/app.py's DECODE_INLINE_BYTES (an
-image of more than a few KB), never on the event loop.
+image of more than a few KB), never on the event loop; an image by URL leaves its part to be filled by `fetch`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import re
@@ -23,6 +26,7 @@ import struct
 from dataclasses import dataclass
 from typing import NoReturn
 
+from gateway import image_fetch
 from gateway.errors import RequestError
 from protocol import ImagePart
 
@@ -36,12 +40,14 @@ _HEAD = 256  # characters of a data URL before its comma, at most
 @dataclass(frozen=True)
 class ImageLimits:
     """What one request's images may be (the HTTP server's --max-image-bytes, --max-images, --max-image-side and
-    --max-image-pixels)."""
+    --max-image-pixels), and whether an image may be given by http(s) URL (--image-fetch, --image-fetch-timeout-s)."""
 
     max_bytes: int = 20 * MiB
     max_images: int = 16
     max_side: int = 8192
     max_pixels: int = 33_000_000
+    fetch: bool = False
+    fetch_timeout_s: float = 10.0
 
 
 class Images:
@@ -50,16 +56,15 @@ class Images:
     def __init__(self, limits: ImageLimits | None = None) -> None:
         self.limits = limits or ImageLimits()
         self.count = 0
+        self.remote: list[tuple[str, str, ImagePart]] = []  # images by URL, to fetch: (URL, its field, their part)
 
     def url(self, url: str, *, part: str, field: str, detail: str | None = None) -> ImagePart:
-        """The image a URL holds: a data URL (`data:image/png;base64,...`) or bare base64. `part` names the content
-        part (for the count), `field` the URL's field (for what is wrong with it)."""
+        """The image a URL holds: a data URL (`data:image/png;base64,...`), bare base64, or (with --image-fetch) an
+        http(s) URL (`by_url`). `part` names the content part (for the count), `field` the URL's field (for what is
+        wrong with it)."""
         head = url[:16].lower()
         if head.startswith(("http://", "https://")):
-            raise RequestError(
-                f"`{field}`: this server does not fetch URLs; send the image itself as a data URL (data:image/png;base64,...)",
-                param=field,
-            )
+            return self.by_url(url, part=part, field=field, detail=detail)
         if head.startswith("data:"):
             comma = url.find(",", 0, _HEAD)
             if comma < 0:
@@ -77,17 +82,58 @@ class Images:
                 )
         return self.base64(url, None, part=part, field=field, detail=detail)
 
-    def base64(self, data: str, media_type: str | None, *, part: str, field: str, detail: str | None = None) -> ImagePart:
-        """The image base64 text holds, its media type as the client declared it (None: not declared)."""
+    def by_url(self, url: str, *, part: str, field: str, detail: str | None = None) -> ImagePart:
+        """The image at an http(s) URL: refused unless --image-fetch; else counted now, and its part (returned empty)
+        filled by `fetch`, once the whole body is decoded."""
+        if not self.limits.fetch:
+            raise RequestError(
+                f"`{field}`: this server does not fetch URLs (its operator has not turned on --image-fetch); send the "
+                "image itself as a data URL (data:image/png;base64,...)",
+                param=field,
+            )
+        self.counted(part)
+        hole = ImagePart(data=b"", detail=detail)  # (empty: the protocol refuses it, should it go on unfilled)
+        self.remote.append((url, field, hole))
+        return hole
+
+    async def fetch(self) -> None:
+        """Fetch the images given by URL, all at once (gateway/image_fetch.py), each checked as an image sent in the
+        request and put in its part; the first that fails (in the request's order) is the RequestError."""
+        remote, self.remote = self.remote, []
+        if not remote:
+            return
+        limits = self.limits
+        tasks = [
+            asyncio.ensure_future(image_fetch.fetch(url, field, max_bytes=limits.max_bytes, timeout_s=limits.fetch_timeout_s))
+            for url, field, _ in remote
+        ]
+        try:
+            for (_, field, hole), task in zip(remote, tasks, strict=True):
+                hole.data = self.checked(await task, field)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def counted(self, part: str) -> None:
+        """One image more in the request (`part`: its content part), within --max-images."""
         self.count += 1
         if self.count > self.limits.max_images:
             raise RequestError(f"`{part}`: more than {self.limits.max_images} images in one request (--max-images)", param=part)
+
+    def base64(self, data: str, media_type: str | None, *, part: str, field: str, detail: str | None = None) -> ImagePart:
+        """The image base64 text holds, its media type as the client declared it (None: not declared)."""
+        self.counted(part)
         if media_type is not None and not media_type.lower().startswith("image/"):
             raise RequestError(f"`{field}`: media type {media_type[:64]!r} is not an image", param=field)
         limit = self.limits.max_bytes
         if len(data) > 8 * (limit // 3 + 1):  # (over even with a line break after every character: not decoded)
             too_many(field, None, limit)
-        raw = decoded(data, field)
+        return ImagePart(data=self.checked(decoded(data, field), field), detail=detail)
+
+    def checked(self, raw: bytes, field: str) -> bytes:
+        """An image's bytes, as sent or fetched, within the bounds: bytes, then its format and pixels from its header."""
+        limit = self.limits.max_bytes
         if len(raw) > limit:
             too_many(field, len(raw), limit)
         kind, width, height = image_size(raw, field)
@@ -103,7 +149,7 @@ class Images:
                 f"{self.limits.max_pixels} are served (--max-image-pixels)",
                 param=field,
             )
-        return ImagePart(data=raw, detail=detail)
+        return raw
 
 
 def too_many(field: str, size: int | None, limit: int) -> NoReturn:

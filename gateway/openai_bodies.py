@@ -41,7 +41,7 @@ Detail = Annotated[str, Meta(max_length=32)]  # OpenAI's "auto", "low", "high": 
 
 
 class ImageURL(Strict):
-    url: str  # a data URL (data:image/png;base64,...) or bare base64; the server fetches no http(s) URL
+    url: str  # a data URL (data:image/png;base64,...) or bare base64; an http(s) one is fetched with --image-fetch
     detail: Detail | None = None
 
 

@@ -1,10 +1,11 @@
 """OpenAI Responses (`/v1/responses`) on the one protocol `submit`.
 
 Honoured: `model`, `input` (a string, or items: messages with `input_text` / `output_text` parts, any role where it
-stands, `input_image` parts (a data URL in `image_url`: gateway/images.py) in input messages and in a
-`function_call_output`'s `output`, `function_call`, `function_call_output`, `reasoning`), `instructions`, function
-`tools`, `namespace` tools (their functions offered as `NAMESPACE__NAME`, as Codex flattens them; a call comes back
-with `name` and `namespace` apart), `tool_choice`, `parallel_tool_calls`, `text.format` (`text`, `json_object`, `json_schema`),
+stands, `input_image` parts (a data URL in `image_url`, or an http(s) one with --image-fetch: gateway/images.py) in
+input messages and in a `function_call_output`'s `output`, `function_call`, `function_call_output`, `reasoning`),
+`instructions`, function `tools`, `namespace` tools (their functions offered as `NAMESPACE__NAME`, as Codex flattens
+them; a call comes back with `name` and `namespace` apart), `tool_choice`, `parallel_tool_calls`, `text.format`
+(`text`, `json_object`, `json_schema`),
 `max_output_tokens`, `temperature`, `top_p`, `top_logprobs`, `stream`, `reasoning.effort` (the template's
 `reasoning_effort`; `none`: its `enable_thinking` off), llama.cpp's `top_k`, `min_p`, `chat_template_kwargs` and
 kvroute's `deadline_ms`; `prompt_cache_key` (Codex's conversation id), `user`, `safety_identifier` and `service_tier`
@@ -71,7 +72,7 @@ class Refusal(Strict, tag_field="type", tag="refusal"):
 
 
 class InputImage(Strict, tag_field="type", tag="input_image"):
-    image_url: str | None = None  # a data URL (data:image/png;base64,...) or bare base64; no http(s) URL is fetched
+    image_url: str | None = None  # a data URL (data:image/png;base64,...) or bare base64; http(s) with --image-fetch
     file_id: str | None = None  # refused: kvroute keeps no files
     detail: Annotated[str, Meta(max_length=32)] | None = None
 

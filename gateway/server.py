@@ -123,6 +123,15 @@ class HttpConfig:
     max_image_pixels: int = opt(
         ImageLimits.max_pixels, "most pixels (width x height, read from the image's header) one image may have"
     )
+    image_fetch: bool = opt(
+        False,
+        "fetch the images requests give by http(s) URL (by default such a request is a 400: a request would have this "
+        "server reach any host its network can). Only public addresses are fetched, the host resolved once and that "
+        "address connected to, at most 3 redirects, within --image-fetch-timeout-s and --max-image-bytes",
+    )
+    image_fetch_timeout_s: float = opt(
+        ImageLimits.fetch_timeout_s, "time one image's fetch may take, redirects and body included (--image-fetch)"
+    )
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024 or self.max_frame_bytes < 1024:
@@ -144,13 +153,22 @@ class HttpConfig:
             raise ValueError(
                 "--max-image-bytes, --max-image-side and --max-image-pixels must be at least 1, --max-images at least 0"
             )
+        if not self.image_fetch_timeout_s > 0:
+            raise ValueError(f"--image-fetch-timeout-s must be positive, got {self.image_fetch_timeout_s}")
         if self.tenant_per_key and self.shared_cache:
             raise ValueError("--tenant-per-key and --shared-cache: keys are tenants, or they share; give one")
         if self.tenant_per_key and not (self.api_key or os.environ.get("KVROUTE_API_KEY")):
             raise ValueError("--tenant-per-key needs --api-key (or $KVROUTE_API_KEY): tenants are told apart by key")
 
     def image_limits(self) -> ImageLimits:
-        return ImageLimits(self.max_image_bytes, self.max_images, self.max_image_side, self.max_image_pixels)
+        return ImageLimits(
+            self.max_image_bytes,
+            self.max_images,
+            self.max_image_side,
+            self.max_image_pixels,
+            fetch=self.image_fetch,
+            fetch_timeout_s=self.image_fetch_timeout_s,
+        )
 
 
 # Each connection's kernel send buffer, fixed (Linux would grow it to 4 MB): what queues for a reader that stopped

@@ -43,6 +43,7 @@ class ErrorCode(enum.StrEnum):
     UNAUTHORIZED = "unauthorized"
     TOO_SLOW = "too_slow"  # client side: the reader fell too far behind its replies; the request was cancelled
     SLOT_BUSY = "slot_busy"  # worker to router: another router's job holds the slot named (placed again, retryable)
+    PREEMPTED = "preempted"  # worker to router: a job handed back, before its first token, for one of higher priority
     ROUTER_LOST = "router_lost"  # client side: its router's connection dropped after the request's output began
     REPLY_UNREACHABLE = "reply_unreachable"  # client side: the worker placed to run it never reached its reply_to
 

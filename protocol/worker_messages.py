@@ -343,7 +343,11 @@ class EmbedJob(Message, tag="embed_job", kw_only=True):
 
 
 class JobCancel(Message, tag="job_cancel", kw_only=True):
+    """Stop a job. `preempt`: only if it has not sampled a token yet, and then hand it back (`job_error` `preempted`,
+    its slot keeping what it computed) for the router to place again; a job that has begun its output runs on."""
+
     id: RequestId
+    preempt: bool = False
 
 
 class Drain(Message, tag="drain", kw_only=True):

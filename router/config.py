@@ -71,6 +71,11 @@ class RouterConfig:
         "this long, or twice its longest recent pause when longer (at most 600 s): others take that slot only when no "
         "other idle slot is left; 0 = off",
     )
+    preempt: bool = opt(
+        True,
+        "a waiting request of a higher priority that finds no idle slot has a running job of a lower priority that has "
+        "not begun its output handed back (kept KV, placed again): each request takes one slot so, and loses one at most",
+    )
     queue_order: str = opt(
         "shortest",
         "which waiting request takes a freed slot: 'shortest' = the least prompt left to compute after the longest "

@@ -97,6 +97,10 @@ class _Collector:
             "back after their time-to-live (expired)", m.retention, "outcome"
         )  # fmt: skip
         yield _counter("kvroute_requests_by_priority", "Requests accepted, by priority (1, 0, -1)", m.priorities, "priority")
+        yield _counter(
+            "kvroute_preemptions", "Jobs of a lower priority asked back before their first token for a waiting request "
+            "of a higher priority (asked), and handed back (handed)", m.preemptions, "outcome"
+        )  # fmt: skip
         yield _counter("kvroute_worker_deaths", "Workers declared dead", m.dead_workers)
         yield _counter("kvroute_worker_restarts", "Local workers restarted by the supervisor", m.restarts)
         yield _counter("kvroute_preparations", "Work queued for the preparing threads, by kind", m.preparations, "kind")

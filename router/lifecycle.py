@@ -245,8 +245,40 @@ class Lifecycle:
         """Dispatch the queued requests that have a slot now (router/dispatch_queue.py), and waiting embeds."""
         for req, d in self.queue.placements():
             self._dispatch(req, d)
+        if self.cfg.preempt and len(self.queue):
+            self._preempt()
         if self.embeds.waiting:
             self._place_embeds()
+
+    def _preempt(self) -> None:
+        """Priority's last step: the first waiting request of the highest priority, when no worker it may go to has an
+        idle slot, has a running job of a lower priority that has not begun its output handed back (JobCancel.preempt:
+        its worker ends it before its first token, its slot keeping what it computed, or lets it run on); the job's
+        request goes back to the queue, behind it, and is placed again, reusing what it computed (a client reading its
+        output from the worker is told where: `Placed` again). One at a time; a request takes one slot so and loses one
+        at most, so nothing churns."""
+        top = max(self.queue, key=lambda r: r.priority)  # (the first of the highest: the queue is oldest first)
+        if top.priority <= -1 or top.took_slot or any(r.preempting for r in self.jobs.values()):
+            return
+        conns = self.table.loads_for(top)
+        if not conns or any(c.load.busy < len(c.slots) for c in conns):
+            return  # (no worker to take from, or an idle slot it is placed on, or waits beside by choice)
+        pending = {r: r.attempt.prefill_pending for c in conns for r in c.jobs.values() if r.attempt is not None}
+        victims = [
+            r for r, left in pending.items()
+            if r.state is ReqState.RUNNING and r.priority < top.priority and left > 0 and not r.preempted and r.n == 1
+        ]  # fmt: skip
+        if not victims:
+            return
+        victim = max(victims, key=lambda r: pending[r])  # (the one with the most prompt left to compute)
+        conn = self.table.get(victim.worker)
+        if conn is None or victim.job is None:
+            return
+        victim.preempting, top.took_slot = True, True
+        self.metrics.preemptions["asked"] += 1
+        log.info("preempt", request_id=victim.rid, job=victim.job, worker=conn.id, priority=victim.priority,
+                 for_request=top.rid, for_priority=top.priority)  # fmt: skip
+        self._to_worker(conn, JobCancel(id=victim.job, preempt=True))
 
     def _place_embeds(self) -> None:
         """The waiting embed and rerank requests to ready workers, in order; with none ready they fail when a queued

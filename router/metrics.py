@@ -100,6 +100,8 @@ class Metrics:
     # retention (router/mirror.py `Sessions`): "hit", "miss", "expired"
     retention: Counter[str] = field(default_factory=Counter)
     priorities: Counter[int] = field(default_factory=Counter)  # requests accepted, by Submit.priority
+    # jobs of a lower priority asked back for a waiting one of higher priority ("asked"), and handed back ("handed")
+    preemptions: Counter[str] = field(default_factory=Counter)
     worker_load: dict[str, dict[str, int]] = field(default_factory=dict)
     recent: deque[RequestRecord] = field(default_factory=lambda: deque(maxlen=4096))
 
@@ -140,5 +142,6 @@ class Metrics:
             "queue_depth": self.queue_depth,
             "retention": dict(self.retention),
             "priorities": {str(k): v for k, v in self.priorities.items()},
+            "preemptions": dict(self.preemptions),
             "worker_load": {k: dict(v) for k, v in self.worker_load.items()},
         }

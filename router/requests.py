@@ -94,6 +94,9 @@ class Req:
     parent_session: str | None = None
     priority: int = 0  # 1 interactive, 0 normal, -1 background: higher takes free slots first
     conv: Conversation | None = None  # its conversation (router/mirror.py `conversation_of`), once its prompt is known
+    preempting: bool = False  # its worker was asked to hand its job back for one of higher priority (JobCancel.preempt)
+    preempted: int = 0  # times it was handed back so: once is all (router/lifecycle.py `_preempt`)
+    took_slot: bool = False  # it had a job of lower priority handed back for it (once is all)
 
     def __post_init__(self) -> None:
         self.reply_to = self.client

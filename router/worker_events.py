@@ -111,6 +111,7 @@ class WorkerEvents(Lifecycle):
         if req.direct:  # (its worker sends the router only the job's first delta, without text: output has begun)
             outcomes.output_began(conn, req)
             return
+        req.preempting = False  # (its output began: a preemption asked for comes too late, and it runs on)
         piece = outcomes.delta_taken(conn, req, msg)
         if req.stream and req.reply_to is not None:
             delta = delta_of(req, piece, msg.tokens, msg.logprobs)
@@ -132,8 +133,11 @@ class WorkerEvents(Lifecycle):
             self.remember_reply(req.prompt_text, req.prompt_bos, req.tokens, token_array(msg.tokens), req.salt)
         self._finish(req)
         if req.direct:  # its client has the job's output and end from the worker, and makes the result
-            if req.conv is not None and req.index == 0:  # (its calls are read by its client: no slot is awaited)
-                self.sessions.ended(req.conv, attempt.slot, False, time.monotonic())
+            if req.conv is not None and req.index == 0:  # (a session's: its reply read here too, for its tool calls)
+                attempt.parser.feed(msg.text, msg.generated_tokens)
+                attempt.parser.finish()
+                calls = choice_of(req, msg).finish_reason == "tool_calls"
+                self.sessions.ended(req.conv, attempt.slot, calls, time.monotonic())
             self._pump()
             return
         tail = attempt.parser.finish()
@@ -169,6 +173,12 @@ class WorkerEvents(Lifecycle):
         if msg.code == ErrorCode.DRAINING and req.state is ReqState.RUNNING and not req.started:
             conn.state = WorkerState.DRAINING
             self._requeue(req)
+        elif msg.code == ErrorCode.PREEMPTED and req.state is ReqState.RUNNING and not req.started:
+            req.preempting, req.preempted = False, req.preempted + 1  # (its slot keeps what it computed: reused)
+            self.metrics.preemptions["handed"] += 1
+            self.jobs.pop(req.job or "", None)
+            self._enqueue(req, front=True)
+            log.info("request_preempted", request_id=req.rid, worker=conn.id, slot=slot.index, kept=msg.slot_tokens)
         elif msg.code == ErrorCode.SLOT_BUSY and req.state is ReqState.RUNNING and not req.started:
             self.mirror.refused(slot)  # another router's job holds it: placed again, elsewhere or after it
             conn.refresh()

@@ -107,13 +107,23 @@ class Admission:
         if task is not None:
             task.cancelled = True
 
+    def preempt(self, job_id: str) -> None:
+        """Hand the job back (ErrorCode.PREEMPTED) unless it has sampled a token by the next step (worker/core.py)."""
+        task = self.by_id.get(job_id)
+        if task is not None and not task.generated:
+            task.preempt = True
+
     def expired(self) -> list[tuple[Task, ErrorCode]]:
         """Take the waiting jobs that were cancelled or ran past their deadline (the engine ends them)."""
         now = time.monotonic()
-        gone = [t for t in self.waiting if t.cancelled or (t.deadline is not None and now >= t.deadline)]
+        gone = [t for t in self.waiting if t.cancelled or t.preempt or (t.deadline is not None and now >= t.deadline)]
         for task in gone:
             self.waiting.remove(task)
-        return [(t, ErrorCode.CANCELLED if t.cancelled else ErrorCode.DEADLINE_EXCEEDED) for t in gone]
+
+        def code(t: Task) -> ErrorCode:
+            return ErrorCode.CANCELLED if t.cancelled else ErrorCode.PREEMPTED if t.preempt else ErrorCode.DEADLINE_EXCEEDED
+
+        return [(t, code(t)) for t in gone]
 
     def admit(self) -> None:
         """Give idle slots to waiting jobs, in arrival order; a job naming a busy slot waits for it (FIFO). Each job is

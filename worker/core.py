@@ -68,11 +68,11 @@ error carrying that id, and the slot is cleared (worker/failures.py, as a failed
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from common import logs
 from common.model import resolve_model
-from common.projector import Projector, ProjectorError
+from common.projector import EncodedImage, Projector, ProjectorError
 from common.slots import EXACT_ROWS
 from protocol import (
     EngineCounters,
@@ -93,6 +93,7 @@ from worker.embedder import Embedder
 from worker.failures import Failures, new_error_id
 from worker.faults import Faults
 from worker.guide import GuideTokenizer
+from worker.images import Encoder, Encodings
 from worker.job_ends import JobEnds, send
 from worker.llama import Llama
 from worker.prefix import Prefixes
@@ -131,9 +132,13 @@ class EngineCore:
             rollback=ROLLBACK if cfg.spec != "none" and not cfg.deterministic else 0,
         )
         self.vocab = self.llama.vocab
-        # images: encoded with the model's projector, their rows decoded on their own (`_images`)
+        # images: encoded with the model's projector on a thread of its own, their rows decoded on their own (`_images`)
         self.projector = (
             Projector(cfg.mmproj, self.llama.model, threads=cfg.threads, use_gpu=cfg.gpu is not None) if cfg.mmproj else None
+        )
+        self.wake: Callable[[], None] = lambda: None  # an image's encode ended (worker/engine.py wakes its thread)
+        self.encodings = (
+            Encodings(Encoder(self.projector, self.llama.rows, lambda: self.wake())) if self.projector is not None else None
         )
         self.guide_tokenizer = GuideTokenizer(self.vocab)  # built on its own thread, ready long before a grammar is
         self.n_ctx = self.llama.ctx_per_slot
@@ -211,8 +216,11 @@ class EngineCore:
             send(sink, refused)
             self.counters.jobs_failed += 1
 
-    def cancel(self, job_id: str) -> None:
-        if not self.embeds.cancel(job_id):
+    def cancel(self, job_id: str, preempt: bool = False) -> None:
+        """Stop a job; `preempt`: hand it back if it has not sampled a token yet (`_expire`), else let it run on."""
+        if preempt:
+            self.admission.preempt(job_id)
+        elif not self.embeds.cancel(job_id):
             self.admission.cancel(job_id)
 
     def step(self) -> None:
@@ -226,6 +234,18 @@ class EngineCore:
     def idle(self) -> bool:
         return not self.admission.waiting and not self.table.busy() and not self.embeds
 
+    def waiting_for_images(self) -> bool:
+        """Whether the slots this step would compute all wait for their image's encode (and no embed job waits): a
+        step then has nothing to compute until one ends (it wakes the engine's thread) or a deadline passes."""
+        if self.encodings is None or not self.encodings.pending or self.embeds:
+            return False
+        return self.encodings.waiting_only([s.id for s in runnable(self.table.busy())])
+
+    def close(self) -> bool:
+        """Stop the image encoder's thread, waiting a moment at most for an encode under way; whether it has ended (if
+        not, the model must be left to the process's exit: the encode reads it)."""
+        return self.encodings is None or self.encodings.close()
+
     # -- the step --
 
     def _step(self) -> None:
@@ -234,6 +254,8 @@ class EngineCore:
         for task, code in self.admission.expired():
             self.ends.error(task, code, f"job {code.value} while waiting for a slot")
         self.admission.admit()
+        if self.encodings is not None:  # (images of jobs that ended meanwhile: cancel, deadline, failure, hand-back)
+            self.encodings.drop_ended(lambda i: self.table[i].task)
         busy = self.table.busy()
         if not busy:
             return
@@ -279,20 +301,38 @@ class EngineCore:
         return running
 
     def _images(self, slots: list[Slot]) -> None:
-        """Decode the image each prefilling slot's prompt has next, whole and on its own (its rows attend to each other:
-        Gemma 3's), before the step's batches; the text after it goes in them."""
-        assert self.projector is not None
+        """The images of prefilling slots' prompts (worker/images.py): an encode started for each slot whose prompt has
+        an image next, on the encoder's thread, while the other slots step on (this slot gets no rows meanwhile:
+        worker/batching.py `_chunk`); once it has ended, the image's rows decoded whole and on their own (its rows
+        attend to each other: Gemma 3's), before the step's batches; the text after it goes in them."""
+        assert self.projector is not None and self.encodings is not None
+        encodings = self.encodings
         for slot in slots:
             task = slot.task
             while task is not None and not task.generated and (image := task.images.get(slot.n_tokens)) is not None:
                 start = slot.n_tokens
+                if slot.id not in encodings.pending:
+                    encodings.start(slot.id, task, start, image.data)
+                enc = encodings.take(slot.id)
+                if enc is None:
+                    break  # (still encoding: the slot gets no rows this step)
                 try:
-                    n = self.projector.eval_image(self.llama.ctx, image.data, start, slot.id, self.llama.rows)
+                    encoded: EncodedImage = enc.future.result()
+                except (ProjectorError, RuntimeError) as exc:  # (nothing of the image was decoded: the slot is as it was)
+                    code = ErrorCode.BAD_REQUEST if isinstance(exc, ProjectorError) else ErrorCode.INTERNAL
+                    self.ends.error(task, code, f"image at prompt position {start}: {exc}")
+                    break
+                try:
+                    if enc.start != start:  # (not possible while the job holds its slot; its rows are not these)
+                        raise RuntimeError(f"an image encoded for position {enc.start} came at {start}")
+                    n = self.projector.decode_image(self.llama.ctx, encoded, start, slot.id, self.llama.rows)
                 except (ProjectorError, RuntimeError) as exc:
                     self.prefixes.clear(slot)  # (what of the image was decoded is not known)
                     code = ErrorCode.BAD_REQUEST if isinstance(exc, ProjectorError) else ErrorCode.INTERNAL
                     self.ends.error(task, code, f"image at prompt position {start}: {exc}")
                     break
+                finally:
+                    encoded.free()
                 slot.tokens.extend(task.prompt[start : start + n])
                 if slot.n_exact == start:  # (decoded alone, the same way every time: exact, as a prompt chunk is)
                     slot.n_exact = slot.n_tokens
@@ -458,11 +498,14 @@ class EngineCore:
             send(task.sink, delta)
 
     def _expire(self) -> None:
-        """End running jobs that were cancelled or ran past their deadline; their slots keep the valid KV."""
+        """End running jobs that were cancelled or ran past their deadline, and hand back those preempted before their
+        first token; their slots keep the valid KV."""
         now = time.monotonic()
         for slot in self.table.busy():
             task: Task = slot.task
-            if task.cancelled:
+            if task.preempt and not task.generated:
+                self.ends.error(task, ErrorCode.PREEMPTED, "handed back before its first token for a job of higher priority")
+            elif task.cancelled:
                 self._flush_and_done(task, slot, FinishReason.CANCELLED)
             elif task.deadline is not None and now >= task.deadline:
                 self._flush_and_done(task, slot, FinishReason.DEADLINE_EXCEEDED)

@@ -39,6 +39,7 @@ from worker.checkpoints import cuts
 from worker.config import WorkerConfig
 from worker.core import EngineCore
 from worker.embed_jobs import EmbedSink
+from worker.images import ENCODE_POLL_S
 from worker.llama import Llama
 from worker.task import Sink
 
@@ -89,6 +90,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._running = False
         self.after_step: Callable[[], None] | None = None  # called on the compute thread after every step
+        core.wake = lambda: self._inbox.put(("wake", None))  # (an image's encode ended: worker/images.py)
 
     @property
     def progress(self) -> int:
@@ -117,12 +119,16 @@ class Engine:
             self._inbox.put(("stop", None))
             self._thread.join()
             self._thread = None
+        settled = self.core.close()  # (the image encoder's thread: not waited for past a moment)
         if self.disk is not None:
             self.disk.close()
         if close:
             self.guide_tokenizer.close()
             self.core.embeds.close()  # (their contexts before the model)
-            self.llama.close()
+            if settled:
+                self.llama.close()
+            else:  # an image's encode is still running and reads the model: it is left to the process's exit
+                log.warning("image_encode_left_running", reason="the worker stops; the model is not freed under it")
 
     def submit(self, job: Job, sink: Sink | None = None) -> JobStream | None:
         """Queue a job. Its messages go to `sink`, or, without one, to the returned JobStream."""
@@ -136,8 +142,8 @@ class Engine:
         self._inbox.put(("job", (job, sink, t_arrival)))
         return stream
 
-    def cancel(self, job_id: str) -> None:
-        self._inbox.put(("cancel", job_id))
+    def cancel(self, job_id: str, preempt: bool = False) -> None:
+        self._inbox.put(("preempt" if preempt else "cancel", job_id))
 
     def drain(self) -> None:
         self._inbox.put(("drain", None))
@@ -224,7 +230,12 @@ class Engine:
         core = self.core
         while self._running:
             with contextlib.suppress(queue.Empty):  # block only when there is nothing to compute
-                self._handle(*self._inbox.get() if core.idle() else self._inbox.get_nowait())
+                if core.idle():
+                    self._handle(*self._inbox.get())
+                elif core.waiting_for_images():  # (an encode that ends wakes it; cancels and deadlines are looked at)
+                    self._handle(*self._inbox.get(timeout=ENCODE_POLL_S))
+                else:
+                    self._handle(*self._inbox.get_nowait())
             while True:  # take every command that arrived during the last step
                 try:
                     self._handle(*self._inbox.get_nowait())
@@ -246,6 +257,8 @@ class Engine:
             core.embeds.add(*arg)
         elif kind == "cancel":
             core.cancel(arg)
+        elif kind == "preempt":
+            core.cancel(arg, preempt=True)
         elif kind == "drain":
             core.admission.draining = True
         elif kind == "reset":
@@ -256,5 +269,7 @@ class Engine:
                 fut.set_result(fn(core))
             except Exception as exc:
                 fut.set_exception(exc)
+        elif kind == "wake":
+            pass  # (an image's encode ended: worker/images.py)
         elif kind == "stop":
             self._running = False

@@ -375,7 +375,7 @@ class WorkerServer:
 
     def cancel(self, link: RouterLink, msg: JobCancel) -> None:
         if msg.id in link.jobs:
-            self.engine.cancel(msg.id)
+            self.engine.cancel(msg.id, msg.preempt)
 
     def on_accept(self, link: RouterLink, msg: Accept) -> None:
         if not link.accepted:

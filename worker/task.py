@@ -53,6 +53,7 @@ class Task:
     paused: int = 0  # steps in a row that left it out for a job of higher priority (worker/batching.py `runnable`)
     paused_s: float = 0.0  # seconds it was left out so, in all
     paused_at: float = 0.0  # when its current pause began (0: running)
+    preempt: bool = False  # the router asks for it back, if it has sampled no token yet (JobCancel.preempt)
     aged: bool = False  # paused PRIORITY_MAX_PAUSE_S in all: computed beside the jobs of higher priority from now on
 
     @property

@@ -333,3 +333,30 @@ def test_garbage_bodies_get_the_shape_s_error(served: Served, path: str) -> None
         assert r.status_code == 400
         body = r.json()
         assert ("type" in body and body["type"] == "error") if path == "/v1/messages" else "error" in body
+
+
+def test_an_agents_tool_calls_through_the_http_api_keep_its_slot_awaited(served: Served) -> None:
+    """A session's reply in tool calls, which the gateway reads from the worker itself (direct replies), still makes
+    the router keep its slot for the session's next turn: /slots shows it awaited; the next turn is served from it."""
+    session = f"agent-{uuid.uuid4()}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                             "required": ["city"], "additionalProperties": False}}}]  # fmt: skip
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    body = {"messages": messages, "tools": tools, "tool_choice": "required", "parallel_tool_calls": False}
+    with httpx.Client(base_url=served.url, headers=served.headers, timeout=120) as http:
+        r = http.post("/v1/chat/completions", json={**body, "max_tokens": 64, "temperature": 0},
+                      headers={"x-claude-code-session-id": session})  # fmt: skip
+        assert r.status_code == 200, r.text
+        reply = r.json()["choices"][0]
+        assert reply["finish_reason"] == "tool_calls", reply
+        slots = [slot for w in http.get("/slots").json()["workers"] for slot in w["slots"]]
+        (ran,) = [slot for slot in slots if slot["session"] == session]
+        assert ran["awaited_s"] > 0
+        call = reply["message"]["tool_calls"][0]
+        messages += [reply["message"], {"role": "tool", "tool_call_id": call["id"], "content": '{"temp_c": 21}'}]
+        r = http.post("/v1/chat/completions", json={"messages": messages, "tools": tools, "max_tokens": 4, "temperature": 0},
+                      headers={"x-claude-code-session-id": session})  # fmt: skip
+        assert r.status_code == 200, r.text
+        prompt_tokens = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert prompt_tokens > 0

@@ -147,9 +147,11 @@ def test_serve_passes_its_http_flags_to_the_http_api(monkeypatch: pytest.MonkeyP
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     flags = ["--api-key", "k", "--shared-cache", "--allowed-hosts", "box.lan", "--cors-origins", "http://localhost:3000",
-             "--strict-api", "--strict-model-name", "--alias", "small"]  # fmt: skip
+             "--strict-api", "--strict-model-name", "--alias", "small",
+             "--image-fetch", "--image-fetch-timeout-s", "3"]  # fmt: skip
     cfg = http_config(parser.parse_args(flags), RouterConfig())
     assert cfg is not None
+    assert (cfg.image_fetch, cfg.image_fetch_timeout_s) == (True, 3.0)
     assert (cfg.shared_cache, cfg.allowed_hosts, cfg.cors_origins) == (True, "box.lan", "http://localhost:3000")
     assert (cfg.strict_api, cfg.strict_model_name, cfg.alias) == (True, True, "small")
     with pytest.raises(ValueError, match="--shared-cache"):

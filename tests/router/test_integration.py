@@ -293,6 +293,41 @@ def test_an_agents_slot_waits_for_its_tool_result_while_other_sessions_take_the_
     c.close()
 
 
+def test_an_interactive_request_finding_every_slot_computing_takes_one_and_the_job_handed_back_loses_nothing(system):
+    """Four long prompts take the four slots; an interactive request then has one of them handed back before its first
+    token (JobCancel.preempt): it ends first, and the job handed back is placed again, reusing what it had computed
+    (predicted exactly), with the text it gives alone."""
+    rt, cep = system
+    router = rt.router
+    c = RawClient(cep)
+    handed, mispredicted = router.metrics.preemptions["handed"], router.metrics.reuse_mispredictions
+    sampling = Sampling(max_tokens=4, temperature=0.0)
+    lines = " ".join(f"Line {k} says the tide was {k % 7} feet." for k in range(45))
+    longs = {f"long{i}": f"Report {i}. {lines}" for i in range(4)}
+    for rid, prompt in longs.items():
+        c.send(Submit(id=rid, prompt=prompt, sampling=sampling))
+    deadline = time.monotonic() + 30
+    while rt.call(lambda: sum(len(w.jobs) for w in router.workers.values())) < 4:  # (all four placed)
+        assert time.monotonic() < deadline, "the long prompts were not placed"
+        time.sleep(0.01)
+    c.send(Submit(id="urgent", prompt="Say hello.", sampling=sampling, priority=1))
+    finals: list[str] = []
+    out: Replies = {rid: ([], None) for rid in [*longs, "urgent"]}
+    end = time.monotonic() + 120
+    while any(v[1] is None for v in out.values()):
+        _receive(c, out, end)
+        finals += [rid for rid, v in out.items() if v[1] is not None and rid not in finals]
+    assert all(isinstance(v[1], Result) for v in out.values()), out
+    assert router.metrics.preemptions["handed"] == handed + 1
+    (again,) = [r for r in router.metrics.recent if r.id in longs and r.attempts == 2]
+    assert finals.index("urgent") < finals.index(again.id)  # it went first
+    assert again.reused_tokens == again.predicted_reuse and router.metrics.reuse_mispredictions == mispredicted
+    c.send(Submit(id="alone", prompt=longs[again.id], sampling=sampling))
+    alone = collect(c, {"alone"})["alone"][1]
+    assert isinstance(alone, Result) and alone.text == out[again.id][1].text
+    c.close()
+
+
 def test_bad_client_input_gets_errors_while_others_complete(system):
     _, cep = system
     good, bad = RawClient(cep), RawClient(cep)

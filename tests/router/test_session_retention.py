@@ -9,14 +9,14 @@ import time
 import numpy as np
 import pytest
 
-from protocol import Sampling
+from protocol import Error, ErrorCode, JobCancel, JobError, Sampling, unpack_tokens
 from router import exposition
 from router.config import RouterConfig
-from router.mirror import CONVERSATION_HEAD, TTL_CAP_S, Mirror, Sessions, conversation_of
+from router.mirror import CONVERSATION_HEAD, TTL_CAP_S, Mirror, Sessions, conversation_of, token_hash
 from router.queue_order import in_order
 from router.requests import Req
 from router.select import AWAITED_COST, Dispatch, Params, WorkerLoad, select
-from tests.router.scheduler_helpers import core, done, hello, jobs, submit
+from tests.router.scheduler_helpers import core, delta, done, hello, jobs, submit, to_client
 from tests.router.test_queue_order import HISTORY, setup
 from tests.router.test_select import hold, seq
 
@@ -252,3 +252,66 @@ def test_a_sub_agent_of_the_session_does_not_take_its_parents_awaited_slot_unles
     (last,) = jobs(submit(s, "other", np.arange(7000, 7050, dtype=np.int32), session="T"))
     assert last.slot == m1.slot  # nothing else idle: the last resort, counted as a miss
     assert s.metrics.retention == {"miss": 1}
+
+
+# ---- preemption -------------------------------------------------------------------------------------------------
+
+
+def _handed_back(s, job, kept: int, worker: str = "w0"):
+    """The worker hands `job` back (preempted before its first token), its slot keeping `kept` of its prompt."""
+    prompt = unpack_tokens(job.tokens)
+    s.worker_message(
+        worker.encode(),
+        JobError(
+            id=job.id, code=ErrorCode.PREEMPTED, message="handed back", slot=job.slot, slot_tokens=kept,
+            slot_hash=token_hash(np.asarray(prompt[:kept], dtype=np.int32)),
+        ),
+    )  # fmt: skip
+    return s.take()
+
+
+def test_an_interactive_request_with_no_idle_slot_takes_one_from_a_job_not_yet_generating() -> None:
+    s = core(queue_order="fifo")
+    hello(s, slots=1)
+    (bg,) = jobs(submit(s, "bg", np.arange(500, 900, dtype=np.int32)))  # a normal job, computing its prompt
+    out = submit(s, "fg", np.arange(1000, 1040, dtype=np.int32), priority=1)
+    (cancel,) = [o.msg for o in out if isinstance(o.msg, JobCancel)]
+    assert cancel.id == bg.id and cancel.preempt and not jobs(out)
+    assert s.metrics.preemptions == {"asked": 1}
+    out = _handed_back(s, bg, kept=256)  # it had computed 256 of its 400 tokens
+    (fg,) = jobs(out)
+    assert fg.id.startswith("fg.") and fg.priority == 1
+    assert not to_client(out, Error)  # the client of the job handed back sees nothing of it
+    assert s.metrics.preemptions == {"asked": 1, "handed": 1}
+    # then the job handed back is placed again, whole (what it computed went to the host tier, where its worker has one)
+    (again,) = jobs(done(s, fg, [1, 2]))
+    assert again.id.startswith("bg.") and unpack_tokens(again.tokens) == list(range(500, 900))
+
+
+def test_no_preemption_of_a_job_whose_output_began_nor_of_the_same_priority_nor_twice() -> None:
+    s = core(queue_order="fifo")
+    hello(s, slots=1)
+    (bg,) = jobs(submit(s, "bg", np.arange(500, 900, dtype=np.int32)))
+    delta(s, bg, [7])  # its output began: it cannot be placed again
+    out = submit(s, "fg", np.arange(1000, 1040, dtype=np.int32), priority=1)
+    assert not [o for o in out if isinstance(o.msg, JobCancel)]
+    s2 = core(queue_order="fifo")
+    hello(s2, slots=1)
+    jobs(submit(s2, "a", np.arange(500, 900, dtype=np.int32), priority=1))
+    out = submit(s2, "b", np.arange(1000, 1040, dtype=np.int32), priority=1)  # same priority: it waits
+    assert not [o for o in out if isinstance(o.msg, JobCancel)]
+    s3 = core(queue_order="fifo", preempt=False)
+    hello(s3, slots=1)
+    jobs(submit(s3, "a", np.arange(500, 900, dtype=np.int32)))
+    out = submit(s3, "b", np.arange(1000, 1040, dtype=np.int32), priority=1)  # --preempt off
+    assert not [o for o in out if isinstance(o.msg, JobCancel)]
+    # a job handed back once is not asked again; a request takes one slot so, once
+    s4 = core(queue_order="fifo")
+    hello(s4, slots=1)
+    (bg,) = jobs(submit(s4, "bg", np.arange(500, 900, dtype=np.int32)))
+    submit(s4, "fg", np.arange(1000, 1040, dtype=np.int32), priority=1)
+    (fg,) = jobs(_handed_back(s4, bg, kept=100))
+    out = submit(s4, "fg2", np.arange(2000, 2040, dtype=np.int32), priority=1)
+    assert not [o for o in out if isinstance(o.msg, JobCancel)]  # (the only job running is the interactive one)
+    (bg2,) = jobs(done(s4, fg, [1]))
+    assert bg2.id.startswith(("bg.", "fg2."))

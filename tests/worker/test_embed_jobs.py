@@ -160,6 +160,12 @@ class FakeCore:
     def idle(self) -> bool:
         return not self.steps and not self.embeds
 
+    def waiting_for_images(self) -> bool:
+        return False
+
+    def close(self) -> bool:
+        return True
+
     def step(self) -> None:
         if self.steps:
             self.steps -= 1

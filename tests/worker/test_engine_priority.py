@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 from worker_helpers import Run, complete, decodes, job
 
-from protocol import JobDelta, JobDone, Message, unpack_tokens
+from protocol import ErrorCode, JobDelta, JobDone, JobError, Message, unpack_tokens
 from worker.core import EngineCore
 from worker.engine import Engine
 
@@ -124,3 +124,34 @@ def test_a_job_paused_its_longest_runs_beside_the_higher_one_until_it_ends(engin
     first, last = order.index("high:token"), len(order) - 1 - order[::-1].index("high:token")
     assert "low:token" in order[first:last]  # (aged: its tokens came while the high job generated)
     assert low.streamed_tokens == alone.streamed_tokens
+
+
+def test_a_job_preempted_before_its_first_token_is_handed_back_keeping_its_kv_and_after_it_runs_on(engine: Engine):
+    """JobCancel.preempt: a job still computing its prompt ends with `preempted`, its slot keeping what it computed (the
+    router places it again and reuses that); one whose output began runs on as if not asked."""
+    eng, vocab = engine, engine.vocab
+    long = vocab.tokenize(" ".join([LOW] * 100))  # (over the step's prefill budget: several steps before a token)
+    run, msg = Run(long), job(long, prefix_cache=False, max_tokens=8, ignore_eos=True)
+    eng.submit(msg, run)
+
+    def preempt_in_prefill(e: EngineCore) -> bool:  # (between two steps, on the compute thread)
+        slot = next((s for s in e.table.busy() if s.job_id == msg.id), None)
+        if slot is None or slot.n_tokens == 0:
+            return False
+        assert not slot.task.generated, "its prompt was computed in one step"
+        e.cancel(msg.id, preempt=True)
+        return True
+
+    until(lambda: eng.call(preempt_in_prefill).result(30), timeout=60)
+    final = run.wait()
+    assert isinstance(final, JobError) and final.code == ErrorCode.PREEMPTED, final
+    assert final.slot >= 0 and 0 < final.slot_tokens < len(long) and run.deltas == []
+
+    short = vocab.tokenize("List the planets of the solar system.")
+    late, msg2 = Run(short), job(short, prefix_cache=False, max_tokens=16, ignore_eos=True)
+    eng.submit(msg2, late)
+    until(lambda: len(late.deltas) >= 2)
+    eng.cancel(msg2.id, preempt=True)  # too late: its output began
+    done = late.wait()
+    assert isinstance(done, JobDone) and done.finish_reason == "length" and len(late.streamed_tokens) == 16
+    eng.reset()  # (the shared engine's next tests expect empty slots, not the half-computed prompt kept above)
