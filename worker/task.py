@@ -50,7 +50,7 @@ class Task:
     checkpoint_at: list[int] = field(default_factory=list)  # prompt positions where its slot takes a checkpoint
     images: dict[int, JobImage] = field(default_factory=dict)  # the prompt's images by where they start
     t_first: float = 0.0
-    paused: int = 0  # steps in a row that left it out for a job of higher priority (worker/batching.py `runnable`)
+    paused: int = 0  # steps in a row that left it out for a job of higher priority (`runnable`, below)
     paused_s: float = 0.0  # seconds it was left out so, in all
     paused_at: float = 0.0  # when its current pause began (0: running)
     preempt: bool = False  # the router asks for it back, if it has sampled no token yet (JobCancel.preempt)
