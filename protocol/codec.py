@@ -10,7 +10,7 @@ import msgpack
 import msgspec
 
 from protocol.client_messages import ClientRequest, Error, RouterReply
-from protocol.common import MAX_FRAME_BYTES, PROTOCOL_VERSION, ErrorCode, Message
+from protocol.common import MAX_FRAME_BYTES, MAX_STATE_BYTES, PROTOCOL_VERSION, ErrorCode, Message
 from protocol.worker_messages import JobDelta, JobDeltas, JobDone, JobStart, RouterToWorker, WorkerToRouter
 
 DirectReply = JobStart | JobDelta | JobDeltas | JobDone | Error  # what a client's reply_to receives from workers
@@ -174,11 +174,11 @@ def direct_reply_decoder(max_bytes: int = MAX_FRAME_BYTES) -> Decoder[Any]:
     return Decoder(DirectReply, max_bytes)
 
 
-def worker_to_router_decoder(max_bytes: int = MAX_FRAME_BYTES) -> Decoder[Any]:
+def worker_to_router_decoder(max_bytes: int = MAX_FRAME_BYTES + MAX_STATE_BYTES) -> Decoder[Any]:
     """What the router's worker socket receives."""
     return Decoder(WorkerToRouter, max_bytes)
 
 
-def router_to_worker_decoder(max_bytes: int = MAX_FRAME_BYTES) -> Decoder[Any]:
+def router_to_worker_decoder(max_bytes: int = MAX_FRAME_BYTES + MAX_STATE_BYTES) -> Decoder[Any]:
     """What a worker receives."""
     return Decoder(RouterToWorker, max_bytes)

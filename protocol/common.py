@@ -16,6 +16,10 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 8 * 1024 * 1024
 """Default cap on one message frame; larger frames get `too_large` without being decoded."""
 
+MAX_STATE_BYTES = 256 * 1024 * 1024
+"""The largest saved state copied between workers (`state_copy`, `job.state`); a frame between router and workers may
+be this much larger than MAX_FRAME_BYTES."""
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 

@@ -261,7 +261,37 @@ class SlotUpdate(Message, tag="slot_update", kw_only=True):
         check_token_bytes("tokens", self.tokens)
 
 
-WorkerToRouter = Hello | Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate | EmbedDone
+class StateCheckpoint(Struct, kw_only=True):
+    """A context checkpoint of a saved state (worker/checkpoints.py): the part of its memory that cannot be cut back,
+    as it was when the sequence held its first `n_tokens` tokens."""
+
+    n_tokens: NonNeg
+    data: bytes
+
+
+class StateBlob(Struct, kw_only=True):
+    """A saved state of one worker's host-RAM tier, as another worker of the same model restores it: llama.cpp's
+    sequence state (`data`), the tokens whose KV it holds and its checkpoints (`state_copy`, `job.state`)."""
+
+    tokens: TokenBytes
+    n_exact: NonNeg = 0
+    pos_min: NonNeg = 0  # lowest position its sliding-window layers hold once restored
+    salt: CacheSalt = ""
+    data: bytes
+    checkpoints: list[StateCheckpoint] = []
+
+    def __post_init__(self) -> None:
+        check_token_bytes("tokens", self.tokens, empty_ok=False)
+
+
+class StateCopy(Message, tag="state_copy", kw_only=True):
+    """The answer to `state_fetch`: the saved state, or none when the worker no longer holds it."""
+
+    id: RequestId  # the fetch's
+    state: StateBlob | None = None
+
+
+WorkerToRouter = Hello | Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate | EmbedDone | StateCopy
 
 
 # ---- router -> worker -------------------------------------------------------------------------
@@ -321,6 +351,8 @@ class Job(Message, tag="job", kw_only=True):
     images: list[JobImage] = []  # the prompt's images, in order (their ids are negative: common/media.py)
     # Submit.priority: while a job of higher priority runs on the worker, jobs of lower priority wait (keeping their KV)
     priority: Priority = 0
+    # a state another worker saved (`state_copy`): kept in this worker's host-RAM tier before the job is placed
+    state: StateBlob | None = None
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens, empty_ok=False)
@@ -350,8 +382,16 @@ class JobCancel(Message, tag="job_cancel", kw_only=True):
     preempt: bool = False
 
 
+class StateFetch(Message, tag="state_fetch", kw_only=True):
+    """Send a copy of a state saved in host RAM (CacheEntry.id, tier "ram") back in `state_copy` with the same id, for
+    the router to hand to another worker with a job (`job.state`). Answered at once, between steps or not."""
+
+    id: RequestId
+    entry: NonNeg
+
+
 class Drain(Message, tag="drain", kw_only=True):
     """Stop taking jobs; finish the running ones."""
 
 
-RouterToWorker = Accept | Refuse | Job | JobCancel | Drain | EmbedJob
+RouterToWorker = Accept | Refuse | Job | JobCancel | Drain | EmbedJob | StateFetch

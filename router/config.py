@@ -76,6 +76,11 @@ class RouterConfig:
         "a waiting request of a higher priority that finds no idle slot has a running job of a lower priority that has "
         "not begun its output handed back (kept KV, placed again): each request takes one slot so, and loses one at most",
     )
+    state_copies: bool = opt(
+        True,
+        "a request whose conversation a busy worker saved in host RAM may go to an idle worker with a copy of that state "
+        "(sent through the router) instead of computing its prefix again, where the copy costs less",
+    )
     queue_order: str = opt(
         "shortest",
         "which waiting request takes a freed slot: 'shortest' = the least prompt left to compute after the longest "

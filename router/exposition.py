@@ -101,6 +101,11 @@ class _Collector:
             "kvroute_preemptions", "Jobs of a lower priority asked back before their first token for a waiting request "
             "of a higher priority (asked), and handed back (handed)", m.preemptions, "outcome"
         )  # fmt: skip
+        yield _counter(
+            "kvroute_state_copies", "Jobs placed with a state copied from another worker: it came (copied), was gone "
+            "(gone) or late (late), or the job's worker died meanwhile (dropped)", m.state_copies, "outcome"
+        )  # fmt: skip
+        yield _counter("kvroute_state_copy_bytes", "Bytes of the saved states copied between workers", m.state_copy_bytes)
         yield _counter("kvroute_worker_deaths", "Workers declared dead", m.dead_workers)
         yield _counter("kvroute_worker_restarts", "Local workers restarted by the supervisor", m.restarts)
         yield _counter("kvroute_preparations", "Work queued for the preparing threads, by kind", m.preparations, "kind")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from common import logs
@@ -27,6 +28,8 @@ from protocol import (
     JobCancel,
     Placed,
     Refusal,
+    StateBlob,
+    StateFetch,
     Timings,
     Usage,
 )
@@ -39,6 +42,7 @@ from router.metrics import Metrics
 from router.mirror import Mirror, Sessions
 from router.requests import Attempt, Req, ReqState, WorkerConn
 from router.select import Dispatch
+from router.state_copies import PendingCopy, StateCopies
 from router.workers import WorkerTable
 
 log = logs.get(__name__)
@@ -83,6 +87,7 @@ class Lifecycle:
         self.requests: dict[tuple[bytes, str, int], Req] = {}  # by (client, request id, choice)
         self.jobs: dict[str, Req] = {}
         self.embeds = Embeds(router_id)
+        self.copies = StateCopies()  # jobs waiting for a state copied from another worker
         self.draining = False
         # (prompt, add_bos, prompt tokens, reply tokens, tenant) of a finished chat job: router/prompt_tokens.py `remember`
         self.remember_reply: Callable[[str, bool, np.ndarray, np.ndarray, str], None] = lambda *_: None
@@ -105,6 +110,9 @@ class Lifecycle:
             self.outbox.append(Out(req.reply_to, msg, tuple(req.envelope), batch=req.batch_deltas and isinstance(msg, Delta)))
 
     def _to_worker(self, conn: WorkerConn, msg: Any) -> None:
+        if isinstance(msg, JobCancel) and self.copies.holds(msg.id):
+            self.copies.defer(msg.id, msg)  # (after its job, which waits for a state copied from another worker)
+            return
         self.outbox.append(Out(conn.identity, msg, worker=True))
 
     def reply(self, identity: bytes, envelope: tuple[bytes, ...], msg: Any) -> None:
@@ -144,7 +152,15 @@ class Lifecycle:
         kind = "guarded" if d.guarded else "restore" if d.restore else "affinity" if d.affinity else "cold"
         self.metrics.decisions[kind] += 1
         sampling = admission.open_capped(req.sampling, self.cfg.default_max_tokens, conn.hello.ctx_per_slot - len(req.tokens))
-        self._to_worker(conn, job_message(req, d, job, prefix_cache, now, sampling, awaited=",".join(awaited)))
+        message = job_message(req, d, job, prefix_cache, now, sampling, awaited=",".join(awaited))
+        source = self.workers.get(d.copy_from.worker) if d.copy_from is not None else None
+        if d.copy_from is not None and source is not None:  # the job goes once the state's copy has come
+            self.copies.wait(PendingCopy(message, conn.id, source.id, d.without_copy, now))
+            self._to_worker(source, StateFetch(id=job, entry=d.copy_from.key[1]))
+        else:
+            if d.copy_from is not None:
+                self._without_copy(req, d.without_copy)
+            self._to_worker(conn, message)
         if req.direct:  # the client reads the job's output from the worker: it learns where, and how to read it
             self.metrics.direct_jobs += 1
             shift = req.shift
@@ -162,6 +178,33 @@ class Lifecycle:
                     dropped_tokens=shift.tokens if shift else 0,
                 ),
             )
+
+    def _copy_came(self, copy: PendingCopy, state: StateBlob | None, outcome: str) -> None:
+        """A job that waited for a state copied from another worker goes to its worker: with the state, or (gone, late)
+        without it. Not when the job is no longer its request's (its worker died: placed again)."""
+        conn, req = self.workers.get(copy.worker), self.jobs.get(copy.job.id)
+        if conn is None or req is None or req.worker != copy.worker:
+            self.metrics.state_copies["dropped"] += 1
+            return
+        self.metrics.state_copies[outcome] += 1
+        if state is None:
+            self._without_copy(req, copy.without_copy)
+            log.info("state_copy_missed", request_id=req.rid, job=copy.job.id, source=copy.source, outcome=outcome)
+            self._to_worker(conn, msgspec.structs.replace(copy.job, predicted_reuse=copy.without_copy))
+        else:
+            self.metrics.state_copy_bytes += len(state.data) + sum(len(c.data) for c in state.checkpoints)
+            self._to_worker(conn, msgspec.structs.replace(copy.job, state=state))
+        for msg in copy.later:
+            self._to_worker(conn, msg)
+
+    def _without_copy(self, req: Req, reuse: int) -> None:
+        """The request runs without the copy its placing counted on: it reuses what its slot's worker holds."""
+        attempt = req.attempt
+        assert attempt is not None
+        attempt.predicted, attempt.prefill_pending = reuse, len(req.tokens) - reuse
+        conn = self.workers.get(attempt.worker)
+        if conn is not None:
+            conn.refresh()
 
     def _requeue(self, req: Req) -> None:
         """Back to the front of the queue, to be placed again (its worker died, or refused it)."""

@@ -102,6 +102,8 @@ class Metrics:
     priorities: Counter[int] = field(default_factory=Counter)  # requests accepted, by Submit.priority
     # jobs of a lower priority asked back for a waiting one of higher priority ("asked"), and handed back ("handed")
     preemptions: Counter[str] = field(default_factory=Counter)
+    state_copies: Counter[str] = field(default_factory=Counter)  # by outcome (router/state_copies.py)
+    state_copy_bytes: int = 0
     worker_load: dict[str, dict[str, int]] = field(default_factory=dict)
     recent: deque[RequestRecord] = field(default_factory=lambda: deque(maxlen=4096))
 
@@ -143,5 +145,7 @@ class Metrics:
             "retention": dict(self.retention),
             "priorities": {str(k): v for k, v in self.priorities.items()},
             "preemptions": dict(self.preemptions),
+            "state_copies": dict(self.state_copies),
+            "state_copy_bytes": self.state_copy_bytes,
             "worker_load": {k: dict(v) for k, v in self.worker_load.items()},
         }

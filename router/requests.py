@@ -160,7 +160,9 @@ class WorkerConn:
     load: WorkerLoad = field(init=False)
 
     def __post_init__(self) -> None:
-        self.load = WorkerLoad(self.hello.worker_id, self.slots)
+        h = self.hello
+        self.load = WorkerLoad(h.worker_id, self.slots, keeps_copies=h.host_cache_bytes > 0, ctx_per_slot=h.ctx_per_slot)
+        self.load.deterministic = h.deterministic
         self._evict_share()
 
     def counted(self, counters: EngineCounters, now: float) -> None:

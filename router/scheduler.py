@@ -220,6 +220,8 @@ class Scheduler(WorkerEvents):
                 self._fail(req, Refusal(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was queued"))
             elif req.state is ReqState.RUNNING and now >= req.deadline + DEADLINE_GRACE_S:
                 self._fail(req, Refusal(ErrorCode.DEADLINE_EXCEEDED, "the deadline passed while the request was running"))
+        for copy in self.copies.expired(now):
+            self._copy_came(copy, None, "late")
         late = self.embeds.stop(lambda r: r.deadline is not None and now >= r.deadline)
         self._stop_embeds(late, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the answer was computed")
         self._unfit(now)

@@ -67,6 +67,7 @@ from typing import Any, cast
 import numpy as np
 
 from common.slots import restore_keep, reused, worth_copy
+from protocol import MAX_STATE_BYTES
 from router.config import RouterConfig
 from router.index import Match
 from router.mirror import Conversation, Saved, SavedKey, Slot
@@ -78,6 +79,9 @@ RESTORE_COST_PER_BYTE = 1e-6
 DISK_RESTORE_COST_PER_BYTE = 1e-5  # ~100 MB/s, a slow disk's cold read
 MAX_WAIT_MS = 60_000.0  # the longest a request waits for the slot or worker holding its prefix
 AWAITED_COST = 1e9  # an idle slot another conversation awaits: beyond any other candidate's cost (prompt tokens)
+# A state copied from another worker: read out there, through the router, kept and restored here (about four times the
+# bytes a restore of one's own copies)
+COPY_COST_FACTOR = 4.0
 _PER_REQUEST = ("seeded", "conversation")  # Params' fields that are a request's, not the router's flags
 
 
@@ -95,6 +99,7 @@ class Params:
     imbalance_rel: float = _CONFIG["imbalance_rel"]
     busy_wait_ms: float = float(_CONFIG["busy_wait_ms"])
     hold_ms: float = float(_CONFIG["hold_ms"])
+    state_copies: bool = _CONFIG["state_copies"]
     seeded: bool = False  # the request has a seed: it reuses only KV computed for seeded jobs (common/slots.py)
     conversation: Conversation | None = None  # the request's conversation: a slot awaiting it is no last resort for it
 
@@ -118,12 +123,29 @@ class WorkerLoad:
     evict_share: float = 1.0  # of a cached token a choice overwrites, what is lost (restoring it, when saved first)
     prefill_tps: float = 0.0  # its prompt tokens computed per second, measured (0: not yet)
     frees_at: float | None = None  # when its first running job should end (monotonic; None: not known)
+    keeps_copies: bool = False  # it has a host-RAM tier: a state another worker saved can be copied into it
+    ctx_per_slot: int = 0
+    deterministic: bool = False
     saved: dict[SavedKey, Saved] = field(default_factory=dict, repr=False)  # its saved states (the mirror's)
     cold: Slot | None = field(default=None, repr=False)  # cache of coldest, valid while cold_rev holds
     cold_rev: object = field(default=None, repr=False)
 
     def restore_cost_of(self, saved: Saved) -> float:
         return saved.nbytes * (self.disk_restore_cost if saved.on_disk else self.restore_cost)
+
+    def takes_copy_of(self, saved: Saved, source: WorkerLoad | None) -> bool:
+        """Whether a copy of a state `source` saved in host RAM can be restored here (`Dispatch.copy_from`): a worker
+        of the same slots (llama.cpp's state of a sequence lists every slot's KV stream), length and mode."""
+        return (
+            self.keeps_copies
+            and source is not None
+            and source.worker != self.worker
+            and (len(source.slots), source.ctx_per_slot, source.deterministic)
+            == (len(self.slots), self.ctx_per_slot, self.deterministic)
+            and not saved.on_disk
+            and saved.nbytes <= MAX_STATE_BYTES
+            and len(saved.tokens) < self.ctx_per_slot
+        )
 
 
 @dataclass(frozen=True)
@@ -134,6 +156,8 @@ class Dispatch:
     affinity: bool  # chosen for its cached prefix (reuse >= min_match)
     guarded: bool = False  # the imbalance guard limited the candidates
     restore: bool = False  # the reuse comes from a saved state the worker restores
+    copy_from: Saved | None = None  # ...that another worker saved, copied to this one first (router/state_copies.py)
+    without_copy: int = 0  # with copy_from: what the slot reuses if the copy does not come
 
 
 @dataclass(frozen=True)
@@ -255,6 +279,7 @@ def coldest_for(w: WorkerLoad, half_life: float, conversation: Conversation | No
 def select(match: Match, workers: list[WorkerLoad], params: Params, now: float, rotation: int, waited_ms: float) -> Decision:
     """Pick a slot for a prompt of `match.length` tokens. Pure (only caches per-worker facts)."""
     hl = params.evict_half_life_s
+    everyone = {w.worker: w for w in workers}
     full = {w.worker: w for w in workers if coldest(w, hl) is None}
     workers = _rotated([w for w in workers if w.worker not in full], rotation)
     if not workers:
@@ -263,7 +288,7 @@ def select(match: Match, workers: list[WorkerLoad], params: Params, now: float, 
         return _plain(workers[0], match, params)
     if params.policy == "least-loaded":
         return _plain(min(workers, key=lambda w: w.busy + w.queued_prefill / 512.0), match, params)
-    return _prefix(match, workers, params, now, waited_ms, full)
+    return _prefix(match, workers, params, now, waited_ms, full, everyone)
 
 
 def _plain(w: WorkerLoad, match: Match, params: Params) -> Dispatch:
@@ -274,12 +299,18 @@ def _plain(w: WorkerLoad, match: Match, params: Params) -> Dispatch:
 
 
 def _prefix(
-    match: Match, workers: list[WorkerLoad], params: Params, now: float, waited_ms: float, full: dict[str, WorkerLoad]
+    match: Match,
+    workers: list[WorkerLoad],
+    params: Params,
+    now: float,
+    waited_ms: float,
+    full: dict[str, WorkerLoad],
+    everyone: dict[str, WorkerLoad],
 ) -> Decision:
     """Cost over idle slots: each worker's cheapest slot to overwrite (the only cold candidate that can
     win there), then the slots holding a prefix, deepest match first, until no shallower match can win."""
     workers, guarded = _balanced(workers, params)
-    found = _Cheapest(match, workers, params, now)
+    found = _Cheapest(match, workers, params, now, everyone)
     for w in workers:
         found.cold(w)
     if params.prefix_cache:
@@ -294,8 +325,13 @@ def _prefix(
         holder = full.get(wait.slot.worker) if wait is not None and wait.saved else None
         if wait is not None and worth_waiting(wait.reuse - reuse, found.by_name[best.worker], holder, params, waited_ms, now):
             return wait
-    if not restore:  # the worker restores a saved state on that slot if one is worth it, chosen for it or not
-        reuse, restore = expected_reuse(match, best, params, found.by_name[best.worker].saved)
+    copy_from = found.copy_from
+    if not restore or copy_from is not None:  # the worker restores a saved state on that slot if one is worth it
+        own, own_restore = expected_reuse(match, best, params, found.by_name[best.worker].saved)
+        if copy_from is None or own >= reuse:
+            reuse, restore, copy_from = own, own_restore, None  # (its own gives as much: nothing to copy)
+        else:
+            return Dispatch(best, reuse, found.cost, reuse >= params.min_match, guarded, True, copy_from, own)
     return Dispatch(best, reuse, found.cost, reuse >= params.min_match, guarded, restore)
 
 
@@ -341,8 +377,11 @@ class _Cheapest:
     kept for its own conversation a little longer (`hold_ms`) is not a candidate, and is what to wait for when no
     other is."""
 
-    def __init__(self, match: Match, workers: list[WorkerLoad], params: Params, now: float) -> None:
-        self.match, self.params, self.now = match, params, now
+    def __init__(
+        self, match: Match, workers: list[WorkerLoad], params: Params, now: float, everyone: dict[str, WorkerLoad]
+    ) -> None:
+        """`workers`: the candidates; `everyone`: every worker the request may go to (those with no idle slot too)."""
+        self.match, self.params, self.now, self.everyone = match, params, now, everyone
         self.length = match.length
         self.rank = {w.worker: i for i, w in enumerate(workers)}  # rotated order breaks ties
         self.load = {w.worker: w.queued_prefill + params.busy_slot_cost * w.busy for w in workers}
@@ -355,6 +394,7 @@ class _Cheapest:
         self.slot: Slot | None = None
         self.reuse = 0
         self.restore = False
+        self.copy_from: Saved | None = None
         self.held: Slot | None = None
 
     @property
@@ -362,12 +402,15 @@ class _Cheapest:
         return self.key[0] if self.key is not None else float("inf")
 
     def consider(self, s: Slot, lcp: int, saved: Saved | None = None, saved_lcp: int = 0) -> None:
+        """`saved`: a state restored on `s` first (another worker's: copied to s's worker first)."""
         params, length = self.params, self.length
         reuse = own = predicted_reuse(lcp, length, s, params)
         extra = 0.0
         if saved is not None and not s.dirty:
             reuse = restored_reuse(saved_lcp, length, saved, own, params.seeded)
             extra = self.by_name[s.worker].restore_cost_of(saved) if reuse > own else 0.0
+            if saved.worker != s.worker:
+                extra *= COPY_COST_FACTOR
         mm = params.min_match
         if self.holding and reuse < mm and s.last_used > self.hold_since and s.tokens.size and not s.dirty:
             self.held = s  # kept for its own conversation a little longer
@@ -381,6 +424,7 @@ class _Cheapest:
         key = (cost, self.rank[s.worker], s.index)
         if self.key is None or key < self.key:
             self.key, self.slot, self.reuse, self.restore = key, s, reuse, reuse > own
+            self.copy_from = saved if reuse > own and saved is not None and saved.worker != s.worker else None
 
     def cold(self, w: WorkerLoad) -> None:
         """The worker's cheapest slot to overwrite; when that one is held, or awaited by another conversation, the
@@ -405,11 +449,18 @@ class _Cheapest:
             if top < params.min_match or length - top + min_load >= self.cost:
                 break  # shallower levels reuse less: none of them can win
             for saved in owners:
-                if isinstance(saved, Saved) and saved.worker in self.rank:
+                if not isinstance(saved, Saved):
+                    continue
+                if saved.worker in self.rank:
                     # (a restore overwrites what the slot holds)
                     target = coldest_for(self.by_name[saved.worker], hl, self.conversation, self.now)
                     if target is not None:
                         self.consider(target, self.match.lcp(target), saved, depth)
+                if params.state_copies:  # (copied to another worker first: router/state_copies.py)
+                    for w in self.by_name.values():
+                        source = self.everyone.get(saved.worker)
+                        if w.takes_copy_of(saved, source) and (target := coldest_for(w, hl, self.conversation, self.now)):
+                            self.consider(target, self.match.lcp(target), saved, depth)
             idle = [s for s in owners if isinstance(s, Slot) and not s.busy and s.worker in self.rank]
             self._idle_at(idle, depth, top)
 

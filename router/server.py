@@ -49,6 +49,7 @@ from common.projector import Projector
 from common.vocab import Vocab
 from common.weights import GGUFError, weights_fingerprint
 from protocol import (
+    MAX_STATE_BYTES,
     Delta,
     Deltas,
     Hello,
@@ -245,7 +246,8 @@ class Router:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a vanished peer raises instead of dropping
         # frames over the cap still get a `too_large` reply; only far larger ones drop the connection
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.cfg.max_frame_bytes + 4096)
+        cap = 4 * self.cfg.max_frame_bytes + 4096
+        sock.setsockopt(zmq.MAXMSGSIZE, cap + MAX_STATE_BYTES if domain == "workers" else cap)  # (states copied)
         sock.bind(endpoint)
         if endpoint.startswith("ipc://"):  # (only this user: the directory decides who reaches it before this)
             with contextlib.suppress(OSError):

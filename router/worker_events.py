@@ -26,6 +26,7 @@ from protocol import (
     Refuse,
     SlotTaken,
     SlotUpdate,
+    StateCopy,
     Usage,
     kind_of,
     token_array,
@@ -36,7 +37,7 @@ from router.client_replies import choice_of, delta_of
 from router.lifecycle import Lifecycle, Out
 from router.requests import ReqState, WorkerConn, WorkerState
 
-WorkerReport = Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate | EmbedDone
+WorkerReport = Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate | EmbedDone | StateCopy
 
 log = logs.get(__name__)
 
@@ -85,7 +86,13 @@ class WorkerEvents(Lifecycle):
         EmbedDone: "_embed_done",
         SlotTaken: "_slot_taken",  # (another router's job: routers side by side over one fleet)
         SlotUpdate: "_slot_update",
+        StateCopy: "_state_copy",
     }
+
+    def _state_copy(self, conn: WorkerConn, msg: StateCopy) -> None:
+        copy = self.copies.arrived(msg.id, conn.id)
+        if copy is not None:
+            self._copy_came(copy, msg.state, "copied" if msg.state is not None else "gone")
 
     def _heartbeat(self, conn: WorkerConn, msg: Heartbeat) -> None:
         self.table.heartbeat(conn, msg)

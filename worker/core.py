@@ -70,6 +70,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection
 
+import msgspec
+
 from common import logs
 from common.model import resolve_model
 from common.projector import EncodedImage, Projector, ProjectorError
@@ -84,6 +86,7 @@ from protocol import (
     TokenLogprob,
     pack_tokens,
 )
+from worker import state_copies
 from worker.admission import Admission
 from worker.batching import Batcher, Planned
 from worker.checkpoints import FOR_SAVES_MAX, Budget
@@ -203,9 +206,13 @@ class EngineCore:
         return n if self.uncut else self.llama.min_keep(pos_min, n)
 
     def take(self, job: Job, sink: Sink, t_arrival: float) -> None:
-        """A job arrived: queue it, or answer it with an error."""
+        """A job arrived: queue it, or answer it with an error. A state another worker saved that comes with it goes to
+        this worker's host-RAM tier first (worker/state_copies.py)."""
+        copied, job = job.state, msgspec.structs.replace(job, state=None) if job.state is not None else job
         try:
             refused = self.admission.accept(job, sink, t_arrival)
+            if refused is None and copied is not None and not state_copies.keep(self.host, copied):
+                log.info("state_copy_not_kept", request_id=job.id, nbytes=len(copied.data))
         except Exception as exc:  # a bug met by one job: that job fails with an id, the worker goes on
             error_id = new_error_id()
             log.exception("job_accept_failed", error_id=error_id, request_id=job.id)

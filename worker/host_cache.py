@@ -114,6 +114,11 @@ class HostCache:
         self.added.append(entry)
         return True
 
+    def find(self, entry_id: int) -> Entry | None:
+        """The entry of that id, if it is still here. Safe from another thread: it reads a copy of the list (taken
+        whole under the GIL), and an entry, once made, never changes but for its `last_used`."""
+        return next((e for e in list(self.entries) if e.id == entry_id), None)
+
     def best(self, prompt: list[int], salt: str = "") -> tuple[Entry | None, int]:
         """This tenant's entry sharing the longest prefix with `prompt`, and that length (0 when none shares any)."""
         return longest_prefix(self.entries, prompt, salt)

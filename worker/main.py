@@ -49,10 +49,13 @@ from protocol import (
     Refusal,
     Refuse,
     SlotTaken,
+    StateCopy,
+    StateFetch,
     encode,
     kind_of,
     router_to_worker_decoder,
 )
+from worker import state_copies
 from worker.config import WorkerConfig
 from worker.core import EngineCore
 from worker.direct_replies import ReplySockets
@@ -367,6 +370,7 @@ class WorkerServer:
         Accept: "on_accept",
         Refuse: "refused",
         Drain: "drain",
+        StateFetch: "send_state",
     }
 
     def take_embed(self, link: RouterLink, msg: EmbedJob) -> None:
@@ -402,6 +406,13 @@ class WorkerServer:
             return None
         log.error("refused", code=msg.code, reason=msg.reason, endpoint=link.endpoint)
         return EXIT_REFUSED
+
+    def send_state(self, link: RouterLink, msg: StateFetch) -> None:
+        """A copy of a state saved in host RAM, for another worker (worker/state_copies.py); none when it is gone."""
+        entry = self.engine.host.find(msg.entry)
+        state = state_copies.blob_of(entry) if entry is not None else None
+        log.info("state_sent", fetch=msg.id, entry=msg.entry, nbytes=len(state.data) if state else 0)
+        link.send(encode(StateCopy(id=msg.id, state=state)), may_drop=self.side_by_side)
 
     def drain(self, link: RouterLink, msg: Drain) -> None:
         log.info("draining")

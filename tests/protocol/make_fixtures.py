@@ -643,6 +643,22 @@ EXAMPLES: list[Example] = [
         {"tokens": PROMPT_TOKENS},
     ),
     Example("job_cancel", "router_to_worker", p.JobCancel(id="req-1"), {}),
+    Example("state_fetch", "router_to_worker", p.StateFetch(id="req-7.r1.9", entry=12), {}),
+    Example(
+        "state_copy",
+        "worker_to_router",
+        p.StateCopy(
+            id="req-7.r1.9",
+            state=p.StateBlob(
+                tokens=p.pack_tokens(PROMPT_TOKENS),
+                pos_min=0,
+                data=b"\x01\x00\x00\x00state bytes as llama.cpp wrote them",
+                checkpoints=[p.StateCheckpoint(n_tokens=4, data=b"window at 4")],
+            ),
+        ),
+        {},  # (its token ids are inside `state`: bin, int32 little-endian, as every token field)
+    ),
+    Example("state_copy_gone", "worker_to_router", p.StateCopy(id="req-7.r1.9"), {}),
     Example("drain", "router_to_worker", p.Drain(), {}),
 ]
 
@@ -691,6 +707,8 @@ ALL_STRUCTS: list[type[msgspec.Struct]] = [
     p.TextPart,
     p.ImagePart,
     p.JobImage,
+    p.StateBlob,
+    p.StateCheckpoint,
     p.ToolCall,
     p.Tool,
     p.NamedTool,

@@ -394,15 +394,20 @@ def test_every_field_dropped_or_nulled(ex: Any) -> None:
 
 
 def test_frames_over_the_default_cap() -> None:
-    """The 8 MiB default cap: one byte over is `too_large` for every decoder; exactly at the cap is decoded."""
+    """The 8 MiB default cap: one byte over is `too_large` for every decoder a client's frames reach; exactly at the cap
+    is decoded. Between router and workers a frame may carry a saved state copied between workers too."""
     base = pack({"type": "submit", "v": 1, "id": "big", "prompt": ""})
     prompt = "a" * (p.MAX_FRAME_BYTES - len(base) - 4)  # str32 header is 4 bytes longer than fixstr
     at_cap = pack({"type": "submit", "v": 1, "id": "big", "prompt": prompt})
     assert len(at_cap) == p.MAX_FRAME_BYTES
     got = feed(at_cap)
     assert isinstance(got["client_request"], p.Submit) and got["client_request"].prompt == prompt
-    for res in feed(at_cap + b"\x00").values():
-        assert isinstance(res, p.Invalid) and res.code == p.ErrorCode.TOO_LARGE and "cap" in res.reason
+    for name, res in feed(at_cap + b"\x00").items():
+        if name in ("worker_to_router", "router_to_worker"):
+            assert DECODERS[name].max_bytes == p.MAX_FRAME_BYTES + p.MAX_STATE_BYTES
+            assert isinstance(res, p.Invalid) and res.code == p.ErrorCode.BAD_REQUEST  # (read whole: trailing bytes)
+        else:
+            assert isinstance(res, p.Invalid) and res.code == p.ErrorCode.TOO_LARGE and "cap" in res.reason
 
 
 def test_deep_nesting_is_refused_not_crashed() -> None:

@@ -207,6 +207,48 @@ def test_a_conversation_whose_slot_was_overwritten_goes_back_to_the_worker_that_
     c.close()
 
 
+def test_a_conversation_saved_by_a_busy_worker_resumes_on_an_idle_one_with_a_copy_of_its_state(system):
+    """A conversation's history is in one worker's host RAM, that worker's slots are both busy, the other worker is
+    idle: the router has the state copied to the idle worker (state_fetch, state_copy, job.state) instead of
+    computing the history there again or waiting, and predicts what the copy gives exactly."""
+    rt, cep = system
+    router = rt.router
+    c = RawClient(cep)
+    sampling = Sampling(max_tokens=4, temperature=0.0)
+    rules = " ".join(f"Rule {i}: count the nets of boat {i} twice and log them." for i in range(10))
+    history = [ChatMessage(role="system", content=f"You are the net keeper. {rules}"), ChatMessage(role="user", content="Hi.")]
+    c.send(Submit(id="copy-t0", messages=history, sampling=sampling))
+    first = collect(c, {"copy-t0"})["copy-t0"][1]
+    assert isinstance(first, Result), first
+    texts = {
+        f"fill{i}": f"Unrelated request {i}: " + " ".join(f"the weight of crate {i}-{k} is {k} stone." for k in range(8))
+        for i in range(4)
+    }
+    for rid, text in texts.items():  # four cold prompts at once take all four slots
+        c.send(Submit(id=rid, prompt=text, sampling=sampling))
+    fills = collect(c, set(texts))
+    assert all(isinstance(r[1], Result) for r in fills.values())
+    on_first = [rid for rid, r in fills.items() if r[1].worker == first.worker]
+    assert len(on_first) == 2, {rid: r[1].worker for rid, r in fills.items()}  # (the history is in host RAM there now)
+    long_run = Sampling(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for rid in on_first:  # both slots of that worker busy a while, each on its own prompt's longer version
+        c.send(Submit(id=f"{rid}-more", prompt=texts[rid] + " And the next crate?", sampling=long_run))
+    deadline = time.monotonic() + 60
+    while sum(s.busy for s in router.mirror.workers[first.worker]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    copies, mispredicted = dict(router.metrics.state_copies), router.metrics.reuse_mispredictions
+    history += [ChatMessage(role="assistant", content=first.text), ChatMessage(role="user", content="And boat 3?")]
+    c.send(Submit(id="copy-t1", messages=history, sampling=sampling))
+    replies = collect(c, {"copy-t1", *(f"{rid}-more" for rid in on_first)})
+    back = replies["copy-t1"][1]
+    assert isinstance(back, Result), back
+    rec = next(r for r in reversed(router.metrics.recent) if r.id == "copy-t1")
+    assert back.worker != first.worker and router.metrics.state_copies["copied"] == copies.get("copied", 0) + 1
+    assert rec.predicted_reuse == rec.reused_tokens == rec.restored_tokens == back.usage.cached_tokens > 100
+    assert router.metrics.reuse_mispredictions == mispredicted and router.metrics.mirror_mismatches == 0
+    c.close()
+
+
 def test_tenants_share_no_prefix_and_see_no_lengths_of_each_others_slots(system):
     """Tenant B's prompt, identical to tenant A's, reports cached_tokens 0 (and so does a request without a
     tenant); A's next one is cached; `status` asked as B shows A's slots without their lengths or request ids."""

@@ -321,3 +321,43 @@ def test_a_full_worker_is_waited_for_while_its_first_job_should_end_before_recom
     assert worth_waiting(2000, here, overdue, Params(), 3_000, now)
     assert not worth_waiting(2000, here, overdue, Params(), 4_100, now)
     assert not worth_waiting(2000, here, soon, Params(), 61_000, now)  # (MAX_WAIT_MS)
+
+
+def test_a_full_workers_saved_state_is_copied_to_an_idle_worker_that_keeps_copies():
+    """A conversation a full worker saved in host RAM goes to an idle worker with a copy of that state (router/
+    state_copies.py) rather than waiting or computing it again there: when that worker has a host-RAM tier and the
+    same slots, length and mode; not when its own states give as much, nor with --no-state-copies."""
+    m = Mirror()
+    (a,) = m.add_worker("w0", 1)
+    m.add_worker("w1", 1)
+    history = seq(2000)
+    saved_on(m, "w0", history, nbytes=3_000)
+    m.assign(a, "running", seq(50))
+    prompt = np.concatenate([history, seq(10)])
+
+    def placed(params: Params | None = None, **on_w1: object) -> Dispatch | Wait | None:
+        ws = loads(m, {"w0": 1})
+        ws[1].keeps_copies = True
+        for w in ws:
+            w.ctx_per_slot = 8192
+        for w in ws:
+            w.saved = m.saved[w.worker]
+        for k, v in on_w1.items():
+            setattr(ws[1], k, v)
+        return select(m.index.match(prompt), ws, params or Params(), time.monotonic(), 0, 0.0)
+
+    d = placed()
+    (saved,) = m.saved["w0"].values()
+    assert isinstance(d, Dispatch) and d.slot.worker == "w1" and d.restore and d.copy_from is saved
+    assert d.reuse == 2000 and d.without_copy == 0
+    assert isinstance(placed(Params(state_copies=False)), Wait)  # (the full worker is waited for instead)
+    assert isinstance(placed(keeps_copies=False), Wait)  # (no host-RAM tier to keep it in)
+    assert isinstance(placed(ctx_per_slot=2000), Wait)  # (its slots are shorter)
+    assert isinstance(placed(slots=[*m.workers["w1"], *m.workers["w1"]]), Wait)  # (llama.cpp's state lists each slot's)
+    assert isinstance(placed(deterministic=True), Wait)  # (n_exact means another thing there)
+    saved_on(m, "w1", history[:1990], nbytes=30_000)  # w1's own state: 10 tokens less, at a restore's cost
+    d = placed()
+    assert isinstance(d, Dispatch) and d.copy_from is saved and d.reuse == 2000 and d.without_copy == 1990
+    saved_on(m, "w1", history, nbytes=30_000)  # now as much: nothing to copy
+    own = placed()
+    assert isinstance(own, Dispatch) and own.slot.worker == "w1" and own.copy_from is None and own.reuse == 2000

@@ -11,6 +11,7 @@ from worker_helpers import assert_slot_invariant, complete, start
 
 from common.slots import COPY_MIN
 from protocol import JobDone
+from worker import state_copies
 from worker.checkpoints import TAIL
 from worker.config import WorkerConfig
 from worker.engine import Engine
@@ -295,3 +296,38 @@ def test_a_tenants_kv_is_reused_and_copied_only_for_the_same_tenant(copier, voca
     assert [e.salt for e in same_slot.final.cache_added] == ["tenant-a"]  # what the router is told of it
     plain = complete(copier, prompt, slot=2)  # no salt: not tenant a's either
     assert plain.final.reused_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def other_worker() -> Iterator[Engine]:
+    """A second worker of the same model and settings, for states copied between workers."""
+    eng = Engine(WorkerConfig(slots=3, ctx_per_slot=1024, threads=2, deterministic=True, host_cache_mb=64)).start()
+    yield eng
+    eng.stop()
+
+
+def test_a_state_copied_from_another_worker_is_restored_as_its_own(copier, other_worker, vocab):
+    """The router copies a state one worker saved in host RAM to another (worker/state_copies.py): read out on the
+    saving worker (as its I/O thread does), kept in the other's host-RAM tier with its checkpoints, restored there
+    and cut back to the checkpoint near its end exactly as on the worker that saved it; reported to the router."""
+    clear_all(copier)
+    clear_all(other_worker)
+    history = vocab.tokenize("Third log. " + LONG)
+    complete(copier, history, slot=0, max_tokens=2)
+    evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of oats."), slot=0, max_tokens=2)
+    assert isinstance(evict.final, JobDone)
+    [saved] = evict.final.cache_added
+    entry = copier.host.find(saved.id)
+    assert entry is not None and copier.host.find(10**9) is None
+    blob = state_copies.blob_of(entry)
+    assert len(blob.data) + sum(len(c.data) for c in blob.checkpoints) == saved.nbytes and blob.checkpoints
+    prompt = history[:-5] + vocab.tokenize(" Visitor: was the lamp lit early?", add_special=False)
+    tail = saved.n_tokens - TAIL
+    there = complete(other_worker, prompt, slot=0, state=blob)
+    cold = complete(other_worker, prompt, slot=1, prefix_cache=False)
+    assert isinstance(there.final, JobDone) and there.final.restored_tokens == there.final.reused_tokens == tail
+    assert there.tokens == cold.tokens  # the copied KV is what a cold computation gives there, bit for bit
+    (kept,) = there.final.cache_added  # the router's mirror learns the copy is in this worker's tier now
+    assert kept.slot == -1 and kept.n_tokens == saved.n_tokens and kept.hash == saved.hash and kept.cuts == saved.cuts
+    assert other_worker.call(lambda e: e.counters.invariant_violations).result(10) == 0
+    assert_slot_invariant(other_worker, there)

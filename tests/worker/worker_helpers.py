@@ -17,6 +17,7 @@ from protocol import (
     JobImage,
     Message,
     Sampling,
+    StateBlob,
     pack_tokens,
     token_hash,
     unpack_tokens,
@@ -75,6 +76,7 @@ def job(
     cache_salt: str = "",
     images: list[JobImage] | None = None,
     priority: int = 0,
+    state: StateBlob | None = None,
     **sampling,
 ) -> Job:
     sampling.setdefault("temperature", 0.0)
@@ -90,6 +92,7 @@ def job(
         cache_salt=cache_salt,
         images=images or [],
         priority=priority,
+        state=state,
     )
 
 
