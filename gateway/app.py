@@ -33,7 +33,7 @@ from gateway.browsers import AllowedHosts, host_refused_message, is_json, not_js
 from gateway.dialects import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Call, Dialect
 from gateway.embeddings import embed_message, embeddings_reply
 from gateway.errors import Errors, RequestError, errors_for
-from gateway.fields import Policy
+from gateway.fields import FIELDS_IGNORED, Policy
 from gateway.images import ImageLimits, Images
 from gateway.keepalive import IDLE_S, Clock, Ticking
 from gateway.limits import (
@@ -143,12 +143,14 @@ class Gateway:
         keep_alive_s: float = IDLE_S,
         status_fresh_s: float = STATUS_FRESH_S,
         image_limits: ImageLimits | None = None,
+        priority_keys: str = "",
     ) -> None:
         """`api_key`: one key, or several comma-separated, each a tenant of its own (its `cache_salt`) unless
         `shared_cache`; `allowed_hosts`: the Host names served (gateway/browsers.py; by default this machine's);
         `cors_origins`: the web origins CORS allows (none by default); `aliases`: more names /v1/models lists;
         `strict_model_name`: a request naming another model gets 404; `strict_api`: a field no API knows is a 400
-        rather than a hint (gateway/fields.py); `image_limits`: what one request's images may be (gateway/images.py).
+        rather than a hint (gateway/fields.py); `image_limits`: what one request's images may be (gateway/images.py);
+        `priority_keys`: the keys that may ask a higher priority (`may_go_first`).
         (The sampling a request leaves out is the router's: --temp, --seed ...
         apply to every client, this one among them.)"""
         self.client = client
@@ -158,6 +160,11 @@ class Gateway:
         self.strict_model_name = strict_model_name
         self.strict_api = strict_api
         self.api_keys = [k.strip() for k in (api_key or "").split(",") if k.strip()]
+        named = [k.strip() for k in priority_keys.split(",") if k.strip()]
+        unknown = [k for k in named if k != "all" and k not in self.api_keys]
+        if unknown:
+            raise ValueError(f"--priority-keys names {len(unknown)} key(s) that --api-key does not give")
+        self.first_keys = None if "all" in named or (not named and len(self.api_keys) <= 1) else set(named)
         self.shared_cache = shared_cache
         self.allowed_hosts = allowed_hosts or AllowedHosts()
         self.cors_origins = cors_origins
@@ -188,6 +195,11 @@ class Gateway:
         required; None without keys (one user: the whole queue)."""
         key = self.key_of(request) if self.api_keys else None
         return None if key is None else hashlib.sha256(b"owner:" + key.encode()).hexdigest()[:32]
+
+    def may_go_first(self, request: Request) -> bool:
+        """Whether a request may be served at a higher priority than 0: its key is one of --priority-keys (by default,
+        any key when at most one is set)."""
+        return self.first_keys is None or self.key_of(request) in self.first_keys
 
     @property
     def tenants_by_key(self) -> bool:
@@ -403,6 +415,10 @@ class Gateway:
         asked, keep_alive, call = await self.decoded(request, decode, policy, rid, images)
         sub = normalise.served(call.sub, asked, keep_alive, self.salt_of(request, call.sub.cache_salt), self.owner_of(request))
         headed.apply(sub)
+        if sub.priority > 0 and not self.may_go_first(request):
+            sub.priority = 0  # (another key's requests would go before everyone's: --priority-keys)
+            FIELDS_IGNORED.labels(dialect.api, "priority").inc()
+            log.info("priority_not_allowed", request_id=rid, api=dialect.api)
         t0 = asyncio.get_running_loop().time()
         messages = self.client.stream_submit(sub)
         try:

@@ -60,6 +60,14 @@ class HttpConfig:
     tenant_per_key: bool = opt(
         False, "changes nothing: each API key is a tenant by default now (--shared-cache to share); kept for old command lines"
     )
+    priority_keys: str = opt(
+        "",
+        "the API keys (comma-separated) whose requests may ask a higher priority (x-priority: interactive, service_tier: "
+        "priority): they go first in the queue and pause others' jobs on their worker; 'all': every key. Default: every "
+        "key when at most one is set, none when several (one key could otherwise go before everyone else's, always). "
+        "Another key's ask is served at priority 0 and counted as a hint",
+        metavar="KEYS",
+    )
     allowed_hosts: str = opt(
         "",
         "more names the Host header may give (comma-separated; .example.com: that domain and every name under it; *: "
@@ -268,6 +276,7 @@ async def serve_http(cfg: HttpConfig, *, ready: asyncio.Event | None = None, sig
         stall_s=cfg.stream_stall_s,
         body_timeout_s=cfg.body_timeout_s,
         image_limits=cfg.image_limits(),
+        priority_keys=cfg.priority_keys,
     )
     server = uvicorn.Server(uvicorn_config(build_app(gateway), cfg, host, port))
     if not signals:  # (uvicorn would take SIGTERM, stop at once and raise it again: the router's drain was cut short)

@@ -107,7 +107,7 @@ class DispatchQueue:
             return  # (before ordering the queue: a new request or a tick while every slot is busy costs nothing)
         now = time.monotonic()
         waiting = 0
-        shares = self._running_shares()
+        shares = self.running_shares()
         for req in in_order(self._reqs, self.mirror, self.workers, self.cfg, now):
             if not self.workers.idle_slot() or waiting >= MAX_WAITING_SCAN:
                 break  # (the scan is bounded per event when many requests wait for particular slots)
@@ -122,7 +122,7 @@ class DispatchQueue:
                 shares.running[req.owner] += 1
             yield req, d
 
-    def _running_shares(self) -> RunningShares | None:
+    def running_shares(self) -> RunningShares | None:
         """The owners' running requests against their share of the slots, when several owners' requests wait (one
         owner alone may take every slot)."""
         if self.cfg.queue_share >= 1:

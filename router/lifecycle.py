@@ -299,10 +299,14 @@ class Lifecycle:
         its worker ends it before its first token, its slot keeping what it computed, or lets it run on); the job's
         request goes back to the queue, behind it, and is placed again, reusing what it computed (a client reading its
         output from the worker is told where: `Placed` again). One at a time; a request takes one slot so and loses one
-        at most, so nothing churns."""
+        at most, so nothing churns. Not for a request whose owner holds its share of the slots while another owner's
+        request waits (--queue-share)."""
         top = max(self.queue, key=lambda r: r.priority)  # (the first of the highest: the queue is oldest first)
         if top.priority <= -1 or top.took_slot or any(r.preempting for r in self.jobs.values()):
             return
+        shares = self.queue.running_shares()
+        if shares is not None and shares.over(top.owner):
+            return  # (its owner holds its share of the slots while another's request waits: it is not placed now)
         conns = self.table.loads_for(top)
         if not conns or any(c.load.busy < len(c.slots) for c in conns):
             return  # (no worker to take from, or an idle slot it is placed on, or waits beside by choice)

@@ -23,6 +23,11 @@ that worker's cheapest slot to overwrite gives reuse(saved) (the worker's rule: 
 measured prefill speed / restore speed). The reuse a dispatch predicts includes the restore the worker will do on
 the chosen slot, whichever way it was chosen.
 
+A saved state is a candidate on another worker too (`state_copies`, `Dispatch.copy_from`): that worker's cheapest slot
+to overwrite, at COPY_COST_FACTOR times the restore's cost there (router/state_copies.py sends the job once the copy
+has come), when the two workers' states are interchangeable (`WorkerLoad.takes_copy_of`). A dispatch whose worker's
+own slots and states give as much copies nothing.
+
 Awaited slots (router/mirror.py `Sessions`): a slot whose last job, of a request with a session, ended in tool calls
 is awaited by that conversation (its session and prompt head: `Params.conversation`) until a time-to-live passes
 (`Slot.awaited`). For any other request it costs AWAITED_COST more (1e9 prompt-token equivalents, more than any other

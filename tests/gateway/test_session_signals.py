@@ -246,6 +246,33 @@ async def test_an_unknown_priority_header_is_counted_as_a_hint() -> None:
     assert r.status_code == 200 and counted("messages", "header:x-priority") == before + 1
 
 
+@pytest.mark.anyio
+async def test_with_several_keys_only_the_keys_named_may_go_first() -> None:
+    """One key's requests would go before everyone else's, and pause their jobs on their worker: with several keys a
+    higher priority is only for the keys --priority-keys names (all with one key, or with `all`); another key's ask
+    is served at 0, counted as a hint; asking a lower one is every key's right."""
+
+    async def priorities(keys: str, priority_keys: str, key: str) -> list[int]:
+        fake = FakeRouter()
+        async with client_for(fake, keys, priority_keys=priority_keys) as c:
+            auth = {"authorization": f"Bearer {key}"}
+            for headers in ({"x-priority": "interactive"}, {"x-priority": "background"}):
+                r = await c.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, headers={**auth, **headers})
+                assert r.status_code == 200
+            r = await c.post("/v1/chat/completions", json={"messages": USER, "service_tier": "priority"}, headers=auth)
+            assert r.json()["service_tier"] == normalise.TIERS[fake.submits[-1].priority]  # (the tier applied)
+        return [s.priority for s in fake.submits]
+
+    before = counted("chat", "priority")
+    assert await priorities("only", "", "only") == [1, -1, 1]  # (one key: it is everyone)
+    assert await priorities("a,b", "", "a") == [0, -1, 0]
+    assert counted("chat", "priority") == before + 2
+    assert await priorities("a,b", "b", "b") == [1, -1, 1] and await priorities("a,b", "b", "a") == [0, -1, 0]
+    assert await priorities("a,b", "all", "a") == [1, -1, 1]
+    with pytest.raises(ValueError, match="1 key"):
+        client_for(FakeRouter(), "a,b", priority_keys="c")
+
+
 # ---- /slots ----------------------------------------------------------------------------------------------------
 
 
