@@ -289,6 +289,7 @@ class StateCopy(Message, tag="state_copy", kw_only=True):
 
     id: RequestId  # the fetch's
     state: StateBlob | None = None
+    gives: NonNeg = 0  # prompt tokens the state gives the fetch's prompt, by the rule a worker restores with
 
 
 WorkerToRouter = Hello | Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate | EmbedDone | StateCopy
@@ -384,10 +385,14 @@ class JobCancel(Message, tag="job_cancel", kw_only=True):
 
 class StateFetch(Message, tag="state_fetch", kw_only=True):
     """Send a copy of a state saved in host RAM (CacheEntry.id, tier "ram") back in `state_copy` with the same id, for
-    the router to hand to another worker with a job (`job.state`). Answered at once, between steps or not."""
+    the router to hand to another worker with a job (`job.state`); when that entry is gone (its change not reported
+    yet), the state giving the most of `tokens`, the job's prompt. Answered at once, between steps or not."""
 
     id: RequestId
     entry: NonNeg
+    tokens: TokenBytes = b""  # the job's prompt
+    salt: CacheSalt = ""  # the job's tenant (Job.cache_salt)
+    seeded: bool = False  # the job has a seed (it reuses only KV a seeded job computed)
 
 
 class Drain(Message, tag="drain", kw_only=True):

@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 
 from common import logs
+from common.slots import worth_copy
 from protocol import (
     Choice,
     Delta,
@@ -156,10 +157,12 @@ class Lifecycle:
         source = self.workers.get(d.copy_from.worker) if d.copy_from is not None else None
         if d.copy_from is not None and source is not None:  # the job goes once the state's copy has come
             self.copies.wait(PendingCopy(message, conn.id, source.id, d.without_copy, now))
-            self._to_worker(source, StateFetch(id=job, entry=d.copy_from.key[1]))
+            seeded = req.sampling.seed is not None
+            fetch = StateFetch(id=job, entry=d.copy_from.key[1], tokens=message.tokens, salt=req.salt, seeded=seeded)
+            self._to_worker(source, fetch)
         else:
             if d.copy_from is not None:
-                self._without_copy(req, d.without_copy)
+                self._reuse_is(req, d.without_copy)
             self._to_worker(conn, message)
         if req.direct:  # the client reads the job's output from the worker: it learns where, and how to read it
             self.metrics.direct_jobs += 1
@@ -179,26 +182,31 @@ class Lifecycle:
                 ),
             )
 
-    def _copy_came(self, copy: PendingCopy, state: StateBlob | None, outcome: str) -> None:
+    def _copy_came(self, copy: PendingCopy, state: StateBlob | None, outcome: str, gives: int = 0) -> None:
         """A job that waited for a state copied from another worker goes to its worker: with the state, or (gone, late)
-        without it. Not when the job is no longer its request's (its worker died: placed again)."""
+        without it. Not when the job is no longer its request's (its worker died: placed again). What it reuses is
+        predicted again from what the state sent gives (`gives`: the saving worker may have sent a longer one, that
+        superseded the one the mirror knew), by the rule its worker restores with."""
         conn, req = self.workers.get(copy.worker), self.jobs.get(copy.job.id)
         if conn is None or req is None or req.worker != copy.worker:
             self.metrics.state_copies["dropped"] += 1
             return
         self.metrics.state_copies[outcome] += 1
         if state is None:
-            self._without_copy(req, copy.without_copy)
+            self._reuse_is(req, copy.without_copy)
             log.info("state_copy_missed", request_id=req.rid, job=copy.job.id, source=copy.source, outcome=outcome)
             self._to_worker(conn, msgspec.structs.replace(copy.job, predicted_reuse=copy.without_copy))
         else:
             self.metrics.state_copy_bytes += len(state.data) + sum(len(c.data) for c in state.checkpoints)
-            self._to_worker(conn, msgspec.structs.replace(copy.job, state=state))
+            n = len(state.tokens) // 4
+            reuse = gives if gives > copy.without_copy and worth_copy(gives - copy.without_copy, n) else copy.without_copy
+            self._reuse_is(req, reuse)  # (what it gives: usually what its placing counted on)
+            self._to_worker(conn, msgspec.structs.replace(copy.job, state=state, predicted_reuse=reuse))
         for msg in copy.later:
             self._to_worker(conn, msg)
 
-    def _without_copy(self, req: Req, reuse: int) -> None:
-        """The request runs without the copy its placing counted on: it reuses what its slot's worker holds."""
+    def _reuse_is(self, req: Req, reuse: int) -> None:
+        """What the request reuses is not what its placing counted on (its copy did not come, or gives another length)."""
         attempt = req.attempt
         assert attempt is not None
         attempt.predicted, attempt.prefill_pending = reuse, len(req.tokens) - reuse

@@ -92,7 +92,7 @@ class WorkerEvents(Lifecycle):
     def _state_copy(self, conn: WorkerConn, msg: StateCopy) -> None:
         copy = self.copies.arrived(msg.id, conn.id)
         if copy is not None:
-            self._copy_came(copy, msg.state, "copied" if msg.state is not None else "gone")
+            self._copy_came(copy, msg.state, "copied" if msg.state is not None else "gone", msg.gives)
 
     def _heartbeat(self, conn: WorkerConn, msg: Heartbeat) -> None:
         self.table.heartbeat(conn, msg)

@@ -409,10 +409,11 @@ class WorkerServer:
 
     def send_state(self, link: RouterLink, msg: StateFetch) -> None:
         """A copy of a state saved in host RAM, for another worker (worker/state_copies.py); none when it is gone."""
-        entry = self.engine.host.find(msg.entry)
+        entry, gives = state_copies.chosen(self.engine.host, msg, self.engine.core.prefixes.restorable)
         state = state_copies.blob_of(entry) if entry is not None else None
-        log.info("state_sent", fetch=msg.id, entry=msg.entry, nbytes=len(state.data) if state else 0)
-        link.send(encode(StateCopy(id=msg.id, state=state)), may_drop=self.side_by_side)
+        log.info("state_sent", fetch=msg.id, entry=msg.entry, sent=entry.id if entry else None, gives=gives,
+                 nbytes=len(state.data) if state else 0)  # fmt: skip
+        link.send(encode(StateCopy(id=msg.id, state=state, gives=gives)), may_drop=self.side_by_side)
 
     def drain(self, link: RouterLink, msg: Drain) -> None:
         log.info("draining")

@@ -9,10 +9,12 @@ resumes on an idle one in milliseconds of copying instead of seconds of prefill 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from protocol import StateBlob, StateCheckpoint, pack_tokens, unpack_tokens
+from protocol import StateBlob, StateCheckpoint, StateFetch, pack_tokens, unpack_tokens
 from worker.checkpoints import Checkpoint
+from worker.tier import shared_prefixes
 
 if TYPE_CHECKING:
     from worker.host_cache import Entry, HostCache
@@ -29,6 +31,18 @@ def blob_of(entry: Entry) -> StateBlob:
         data=bytes(entry.data),
         checkpoints=[StateCheckpoint(n_tokens=c.n_tokens, data=bytes(c.data)) for c in entry.checkpoints],
     )
+
+
+def chosen(host: HostCache, fetch: StateFetch, gives: Callable[[Entry, list[int], bool], int]) -> tuple[Entry | None, int]:
+    """The entry a `state_fetch` names, or, gone (superseded by a longer state, or dropped: the router learns of it
+    with the job that did it, at its end), this tenant's entry giving the most of the job's prompt; and what it gives
+    that prompt (`gives`: the worker's rule, worker/prefix.py `restorable`). (I/O thread.)"""
+    prompt = unpack_tokens(fetch.tokens)
+    entry = host.find(fetch.entry)
+    if entry is None and prompt:
+        sharing = [e for e, _ in shared_prefixes(list(host.entries), prompt, fetch.salt)]  # (a copy: another thread's)
+        entry = max(sharing, key=lambda e: gives(e, prompt, fetch.seeded), default=None)
+    return entry, gives(entry, prompt, fetch.seeded) if entry is not None and prompt else 0
 
 
 def _buffer(data: bytes) -> StateData:

@@ -643,7 +643,12 @@ EXAMPLES: list[Example] = [
         {"tokens": PROMPT_TOKENS},
     ),
     Example("job_cancel", "router_to_worker", p.JobCancel(id="req-1"), {}),
-    Example("state_fetch", "router_to_worker", p.StateFetch(id="req-7.r1.9", entry=12), {}),
+    Example(
+        "state_fetch",
+        "router_to_worker",
+        p.StateFetch(id="req-7.r1.9", entry=12, tokens=p.pack_tokens(PROMPT_TOKENS)),
+        {"tokens": PROMPT_TOKENS},
+    ),
     Example(
         "state_copy",
         "worker_to_router",

@@ -10,7 +10,7 @@ import pytest
 from worker_helpers import assert_slot_invariant, complete, start
 
 from common.slots import COPY_MIN
-from protocol import JobDone
+from protocol import JobDone, StateFetch, pack_tokens
 from worker import state_copies
 from worker.checkpoints import TAIL
 from worker.config import WorkerConfig
@@ -317,12 +317,18 @@ def test_a_state_copied_from_another_worker_is_restored_as_its_own(copier, other
     evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of oats."), slot=0, max_tokens=2)
     assert isinstance(evict.final, JobDone)
     [saved] = evict.final.cache_added
-    entry = copier.host.find(saved.id)
-    assert entry is not None and copier.host.find(10**9) is None
-    blob = state_copies.blob_of(entry)
-    assert len(blob.data) + sum(len(c.data) for c in blob.checkpoints) == saved.nbytes and blob.checkpoints
     prompt = history[:-5] + vocab.tokenize(" Visitor: was the lamp lit early?", add_special=False)
     tail = saved.n_tokens - TAIL
+    restorable = copier.core.prefixes.restorable
+    named = StateFetch(id="f", entry=saved.id, tokens=pack_tokens(prompt))
+    gone = StateFetch(id="f", entry=10**9, tokens=pack_tokens(prompt))  # (superseded: the one giving most is sent)
+    other = StateFetch(id="f", entry=10**9, tokens=pack_tokens(prompt), salt="another tenant")
+    entry, gives = state_copies.chosen(copier.host, named, restorable)
+    assert entry is not None and entry.id == saved.id and gives == tail
+    assert state_copies.chosen(copier.host, gone, restorable) == (entry, tail)
+    assert state_copies.chosen(copier.host, other, restorable) == (None, 0)
+    blob = state_copies.blob_of(entry)
+    assert len(blob.data) + sum(len(c.data) for c in blob.checkpoints) == saved.nbytes and blob.checkpoints
     there = complete(other_worker, prompt, slot=0, state=blob)
     cold = complete(other_worker, prompt, slot=1, prefix_cache=False)
     assert isinstance(there.final, JobDone) and there.final.restored_tokens == there.final.reused_tokens == tail
