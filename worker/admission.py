@@ -125,11 +125,13 @@ class Admission:
 
         return [(t, code(t)) for t in gone]
 
-    def admit(self) -> None:
+    def admit(self) -> list[Task]:
         """Give idle slots to waiting jobs, in arrival order; a job naming a busy slot waits for it (FIFO). Each job is
-        placed before the next is looked at: a later one may wait for the prefix an earlier one is about to compute."""
+        placed before the next is looked at: a later one may wait for the prefix an earlier one is about to compute.
+        Returns the jobs placed."""
         if not self.waiting:
-            return
+            return []
+        placed: list[Task] = []
         claimed: set[int] = set()
         still: collections.deque[Task] = collections.deque()
         for task in self.waiting:
@@ -140,7 +142,9 @@ class Admission:
             claimed.add(slot.id)
             self.table.assign(slot, task)
             self.prefixes.place(task, slot)
+            placed.append(task)
         self.waiting = still
+        return placed
 
     def _slot_for(self, task: Task, claimed: set[int]) -> Slot | None:
         if task.job.slot >= 0:

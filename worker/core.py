@@ -260,7 +260,9 @@ class EngineCore:
         self._expire()
         for task, code in self.admission.expired():
             self.ends.error(task, code, f"job {code.value} while waiting for a slot")
-        self.admission.admit()
+        placed = self.admission.admit()
+        if placed:
+            self.ends.saved_changed(placed[-1])
         if self.encodings is not None:  # (images of jobs that ended meanwhile: cancel, deadline, failure, hand-back)
             self.encodings.drop_ended(lambda i: self.table[i].task)
         busy = self.table.busy()

@@ -8,7 +8,8 @@ used out first. llama-server does the same with its `--cache-ram` (8 GiB by defa
 
 The router sees this cache: every entry has an id, and the cache lists what was added (with the slot whose contents
 it copied: the router knows those tokens from its mirror) and dropped since the last `changes`; the engine
-sends that with its next JobDone or JobError. An entry dropped to make room goes to `spill` first (the disk tier,
+sends that as soon as the jobs whose placing changed it are placed (a `slot_update` of no slot), else with its next
+JobDone or JobError. An entry dropped to make room goes to `spill` first (the disk tier,
 worker/disk_cache.py, when there is one).
 
 Owned by the compute thread.

@@ -13,7 +13,18 @@ import time
 from collections.abc import Collection
 
 from common import logs
-from protocol import EngineCounters, Error, ErrorCode, FinishReason, JobDone, JobError, Message, pack_tokens, token_hash
+from protocol import (
+    EngineCounters,
+    Error,
+    ErrorCode,
+    FinishReason,
+    JobDone,
+    JobError,
+    Message,
+    SlotUpdate,
+    pack_tokens,
+    token_hash,
+)
 from worker.admission import Admission
 from worker.checkpoints import cuts
 from worker.embed_jobs import EmbedJobs
@@ -81,6 +92,18 @@ class JobEnds:
         self.counters.jobs_done += 1
         log.debug("job_done", request_id=task.id, slot=slot.id, finish=reason.value, generated=len(task.generated))
         send(task.sink, done, task.silent)
+
+    def saved_changed(self, task: Task) -> None:
+        """Jobs were placed: the saved states their placing added (what their slots held, saved before they were
+        overwritten) and dropped go to the router now, through one of those jobs (a `slot_update` of no slot), rather
+        than with a job's end: a request coming meanwhile may want them, on this worker or copied to another."""
+        if task.silent:
+            return  # (its router forgot it: the next job's report says them)
+        added, dropped, disk_dropped = self.saved.changes()
+        if not (added or dropped or disk_dropped):
+            return
+        update = SlotUpdate(slot=-1, epoch=0, tokens=b"", cache_added=added, cache_dropped=dropped, disk_dropped=disk_dropped)
+        send(task.sink, update)
 
     def error(self, task: Task, code: ErrorCode, message: str, error_id: str | None = None) -> None:
         """End a job with an error, reporting what its slot (if any) holds now."""

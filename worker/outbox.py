@@ -54,6 +54,11 @@ class Outbox:
                 link.deltas.append(msg)
             return
         self.flush_deltas()  # a job's deltas go before its JobDone or JobError
+        if isinstance(msg, SlotUpdate) and self.side_by_side:  # (saved states a placing changed: every router's)
+            frame = encode(msg)
+            for other in self.links:
+                if other is not link and other.notices:
+                    self.push_out(other, frame)
         if isinstance(msg, EmbedDone):
             link.jobs.discard(msg.id)
         elif isinstance(msg, JobDone | JobError):

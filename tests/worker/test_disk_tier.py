@@ -50,7 +50,7 @@ def test_host_ram_spills_to_disk_and_a_prompt_is_restored_from_there(tmp_path, v
         assert [e.tokens for e in eng.disk.entries] == [held]  # history 1 went from host RAM to disk
         runs.append(complete(eng, vocab.tokenize("Tell the router."), slot=1, max_tokens=1))
         # the router hears of it with the next JobDone once written, tokens and all
-        (entry,) = [e for r in runs for e in r.final.cache_added if e.tier == "disk"]
+        (entry,) = [e for r in runs for e in r.cache_added if e.tier == "disk"]
         assert unpack_tokens(entry.tokens) == held and entry.n_tokens == len(held)
         prompt = question(vocab, a)
         back = complete(eng, prompt, slot=1)
@@ -88,7 +88,7 @@ def test_a_restart_restores_what_a_graceful_stop_wrote_and_a_bad_file_is_served_
         monkeypatch.undo()
         back = complete(eng, question(vocab, a), slot=0)
         assert isinstance(back.final, JobDone) and back.final.restored_tokens >= len(a) - 8
-        assert not [e for e in back.final.cache_added if e.tier == "disk"]  # the hello told them: not sent twice
+        assert not [e for e in back.cache_added if e.tier == "disk"]  # the hello told them: not sent twice
         assert back.tokens == refs[0].tokens  # restored after the restart: the same answer as computed cold
         # a file damaged on disk: logged, removed, and its prompt computed instead
         asked = question(vocab, b)  # the entry that prompt would be restored from (worker/prefix.py `best_saved`):

@@ -92,7 +92,7 @@ def test_evicted_conversation_is_restored_from_host_ram(copier, vocab):
     saved = counters(copier)
     assert saved["host_saves"] == before["host_saves"] + 1  # three equal contents, one copy
     # the router is told: the JobDone of the job that overwrote it names the slot and what it held (length, hash)
-    (entry,) = [e for o in overwrites for e in o.final.cache_added]
+    (entry,) = [e for o in overwrites for e in o.cache_added]
     fill = fills[entry.slot].final
     assert isinstance(fill, JobDone) and (entry.n_tokens, entry.hash) == (fill.slot_tokens, fill.slot_hash)
     assert entry.nbytes > 0 and not entry.tokens
@@ -107,7 +107,7 @@ def test_evicted_conversation_is_restored_from_host_ram(copier, vocab):
     assert_slot_invariant(copier, back)
     clear_all(copier)  # a reset drops every entry: the next JobDone says so
     told = complete(copier, vocab.tokenize("After the reset."), slot=0, max_tokens=1)
-    assert isinstance(told.final, JobDone) and entry.id in told.final.cache_dropped
+    assert isinstance(told.final, JobDone) and entry.id in told.cache_dropped
 
 
 def test_a_failed_save_or_restore_fails_no_job_and_the_entry_that_failed_is_dropped(copier, vocab):
@@ -220,7 +220,7 @@ def test_host_ram_entry_longer_than_a_window_is_cut_back_to_its_prompts_end(copi
     first = complete(copier, history, slot=0, max_tokens=24)
     evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of bread."), slot=0, max_tokens=2)
     assert isinstance(first.final, JobDone) and isinstance(evict.final, JobDone)
-    [saved] = evict.final.cache_added
+    [saved] = evict.cache_added
     assert saved.min_keep > len(history) and saved.cuts == sorted([len(history), saved.n_tokens - TAIL])
     prompt = history + vocab.tokenize(" Visitor: and what became of the boat with the torn sail?", add_special=False)
     back = complete(copier, prompt, slot=1)
@@ -232,7 +232,7 @@ def test_host_ram_entry_longer_than_a_window_is_cut_back_to_its_prompts_end(copi
     short = complete(copier, vocab.tokenize(DOC), slot=0, max_tokens=24)  # (within the window: cut anywhere)
     gone = complete(copier, vocab.tokenize("Unrelated prompt: the price of fish."), slot=0, max_tokens=2)
     assert isinstance(short.final, JobDone) and isinstance(gone.final, JobDone)
-    assert [(e.min_keep, e.cuts) for e in gone.final.cache_added] == [(0, [])]
+    assert [(e.min_keep, e.cuts) for e in gone.cache_added] == [(0, [])]
 
 
 def test_host_ram_entry_longer_than_a_window_is_cut_back_to_a_checkpoint_near_its_end(copier, vocab):
@@ -243,7 +243,7 @@ def test_host_ram_entry_longer_than_a_window_is_cut_back_to_a_checkpoint_near_it
     complete(copier, history, slot=0, max_tokens=2)
     evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of rye."), slot=0, max_tokens=2)
     assert isinstance(evict.final, JobDone)
-    [saved] = evict.final.cache_added
+    [saved] = evict.cache_added
     tail = saved.n_tokens - TAIL
     assert tail in saved.cuts and tail > len(history) - 8 - TAIL
     prompt = history[:-5] + vocab.tokenize(" Visitor: was the lamp lit early?", add_special=False)
@@ -269,7 +269,7 @@ def test_a_restored_state_extended_a_little_is_saved_without_a_tail_it_cannot_gi
     assert resumed.final.slot_min_keep > resumed.final.slot_tokens - TAIL  # (its window begins within the last TAIL)
     evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of barley."), slot=1, max_tokens=2)
     assert isinstance(evict.final, JobDone)
-    [saved] = evict.final.cache_added
+    [saved] = evict.cache_added
     assert saved.n_tokens - TAIL not in saved.cuts
     prompt = history[:-5] + vocab.tokenize(" Visitor: how calm was it?", add_special=False)
     back = complete(copier, prompt, slot=2)
@@ -293,7 +293,7 @@ def test_a_tenants_kv_is_reused_and_copied_only_for_the_same_tenant(copier, voca
     # tenant a's history went to host RAM when c took slot 0: a gets it back, b does not
     back_a = complete(copier, prompt, slot=2, cache_salt="tenant-a")
     assert back_a.final.restored_tokens == back_a.final.reused_tokens >= len(prompt) - 8
-    assert [e.salt for e in same_slot.final.cache_added] == ["tenant-a"]  # what the router is told of it
+    assert [e.salt for e in same_slot.cache_added] == ["tenant-a"]  # what the router is told of it
     plain = complete(copier, prompt, slot=2)  # no salt: not tenant a's either
     assert plain.final.reused_tokens == 0
 
@@ -316,7 +316,7 @@ def test_a_state_copied_from_another_worker_is_restored_as_its_own(copier, other
     complete(copier, history, slot=0, max_tokens=2)
     evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of oats."), slot=0, max_tokens=2)
     assert isinstance(evict.final, JobDone)
-    [saved] = evict.final.cache_added
+    [saved] = evict.cache_added
     prompt = history[:-5] + vocab.tokenize(" Visitor: was the lamp lit early?", add_special=False)
     tail = saved.n_tokens - TAIL
     restorable = copier.core.prefixes.restorable
@@ -333,7 +333,7 @@ def test_a_state_copied_from_another_worker_is_restored_as_its_own(copier, other
     cold = complete(other_worker, prompt, slot=1, prefix_cache=False)
     assert isinstance(there.final, JobDone) and there.final.restored_tokens == there.final.reused_tokens == tail
     assert there.tokens == cold.tokens  # the copied KV is what a cold computation gives there, bit for bit
-    (kept,) = there.final.cache_added  # the router's mirror learns the copy is in this worker's tier now
+    (kept,) = there.cache_added  # the router's mirror learns the copy is in this worker's tier now
     assert kept.slot == -1 and kept.n_tokens == saved.n_tokens and kept.hash == saved.hash and kept.cuts == saved.cuts
     assert other_worker.call(lambda e: e.counters.invariant_violations).result(10) == 0
     assert_slot_invariant(other_worker, there)

@@ -38,7 +38,7 @@ def test_a_job_of_higher_priority_pauses_the_lower_ones_which_go_on_after_it_as_
         run, msg = Run(vocab.tokenize(text)), job(vocab.tokenize(text), prefix_cache=False, **kw)
 
         def sink(m: Message) -> None:
-            if not isinstance(m, JobDelta):
+            if isinstance(m, JobDone | JobError):
                 order.append((name, "end"))
             elif unpack_tokens(m.tokens):
                 order.append((name, "token"))

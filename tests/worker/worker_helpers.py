@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from protocol import (
+    CacheEntry,
     Constraint,
     Job,
     JobDelta,
@@ -17,6 +18,7 @@ from protocol import (
     JobImage,
     Message,
     Sampling,
+    SlotUpdate,
     StateBlob,
     pack_tokens,
     token_hash,
@@ -39,14 +41,29 @@ class Run:
     deltas: list[JobDelta] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     final: JobDone | JobError | None = None
+    updates: list[SlotUpdate] = field(default_factory=list)  # the saved states its placing changed (worker/job_ends.py)
 
     def __call__(self, msg: Message) -> None:  # the job's sink (called on the compute thread)
         self.times.append(time.monotonic())
         if isinstance(msg, JobDelta):
             self.deltas.append(msg)
+        elif isinstance(msg, SlotUpdate):
+            assert self.final is None and msg.slot == -1, "a saved-state report after the job's end"
+            self.updates.append(msg)
         else:
             assert self.final is None, "two final messages for one job"
             self.final = msg  # type: ignore[assignment]
+
+    @property
+    def cache_added(self) -> list[CacheEntry]:
+        """The saved states the router was told of with this job: as it was placed, and at its end."""
+        assert self.final is not None
+        return [e for u in self.updates for e in u.cache_added] + self.final.cache_added
+
+    @property
+    def cache_dropped(self) -> list[int]:
+        assert self.final is not None
+        return [i for u in self.updates for i in u.cache_dropped] + self.final.cache_dropped
 
     @property
     def tokens(self) -> list[int]:
