@@ -161,7 +161,7 @@ class WorkerConn:
 
     def __post_init__(self) -> None:
         h = self.hello
-        self.load = WorkerLoad(h.worker_id, self.slots, keeps_copies=h.host_cache_bytes > 0, ctx_per_slot=h.ctx_per_slot)
+        self.load = WorkerLoad(h.worker_id, self.slots, host_cache_bytes=h.host_cache_bytes, ctx_per_slot=h.ctx_per_slot)
         self.load.deterministic = h.deterministic
         self._evict_share()
 

@@ -128,7 +128,7 @@ class WorkerLoad:
     evict_share: float = 1.0  # of a cached token a choice overwrites, what is lost (restoring it, when saved first)
     prefill_tps: float = 0.0  # its prompt tokens computed per second, measured (0: not yet)
     frees_at: float | None = None  # when its first running job should end (monotonic; None: not known)
-    keeps_copies: bool = False  # it has a host-RAM tier: a state another worker saved can be copied into it
+    host_cache_bytes: int = 0  # its host-RAM tier: a state another worker saved can be copied into it (Hello's)
     ctx_per_slot: int = 0
     deterministic: bool = False
     saved: dict[SavedKey, Saved] = field(default_factory=dict, repr=False)  # its saved states (the mirror's)
@@ -140,9 +140,10 @@ class WorkerLoad:
 
     def takes_copy_of(self, saved: Saved, source: WorkerLoad | None) -> bool:
         """Whether a copy of a state `source` saved in host RAM can be restored here (`Dispatch.copy_from`): a worker
-        of the same slots (llama.cpp's state of a sequence lists every slot's KV stream), length and mode."""
+        of the same slots (llama.cpp's state of a sequence lists every slot's KV stream), length and mode, whose host-RAM
+        tier can keep it."""
         return (
-            self.keeps_copies
+            saved.nbytes <= self.host_cache_bytes
             and source is not None
             and source.worker != self.worker
             and (len(source.slots), source.ctx_per_slot, source.deterministic)

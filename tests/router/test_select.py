@@ -337,7 +337,7 @@ def test_a_full_workers_saved_state_is_copied_to_an_idle_worker_that_keeps_copie
 
     def placed(params: Params | None = None, **on_w1: object) -> Dispatch | Wait | None:
         ws = loads(m, {"w0": 1})
-        ws[1].keeps_copies = True
+        ws[1].host_cache_bytes = 1 << 30
         for w in ws:
             w.ctx_per_slot = 8192
         for w in ws:
@@ -351,7 +351,8 @@ def test_a_full_workers_saved_state_is_copied_to_an_idle_worker_that_keeps_copie
     assert isinstance(d, Dispatch) and d.slot.worker == "w1" and d.restore and d.copy_from is saved
     assert d.reuse == 2000 and d.without_copy == 0
     assert isinstance(placed(Params(state_copies=False)), Wait)  # (the full worker is waited for instead)
-    assert isinstance(placed(keeps_copies=False), Wait)  # (no host-RAM tier to keep it in)
+    assert isinstance(placed(host_cache_bytes=0), Wait)  # (no host-RAM tier to keep it in)
+    assert isinstance(placed(host_cache_bytes=2000 * 3_000 - 1), Wait)  # (one too small for it)
     assert isinstance(placed(ctx_per_slot=2000), Wait)  # (its slots are shorter)
     assert isinstance(placed(slots=[*m.workers["w1"], *m.workers["w1"]]), Wait)  # (llama.cpp's state lists each slot's)
     assert isinstance(placed(deterministic=True), Wait)  # (n_exact means another thing there)
