@@ -39,9 +39,13 @@ def chosen(host: HostCache, fetch: StateFetch, gives: Callable[[Entry, list[int]
     that prompt (`gives`: the worker's rule, worker/prefix.py `restorable`). (I/O thread.)"""
     prompt = unpack_tokens(fetch.tokens)
     entry = host.find(fetch.entry)
+    if entry is not None and entry.salt != fetch.salt:
+        entry = None  # (never another tenant's)
     if entry is None and prompt:
         sharing = [e for e, _ in shared_prefixes(list(host.entries), prompt, fetch.salt)]  # (a copy: another thread's)
         entry = max(sharing, key=lambda e: gives(e, prompt, fetch.seeded), default=None)
+        if entry is not None and gives(entry, prompt, fetch.seeded) == 0:
+            entry = None  # (nothing worth its bytes)
     return entry, gives(entry, prompt, fetch.seeded) if entry is not None and prompt else 0
 
 

@@ -327,6 +327,8 @@ def test_a_state_copied_from_another_worker_is_restored_as_its_own(copier, other
     assert entry is not None and entry.id == saved.id and gives == tail
     assert state_copies.chosen(copier.host, gone, restorable) == (entry, tail)
     assert state_copies.chosen(copier.host, other, restorable) == (None, 0)
+    stranger = StateFetch(id="f", entry=saved.id, tokens=pack_tokens(prompt), salt="another tenant")
+    assert state_copies.chosen(copier.host, stranger, restorable) == (None, 0)  # (named, but not its tenant's)
     blob = state_copies.blob_of(entry)
     assert len(blob.data) + sum(len(c.data) for c in blob.checkpoints) == saved.nbytes and blob.checkpoints
     there = complete(other_worker, prompt, slot=0, state=blob)
