@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import openai
 from pydantic import BaseModel, Field
@@ -55,6 +56,12 @@ def test_openai_agents_sdk_runs_a_tool_using_turn(served: Served) -> None:
         model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60, parallel_tool_calls=False),
         tool_use_behavior="stop_on_first_tool",
     )
-    result = asyncio.run(Runner.run(agent, "What is the weather in Paris for 3 days?", max_turns=2))
+
+    async def run() -> Any:
+        # Closed on its own loop: an SDK client left open closes itself when collected, on whatever loop runs then
+        async with client:
+            return await Runner.run(agent, "What is the weather in Paris for 3 days?", max_turns=2)
+
+    result = asyncio.run(run())
     assert len(calls) == 1 and isinstance(calls[0][0], str) and isinstance(calls[0][1], int)
     assert result.final_output == f"sunny in {calls[0][0]}"

@@ -247,7 +247,13 @@ def test_openai_agents_sdk_default_responses_model(served: Served) -> None:
         model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=60, parallel_tool_calls=False),
         tool_use_behavior="stop_on_first_tool",
     )
-    result = asyncio.run(Runner.run(agent, "What is the weather in Paris?", max_turns=2))
+
+    async def run() -> Any:
+        # Closed on its own loop: an SDK client left open closes itself when collected, on whatever loop runs then
+        async with client:
+            return await Runner.run(agent, "What is the weather in Paris?", max_turns=2)
+
+    result = asyncio.run(run())
     assert len(calls) == 1 and result.final_output == f"sunny in {calls[0]}"
 
 
