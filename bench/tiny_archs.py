@@ -65,11 +65,12 @@ def _scalar(part: Any, kind: GGUFValueType) -> Any:
     return float(value) if kind in (GGUFValueType.FLOAT32, GGUFValueType.FLOAT64) else int(value)
 
 
-def write(arch: str, out: Path, seed: int = 0, repeat: int = 1, n_ctx: int = 0) -> Path:
+def write(arch: str, out: Path, seed: int = 0, repeat: int = 1, n_ctx: int = 0, stdev: float = STDEV) -> Path:
     """Write a model of `arch` from its recipe, with random weights drawn from `seed`; `repeat` > 1: its layers that
     many times over (the same pattern of recurrent and attention layers, `repeat` times the compute: a model whose
     time means something, for bench/hybrid_turns.py); `n_ctx`: the context it says it was trained for (0: the
-    recipe's, 256; llama-server caps a slot there)."""
+    recipe's, 256; llama-server caps a slot there); `stdev`: of the weights (larger: sharper attention, whose
+    outputs then tell positions apart: tests/worker/test_engine_mrope.py)."""
     spec = json.loads((RECIPES / f"{arch}.json").read_text())
     w = GGUFWriter(str(out), spec["arch"])
     n_layer = next(v for k, _, v, *_ in spec["fields"] if k.endswith(".block_count"))
@@ -87,7 +88,7 @@ def write(arch: str, out: Path, seed: int = 0, repeat: int = 1, n_ctx: int = 0) 
     rng = np.random.default_rng(seed)
     for name, shape, kind in _layers(spec["tensors"], n_layer, repeat):
         dtype = {"F32": np.float32, "F16": np.float16}[kind]
-        values = rng.standard_normal(tuple(reversed(shape))) * STDEV  # (numpy's order is ggml's reversed)
+        values = rng.standard_normal(tuple(reversed(shape))) * stdev  # (numpy's order is ggml's reversed)
         if "ssm_a" in name:
             values = -np.abs(values)
         w.add_tensor(name, values.astype(dtype))
@@ -109,12 +110,13 @@ def _layers(tensors: list[list[Any]], n_layer: int, repeat: int) -> list[list[An
     return out
 
 
-def model(arch: str, repeat: int = 1, n_ctx: int = 0) -> Path:
-    """The model of `arch` (seed 0; `repeat`, `n_ctx`: as in `write`) in ~/.cache/kvroute/archs, written on first use
-    (the tests' and benches' copy; named by its recipe's digest: a changed recipe writes a new one)."""
+def model(arch: str, repeat: int = 1, n_ctx: int = 0, stdev: float = STDEV) -> Path:
+    """The model of `arch` (seed 0; `repeat`, `n_ctx`, `stdev`: as in `write`) in ~/.cache/kvroute/archs, written on
+    first use (the tests' and benches' copy; named by its recipe's digest: a changed recipe writes a new one)."""
     digest = hashlib.sha256((RECIPES / f"{arch}.json").read_bytes()).hexdigest()[:12]
-    out = CACHE / f"{arch}-{digest}{f'-x{repeat}' if repeat > 1 else ''}{f'-c{n_ctx}' if n_ctx else ''}.gguf"
-    return made_once(out, lambda tmp: write(arch, tmp, repeat=repeat, n_ctx=n_ctx))
+    variant = f"{f'-x{repeat}' if repeat > 1 else ''}{f'-c{n_ctx}' if n_ctx else ''}{f'-s{stdev:g}' if stdev != STDEV else ''}"
+    out = CACHE / f"{arch}-{digest}{variant}.gguf"
+    return made_once(out, lambda tmp: write(arch, tmp, repeat=repeat, n_ctx=n_ctx, stdev=stdev))
 
 
 def main(argv: list[str]) -> int:

@@ -1,5 +1,6 @@
-"""A tiny Gemma 3 projector GGUF ("mmproj") with seeded random weights, and tiny PNGs, so that images run end to end
-through llama.cpp's multimodal library (mtmd) here, where no multimodal model can be downloaded (issue 64).
+"""A tiny Gemma 3 projector GGUF ("mmproj") with seeded random weights, a tiny Qwen2-VL one (`qwen2vl_mmproj`, below),
+and tiny PNGs, so that images run end to end through llama.cpp's multimodal library (mtmd) here, where no multimodal
+model can be downloaded (issue 64).
 
 The file is what llama.cpp's converter writes for Gemma 3 (conversion/gemma.py `Gemma3VisionModel`), shrunk:
 `clip.projector_type = "gemma3"`, a SigLIP ViT (conv patch embedding + learned positions, pre-norm blocks with
@@ -65,6 +66,27 @@ tests/worker/test_tiny_mmproj.py where it says so):
   encode a real bitmap. To count alone, a placeholder bitmap (`mtmd_bitmap_init(nx, ny, None)`, or the helper with
   placeholder=True) tokenizes without pixels and refuses to encode (tested); for Gemma 3 the count does not depend
   on the image (it is resized to image_size), for dynamic-size projectors (Qwen-VL, Pixtral) it does on nx, ny.
+
+Qwen-VL (`qwen2vl_mmproj`: clip's `qwen2vl_merger`, a ViT with 2D rope whose 2x2 neighbouring patches the merger
+makes one row; tested on the tiny qwen35 model of bench/tiny_archs.py). M-RoPE comes from the text model, not the
+projector: mtmd.cpp sets its position type from `llama_model_rope_type` (MROPE or IMROPE: qwen35's), so a vocab-only
+model tells it too (tested). The image is resized (bicubic, its aspect kept, padded black) to multiples of 2 x patch
+a side with between 8 and 4096 merged patches (clip.cpp `set_limit_image_tokens(8, 4096)`; the loader reads no
+min/max pixels for this type, only the context's `image_min_tokens`/`image_max_tokens` move them), `qwen2vl_grid`
+(checked once against mtmd on 3000 random sizes): an nx x ny grid of rows in row-major order. n_tokens = nx * ny rows,
+each a KV cell; n_pos = max(nx, ny) (mtmd.cpp `mtmd_image_tokens_get_n_pos`). Row i's positions
+(`mtmd_image_tokens_get_decoder_pos`): temporal t = n_past for every row, y = n_past + i//nx and x = n_past + i%nx in
+the next two M-RoPE sections (mtmd-helper-common.h `set_position_mrope_2d`), the fourth 0; the text after it starts
+at n_past + max(nx, ny) (tested: "Look:<__media__> what?" is text 5, image 8 rows / 4 positions, text 5; 14
+positions, the last at 13, in 18 cells). A KV cell keeps the temporal position, so after an image
+`llama_memory_seq_pos_max` is the n_past it started at, and a batch given no positions (`llama_batch_get_one`) would
+go on from there + 1, inside the image's span (tested): text after an image needs its positions set (llama.cpp only
+checks they move forward; "non-consecutive token position" in its log is find_slot noting the jump). The rows are
+causal (`mtmd_decode_use_non_causal` false: no n_ubatch assert, they may be split over decodes). mtmd puts
+"<|vision_start|>"/"<|vision_end|>" text around the image (with the test vocabulary, 4 and 3 tokens). The clamp can
+exceed 4096 on an extreme aspect ratio: a side rounds up to 2 x patch first, so 1 x 40000 pixels gives 1 x 12800 rows
+(transformers refuses ratios over 200; mtmd takes it): a router should bound an image's n_tokens itself. The real
+Qwen2-VL (patch 14) is 28 x 28 pixels a row: 8 to 4096 rows.
 """
 
 from __future__ import annotations
@@ -166,6 +188,116 @@ def tokens_per_image(image_size: int = 64, patch_size: int = 8, pool: int = 2) -
     return (image_size // patch_size // pool) ** 2
 
 
+QWEN2VL_PROJECTOR_TYPE = "qwen2vl_merger"
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]  # Qwen2-VL's preprocessor_config (OpenAI CLIP's)
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+QWEN2VL_MERGE = 2  # spatial_merge_size: clip.cpp's Qwen2-VL graph and token counts hard-code 2x2
+QWEN2VL_MIN_TOKENS, QWEN2VL_MAX_TOKENS = 8, 4096  # clip.cpp: set_limit_image_tokens(8, 4096) for Qwen-VL
+
+
+def qwen2vl_mmproj(
+    path: Path,
+    text_model_n_embd: int = 256,
+    seed: int = 0,
+    patch_size: int = 4,
+    n_embd: int = 32,
+    n_layer: int = 2,
+    n_head: int = 2,
+    n_ff: int = 64,
+    eps: float = 1e-6,
+) -> Path:
+    """Write a Qwen2-VL projector GGUF (`qwen2vl_merger`) to `path`: a ViT on patch_size^2-pixel patches with 2D
+    M-RoPE, then the patch merger (each 2x2 patches one row, `text_model_n_embd` wide): a W x H image (after Qwen's
+    smart resize, `qwen2vl_grid`) gives nx x ny = (W / 2p) x (H / 2p) rows. The default text width is the tiny
+    qwen35 model's (bench/tiny_archs.py). `n_embd / n_head` (the head width) must be a multiple of 4 (the ViT's rope
+    has 4 sections of head/4), and `n_ff` must not equal `n_embd` (the loader then swaps up and down, as in `mmproj`).
+    """
+    if n_embd % n_head or (n_embd // n_head) % 4 or n_ff == n_embd:
+        raise ValueError("n_embd/n_head/n_ff do not fit")
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), "clip")
+    w.add_type("mmproj")
+    w.add_name("tiny-qwen2vl-mmproj")
+    w.add_file_type(1)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type(QWEN2VL_PROJECTOR_TYPE)
+    w.add_vision_projection_dim(text_model_n_embd)
+    # required, and unused: the size is dynamic, and the loader sets Qwen's own warmup size (46 x 46 merged patches)
+    w.add_vision_image_size(patch_size * QWEN2VL_MERGE * 8)
+    w.add_vision_patch_size(patch_size)
+    w.add_vision_embedding_length(n_embd)
+    w.add_vision_feed_forward_length(n_ff)
+    w.add_vision_block_count(n_layer)
+    w.add_vision_head_count(n_head)
+    w.add_vision_image_mean(CLIP_MEAN)
+    w.add_vision_image_std(CLIP_STD)
+    w.add_vision_attention_layernorm_eps(eps)
+    # no use_gelu/use_silu: the ViT MLP is QuickGELU, the loader's default. No spatial_merge_size (the loader reads
+    # it, default 2, but the graph and token counts hard-code 2) and no min/max pixels (not read for Qwen2-VL: only
+    # mtmd_context_params' image_min_tokens/image_max_tokens move the 8..4096 limits): as the converter writes.
+
+    def t(name: str, *shape: int, dtype: type = np.float32, scale: float = 0.1, base: float = 0.0) -> None:
+        # numpy's shape is ggml's ne reversed: (rows, columns) of a matrix is ne = [columns, rows]
+        w.add_tensor(name, (base + rng.standard_normal(shape) * scale).astype(dtype))
+
+    # HF's Conv3d (temporal patch 2) split by the converter into two conv2d kernels, ne [p, p, 3, n_embd] each; a
+    # still image is convolved with both and summed (the graph needs both: it adds them). No bias, no positions
+    # (the graph asserts no patch bias; positions are rope)
+    t("v.patch_embd.weight", n_embd, 3, patch_size, patch_size, dtype=np.float16)
+    t("v.patch_embd.weight.1", n_embd, 3, patch_size, patch_size, dtype=np.float16)
+    for i in range(n_layer):
+        p = f"v.blk.{i}"
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):  # (q, k, v: HF's fused qkv, split by the converter)
+            t(f"{p}.{name}.weight", n_embd, n_embd, dtype=np.float16)
+            t(f"{p}.{name}.bias", n_embd)
+        t(f"{p}.ln1.weight", n_embd, base=1.0)  # (LayerNorm with bias: Qwen2-VL; 2.5 has RMS norms)
+        t(f"{p}.ln1.bias", n_embd)
+        t(f"{p}.ln2.weight", n_embd, base=1.0)
+        t(f"{p}.ln2.bias", n_embd)
+        t(f"{p}.ffn_up.weight", n_ff, n_embd, dtype=np.float16)  # ne [n_embd, n_ff]
+        t(f"{p}.ffn_up.bias", n_ff)
+        t(f"{p}.ffn_down.weight", n_embd, n_ff, dtype=np.float16)  # ne [n_ff, n_embd]
+        t(f"{p}.ffn_down.bias", n_embd)
+    t("v.post_ln.weight", n_embd, base=1.0)  # the merger's ln_q, on each patch before 2x2 are concatenated
+    t("v.post_ln.bias", n_embd)
+    # the merger's MLP on 4 concatenated patches: Linear(4 n_embd, 4 n_embd), GELU, Linear(4 n_embd, text)
+    t("mm.0.weight", 4 * n_embd, 4 * n_embd, dtype=np.float16)  # ne [4 n_embd, 4 n_embd]
+    t("mm.0.bias", 4 * n_embd)
+    t("mm.2.weight", text_model_n_embd, 4 * n_embd, dtype=np.float16)  # ne [4 n_embd, text]
+    t("mm.2.bias", text_model_n_embd)  # (its length is the projector's width mtmd checks against the model's)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def qwen2vl_grid(
+    width: int, height: int, patch_size: int = 4, min_tokens: int = QWEN2VL_MIN_TOKENS, max_tokens: int = QWEN2VL_MAX_TOKENS
+) -> tuple[int, int]:
+    """(nx, ny): the merged-patch grid mtmd makes of a width x height image for `qwen2vl_mmproj`; an image chunk of
+    nx * ny rows (n_tokens) and max(nx, ny) positions (n_pos). mtmd's dyn-size preprocessing (mtmd-image.cpp
+    `calc_size_preserved_ratio`, transformers' smart_resize) rounds each side to a multiple of f = 2 * patch_size,
+    then, above max_tokens * f^2 pixels, scales both sides down (floor to f) or, below min_tokens * f^2, up (ceil
+    to f), keeping the aspect ratio (float32, as there). min/max_tokens: clip's 8 and 4096, or the context's
+    image_min_tokens/image_max_tokens when set. With patch 4 (f = 8): 32x16 -> (4, 2), the smallest grid with nx !=
+    ny that needs no resize (8 tokens, 4 positions); 24x16 rounds to 3x2 = 6 < 8 tokens and is scaled up to 32x24 ->
+    (4, 3); 16x8 -> (4, 2)."""
+    f32, f = np.float32, patch_size * QWEN2VL_MERGE
+    min_px, max_px = min_tokens * f * f, max_tokens * f * f
+    w_bar = max(f, int(np.floor(float(f32(width) / f32(f)) + 0.5)) * f)  # (std::round: half away from zero)
+    h_bar = max(f, int(np.floor(float(f32(height) / f32(f)) + 0.5)) * f)
+    if w_bar * h_bar > max_px:
+        beta = np.sqrt(f32(height) * f32(width) / f32(max_px))
+        h_bar = max(f, int(np.floor(f32(height) / beta / f32(f))) * f)
+        w_bar = max(f, int(np.floor(f32(width) / beta / f32(f))) * f)
+    elif w_bar * h_bar < min_px:
+        beta = np.sqrt(f32(min_px) / (f32(height) * f32(width)))
+        h_bar = int(np.ceil(f32(height) * beta / f32(f))) * f
+        w_bar = int(np.ceil(f32(width) * beta / f32(f))) * f
+    return w_bar // f, h_bar // f
+
+
 def png(width: int, height: int, seed: int = 0) -> bytes:
     """A valid RGB PNG of seeded noise (8-bit, no interlace, filter 0 on each row)."""
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
@@ -184,26 +316,36 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def check(out_dir: Path) -> dict:
-    """Serve the default model with a tiny projector under llama-server (with the chat template kvroute's bench gives
-    it: the default model's GGUF has none) and send one chat completion with an image twice. Returns the rendered
-    prompt and each reply's usage and timings."""
+def check(
+    out_dir: Path,
+    model: Path | None = None,
+    proj: Path | None = None,
+    template: tuple[str, ...] = ("--no-jinja", "--chat-template", "gemma"),
+    image: bytes | None = None,
+    after: str = "",
+) -> dict:
+    """Serve a model (default: the default model, with the chat template kvroute's bench gives it: its GGUF has none)
+    with a tiny projector (default: the Gemma 3 one) under llama-server and send one chat completion with an image
+    (default: 48 x 40 noise; `after`: a text part after it) twice. Returns the rendered prompt and each reply's usage
+    and timings."""
     from bench.llama_server import binary
     from common.model import default_model_path
 
-    proj = mmproj(out_dir / "tiny-mmproj.gguf")
+    proj = proj or mmproj(out_dir / "tiny-mmproj.gguf")
     port = _free_port()
     log = out_dir / "llama-server.log"
-    cmd = [str(binary()), "-m", str(default_model_path()), "--mmproj", str(proj), "-c", "2048", "-np", "1",
-           "--port", str(port), "--host", "127.0.0.1", "-t", "2", "--no-jinja", "--chat-template", "gemma"]  # fmt: skip
-    url = "data:image/png;base64," + base64.b64encode(png(48, 40, seed=1)).decode()
+    cmd = [str(binary()), "-m", str(model or default_model_path()), "--mmproj", str(proj), "-c", "2048", "-np", "1",
+           "--port", str(port), "--host", "127.0.0.1", "-t", "2", *template]  # fmt: skip
+    url = "data:image/png;base64," + base64.b64encode(image or png(48, 40, seed=1)).decode()
     body = {
         "messages": [{"role": "user", "content": [
             {"type": "text", "text": "What is in this picture?"},
             {"type": "image_url", "image_url": {"url": url}},
+            *([{"type": "text", "text": after}] if after else []),
         ]}],
         "max_tokens": 4,
         "temperature": 0,
+        "logprobs": True,
     }  # fmt: skip
     out: dict = {"tokens_per_image": tokens_per_image()}
     with log.open("wb") as f:
@@ -215,9 +357,11 @@ def check(out_dir: Path) -> dict:
         for n in (1, 2):
             t0 = time.perf_counter()
             reply = _post(f"{base}/v1/chat/completions", body)
+            logprobs = (reply["choices"][0].get("logprobs") or {}).get("content") or []
             out[f"reply{n}"] = {"usage": reply.get("usage"), "timings": reply.get("timings"),
                                 "seconds": round(time.perf_counter() - t0, 3),
-                                "content": reply["choices"][0]["message"].get("content")}  # fmt: skip
+                                "content": reply["choices"][0]["message"].get("content"),
+                                "logprobs": [t["logprob"] for t in logprobs]}  # fmt: skip
     finally:
         proc.terminate()
         proc.wait(10)

@@ -7,6 +7,11 @@ the same file at the same place is the same ids, so a turn that repeats a screen
 another image differs at its first row. No vocabulary id is negative, so an image's ids never equal text's. The first
 row's id lies below START_BELOW and the others' above it: an image is computed whole, so a prefix never ends inside
 one (`image_floor`).
+
+The second row's id says how many positions the image advances (`n_pos`): its rows where positions are one per row,
+fewer for a model placing rows with M-RoPE (Qwen-VL's: all of an image's rows share one temporal position, the next
+text comes max(columns, rows) positions later; tools/mtmd/mtmd.cpp `mtmd_image_tokens_get_n_pos`). A prompt's ids
+alone then say where each token's position is (`mrope_spans`), wherever they are kept or copied to.
 """
 
 from __future__ import annotations
@@ -26,13 +31,36 @@ def digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def image_tokens(name: bytes, n: int) -> np.ndarray:
-    """The ids an image named `name` takes in a prompt, one per row of its embeddings."""
+def image_tokens(name: bytes, n: int, n_pos: int | None = None) -> np.ndarray:
+    """The ids an image named `name` takes in a prompt, one per row of its embeddings; it advances `n_pos` positions
+    (default: one a row), written in the second row's id."""
+    n_pos = n if n_pos is None else n_pos
+    if not 0 < n_pos <= n or n_pos > MASK:
+        raise ValueError(f"an image of {n} rows cannot advance {n_pos} positions")
     out = np.empty(n, dtype=np.int32)
     for i in range(n):
         h = int.from_bytes(hashlib.blake2b(name + i.to_bytes(4, "little"), digest_size=4).digest(), "little") & MASK
         out[i] = START_BELOW - 1 - h if i == 0 else -1 - h
+    if n > 1:
+        out[1] = -n_pos  # (in [-2**30, -1]: a row after the first)
     return out
+
+
+def image_n_pos(tokens: Sequence[int] | np.ndarray, start: int, n: int) -> int:
+    """The positions the image of `n` rows at `start` advances (`image_tokens`)."""
+    return -int(tokens[start + 1]) if n > 1 else 1
+
+
+def mrope_spans(tokens: Sequence[int] | np.ndarray) -> list[tuple[int, int, int]]:
+    """(start, end, positions fewer than rows so far) of each image of a prompt, for a model placing rows with M-RoPE:
+    the token at index i (not inside an image) is at position i minus the lag of the images ending at or before it."""
+    if not len(tokens) or min(tokens) >= 0:
+        return []
+    spans, lag = [], 0
+    for start, n in image_runs(tokens):
+        lag += n - image_n_pos(tokens, start, n)
+        spans.append((start, start + n, lag))
+    return spans
 
 
 def is_image(token: int) -> bool:

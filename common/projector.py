@@ -48,6 +48,7 @@ class EncodedImage:
 
     def __init__(self, chunks: Any, chunk: Any, n_tokens: int, rows: ctypes.Array[ctypes.c_float]) -> None:
         self._chunks, self.chunk, self.n_tokens, self.rows = chunks, chunk, n_tokens, rows
+        self.n_pos = int(mtmd.mtmd_input_chunk_get_n_pos(chunk))  # the positions it advances (common/media.py)
 
     def free(self) -> None:
         if self._chunks is not None:
@@ -72,11 +73,8 @@ class Projector:
         if not mtmd.mtmd_support_vision(self.ctx):
             self.close()
             raise ProjectorError(f"--mmproj {path}: this projector reads no images (audio only)")
-        if mtmd.mtmd_decode_use_mrope(self.ctx):
-            self.close()
-            raise ProjectorError(
-                f"--mmproj {path}: this model places image rows with M-RoPE (Qwen-VL's), which kvroute does not serve yet"
-            )
+        # Qwen-VL's M-RoPE: an image's rows share a position and advance fewer than their number (common/media.py)
+        self.mrope = bool(mtmd.mtmd_decode_use_mrope(self.ctx))
         self.n_embd = llama_cpp.llama_model_n_embd_inp(model)  # (an encoded image's row: what the text model reads)
         self._lock = threading.Lock()
 
@@ -127,7 +125,8 @@ class Projector:
                         part = np.ctypeslib.as_array(ptr, shape=(n.value,)).astype(np.int32) if n.value else np.empty(0, np.int32)
                     else:
                         data = images[len(placed)]
-                        part = image_tokens(digest(data), mtmd.mtmd_input_chunk_get_n_tokens(c))
+                        n, n_pos = mtmd.mtmd_input_chunk_get_n_tokens(c), mtmd.mtmd_input_chunk_get_n_pos(c)
+                        part = image_tokens(digest(data), n, n_pos)
                         placed.append(PromptImage(at, len(part), data))
                     parts.append(part)
                     at += len(part)
@@ -165,7 +164,8 @@ class Projector:
     def decode_image(self, lctx: Any, image: EncodedImage, n_past: int, seq: int, n_batch: int) -> int:
         """Decode an encoded image's rows into sequence `seq` from position `n_past` (no logits: a text token after it
         is sampled), as mtmd_helper_eval_chunk_single does after its encode (mtmd_helper_decode_image_chunk: causal
-        attention off around it where the projector asks, as for Gemma 3); the rows it took. Not under the lock: it
+        attention off around it where the projector asks, as for Gemma 3; M-RoPE's positions where the model has
+        them); the positions it advanced (`image.n_pos`; its rows take `image.n_tokens` cells). Not under the lock: it
         reads only the projector's type, never what an encode writes, so another image may be encoding meanwhile."""
         new_past = llama_cpp.llama_pos(n_past)
         rc = mtmd.mtmd_helper_decode_image_chunk(

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from common.media import digest, image_tokens
+from common.media import digest, image_n_pos, image_tokens
 from common.slots import SlotPhase
 from common.vocab import Vocab
 from protocol import EngineCounters, ErrorCode, Job, JobError, Overflow, Refusal, outside_vocab, unpack_tokens, vocab_message
@@ -95,7 +95,9 @@ class Admission:
             end = image.start + image.n_tokens
             if end > len(prompt) - 1:
                 return f"an image at {image.start} reaches the prompt's end: a text token must follow it"
-            if not np.array_equal(prompt[image.start : end], image_tokens(digest(image.data), image.n_tokens)):
+            n_pos = image_n_pos(prompt, image.start, image.n_tokens)  # (checked against the projector's as it decodes)
+            ids = image_tokens(digest(image.data), image.n_tokens, n_pos) if 0 < n_pos <= image.n_tokens else None
+            if ids is None or not np.array_equal(prompt[image.start : end], ids):
                 return f"the prompt's ids at {image.start}..{end - 1} are not those of its image"
             covered += image.n_tokens
         if sum(1 for t in prompt if t < 0) != covered:

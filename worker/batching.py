@@ -90,7 +90,7 @@ class Piece:
 
     slot: Slot
     tokens: list[int]
-    pos: int  # the first row's position
+    pos: int  # the first row's position (its index but after an M-RoPE image: `Slot.pos`)
     decode: bool
     last: bool = False
     pad: int = 0
@@ -146,7 +146,7 @@ class Batcher:
             task.draft = self.guess(task, slot, budget, decoding, rows) if self.guess and not task.seeded else []
             budget -= len(task.draft)
             rows += len(task.draft)
-            pieces.append(Piece(slot, [task.generated[-1], *task.draft], slot.n_tokens, True))
+            pieces.append(Piece(slot, [task.generated[-1], *task.draft], slot.pos(), True))
         for slot in prefilling:  # (in prefill order)
             task = slot.task
             task.passed_over += 1  # (back to 0 below when it gets a chunk)
@@ -182,7 +182,7 @@ class Batcher:
         padded = alone_rows(take)
         task.exact_chunk = alone and not last and not self.uncut and start + padded <= self.n_ctx
         pad = padded - take if task.exact_chunk else 0
-        return Piece(slot, task.prompt[start : start + take], start, False, last, pad)
+        return Piece(slot, task.prompt[start : start + take], slot.pos(start), False, last, pad)
 
     def _write(self, pieces: list[Piece]) -> list[Planned]:
         """Put the pieces' rows into the batch in seq id order, and a padding row into every slot between them that
@@ -220,7 +220,7 @@ class Batcher:
             reading_seeded = slot.task is not None and slot.task.seeded and not slot.task.generated
             return slot.id not in ids and slot.n_tokens < self.n_ctx and not reading_seeded
 
-        return [Piece(s, [], s.n_tokens, False, pad=1) for s in self.slots[min(ids) + 1 : max(ids)] if pads(s)]
+        return [Piece(s, [], s.pos(), False, pad=1) for s in self.slots[min(ids) + 1 : max(ids)] if pads(s)]
 
     def _build_padded(self, generating: list[Slot]) -> list[Planned]:
         """Deterministic mode's decode batch: the slots from the first generating one to the last, in seq id order
@@ -233,7 +233,7 @@ class Batcher:
         pad = max(2, -(-EXACT_ROWS // len(span)))
         guesses = EXACT_OUTPUTS - len(mine)  # rows with logits the batch has left for guesses
         for slot in span:
-            pos, rows = slot.n_tokens, 0
+            pos, rows = slot.pos(), 0
             if slot.id in mine:
                 task: Task = slot.task
                 row = batch.add(task.generated[-1], pos, slot.id, True)
@@ -254,4 +254,4 @@ class Batcher:
         if self.rows.n == sum(n for _, n, _ in plan):
             return []
         rows = {slot.id: n for slot, n, _ in plan}
-        return [(s.id, s.n_tokens + rows.get(s.id, 0)) for s in self.slots[min(rows) : max(rows) + 1]]
+        return [(s.id, s.pos() + rows.get(s.id, 0)) for s in self.slots[min(rows) : max(rows) + 1]]

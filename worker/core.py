@@ -73,6 +73,7 @@ from collections.abc import Callable, Collection
 import msgspec
 
 from common import logs
+from common.media import image_n_pos
 from common.model import resolve_model
 from common.projector import EncodedImage, Projector, ProjectorError
 from common.slots import EXACT_ROWS
@@ -139,6 +140,12 @@ class EngineCore:
         self.projector = (
             Projector(cfg.mmproj, self.llama.model, threads=cfg.threads, use_gpu=cfg.gpu is not None) if cfg.mmproj else None
         )
+        if self.projector is not None and self.projector.mrope and self.llama.info.n_swa > 0:
+            self.projector.close()  # (where a sliding window's cut meets positions lagging behind indexes: not built)
+            raise ProjectorError(
+                f"--mmproj {cfg.mmproj}: this model has sliding-window layers and places image rows with M-RoPE; "
+                "kvroute does not serve the two together"
+            )
         self.wake: Callable[[], None] = lambda: None  # an image's encode ended (worker/engine.py wakes its thread)
         self.encodings = (
             Encodings(Encoder(self.projector, self.llama.rows, lambda: self.wake())) if self.projector is not None else None
@@ -172,7 +179,7 @@ class EngineCore:
         self.pool = OutputPool(cfg.spec_ngram) if self.spec else None  # recent outputs, guesses across requests
         if cfg.spec == "ngram" and not self.spec:
             log.warning("speculation_off", reason="this model's memory cannot be trimmed (recurrent or hybrid)")
-        self.table = SlotTable(cfg.slots)
+        self.table = SlotTable(cfg.slots, mrope=self.projector is not None and self.projector.mrope)
         self.counters = Counters()
         self.prefixes = Prefixes(
             self.llama,
@@ -334,7 +341,16 @@ class EngineCore:
                 try:
                     if enc.start != start:  # (not possible while the job holds its slot; its rows are not these)
                         raise RuntimeError(f"an image encoded for position {enc.start} came at {start}")
-                    n = self.projector.decode_image(self.llama.ctx, encoded, start, slot.id, self.llama.rows)
+                    n, n_pos = encoded.n_tokens, image_n_pos(task.prompt, start, image.n_tokens)
+                    if (n, encoded.n_pos) != (image.n_tokens, n_pos):  # the router counted otherwise: nothing decoded
+                        self.counters.invariant_violations += 1
+                        raise RuntimeError(
+                            f"the image takes {n} rows and {encoded.n_pos} positions here, the job said "
+                            f"{image.n_tokens} and {n_pos}"
+                        )
+                    advanced = self.projector.decode_image(self.llama.ctx, encoded, slot.pos(start), slot.id, self.llama.rows)
+                    if advanced != n_pos:
+                        raise RuntimeError(f"the image advanced {advanced} positions, not {n_pos}")
                 except (ProjectorError, RuntimeError) as exc:
                     self.prefixes.clear(slot)  # (what of the image was decoded is not known)
                     code = ErrorCode.BAD_REQUEST if isinstance(exc, ProjectorError) else ErrorCode.INTERNAL
@@ -343,15 +359,11 @@ class EngineCore:
                 finally:
                     encoded.free()
                 slot.tokens.extend(task.prompt[start : start + n])
+                slot.took_image(start, n, n_pos)
                 if slot.n_exact == start:  # (decoded alone, the same way every time: exact, as a prompt chunk is)
                     slot.n_exact = slot.n_tokens
                 self.counters.prefill_rows += n
                 self.counters.image_rows += n
-                if n != image.n_tokens:  # the router counted otherwise: what the slot holds is not what it believes
-                    self.counters.invariant_violations += 1
-                    self.ends.error(task, ErrorCode.INTERNAL, f"an image took {n} rows here, the job said {image.n_tokens}")
-                    self.prefixes.clear(slot)
-                    break
                 self.failures.check([slot])
                 task = slot.task
 

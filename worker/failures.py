@@ -34,10 +34,11 @@ class Failures:
         self.uncut = uncut
 
     def check(self, slots: list[Slot]) -> None:
-        """The invariant (worker/llama.py `holds`): each slot's memory holds exactly len(slot.tokens) positions, its
-        sliding-window layers the whole window before the next one. A violation is a bug."""
+        """The invariant (worker/llama.py `holds`): each slot's memory holds exactly len(slot.tokens) positions (fewer
+        after an M-RoPE image: `Slot.held_end`), its sliding-window layers the whole window before the next one. A
+        violation is a bug."""
         for slot in slots:
-            if self.llama.holds(slot.id, slot.n_tokens):
+            if self.llama.holds(slot.id, slot.held_end()):
                 continue
             held, floor = self.llama.seq_len(slot.id), self.llama.seq_pos_min(slot.id)
             error_id = new_error_id()
@@ -60,9 +61,9 @@ class Failures:
         error_id = new_error_id()
         log.error("decode_failed", error_id=error_id, ret=ret, rows=self.llama.batch.n, slots=[s.id for s, _, _ in plan])
         for slot, _, _ in plan:
-            if self.llama.seq_len(slot.id) != slot.n_tokens:  # ubatches processed before the failure are kept
-                trimmed = not self.uncut and self.llama.seq_rm(slot.id, slot.n_tokens, -1)
-                if not trimmed or self.llama.seq_len(slot.id) != slot.n_tokens:
+            if self.llama.seq_len(slot.id) != slot.held_end():  # ubatches processed before the failure are kept
+                trimmed = not self.uncut and self.llama.seq_rm(slot.id, slot.pos(), -1)
+                if not trimmed or self.llama.seq_len(slot.id) != slot.held_end():
                     self.prefixes.clear(slot)
             if slot.task is not None:
                 self.ends.error(

@@ -191,7 +191,7 @@ class Prefixes:
                 return src.lcp if self._copy_state(slot, other) else 0
             self.llama.seq_cp(other.id, slot.id)
             self.copying.add(slot.id)
-            slot.tokens, slot.n_exact, slot.checkpoints = list(other.tokens), other.n_exact, list(other.checkpoints)
+            slot.hold(list(other.tokens), other.n_exact, list(other.checkpoints))
             self.counters.slot_copies += 1
             return src.lcp
         saved = src.saved
@@ -214,7 +214,7 @@ class Prefixes:
             self.counters.copy_failures += 1
             self.clear(slot)
             return False
-        slot.tokens, slot.n_exact, slot.checkpoints = list(other.tokens), other.n_exact, list(other.checkpoints)
+        slot.hold(list(other.tokens), other.n_exact, list(other.checkpoints))
         self.counters.slot_copies += 1
         return True
 
@@ -227,7 +227,7 @@ class Prefixes:
             self.host.drop(entry)  # it would fail again
             self.clear(slot)
             return False
-        slot.tokens, slot.n_exact, slot.checkpoints = list(entry.tokens), entry.n_exact, list(entry.checkpoints)
+        slot.hold(list(entry.tokens), entry.n_exact, list(entry.checkpoints))
         self.host.used(entry)
         self.counters.host_restores += 1
         self.counters.host_restore_bytes += entry.nbytes
@@ -247,7 +247,7 @@ class Prefixes:
                 self.disk.drop(entry)
             self.clear(slot)
             return False
-        slot.tokens, slot.n_exact, slot.checkpoints = list(entry.tokens), entry.n_exact, ckpts
+        slot.hold(list(entry.tokens), entry.n_exact, ckpts)
         self.disk.used(entry)
         self.counters.disk_restores += 1
         self.counters.disk_restore_bytes += len(data)
@@ -289,7 +289,7 @@ class Prefixes:
     def _cut_to_checkpoint(self, slot: Slot, n: int) -> Checkpoint | None:
         """Cut `slot` (about to lose those tokens anyway) back to its first `n` tokens and take its window there: a
         checkpoint for the state just saved from it. None where that fails (the slot is then cleared)."""
-        if not self.llama.seq_rm(slot.id, n, -1):
+        if not self.llama.seq_rm(slot.id, slot.pos(n), -1):
             log.warning("seq_rm_refused", slot=slot.id, keep=n, held=slot.n_tokens)
             self.clear(slot)
             return None
@@ -329,7 +329,7 @@ class Prefixes:
         if n >= slot.n_tokens:
             return
         if n >= self.min_keep(slot):
-            if self.llama.seq_rm(slot.id, n, -1):
+            if self.llama.seq_rm(slot.id, slot.pos(n), -1):
                 slot.keep(n)
                 return
             log.warning("seq_rm_refused", slot=slot.id, keep=n, held=slot.n_tokens)
@@ -340,7 +340,7 @@ class Prefixes:
             self.clear(slot)
             return
         # the part that cannot be cut comes back from the checkpoint, the rest (attention KV) is cut there
-        if self.llama.partial_set(slot.id, ckpt.data) and self.llama.seq_rm(slot.id, ckpt.n_tokens, -1):
+        if self.llama.partial_set(slot.id, ckpt.data) and self.llama.seq_rm(slot.id, slot.pos(ckpt.n_tokens), -1):
             slot.keep(ckpt.n_tokens)
             self.counters.snapshot_restores += 1
             return
@@ -350,7 +350,7 @@ class Prefixes:
     def unguess(self, slot: Slot, n: int) -> None:
         """Take a slot back to its first `n` tokens right after a decode with guesses: a recurrent state by llama.cpp's
         rollback (`rollback` positions at most, once between two decodes), else as `trim`."""
-        if self.uncut and 0 < slot.n_tokens - n <= self.rollback and self.llama.seq_rm(slot.id, n, -1):
+        if self.uncut and 0 < slot.n_tokens - n <= self.rollback and self.llama.seq_rm(slot.id, slot.pos(n), -1):
             slot.keep(n)
             return
         self.trim(slot, n)

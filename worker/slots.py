@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from common.media import mrope_spans
 from common.slots import SlotPhase, common_prefix
 
 if TYPE_CHECKING:
@@ -26,10 +27,40 @@ class Slot:
     checkpoints: list[Checkpoint] = field(default_factory=list)
     n_exact: int = 0  # leading tokens whose KV is what a cold prompt pass computes (see worker/core.py)
     salt: str = ""  # the tenant whose prompt it holds (Job.cache_salt); reused only by the same tenant
+    # The model places image rows with M-RoPE (common/media.py): positions then lag behind indexes after an image.
+    # `spans`: the images of `tokens` as `mrope_spans` gives them (start, end, lag after it); always empty without it.
+    mrope: bool = False
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
+
+    def pos(self, n: int | None = None) -> int:
+        """The position of the token at index `n` (default: the next one), `n` not inside an image."""
+        n = len(self.tokens) if n is None else n
+        for _, end, lag in reversed(self.spans):
+            if end <= n:
+                return n - lag
+        return n
+
+    def held_end(self) -> int:
+        """What llama.cpp reports this sequence holds (its highest position + 1): `pos()`, but for an M-RoPE image
+        held last (its rows share the position of its first)."""
+        if self.spans and self.spans[-1][1] == len(self.tokens):
+            return self.pos(self.spans[-1][0]) + 1
+        return self.pos()
+
+    def hold(self, tokens: list[int], n_exact: int, checkpoints: list[Checkpoint]) -> None:
+        """The slot's memory now holds `tokens` (restored or copied whole)."""
+        self.tokens, self.n_exact, self.checkpoints = tokens, n_exact, checkpoints
+        self.spans = mrope_spans(tokens) if self.mrope else []
+
+    def took_image(self, start: int, n_tokens: int, n_pos: int) -> None:
+        """An image's rows were decoded at `start` (the tokens are extended by the caller)."""
+        if self.mrope:
+            lag = self.spans[-1][2] if self.spans else 0
+            self.spans.append((start, start + n_tokens, lag + n_tokens - n_pos))
 
     @property
     def job_id(self) -> str | None:
@@ -40,6 +71,8 @@ class Slot:
         """The KV now holds only the first n tokens (after a trim); drop the checkpoints past them."""
         del self.tokens[n:]
         self.n_exact = min(self.n_exact, n)
+        if self.spans and self.spans[-1][1] > n:
+            self.spans = [span for span in self.spans if span[1] <= n]
         if self.checkpoints and self.checkpoints[-1].n_tokens > n:
             self.checkpoints = [c for c in self.checkpoints if c.n_tokens <= n]
 
@@ -49,8 +82,8 @@ class SlotTable:
 
     MIN_SIMILARITY = 0.1  # a cached prefix must cover >10% of the prompt to attract it (llama-server's default)
 
-    def __init__(self, n: int) -> None:
-        self.slots = [Slot(i) for i in range(n)]
+    def __init__(self, n: int, mrope: bool = False) -> None:
+        self.slots = [Slot(i, mrope=mrope) for i in range(n)]
         self._clock = 0
 
     def __len__(self) -> int:

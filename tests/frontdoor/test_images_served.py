@@ -2,7 +2,8 @@
 Gemma 3 projector (bench/tiny_mmproj.py), and llama-server with `--mmproj` on the same files as the reference. A chat
 request with an image counts the prompt's tokens as llama-server does, a repeat of the conversation reuses the image as
 text is reused (at least llama-server's reuse), Claude Code's shape (an image inside a `tool_result`) and Responses'
-`input_image` are served, and another image is computed again from its first row."""
+`input_image` are served, and another image is computed again from its first row. The same for a tiny M-RoPE model
+(Qwen-VL's kind: an image advances fewer positions than its rows) against llama-server, reply for reply."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import httpx
 import pytest
 from served import Served
 
+from bench import tiny_archs
 from bench.tiny_mmproj import check as llama_server_check
-from bench.tiny_mmproj import mmproj, png, tokens_per_image
+from bench.tiny_mmproj import mmproj, png, qwen2vl_mmproj, tokens_per_image
 
 pytestmark = pytest.mark.model
 
@@ -28,14 +30,16 @@ def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
-def chat_body(data: bytes) -> dict[str, Any]:  # (the request bench/tiny_mmproj.py `check` sends llama-server)
+def chat_body(data: bytes, after: str = "") -> dict[str, Any]:  # (what bench/tiny_mmproj.py `check` sends llama-server)
     return {
         "messages": [{"role": "user", "content": [
             {"type": "text", "text": "What is in this picture?"},
             {"type": "image_url", "image_url": {"url": data_url(data)}},
+            *([{"type": "text", "text": after}] if after else []),
         ]}],
         "max_tokens": 4,
         "temperature": 0,
+        "logprobs": True,
     }  # fmt: skip
 
 
@@ -99,3 +103,42 @@ def test_claude_codes_image_in_a_tool_result_and_responses_input_image(seer: Ser
                                         {"type": "input_image", "image_url": data_url(picture)}]}  # fmt: skip
     out = post(seer, "/v1/responses", {"input": [item], "max_output_tokens": 4, "temperature": 0})
     assert out["status"] in ("completed", "incomplete") and out["usage"]["input_tokens"] > N_IMG
+
+
+@pytest.fixture(scope="module")
+def qwen_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny Qwen3-VL model (M-RoPE, attention alone; weights of stdev 0.5, so positions change its replies) and the
+    tiny Qwen2-VL projector."""
+    tmp = Path(tmp_path_factory.mktemp("qwen-images"))
+    return tiny_archs.model("qwen3vl", stdev=0.5), qwen2vl_mmproj(tmp / "tiny-qwen2vl.gguf")
+
+
+@pytest.fixture(scope="module")
+def qwen_seer(qwen_files: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    model, proj = qwen_files
+    flags = ("--model", str(model), "--mmproj", str(proj), "--chat-template", "chatml", "--slots", "2",
+             "--ctx-per-slot", "2048", "--threads", "1")  # fmt: skip
+    s = Served(*flags, log=Path(tmp_path_factory.mktemp("qwen-serve")) / "serve.log")
+    yield s
+    s.stop()
+
+
+def test_an_mrope_image_is_served_as_llama_server_serves_it(
+    qwen_seer: Served, qwen_files: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """An image of 4 x 2 merged patches: 8 rows, 4 positions (Qwen-VL's M-RoPE). The prompt's tokens, the reply, and
+    the repeat's reuse are llama-server's on the same files (the reply is greedy: the text after the image must sit
+    at the positions llama.cpp gives it)."""
+    picture, after = png(32, 16, seed=1), "Tell me what it shows, and what is in its corners, in a few words."
+    model, proj = qwen_files
+    reference = llama_server_check(tmp_path, model, proj, ("--jinja", "--chat-template", "chatml"), picture, after)
+    first = post(qwen_seer, "/v1/chat/completions", chat_body(picture, after))
+    again = post(qwen_seer, "/v1/chat/completions", chat_body(picture, after))
+    assert first["usage"]["prompt_tokens"] == reference["reply1"]["usage"]["prompt_tokens"]
+    for ours, theirs in ((first, reference["reply1"]), (again, reference["reply2"])):
+        assert ours["choices"][0]["message"]["content"] == theirs["content"]
+        logprobs = [t["logprob"] for t in ours["choices"][0]["logprobs"]["content"]]
+        # (with the text after the image placed as one position a row, the first differs by 0.017)
+        assert logprobs == pytest.approx(theirs["logprobs"], abs=1e-3), (logprobs, theirs["logprobs"])
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= reference["reply2"]["timings"]["cache_n"], (again["usage"], reference["reply2"])
