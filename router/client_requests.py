@@ -171,8 +171,11 @@ class ClientRequests:
     def _small(msg: Submit | Tokenize | Detokenize | Embed | Rerank, size: int, model: ModelCore) -> bool:
         """Whether preparing `msg` is cheap (router/preparing.py's small-work thread): a small frame whose texts
         llama.cpp tokenizes fast (estimated on the message's bytes: its texts, and field names without special tokens'
-        first characters)."""
+        first characters). Never one with an image: a few kB of PNG may unpack to megapixels that the projector's
+        preprocessing resizes (the tiny Qwen2-VL projector's rows of 1 x 40,000 pixels: 12,800)."""
         if size > SMALL_BYTES:
+            return False
+        if isinstance(msg, Submit) and any(m.images() for m in msg.messages or ()):
             return False
         return model.prompts.cost.seconds(msgspec.msgpack.encode(msg).decode("latin-1"), exact=False) <= SMALL_COST_S
 

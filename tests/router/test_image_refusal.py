@@ -3,11 +3,14 @@ image part and how to serve one (`--mmproj`), before any rendering or tokenizing
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from chat.request import MEDIA_MARKER, ChatFormat
 from chat.template import ChatTemplate
 from protocol import ChatMessage, ImagePart, Sampling, Submit, TextPart, Tokenize
+from router.client_requests import ClientRequests
 from router.prepare import PrepareError, check_images, first_image, prepare, tokens_reply
 
 PNG = bytes.fromhex(
@@ -48,3 +51,13 @@ def test_with_a_projector_the_prompt_carries_a_marker_per_image(vocab) -> None:
     fmt.vision = object()  # (what the router sets for a model served with --mmproj)
     p = prepare(Submit(id="s", messages=MESSAGES, sampling=Sampling(max_tokens=4)), vocab, fmt)
     assert p.text.count(MEDIA_MARKER) == 2 and "What is this?<__media__><__media__>" in p.text
+
+
+def test_a_submit_with_an_image_is_never_small_work() -> None:
+    """The preparing threads' small-work one takes a submit whose frame is small and whose texts tokenize fast; a few
+    bytes of PNG may unpack to megapixels that the projector resizes, so a submit with an image never counts as small."""
+    model = SimpleNamespace(prompts=SimpleNamespace(cost=SimpleNamespace(seconds=lambda text, exact: 0.0)))
+    text_only = Submit(id="s", messages=MESSAGES[:2], sampling=Sampling(max_tokens=4))
+    with_image = Submit(id="s", messages=MESSAGES, sampling=Sampling(max_tokens=4))
+    assert ClientRequests._small(text_only, 200, model)  # type: ignore[arg-type]
+    assert not ClientRequests._small(with_image, 200, model)  # type: ignore[arg-type]
