@@ -137,8 +137,9 @@ class Projector:
     def encode_image(self, data: bytes, n_batch: int) -> EncodedImage:
         """Encode the image `data` with the projector (mtmd_encode_chunk: the projector's forward, which does not touch
         any llama context, so it may run on another thread than the one decoding) and copy its rows out; the caller
-        decodes them (`decode_image`) or frees them. `n_batch` and the context's n_batch and n_ubatch must be at least
-        the image's rows (llama.cpp asserts it for a non-causal image: bench/tiny_mmproj.py)."""
+        decodes them (`decode_image`) or frees them. For an image whose rows attend to each other (Gemma 3's), `n_batch`
+        and the context's n_batch and n_ubatch must be at least its rows (llama.cpp asserts it: bench/tiny_mmproj.py);
+        causal rows (Qwen-VL's) are decoded n_batch at a time."""
         with self._lock:
             chunks = self._chunks(MARKER, False, [data])
             try:
@@ -148,7 +149,7 @@ class Projector:
                     if mtmd.mtmd_input_chunk_get_type(mtmd.mtmd_input_chunks_get(chunks, i)) == IMAGE
                 )
                 n = mtmd.mtmd_input_chunk_get_n_tokens(image)
-                if n > n_batch:
+                if n > n_batch and mtmd.mtmd_decode_use_non_causal(self.ctx, image):  # (causal rows: split over decodes)
                     raise ProjectorError(f"an image of {n} rows does not fit a batch of {n_batch}")
                 rc = mtmd.mtmd_encode_chunk(self.ctx, image)
                 if rc != 0:

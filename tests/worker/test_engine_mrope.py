@@ -171,3 +171,25 @@ def test_a_turn_that_parts_after_the_image_is_cut_there_at_its_position(seer: En
     again = complete(seer, third, slot=0, images=images3, max_tokens=N_GEN, ignore_eos=True)
     assert isinstance(again.final, JobDone) and again.final.reused_tokens == images3[0].start
     assert again.tokens == reference(files, other_text, other, N_GEN)[0]
+
+
+@pytest.mark.parametrize("files", ["qwen3vl"], indirect=True)
+def test_an_image_of_more_rows_than_a_batch_is_decoded_in_parts(files: tuple[Path, Path]) -> None:
+    """Qwen-VL's rows are causal: an image of 120 rows (12 x 10) goes into a worker whose batches hold 64 rows in two
+    decodes (Gemma 3's rows attend to each other and must fit one), and the reply is llama.cpp's own."""
+    model, proj = files
+    cfg = WorkerConfig(model=str(model), slots=1, ctx_per_slot=256, threads=1, n_batch=16, mmproj=str(proj))
+    eng = Engine(cfg).start()
+    try:
+        rows = eng.call(lambda e: e.llama.rows).result(10)
+        picture = png(96, 80, seed=5)
+        prompt, images = prompt_of(eng, TEXT, picture)
+        assert images[0].n_tokens == 120 > rows == 64
+        run = complete(eng, prompt, slot=0, images=images, max_tokens=N_GEN, ignore_eos=True, logprobs=0)
+        assert isinstance(run.final, JobDone), run.final
+        tokens, logprobs = reference(files, TEXT, picture, N_GEN)
+        got = [lp.logprob for d in run.deltas for lp in d.logprobs]
+        assert run.tokens == tokens and np.allclose(got, logprobs, atol=1e-3), (got, logprobs)
+        assert_slot_invariant(eng, run)
+    finally:
+        eng.stop()
