@@ -162,6 +162,39 @@ class Projector:
                 mtmd.mtmd_input_chunks_free(chunks)
                 raise
 
+    def causal(self, image: EncodedImage) -> bool:
+        """Whether the image's rows are causal (Qwen-VL's), so they may be decoded a part at a time (`decode_rows`);
+        Gemma 3's attend to each other and are decoded whole (`decode_image`)."""
+        return not mtmd.mtmd_decode_use_non_causal(self.ctx, image.chunk)
+
+    def decode_rows(self, lctx: Any, image: EncodedImage, start_pos: int, seq: int, first: int, n: int) -> None:
+        """Decode rows first..first+n-1 of a causal image into sequence `seq`, its first row at position `start_pos`,
+        as mtmd_helper_decode_image_chunk decodes each of its batches (each row's positions from mtmd: M-RoPE's four
+        where the model has them, laid out section by section), so that an image of many rows takes several steps."""
+        per = 4 if self.mrope else 1
+        pos = (llama_cpp.llama_pos * (n * per))()
+        if self.mrope:
+            grid = mtmd.mtmd_input_chunk_get_tokens_image(image.chunk)
+            for i in range(n):
+                p = mtmd.mtmd_image_tokens_get_decoder_pos(grid, start_pos, first + i)
+                pos[i], pos[i + n], pos[i + 2 * n], pos[i + 3 * n] = p.t, p.y, p.x, p.z
+        else:
+            pos[:n] = list(range(start_pos + first, start_pos + first + n))
+        seq_id = ctypes.pointer(llama_cpp.llama_seq_id(seq))
+        seq_ids = (ctypes.POINTER(llama_cpp.llama_seq_id) * n)(*([seq_id] * n))
+        batch = llama_cpp.llama_batch(
+            n_tokens=n,
+            token=None,
+            embd=ctypes.cast(ctypes.byref(image.rows, 4 * first * self.n_embd), ctypes.POINTER(ctypes.c_float)),
+            pos=pos,
+            n_seq_id=(ctypes.c_int32 * n)(*([1] * n)),
+            seq_id=seq_ids,
+            logits=(ctypes.c_int8 * n)(),
+        )
+        rc = llama_cpp.llama_decode(lctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode of an image's rows {first}..{first + n - 1} returned {rc}")
+
     def decode_image(self, lctx: Any, image: EncodedImage, n_past: int, seq: int, n_batch: int) -> int:
         """Decode an encoded image's rows into sequence `seq` from position `n_past` (no logits: a text token after it
         is sampled), as mtmd_helper_eval_chunk_single does after its encode (mtmd_helper_decode_image_chunk: causal

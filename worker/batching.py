@@ -160,8 +160,8 @@ class Batcher:
     def _chunk(self, slot: Slot, task: Task, budget: int) -> Piece | None:
         """The slot's next prompt chunk, at most `budget` tokens; None when none fits this step."""
         start, end = slot.n_tokens, len(task.prompt)
-        if start in task.images:
-            return None  # (an image's rows are decoded on their own: worker/core.py `_images`)
+        if start in task.images or (start < end and task.prompt[start] < 0):
+            return None  # (an image's rows, or the rest of them, are decoded on their own: worker/core.py `_images`)
         stop = next((p for p in task.checkpoint_at if p > start), end)  # (a checkpoint is taken there)
         stop = min([stop, *(p for p in task.images if p > start)])  # (and an image begins there)
         take = min(stop - start, budget)

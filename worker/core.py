@@ -97,7 +97,7 @@ from worker.embedder import Embedder
 from worker.failures import Failures, new_error_id
 from worker.faults import Faults
 from worker.guide import GuideTokenizer
-from worker.images import Encoder, Encodings
+from worker.images import Encoder, Encodings, ImageRows
 from worker.job_ends import JobEnds, send
 from worker.llama import Llama
 from worker.prefix import Prefixes
@@ -319,13 +319,21 @@ class EngineCore:
     def _images(self, slots: list[Slot]) -> None:
         """The images of prefilling slots' prompts (worker/images.py): an encode started for each slot whose prompt has
         an image next, on the encoder's thread, while the other slots step on (this slot gets no rows meanwhile:
-        worker/batching.py `_chunk`); once it has ended, the image's rows decoded whole and on their own (its rows
-        attend to each other: Gemma 3's), before the step's batches; the text after it goes in them."""
+        worker/batching.py `_chunk`); once it has ended, the image's rows decoded on their own before the step's
+        batches: whole where they attend to each other (Gemma 3's), else n_batch rows a step (`_image_rows`); the text
+        after it goes in the batches once it is whole."""
         assert self.projector is not None and self.encodings is not None
         encodings = self.encodings
         for slot in slots:
             task = slot.task
-            while task is not None and not task.generated and (image := task.images.get(slot.n_tokens)) is not None:
+            while task is not None and not task.generated:
+                if slot.id in encodings.parts:
+                    if not self._image_rows(slot, task):
+                        break  # (rows left for the next step)
+                    task = slot.task
+                    continue
+                if (image := task.images.get(slot.n_tokens)) is None:
+                    break
                 start = slot.n_tokens
                 if slot.id not in encodings.pending:
                     encodings.start(slot.id, task, start, image.data)
@@ -338,34 +346,69 @@ class EngineCore:
                     code = ErrorCode.BAD_REQUEST if isinstance(exc, ProjectorError) else ErrorCode.INTERNAL
                     self.ends.error(task, code, f"image at prompt position {start}: {exc}")
                     break
+                n, n_pos = encoded.n_tokens, image_n_pos(task.prompt, start, image.n_tokens)
                 try:
                     if enc.start != start:  # (not possible while the job holds its slot; its rows are not these)
                         raise RuntimeError(f"an image encoded for position {enc.start} came at {start}")
-                    n, n_pos = encoded.n_tokens, image_n_pos(task.prompt, start, image.n_tokens)
                     if (n, encoded.n_pos) != (image.n_tokens, n_pos):  # the router counted otherwise: nothing decoded
                         self.counters.invariant_violations += 1
                         raise RuntimeError(
                             f"the image takes {n} rows and {encoded.n_pos} positions here, the job said "
                             f"{image.n_tokens} and {n_pos}"
                         )
+                    if n > self.n_batch and self.projector.causal(encoded):
+                        encodings.parts[slot.id] = ImageRows(task, start, encoded, n_pos)
+                        slot.took_image(start, n, n_pos)  # (its span: positions after its rows, as they come)
+                        continue
                     advanced = self.projector.decode_image(self.llama.ctx, encoded, slot.pos(start), slot.id, self.llama.rows)
                     if advanced != n_pos:
                         raise RuntimeError(f"the image advanced {advanced} positions, not {n_pos}")
                 except (ProjectorError, RuntimeError) as exc:
+                    encoded.free()
                     self.prefixes.clear(slot)  # (what of the image was decoded is not known)
                     code = ErrorCode.BAD_REQUEST if isinstance(exc, ProjectorError) else ErrorCode.INTERNAL
                     self.ends.error(task, code, f"image at prompt position {start}: {exc}")
                     break
-                finally:
-                    encoded.free()
-                slot.tokens.extend(task.prompt[start : start + n])
+                encoded.free()
+                self._took_rows(slot, task, start, n)
                 slot.took_image(start, n, n_pos)
-                if slot.n_exact == start:  # (decoded alone, the same way every time: exact, as a prompt chunk is)
-                    slot.n_exact = slot.n_tokens
-                self.counters.prefill_rows += n
-                self.counters.image_rows += n
                 self.failures.check([slot])
                 task = slot.task
+
+    def _image_rows(self, slot: Slot, task: Task) -> bool:
+        """The next n_batch rows of the slot's causal image (worker/images.py `ImageRows`), decoded on their own: the
+        same parts every time, so that they are exact as prompt chunks are. Whether the image is whole now (or its job
+        failed)."""
+        assert self.projector is not None and self.encodings is not None
+        part = self.encodings.parts[slot.id]
+        n = min(self.n_batch, part.encoded.n_tokens - part.done)
+        at = part.start + part.done
+        try:
+            if slot.n_tokens != at:  # (not possible while the job holds its slot)
+                raise RuntimeError(f"the image's rows {part.done}.. were to go at {at}, the slot holds {slot.n_tokens}")
+            self.projector.decode_rows(self.llama.ctx, part.encoded, slot.pos(part.start), slot.id, part.done, n)
+        except RuntimeError as exc:
+            del self.encodings.parts[slot.id]
+            part.encoded.free()
+            self.prefixes.clear(slot)  # (what of the image was decoded is not known)
+            self.ends.error(task, ErrorCode.INTERNAL, f"image at prompt position {part.start}: {exc}")
+            return True
+        self._took_rows(slot, task, at, n)
+        part.done += n
+        self.failures.check([slot])
+        if part.done < part.encoded.n_tokens:
+            return False
+        del self.encodings.parts[slot.id]
+        part.encoded.free()
+        return True
+
+    def _took_rows(self, slot: Slot, task: Task, start: int, n: int) -> None:
+        """An image's rows start..start+n-1 are in the slot's KV now."""
+        slot.tokens.extend(task.prompt[start : start + n])
+        if slot.n_exact == start:  # (decoded alone, the same way every time: exact, as a prompt chunk is)
+            slot.n_exact = slot.n_tokens
+        self.counters.prefill_rows += n
+        self.counters.image_rows += n
 
     def _run(self, group: list[Slot], budget: int) -> int:
         """Build, decode and commit one batch for `group`. Returns the prefill budget left."""

@@ -2,7 +2,8 @@
 takes seconds for a real projector on a CPU and touches no llama context, runs on a thread of its own, one image at a
 time (the projector is not thread-safe: its calls are serialised), while the compute thread goes on stepping the other
 slots. A slot whose image is encoding gets no rows (worker/batching.py `_chunk`: an image's rows are decoded on their
-own) until its rows are ready; the core then decodes them into its sequence (worker/core.py `_images`).
+own) until its rows are ready; the core then decodes them into its sequence (worker/core.py `_images`): whole where
+they attend to each other (Gemma 3's), a part of n_batch rows a step where they are causal (Qwen-VL's: `ImageRows`).
 
 `Encodings` is the compute thread's side: which slot waits for which image, started, taken when done, or dropped when
 the job it was for ended meanwhile (cancelled, past its deadline, failed, handed back, forgotten): a dropped image's
@@ -39,6 +40,18 @@ class Encoding:
     task: Task
     start: int
     future: Future[EncodedImage]
+
+
+@dataclass
+class ImageRows:
+    """A causal image (Qwen-VL's) part-way through its decode: a part of its rows goes into the slot each step, so
+    an image of thousands of rows does not hold the other slots' decodes up for all of it (worker/core.py `_images`)."""
+
+    task: Task
+    start: int
+    encoded: EncodedImage
+    n_pos: int
+    done: int = 0  # rows decoded so far
 
 
 class Encoder:
@@ -92,6 +105,7 @@ class Encodings:
     def __init__(self, encoder: Encoder) -> None:
         self.encoder = encoder
         self.pending: dict[int, Encoding] = {}  # by slot id
+        self.parts: dict[int, ImageRows] = {}  # by slot id: images whose rows are being decoded, a part a step
         self._dropped: list[Future[EncodedImage]] = []  # encodes whose job ended: freed once they end
 
     def start(self, slot: int, task: Task, start: int, data: bytes) -> None:
@@ -106,14 +120,19 @@ class Encodings:
         return None if enc.future.cancelled() else enc  # (cancelled by `Encoder.close`: started again next step)
 
     def drop_ended(self, current: Callable[[int], Task | None]) -> None:
-        """Drop the encodings whose job no longer holds their slot (`current`: the task a slot holds now), and free the
-        rows of dropped encodes that have ended."""
+        """Drop the encodings and part-decoded images whose job no longer holds their slot (`current`: the task a slot
+        holds now), and free the rows of dropped encodes that have ended."""
         for slot, enc in list(self.pending.items()):
             if current(slot) is not enc.task:
                 del self.pending[slot]
                 log.info("image_encode_dropped", request_id=enc.task.id, slot=slot, start=enc.start)
                 if not enc.future.cancel():  # (not started: never computed)
                     self._dropped.append(enc.future)
+        for slot, part in list(self.parts.items()):
+            if current(slot) is not part.task:
+                del self.parts[slot]
+                log.info("image_rows_dropped", request_id=part.task.id, slot=slot, start=part.start, done=part.done)
+                part.encoded.free()
         for fut in [f for f in self._dropped if f.done()]:
             self._dropped.remove(fut)
             if fut.exception() is None:

@@ -46,8 +46,8 @@ class Slot:
 
     def held_end(self) -> int:
         """What llama.cpp reports this sequence holds (its highest position + 1): `pos()`, but for an M-RoPE image
-        held last (its rows share the position of its first)."""
-        if self.spans and self.spans[-1][1] == len(self.tokens):
+        held last, whole or a part of it (its rows share the position of its first)."""
+        if self.spans and self.spans[-1][0] < len(self.tokens) <= self.spans[-1][1]:
             return self.pos(self.spans[-1][0]) + 1
         return self.pos()
 

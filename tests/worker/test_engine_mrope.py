@@ -8,14 +8,18 @@ host-RAM tier."""
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import llama_cpp.mtmd_cpp as mtmd
 import numpy as np
 import pytest
-from worker_helpers import assert_slot_invariant, complete
+from worker_helpers import Run, assert_slot_invariant, complete, job
+from worker_helpers import start as start_run
 
 from bench import tiny_archs
 from bench.tiny_mmproj import png, qwen2vl_grid, qwen2vl_mmproj
@@ -51,6 +55,10 @@ def seer(files: tuple[Path, Path]) -> Iterator[Engine]:
 def prompt_of(engine: Engine, text: str, image: bytes) -> tuple[list[int], list[JobImage]]:
     tokens, images = engine.call(lambda e: e.projector.tokenize(text, True, [image])).result(30)
     return tokens.tolist(), [JobImage(start=i.start, n_tokens=i.n_tokens, data=i.data) for i in images]
+
+
+def seer_text(engine: Engine) -> list[int]:
+    return engine.vocab.tokenize("Count from one to fifty, slowly and with care.", add_special=False)
 
 
 def reference(files: tuple[Path, Path], text: str, image: bytes, n: int, lag: int = 0) -> tuple[list[int], list[float]]:
@@ -175,21 +183,81 @@ def test_a_turn_that_parts_after_the_image_is_cut_there_at_its_position(seer: En
 
 @pytest.mark.parametrize("files", ["qwen3vl"], indirect=True)
 def test_an_image_of_more_rows_than_a_batch_is_decoded_in_parts(files: tuple[Path, Path]) -> None:
-    """Qwen-VL's rows are causal: an image of 120 rows (12 x 10) goes into a worker whose batches hold 64 rows in two
-    decodes (Gemma 3's rows attend to each other and must fit one), and the reply is llama.cpp's own."""
+    """Qwen-VL's rows are causal: an image of 120 rows (12 x 10) goes into a worker whose steps take 16 prompt rows in
+    parts of 16, one a step (Gemma 3's rows attend to each other and go whole), while another slot's reply streams
+    on; the reply is llama.cpp's own."""
     model, proj = files
-    cfg = WorkerConfig(model=str(model), slots=1, ctx_per_slot=256, threads=1, n_batch=16, mmproj=str(proj))
+    cfg = WorkerConfig(model=str(model), slots=2, ctx_per_slot=256, threads=1, n_batch=16, mmproj=str(proj))
     eng = Engine(cfg).start()
+    parts: list[tuple[int, int, int]] = []  # (step, first row, rows) of each part decoded
+
+    def recording(e: Any) -> None:
+        real = e.projector.decode_rows
+
+        def decode_rows(lctx: Any, image: Any, start_pos: int, seq: int, first: int, n: int) -> None:
+            parts.append((e.progress, first, n))
+            real(lctx, image, start_pos, seq, first, n)
+
+        e.projector.decode_rows = decode_rows
+
     try:
-        rows = eng.call(lambda e: e.llama.rows).result(10)
+        eng.call(recording).result(10)
         picture = png(96, 80, seed=5)
         prompt, images = prompt_of(eng, TEXT, picture)
-        assert images[0].n_tokens == 120 > rows == 64
+        assert images[0].n_tokens == 120
+        talking = start_run(eng, seer_text(eng), slot=1, max_tokens=40, ignore_eos=True)
         run = complete(eng, prompt, slot=0, images=images, max_tokens=N_GEN, ignore_eos=True, logprobs=0)
+        talking.wait()
+        assert isinstance(talking.final, JobDone), talking.final
+        assert [(first, n) for _, first, n in parts] == [(i, min(16, 120 - i)) for i in range(0, 120, 16)]
+        assert len({step for step, _, _ in parts}) == len(parts)  # (a part a step)
         assert isinstance(run.final, JobDone), run.final
         tokens, logprobs = reference(files, TEXT, picture, N_GEN)
         got = [lp.logprob for d in run.deltas for lp in d.logprobs]
         assert run.tokens == tokens and np.allclose(got, logprobs, atol=1e-3), (got, logprobs)
         assert_slot_invariant(eng, run)
+    finally:
+        eng.stop()
+
+
+@pytest.mark.parametrize("files", ["qwen3vl"], indirect=True)
+def test_a_job_cancelled_while_its_images_rows_go_in_leaves_a_slot_that_serves_on(files: tuple[Path, Path]) -> None:
+    """Cancelled after a part of its image's rows: the part's rows are freed, the slot holds a part of the image and
+    says so (the invariant holds), and the same prompt again reuses the text before the image only, giving llama.cpp's
+    own reply."""
+    model, proj = files
+    cfg = WorkerConfig(model=str(model), slots=1, ctx_per_slot=256, threads=1, n_batch=16, mmproj=str(proj))
+    eng = Engine(cfg).start()
+    try:
+        picture = png(96, 80, seed=6)
+        prompt, images = prompt_of(eng, TEXT, picture)
+        gate = threading.Event()
+
+        def holding(e: Any) -> None:
+            real = e.projector.decode_rows
+
+            def decode_rows(lctx: Any, image: Any, start_pos: int, seq: int, first: int, n: int) -> None:
+                real(lctx, image, start_pos, seq, first, n)
+                if first == 32:  # (three parts in: the job is cancelled before the next step)
+                    gate.set()
+                    eng.cancel(run_id[0])
+                    time.sleep(0.05)
+
+            e.projector.decode_rows = decode_rows
+
+        eng.call(holding).result(10)
+        first = job(prompt, slot=0, images=images, max_tokens=N_GEN, ignore_eos=True)
+        run_id = [first.id]
+        run = Run(prompt)
+        eng.submit(first, run)
+        assert gate.wait(30)
+        run.wait()
+        assert isinstance(run.final, JobDone) and run.final.finish_reason == "cancelled", run.final
+        held, parts = eng.call(lambda e: (len(e.table[0].tokens), dict(e.encodings.parts))).result(10)
+        assert held == images[0].start + 48 and not parts
+        again = complete(eng, prompt, slot=0, images=images, max_tokens=N_GEN, ignore_eos=True)
+        assert isinstance(again.final, JobDone) and again.final.reused_tokens == images[0].start
+        assert again.tokens == reference(files, TEXT, picture, N_GEN)[0]
+        assert_slot_invariant(eng, again)
     finally:
         eng.stop()
