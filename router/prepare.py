@@ -9,6 +9,7 @@ was under way."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -178,21 +179,25 @@ def prepare(
 
 
 def _chat(msg: Submit, chat: ChatFormat, tokenize: TokenizeFn, ctx: int | None) -> Prepared:
-    p = chat.prepare(msg)
-    Deadline.check_running("messages")
-    if isinstance(chat.vision, Projector) and first_image(msg.messages) is not None:
-        return _with_images(msg, chat.vision, p.text, p.add_bos, p.constraint, p.output)
-    tokens = tokenize(p.text, p.add_bos)
-    if ctx is None or fits(len(tokens), msg.sampling.max_tokens, ctx):
-        return Prepared(tokens, p.constraint, p.output, text=p.text, add_bos=p.add_bos)
-    return _shift(msg, chat, tokenize, ctx, Prepared(tokens, p.constraint, p.output, Shift(0, 0)))
+    def build(m: Submit) -> Prepared:
+        p = chat.prepare(m)
+        Deadline.check_running("messages")
+        if isinstance(chat.vision, Projector) and first_image(m.messages) is not None:
+            return _with_images(m, chat.vision, p.text, p.add_bos, p.constraint, p.output)
+        return Prepared(tokenize(p.text, p.add_bos), p.constraint, p.output, text=p.text, add_bos=p.add_bos)
+
+    whole = build(msg)
+    if ctx is None or fits(len(whole.tokens), msg.sampling.max_tokens, ctx):
+        return whole
+    return _shift(msg, build, ctx, dataclasses.replace(whole, shift=Shift(0, 0), text="", add_bos=False))
 
 
 def _with_images(
     msg: Submit, vision: Projector, text: str, add_bos: bool, constraint: Constraint | None, output: OutputSpec
 ) -> Prepared:
     """A prompt with images: its text and image rows laid out by the projector (as the workers will compute them).
-    Not remembered for the next turn's tokenizing (`text` empty), and never shortened by --context-shift."""
+    Not remembered for the next turn's tokenizing (`text` empty). --context-shift drops its oldest messages as it drops
+    any's, their images with them."""
     parts = [(f"messages[{i}].content[{j}]", p) for i, m in enumerate(msg.messages or ()) if isinstance(m.content, list)
              for j, p in enumerate(m.content) if isinstance(p, ImagePart)]  # fmt: skip
     try:
@@ -203,20 +208,19 @@ def _with_images(
     return Prepared(tokens, constraint, output, images=tuple(images))
 
 
-def _shift(msg: Submit, chat: ChatFormat, tokenize: TokenizeFn, ctx: int, whole: Prepared) -> Prepared:
+def _shift(msg: Submit, build: Callable[[Submit], Prepared], ctx: int, whole: Prepared) -> Prepared:
     """The history that drops the fewest messages and fits `ctx`, found by bisection over the places it may resume
     at (the prompt shortens as more is dropped); the one that drops the most when none fits (then the scheduler
-    refuses it with both numbers)."""
+    refuses it with both numbers). `build`: a request's prompt (its text's tokens, its images')."""
     assert msg.messages is not None
     messages = msg.messages
     points = shift_points(messages)
 
     def attempt(at: int) -> Prepared:
         kept = shifted(messages, at)
-        p = chat.prepare(msgspec.structs.replace(msg, messages=kept))
-        tokens = tokenize(p.text, p.add_bos)
-        shift = Shift(len(messages) - len(kept), max(0, len(whole.tokens) - len(tokens)))
-        return Prepared(tokens, p.constraint, p.output, shift)
+        p = build(msgspec.structs.replace(msg, messages=kept))
+        shift = Shift(len(messages) - len(kept), max(0, len(whole.tokens) - len(p.tokens)))
+        return dataclasses.replace(p, shift=shift, text="", add_bos=False)  # (a shortened prompt is not remembered)
 
     def fit(p: Prepared) -> bool:
         return fits(len(p.tokens), msg.sampling.max_tokens, ctx)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 from scheduler_helpers import CLIENT, core, done, hello, jobs, to_client
 
+from bench.tiny_mmproj import mmproj, png, tokens_per_image
 from chat.output import OutputSpec
 from chat.request import ChatFormat, shift_points, shifted
 from chat.template import ChatTemplate
-from protocol import ChatMessage, Error, Result, Sampling, Submit
+from common.projector import Projector
+from protocol import ChatMessage, Error, ImagePart, Result, Sampling, Submit, TextPart
 from router.prepare import Prepared, Shift, fits, prepare
 
 CTX = 256
@@ -88,3 +90,25 @@ def test_without_context_shift_an_overflow_names_the_prompt_and_the_slot() -> No
     (err,) = to_client(s.take(), Error)
     assert err.code == "context_overflow" and err.message == f"prompt of {CTX} tokens does not fit a slot of {CTX} tokens"
     assert s.slot_context() == CTX
+
+
+def test_a_history_with_images_drops_its_oldest_messages_and_their_images(vocab, tmp_path) -> None:
+    """A conversation whose first turn showed a picture and whose last asks about another, too long for the slot:
+    the oldest turns go, the first picture with them; the last one stays, its rows in the prompt (the tiny Gemma 3
+    projector: 16 rows an image)."""
+    chat = ChatFormat(ChatTemplate.choose(None, None, "gemma", bos_text="<bos>"))
+    chat.vision = Projector(str(mmproj(tmp_path / "tiny-mmproj.gguf")), vocab.model_ptr)
+    try:
+        history = conversation(12)
+        history[1] = ChatMessage(role="user", content=[TextPart(text="Look at this."), ImagePart(data=png(40, 40, seed=1))])
+        history[-1] = ChatMessage(role="user", content=[TextPart(text="And this one?"), ImagePart(data=png(40, 40, seed=2))])
+        whole = prepare(chat_submit(history), vocab, chat)
+        assert len(whole.images) == 2 and len(whole.tokens) > CTX
+        p = prepare(chat_submit(history), vocab, chat, shift_to=CTX)
+        assert p.shift is not None and p.shift.messages > 0 and fits(len(p.tokens), 16, CTX)
+        assert p.shift.tokens == len(whole.tokens) - len(p.tokens)
+        (kept,) = p.images  # the last picture's
+        assert kept.data == png(40, 40, seed=2) and kept.n_tokens == tokens_per_image()
+        assert int((p.tokens < 0).sum()) == tokens_per_image()
+    finally:
+        chat.vision.close()
