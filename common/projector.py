@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,7 @@ class EncodedImage:
 
     def __init__(self, chunks: Any, chunk: Any, n_tokens: int, rows: ctypes.Array[ctypes.c_float]) -> None:
         self._chunks, self.chunk, self.n_tokens, self.rows = chunks, chunk, n_tokens, rows
+        self.encode_s = 0.0  # what its encode took
         self.n_pos = int(mtmd.mtmd_input_chunk_get_n_pos(chunk))  # the positions it advances (common/media.py)
 
     def free(self) -> None:
@@ -151,13 +153,16 @@ class Projector:
                 n = mtmd.mtmd_input_chunk_get_n_tokens(image)
                 if n > n_batch and mtmd.mtmd_decode_use_non_causal(self.ctx, image):  # (causal rows: split over decodes)
                     raise ProjectorError(f"an image of {n} rows does not fit a batch of {n_batch}")
+                t0 = time.perf_counter()
                 rc = mtmd.mtmd_encode_chunk(self.ctx, image)
                 if rc != 0:
                     raise RuntimeError(f"mtmd_encode_chunk returned {rc}")
                 # (the output is the context's, overwritten by the next encode: copied while the lock is held)
                 rows = (ctypes.c_float * (n * self.n_embd))()
                 ctypes.memmove(rows, mtmd.mtmd_get_output_embd(self.ctx), ctypes.sizeof(rows))
-                return EncodedImage(chunks, image, n, rows)
+                encoded = EncodedImage(chunks, image, n, rows)
+                encoded.encode_s = time.perf_counter() - t0
+                return encoded
             except BaseException:
                 mtmd.mtmd_input_chunks_free(chunks)
                 raise

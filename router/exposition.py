@@ -36,6 +36,9 @@ WORKER_COUNTERS = {
     "spec_withheld": ("kvroute_worker_spec_withheld", "Guesses not computed: taken too rarely to pay in their batch"),
     "disk_restores": ("kvroute_worker_disk_restores", "Prefixes restored from the disk tier (--cache-dir)"),
     "disk_restore_failures": ("kvroute_worker_disk_restore_failures", "Disk-tier files that did not check out (served cold)"),
+    "image_rows": ("kvroute_worker_image_rows", "Images' rows decoded into slots (--mmproj)"),
+    "images_encoded": ("kvroute_worker_images_encoded", "Images the vision projector encoded (--mmproj)"),
+    "image_encode_s": ("kvroute_worker_image_encode_seconds", "Time the vision projector took to encode them"),
     "paused_steps": ("kvroute_worker_paused_steps", "Jobs left out of a step for a job of higher priority (one per job a step)"),
 }
 

@@ -346,6 +346,15 @@ class EngineCore:
                     code = ErrorCode.BAD_REQUEST if isinstance(exc, ProjectorError) else ErrorCode.INTERNAL
                     self.ends.error(task, code, f"image at prompt position {start}: {exc}")
                     break
+                self.counters.images_encoded += 1
+                self.counters.image_encode_s += encoded.encode_s
+                log.info(
+                    "image_encoded",
+                    request_id=task.id,
+                    slot=slot.id,
+                    rows=encoded.n_tokens,
+                    encode_ms=round(1e3 * encoded.encode_s, 1),
+                )
                 n, n_pos = encoded.n_tokens, image_n_pos(task.prompt, start, image.n_tokens)
                 try:
                     if enc.start != start:  # (not possible while the job holds its slot; its rows are not these)

@@ -45,10 +45,12 @@ def test_an_image_is_read_and_the_next_turn_reuses_it_exactly(seer: Engine) -> N
     picture = png(48, 40, seed=1)
     first, images = prompt_of(seer, TURN_1, picture)
     (image,) = images
-    before = seer.call(lambda e: e.counters.image_rows).result(10)
+    counted = lambda e: (e.counters.image_rows, e.counters.images_encoded, e.counters.image_encode_s)  # noqa: E731
+    rows, encoded, encode_s = seer.call(counted).result(10)
     one = complete(seer, first, slot=0, images=images)
     assert isinstance(one.final, JobDone), one.final
-    assert seer.call(lambda e: e.counters.image_rows).result(10) - before == image.n_tokens
+    rows2, encoded2, encode_s2 = seer.call(counted).result(10)
+    assert (rows2 - rows, encoded2 - encoded) == (image.n_tokens, 1) and encode_s2 > encode_s
     assert_slot_invariant(seer, one)
 
     second, images2 = prompt_of(seer, TURN_2, picture)
