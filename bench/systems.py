@@ -85,6 +85,7 @@ class Setup:
     kvroute_flags: tuple[str, ...] = ()  # more `kvroute serve` flags, for every kvroute system
     llama_server_flags: tuple[str, ...] = ()  # more llama-server flags (e.g. --spec-type)
     gpu: int | None = None  # every layer on this GPU (kvroute: `workers` workers on it; llama-server: -ngl all)
+    turn_marker: str = "<start_of_turn>user"  # what a user turn starts with in the template the flags give
 
 
 _HANDED_OUT: set[int] = set()
@@ -198,7 +199,7 @@ class Server:
     kvroute worker ready), and stops them: each process group, so kvroute's workers go too."""
 
     def __init__(self, name: str, setup: Setup, log_path: Path, *, ready_timeout_s: float = 300.0) -> None:
-        self.name = name
+        self.name, self.setup = name, setup
         self.workers = setup.workers if name.startswith("kvroute") or name in SMG_POLICIES else 1
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -299,7 +300,7 @@ class Server:
         probe = "template probe: say yes"
         body = {"messages": [{"role": "user", "content": probe}]}
         prompt = http.post(f"{self.url}/apply-template", json=body).json().get("prompt", "")
-        if probe not in prompt or "<start_of_turn>user" not in prompt:
+        if probe not in prompt or self.setup.turn_marker not in prompt:
             raise SystemError_(f"{self.name} renders a conversation as {prompt!r}: its chat template flags are wrong")
 
     def stop(self) -> None:

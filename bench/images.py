@@ -1,0 +1,227 @@
+"""Images turn by turn, kvroute against llama-server on the same model and projector, per API (issue 64).
+
+Each case is a model with a tiny random-weight projector (bench/tiny_mmproj.py; no real one can be downloaded here):
+`gemma3` (the default model with the Gemma 3 projector: 16 rows an image, one position a row) and `qwen` (the tiny
+Qwen3-VL model of bench/tiny_archs.py with the Qwen2-VL projector: an image of 96 x 64 pixels is 12 x 8 = 96 rows
+advancing 12 positions, M-RoPE). For each API (`chat`: an `image_url` data URL; `messages`: Claude Code's shape, the
+image inside a `tool_result`; `responses`: an `input_image`) three requests go to each system, one after the other:
+
+1. a question about image A;
+2. the same conversation, its reply and a new question appended (image A again): only the new text should be computed;
+3. the same as 2 with image B in A's place: computed from B's first row on.
+
+For each request the prompt's tokens, the tokens the server says it reused (`cached_tokens`; Anthropic's
+`cache_read_input_tokens`) and so computed, and the time the server says the prompt took (`timings.prompt_ms`, where
+it gives one: the image's encode and rows with the text). kvroute's router's predictions are checked on its /metrics
+(`kvroute_reuse_mispredictions_total` must not move) and its encodes' time read there
+(`kvroute_worker_image_encode_seconds_total`; llama-server's log does not say).
+
+    .venv/bin/python -m bench.images [--cases gemma3,qwen] [--apis chat,messages,responses] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import tiny_archs
+from bench.systems import Server, Setup
+from bench.tiny_mmproj import mmproj, png, qwen2vl_mmproj
+from common.model import default_model_path
+
+APIS = ("chat", "messages", "responses")
+CASES = ("gemma3", "qwen")
+SYSTEMS = ("kvroute", "llama-server")
+QUESTION = "What is in this picture? Describe its colours, its shapes and where they are."
+FOLLOW_UP = "And what is in its top left corner, next to the edge?"
+REPLY_TOKENS = 8
+
+
+def case_files(case: str, tmp: Path) -> tuple[Path, Path, tuple[str, ...], str, tuple[bytes, bytes]]:
+    """The model, the projector, each system's template flags, its user turn's start, and the two images of a case."""
+    if case == "gemma3":
+        images = (png(48, 40, seed=1), png(48, 40, seed=2))
+        return default_model_path(), mmproj(tmp / "gemma3-mmproj.gguf"), (), "<start_of_turn>user", images
+    if case == "qwen":
+        model, proj = tiny_archs.model("qwen3vl", stdev=0.5), qwen2vl_mmproj(tmp / "qwen2vl-mmproj.gguf")
+        return model, proj, ("--chat-template", "chatml"), "<|im_start|>user", (png(96, 64, seed=1), png(96, 64, seed=2))
+    raise ValueError(f"unknown case {case!r} (known: {', '.join(CASES)})")
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def body(api: str, image: bytes, reply: str | None) -> tuple[str, dict[str, Any]]:
+    """The request of `api` asking about `image`; with `reply`, the conversation after it with the follow-up."""
+    if api == "chat":
+        picture = {"type": "image_url", "image_url": {"url": data_url(image)}}
+        messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": QUESTION}, picture]}]
+        if reply is not None:
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": FOLLOW_UP}]
+        return "/v1/chat/completions", {"messages": messages, "max_tokens": REPLY_TOKENS, "temperature": 0}
+    if api == "messages":
+        source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(image).decode()}
+        messages = [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"path": "s.png"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "image", "source": source}]},
+            ]},
+        ]  # fmt: skip
+        if reply is not None:
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": FOLLOW_UP}]
+        # (no `tools`: llama-server takes them only with Jinja templates, and the tiny Qwen's vocabulary has no end of
+        # sequence for a call grammar; the history's tool_use and tool_result are Claude Code's shape either way)
+        return "/v1/messages", {"model": "m", "max_tokens": REPLY_TOKENS, "messages": messages, "temperature": 0}
+    if api == "responses":
+        asked = [{"type": "input_text", "text": QUESTION}, {"type": "input_image", "image_url": data_url(image)}]
+        items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": asked}]
+        if reply is not None:
+            items += [
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": reply}]},
+                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": FOLLOW_UP}]},
+            ]
+        return "/v1/responses", {"input": items, "max_output_tokens": REPLY_TOKENS, "temperature": 0}
+    raise ValueError(f"unknown API {api!r}")
+
+
+def usage(api: str, reply: dict[str, Any]) -> tuple[int, int, str]:
+    """(prompt tokens, reused tokens, reply text) of a reply."""
+    u = reply.get("usage") or {}
+    if api == "chat":
+        return (
+            u["prompt_tokens"],
+            (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+            reply["choices"][0]["message"].get("content") or "",
+        )
+    if api == "messages":
+        cached = u.get("cache_read_input_tokens") or 0
+        text = "".join(b.get("text", "") for b in reply.get("content", []) if b.get("type") == "text")
+        return u["input_tokens"] + cached + (u.get("cache_creation_input_tokens") or 0), cached, text
+    cached = (u.get("input_tokens_details") or {}).get("cached_tokens") or 0
+    text = "".join(c.get("text", "") for o in reply.get("output", []) if o.get("type") == "message" for c in o.get("content", []))
+    return u["input_tokens"], cached, text
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def settled_metrics(http: httpx.Client, wait_s: float = 15.0) -> str:
+    """kvroute's /metrics once the workers' counters have come in (with their heartbeats) and stopped moving."""
+    last, end = "", time.monotonic() + wait_s
+    while time.monotonic() < end:
+        text = http.get("/metrics").text
+        if metric(text, "kvroute_worker_images_encoded_total") and text == last:
+            return text
+        last = text
+        time.sleep(1.5)
+    return last
+
+
+def turns(http: httpx.Client, api: str, images: tuple[bytes, bytes]) -> list[dict[str, Any]]:
+    rows = []
+    first_reply = None
+    for n, (image, after) in enumerate(((images[0], False), (images[0], True), (images[1], True)), 1):
+        path, req = body(api, image, first_reply if after else None)
+        r = http.post(path, json=req, timeout=600)
+        if r.status_code != 200:
+            rows.append({"turn": n, "status": r.status_code, "error": r.text[:300]})
+            continue
+        reply = r.json()
+        prompt, cached, text = usage(api, reply)
+        if first_reply is None:
+            first_reply = text or "I see."
+        prompt_ms = (reply.get("timings") or {}).get("prompt_ms")  # (the image's encode and rows, and the text's)
+        row = {"turn": n, "prompt": prompt, "cached": cached, "computed": prompt - cached, "prompt_ms": prompt_ms}
+        rows.append(row)
+    return rows
+
+
+def run_case(case: str, apis: list[str], tmp: Path) -> dict[str, Any]:
+    model, proj, template, marker, images = case_files(case, tmp)
+    out: dict[str, Any] = {}
+    for system in SYSTEMS:
+        setup = Setup(
+            model=str(model),
+            threads=2,
+            workers=1,
+            slots=2,
+            ctx_per_slot=4096,
+            kvroute_flags=("--mmproj", str(proj), *template),
+            llama_server_flags=("--mmproj", str(proj), *template),
+            turn_marker=marker,
+        )
+        log = tmp / f"{case}-{system}.log"
+        with Server(system, setup, log) as server, httpx.Client(base_url=server.url) as http:
+            before = http.get("/metrics").text if system == "kvroute" else ""
+            results = {api: turns(http, api, images) for api in apis}
+            after = settled_metrics(http) if system == "kvroute" else ""
+        if system == "kvroute":
+            encoded = metric(after, "kvroute_worker_images_encoded_total") - metric(before, "kvroute_worker_images_encoded_total")
+            seconds = metric(after, "kvroute_worker_image_encode_seconds_total") - metric(
+                before, "kvroute_worker_image_encode_seconds_total"
+            )
+            mis = metric(after, "kvroute_reuse_mispredictions_total") - metric(before, "kvroute_reuse_mispredictions_total")
+            extra = {
+                "images_encoded": encoded,
+                "encode_ms_each": round(1e3 * seconds / encoded, 2) if encoded else None,
+                "mispredictions": mis,
+            }
+        else:  # (its log does not say what an encode took: the requests' prompt_ms compare the whole)
+            extra = {}
+        out[system] = {"apis": results, **extra}
+    return out
+
+
+def table(report: dict[str, Any]) -> str:
+    lines = [
+        "| case | API | turn | prompt tokens, kvroute / llama-server | computed (reused), kvroute | llama-server "
+        "| prompt ms, kvroute / llama-server |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+
+    def cell(r: dict[str, Any]) -> str:
+        return f"{r['computed']} ({r['cached']})" if "computed" in r else f"HTTP {r['status']}"
+
+    def ms(r: dict[str, Any]) -> str:
+        return "-" if r.get("prompt_ms") is None else f"{r['prompt_ms']:.1f}"
+
+    for case, systems in report["cases"].items():
+        ours, theirs = systems["kvroute"]["apis"], systems["llama-server"]["apis"]
+        for api in ours:
+            for a, b in zip(ours[api], theirs.get(api, []), strict=False):
+                prompts = f"{a.get('prompt', '-')} / {b.get('prompt', '-')}"
+                lines.append(f"| {case} | {api} | {a['turn']} | {prompts} | {cell(a)} | {cell(b)} | {ms(a)} / {ms(b)} |")
+        k = systems["kvroute"]
+        encodes = f"kvroute: {k['images_encoded']:g} encodes, {k['encode_ms_each']} ms each"
+        lines.append(f"| {case} | {encodes}; reuse mispredicted {k['mispredictions']:g} | | | | | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--apis", default=",".join(APIS))
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    apis = [a for a in args.apis.split(",") if a]
+    with tempfile.TemporaryDirectory(prefix="kvimages-") as tmp:
+        report = {"cases": {c: run_case(c, apis, Path(tmp)) for c in args.cases.split(",") if c}}
+    print(table(report))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
