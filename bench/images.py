@@ -14,7 +14,7 @@ For each request the prompt's tokens, the tokens the server says it reused (`cac
 `cache_read_input_tokens`) and so computed, and the time the server says the prompt took (`timings.prompt_ms`, where
 it gives one: the image's encode and rows with the text). kvroute's router's predictions are checked on its /metrics
 (`kvroute_reuse_mispredictions_total` must not move) and its encodes' time read there
-(`kvroute_worker_image_encode_seconds_total`; llama-server's log does not say).
+(`kvroute_worker_image_encode_seconds_total`); llama-server's from its log (`-lv 4`: `encode_ms`).
 
     .venv/bin/python -m bench.images [--cases gemma3,qwen] [--apis chat,messages,responses] [--out FILE]
 """
@@ -116,6 +116,25 @@ def metric(text: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
 
 
+def _stamp(line: str) -> float:
+    """Seconds since start of a llama-server log line (`M.SS.mmm.uuu I ...`)."""
+    m, sec, milli, micro = (int(x) for x in line.split(" ", 1)[0].split("."))
+    return 60 * m + sec + milli / 1e3 + micro / 1e6
+
+
+def encode_ms(log: str) -> list[float]:
+    """What each of llama-server's image encodes took: from its "encoding mtmd batch" line to the first "decoding image
+    batch" after it (its log says when the encode starts and when the image's rows go in, not the encode's time)."""
+    out, began = [], None
+    for line in log.splitlines():
+        if "encoding mtmd batch" in line:
+            began = _stamp(line)
+        elif "decoding image batch 1/" in line and began is not None:
+            out.append(round(1e3 * (_stamp(line) - began), 2))
+            began = None
+    return out
+
+
 def settled_metrics(http: httpx.Client, wait_s: float = 15.0) -> str:
     """kvroute's /metrics once the workers' counters have come in (with their heartbeats) and stopped moving."""
     last, end = "", time.monotonic() + wait_s
@@ -158,7 +177,7 @@ def run_case(case: str, apis: list[str], tmp: Path) -> dict[str, Any]:
             slots=2,
             ctx_per_slot=4096,
             kvroute_flags=("--mmproj", str(proj), *template),
-            llama_server_flags=("--mmproj", str(proj), *template),
+            llama_server_flags=("--mmproj", str(proj), *template, "-lv", "4"),  # (-lv 4: its encodes' log lines)
             turn_marker=marker,
         )
         log = tmp / f"{case}-{system}.log"
@@ -177,8 +196,9 @@ def run_case(case: str, apis: list[str], tmp: Path) -> dict[str, Any]:
                 "encode_ms_each": round(1e3 * seconds / encoded, 2) if encoded else None,
                 "mispredictions": mis,
             }
-        else:  # (its log does not say what an encode took: the requests' prompt_ms compare the whole)
-            extra = {}
+        else:
+            ms = encode_ms(log.read_text(errors="replace"))
+            extra = {"images_encoded": len(ms), "encode_ms_each": round(sum(ms) / len(ms), 2) if ms else None}
         out[system] = {"apis": results, **extra}
     return out
 
@@ -202,9 +222,10 @@ def table(report: dict[str, Any]) -> str:
             for a, b in zip(ours[api], theirs.get(api, []), strict=False):
                 prompts = f"{a.get('prompt', '-')} / {b.get('prompt', '-')}"
                 lines.append(f"| {case} | {api} | {a['turn']} | {prompts} | {cell(a)} | {cell(b)} | {ms(a)} / {ms(b)} |")
-        k = systems["kvroute"]
-        encodes = f"kvroute: {k['images_encoded']:g} encodes, {k['encode_ms_each']} ms each"
-        lines.append(f"| {case} | {encodes}; reuse mispredicted {k['mispredictions']:g} | | | | | |")
+        k, ls = systems["kvroute"], systems["llama-server"]
+        encodes = f"encodes: kvroute {k['images_encoded']:g}, {k['encode_ms_each']} ms each"
+        theirs_enc = f"llama-server {ls['images_encoded']:g}, {ls['encode_ms_each']} ms each"
+        lines.append(f"| {case} | {encodes}; {theirs_enc}; kvroute's reuse mispredicted {k['mispredictions']:g} | | | | | |")
     return "\n".join(lines)
 
 
