@@ -3,8 +3,10 @@
 Each case is a model with a tiny random-weight projector (bench/tiny_mmproj.py; no real one can be downloaded here):
 `gemma3` (the default model with the Gemma 3 projector: 16 rows an image, one position a row) and `qwen` (the tiny
 Qwen3-VL model of bench/tiny_archs.py with the Qwen2-VL projector: an image of 96 x 64 pixels is 12 x 8 = 96 rows
-advancing 12 positions, M-RoPE). For each API (`chat`: an `image_url` data URL; `messages`: Claude Code's shape, the
-image inside a `tool_result`; `responses`: an `input_image`) three requests go to each system, one after the other:
+advancing 12 positions, M-RoPE); `gemma3-wide`: a Gemma 3 projector of the real one's patch grid (224 x 224
+pixels, 14-pixel patches, pooled 4 x 4: 16 rows), 8 layers of width 256, for what an encode costs. For each API
+(`chat`: an `image_url` data URL; `messages`: Claude Code's shape, the image inside a `tool_result`; `responses`:
+an `input_image`) three requests go to each system, one after the other:
 
 1. a question about image A;
 2. the same conversation, its reply and a new question appended (image A again): only the new text should be computed;
@@ -35,24 +37,30 @@ import httpx
 from bench import tiny_archs
 from bench.systems import Server, Setup
 from bench.tiny_mmproj import mmproj, png, qwen2vl_mmproj
+from chat.template import BUILTIN
 from common.model import default_model_path
 
 APIS = ("chat", "messages", "responses")
-CASES = ("gemma3", "qwen")
+CASES = ("gemma3", "qwen", "gemma3-wide")
 SYSTEMS = ("kvroute", "llama-server")
 QUESTION = "What is in this picture? Describe its colours, its shapes and where they are."
 FOLLOW_UP = "And what is in its top left corner, next to the edge?"
 REPLY_TOKENS = 8
 
 
-def case_files(case: str, tmp: Path) -> tuple[Path, Path, tuple[str, ...], str, tuple[bytes, bytes]]:
-    """The model, the projector, each system's template flags, its user turn's start, and the two images of a case."""
+def case_files(case: str, tmp: Path) -> tuple[Path, Path, str, str, tuple[bytes, bytes]]:
+    """The model, the projector, the chat template both systems render with (kvroute's built-in of that name,
+    given to llama-server as a Jinja file: its legacy path writes a newline before an image), its user turn's start,
+    and the two images of a case."""
     if case == "gemma3":
         images = (png(48, 40, seed=1), png(48, 40, seed=2))
-        return default_model_path(), mmproj(tmp / "gemma3-mmproj.gguf"), (), "<start_of_turn>user", images
+        return default_model_path(), mmproj(tmp / "gemma3-mmproj.gguf"), "gemma", "<start_of_turn>user", images
+    if case == "gemma3-wide":  # (a projector of real Gemma 3's patch grid, narrower and shallower: an encode's cost)
+        proj = mmproj(tmp / "gemma3-wide-mmproj.gguf", image_size=224, patch_size=14, pool=4, n_embd=256, n_layer=8, n_ff=512)
+        return default_model_path(), proj, "gemma", "<start_of_turn>user", (png(48, 40, seed=1), png(48, 40, seed=2))
     if case == "qwen":
         model, proj = tiny_archs.model("qwen3vl", stdev=0.5), qwen2vl_mmproj(tmp / "qwen2vl-mmproj.gguf")
-        return model, proj, ("--chat-template", "chatml"), "<|im_start|>user", (png(96, 64, seed=1), png(96, 64, seed=2))
+        return model, proj, "chatml", "<|im_start|>user", (png(96, 64, seed=1), png(96, 64, seed=2))
     raise ValueError(f"unknown case {case!r} (known: {', '.join(CASES)})")
 
 
@@ -79,8 +87,8 @@ def body(api: str, image: bytes, reply: str | None) -> tuple[str, dict[str, Any]
         ]  # fmt: skip
         if reply is not None:
             messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": FOLLOW_UP}]
-        # (no `tools`: llama-server takes them only with Jinja templates, and the tiny Qwen's vocabulary has no end of
-        # sequence for a call grammar; the history's tool_use and tool_result are Claude Code's shape either way)
+        # (no `tools`: the tiny Qwen's vocabulary has no end of sequence for a call grammar; the history's tool_use and
+        # tool_result are Claude Code's shape either way)
         return "/v1/messages", {"model": "m", "max_tokens": REPLY_TOKENS, "messages": messages, "temperature": 0}
     if api == "responses":
         asked = [{"type": "input_text", "text": QUESTION}, {"type": "input_image", "image_url": data_url(image)}]
@@ -168,6 +176,8 @@ def turns(http: httpx.Client, api: str, images: tuple[bytes, bytes]) -> list[dic
 
 def run_case(case: str, apis: list[str], tmp: Path) -> dict[str, Any]:
     model, proj, template, marker, images = case_files(case, tmp)
+    jinja = tmp / f"{template}.jinja"
+    jinja.write_text(BUILTIN[template])
     out: dict[str, Any] = {}
     for system in SYSTEMS:
         setup = Setup(
@@ -176,8 +186,9 @@ def run_case(case: str, apis: list[str], tmp: Path) -> dict[str, Any]:
             workers=1,
             slots=2,
             ctx_per_slot=4096,
-            kvroute_flags=("--mmproj", str(proj), *template),
-            llama_server_flags=("--mmproj", str(proj), *template, "-lv", "4"),  # (-lv 4: its encodes' log lines)
+            kvroute_flags=("--mmproj", str(proj), "--chat-template", template),
+            # (-lv 4: its encodes' log lines)
+            llama_server_flags=("--mmproj", str(proj), "--jinja", "--chat-template-file", str(jinja), "-lv", "4"),
             turn_marker=marker,
         )
         log = tmp / f"{case}-{system}.log"
