@@ -46,6 +46,7 @@ SYSTEMS = ("kvroute", "llama-server")
 QUESTION = "What is in this picture? Describe its colours, its shapes and where they are."
 FOLLOW_UP = "And what is in its top left corner, next to the edge?"
 REPLY_TOKENS = 8
+TEMPLATES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "templates"  # llama.cpp's vendored ones
 
 
 def case_files(case: str, tmp: Path) -> tuple[Path, Path, str, str, tuple[bytes, bytes]]:
@@ -60,7 +61,9 @@ def case_files(case: str, tmp: Path) -> tuple[Path, Path, str, str, tuple[bytes,
         return default_model_path(), proj, "gemma", "<start_of_turn>user", (png(48, 40, seed=1), png(48, 40, seed=2))
     if case == "qwen":
         model, proj = tiny_archs.model("qwen3vl", stdev=0.5), qwen2vl_mmproj(tmp / "qwen2vl-mmproj.gguf")
-        return model, proj, "chatml", "<|im_start|>user", (png(96, 64, seed=1), png(96, 64, seed=2))
+        # (Qwen2.5's template: its tool calls rendered alike by both, where the built-in chatml has no tool syntax)
+        template = "Qwen-Qwen2.5-7B-Instruct.jinja"
+        return model, proj, template, "<|im_start|>user", (png(96, 64, seed=1), png(96, 64, seed=2))
     raise ValueError(f"unknown case {case!r} (known: {', '.join(CASES)})")
 
 
@@ -176,8 +179,10 @@ def turns(http: httpx.Client, api: str, images: tuple[bytes, bytes]) -> list[dic
 
 def run_case(case: str, apis: list[str], tmp: Path) -> dict[str, Any]:
     model, proj, template, marker, images = case_files(case, tmp)
-    jinja = tmp / f"{template}.jinja"
-    jinja.write_text(BUILTIN[template])
+    jinja = TEMPLATES / template
+    if template in BUILTIN:
+        jinja = tmp / f"{template}.jinja"
+        jinja.write_text(BUILTIN[template])
     out: dict[str, Any] = {}
     for system in SYSTEMS:
         setup = Setup(
@@ -186,7 +191,7 @@ def run_case(case: str, apis: list[str], tmp: Path) -> dict[str, Any]:
             workers=1,
             slots=2,
             ctx_per_slot=4096,
-            kvroute_flags=("--mmproj", str(proj), "--chat-template", template),
+            kvroute_flags=("--mmproj", str(proj), "--chat-template", str(jinja)),
             # (-lv 4: its encodes' log lines)
             llama_server_flags=("--mmproj", str(proj), "--jinja", "--chat-template-file", str(jinja), "-lv", "4"),
             turn_marker=marker,
