@@ -60,7 +60,8 @@ and only its prompt tokens count in `n_exact`; guesses are verified only where l
 back (ROLLBACK positions).
 
 Invariant (checked after every decode, and before building a batch): for every slot,
-`llama_memory_seq_pos_max(slot) + 1 == len(slot.tokens)`, and its memory's lowest position is what it keeps
+`llama_memory_seq_pos_max(slot) + 1 == len(slot.tokens)` (fewer after an M-RoPE image, whose rows share a position:
+worker/slots.py `held_end`), and its memory's lowest position is what it keeps
 (worker/llama.py `holds`). A violation is counted, logged with an id, reported to the slot's job as an `internal`
 error carrying that id, and the slot is cleared (worker/failures.py, as a failed decode and a bug in a step are).
 """
