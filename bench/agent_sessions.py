@@ -66,12 +66,29 @@ class Sent:
     new: int = 0  # prompt tokens past the conversation's previous request (prompt + reply); set by `new_tokens`
 
 
+# the tool a parent and its sub-agents call where replies are calls (`--calls`): each reply is one call to it, forced
+# (`tool_choice`), so that a server reading calls sees a conversation wait on a tool, as an agent's do
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "run",
+        "description": "Run a shell command and return what it prints.",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string", "maxLength": 60}},
+            "required": ["command"],
+        },
+    },
+}
+
+
 @dataclass
 class Conversation:
     name: str
     role: str
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     sent: list[Sent] = field(default_factory=list)
+    calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,6 +106,7 @@ class Traffic:
     user_words: int = 40
     result_words: int = 150
     parent_tier: str = "priority"  # the parent's and its sub-agents' `service_tier` ("": none sent)
+    calls: bool = False  # the parent's and sub-agents' replies are tool calls, their results tool messages (`TOOL`)
 
 
 class Run:
@@ -104,14 +122,27 @@ class Run:
         self.conversations.append(conv)
         return conv
 
+    def add(self, conv: Conversation, text: str) -> None:
+        """What comes back to the conversation before its next request: a user message, or, where its last reply was a
+        call (`--calls`), that call's result as a tool message."""
+        last = conv.messages[-1]
+        if last.get("tool_calls"):
+            conv.messages.append({"role": "tool", "tool_call_id": last["tool_calls"][0]["id"], "content": text})
+        else:
+            conv.messages.append({"role": "user", "content": text})
+
     async def ask(self, http: httpx.AsyncClient, conv: Conversation, user: str) -> str:
-        """One request: `user` appended, the reply appended after it; its figures recorded. A sub-agent sends its
-        parent's session id (as Claude Code's Task tool does), the parent and its sub-agents `parent_tier`."""
-        conv.messages.append({"role": "user", "content": user})
+        """One request: `user` appended (or a call's result: `add`), the reply appended after it; its figures
+        recorded. A sub-agent sends its parent's session id (as Claude Code's Task tool does), the parent and its
+        sub-agents `parent_tier`; with `calls`, they reply with a call (`TOOL`)."""
+        self.add(conv, user)
         body: dict[str, Any] = {"model": self.model, "messages": conv.messages, "max_tokens": self.t.max_tokens}
         body["temperature"] = 0
-        if conv.role in ("parent", "sub") and self.t.parent_tier:
+        agent = conv.role in ("parent", "sub")
+        if agent and self.t.parent_tier:
             body["service_tier"] = self.t.parent_tier
+        if agent and self.t.calls:
+            body["tools"], body["tool_choice"] = [TOOL], {"type": "function", "function": {"name": "run"}}
         session = "parent" if conv.role == "sub" else conv.name
         t0 = time.monotonic()
         r = await http.post(f"{self.url}/v1/chat/completions", json=body, headers={"x-session-id": session}, timeout=1800)
@@ -120,7 +151,13 @@ class Run:
         prompt, computed = computed_of(got)
         completion = int((got.get("usage") or {}).get("completion_tokens", 0))
         conv.sent.append(Sent(conv.name, conv.role, len(conv.sent) + 1, prompt, computed, completion, took, r.status_code))
-        text = str(((got.get("choices") or [{}])[0].get("message") or {}).get("content") or "")
+        message = (got.get("choices") or [{}])[0].get("message") or {}
+        text = str(message.get("content") or "")
+        if message.get("tool_calls"):
+            conv.calls += 1
+            calls = [{k: c[k] for k in ("id", "type", "function")} for c in message["tool_calls"][:1]]
+            conv.messages.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+            return calls[0]["function"]["arguments"]
         conv.messages.append({"role": "assistant", "content": text})
         return text
 
@@ -196,7 +233,8 @@ def summarize(conversations: Sequence[Conversation], wall: float) -> dict[str, A
     sent = [s for c in conversations for s in c.sent]
     by_role = {role: figures([s for s in sent if s.role == role]) for role in ("parent", "sub", "other")}
     returning = figures([s for s in sent if s.role == "parent" and s.step > 1])  # (its turns after a pause)
-    return {"wall_s": round(wall, 1), "everyone": figures(sent), **by_role, "parent_returning": returning}
+    calls = sum(c.calls for c in conversations)
+    return {"wall_s": round(wall, 1), "everyone": figures(sent), **by_role, "parent_returning": returning, "calls": calls}
 
 
 def row(name: str, f: dict[str, Any]) -> str:
@@ -232,6 +270,7 @@ def main() -> None:
     ap.add_argument("--spawn-turns", default=",".join(map(str, defaults.spawn_turns)))
     ap.add_argument("--tool-wait-s", type=float, default=defaults.tool_wait_s)
     ap.add_argument("--parent-tier", default=defaults.parent_tier, help='the parent\'s `service_tier` ("" sends none)')
+    ap.add_argument("--calls", action="store_true", help="the parent's and sub-agents' replies are tool calls")
     ap.add_argument("--systems", help="comma-separated systems of bench/systems.py to start and run on in turn")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--slots", type=int, default=3, help="slots per worker")
@@ -243,7 +282,7 @@ def main() -> None:
     traffic = Traffic(
         args.parent_words, args.sub_words, args.other_words, args.parent_turns,
         tuple(int(t) for t in args.spawn_turns.split(",") if t), args.subagents, args.sub_steps, args.others,
-        args.tool_wait_s, args.max_tokens, parent_tier=args.parent_tier,
+        args.tool_wait_s, args.max_tokens, parent_tier=args.parent_tier, calls=args.calls,
     )  # fmt: skip
     print(HEADER, flush=True)
     results: list[dict[str, Any]] = []

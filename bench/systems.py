@@ -9,6 +9,7 @@ Every system gets the same model, the same thread count and the same context per
 - `kvroute-ll`: `--policy least-loaded` (a freed slot takes the oldest waiting request; among workers with an
   idle slot, the one with the fewest busy slots and queued prefill; prefixes ignored), likewise;
 - `kvroute-nospec`: `--spec none` (no speculative decoding, which is on by default);
+- `kvroute-noretain`: `--tool-wait-s 0` (no slot kept for a conversation waiting on its tool calls: issue 65);
 - `llama-server`: llama.cpp's own server, built from the llama.cpp vendored in the pinned llama-cpp-python sdist
   (bench/llama_server.py), the server kvroute competes with, at its best settings here: one slot per kvroute
   slot (`--parallel`, `--ctx-size` = slots x ctx per slot; its log says `kv_unified = 'false'`: one KV stream per
@@ -48,6 +49,7 @@ SYSTEMS = (
     "kvroute-rr",
     "kvroute-ll",
     "kvroute-nospec",
+    "kvroute-noretain",
     "llama-server",
     "smg-cache-aware",
     "smg-round-robin",
@@ -61,6 +63,7 @@ DESCRIPTIONS = {
     "kvroute-rr": "kvroute serve --policy round-robin",
     "kvroute-ll": "kvroute serve --policy least-loaded",
     "kvroute-nospec": "kvroute serve --spec none",
+    "kvroute-noretain": "kvroute serve --tool-wait-s 0",
     "llama-server": "llama-server --parallel SLOTS --swa-full --cache-ram 2048 -fa auto --no-jinja --chat-template gemma "
     "(llama.cpp of the pinned sdist)",
     "smg-cache-aware": "smg launch --policy cache_aware over one llama-server (as above) per worker",
@@ -132,6 +135,8 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
             serve += ["--policy", "least-loaded"]
         elif name == "kvroute-nospec":
             serve += ["--policy", "prefix", "--spec", "none"]
+        elif name == "kvroute-noretain":
+            serve += ["--policy", "prefix", "--tool-wait-s", "0"]
         else:
             raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
         return [[*serve, *setup.kvroute_flags, "--http", f"127.0.0.1:{port}"]]
