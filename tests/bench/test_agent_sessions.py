@@ -21,18 +21,24 @@ class StandIn:
         self.kept: dict[tuple[str, str], int] = {}
         self.forget = forget or set()
         self.sessions: list[tuple[str, str | None]] = []  # (session, service_tier) of each request
+        self.bodies: list[dict[str, Any]] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         session = request.headers["x-session-id"]
         self.sessions.append((session, body.get("service_tier")))
+        self.bodies.append(body)
         conversation = (session, body["messages"][0]["content"])
-        prompt = sum(len(m["content"].split()) for m in body["messages"])
+        prompt = sum(len((m["content"] or "").split()) for m in body["messages"])
         forgotten = session in self.forget and body["messages"][0]["content"].startswith(PARENT_SYSTEM)
         cached = 0 if forgotten else min(self.kept.get(conversation, 0), prompt)
         self.kept[conversation] = prompt + 2
         usage = {"prompt_tokens": prompt, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": cached}}
-        return httpx.Response(200, json={"choices": [{"message": {"content": "ok then"}}], "usage": usage})
+        message: dict[str, Any] = {"content": "ok then"}
+        if body.get("tool_choice"):  # (a forced call, as the server is asked)
+            call = {"name": body["tool_choice"]["function"]["name"], "arguments": '{"command": "ls"}'}
+            message = {"content": None, "tool_calls": [{"id": f"call_{len(self.bodies)}", "type": "function", "function": call}]}
+        return httpx.Response(200, json={"choices": [{"message": message}], "usage": usage})
 
 
 def run(server: StandIn, traffic: Traffic) -> dict[str, Any]:
@@ -74,3 +80,17 @@ def test_new_tokens_are_those_past_the_previous_prompt_and_reply() -> None:
 def test_words_are_the_same_for_the_same_seed() -> None:
     assert words("parent/system", 50) == words("parent/system", 50) != words("other-1/system", 50)
     assert len(words("x", 50).split()) == 50
+
+
+def test_with_calls_the_agents_replies_are_calls_and_their_results_tool_messages() -> None:
+    server = StandIn()
+    f = run(server, Traffic(**{**SMALL.__dict__, "calls": True}))
+    assert f["calls"] == 5 + 2 * 3 * 3 and f["everyone"]["failed"] == 0
+    agents = [b for b in server.bodies if b.get("tools")]
+    assert len(agents) == 5 + 2 * 3 * 3 and all(b["tool_choice"]["function"]["name"] == "run" for b in agents)
+    later = [b for b in agents if len(b["messages"]) > 2]  # (every request after a conversation's first)
+    for b in later:  # the last reply was a call: its result comes back as the tool message answering it
+        *_, call, result = b["messages"]
+        assert call["role"] == "assistant" and result == {**result, "role": "tool", "tool_call_id": call["tool_calls"][0]["id"]}
+    others = [b for b in server.bodies if not b.get("tools")]
+    assert others and all(m["role"] != "tool" for b in others for m in b["messages"])  # (the other users only talk)
