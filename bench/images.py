@@ -18,7 +18,8 @@ it gives one: the image's encode and rows with the text). kvroute's router's pre
 (`kvroute_reuse_mispredictions_total` must not move) and its encodes' time read there
 (`kvroute_worker_image_encode_seconds_total`); llama-server's from its log (`-lv 4`: `encode_ms`).
 
-    .venv/bin/python -m bench.images [--cases gemma3,qwen] [--apis chat,messages,responses] [--out FILE]
+    .venv/bin/python -m bench.images [--cases gemma3,qwen,gemma3-wide] [--apis chat,messages,responses] [--repeats N]
+                                     [--out FILE]
 """
 
 from __future__ import annotations
@@ -177,83 +178,98 @@ def turns(http: httpx.Client, api: str, images: tuple[bytes, bytes]) -> list[dic
     return rows
 
 
-def run_case(case: str, apis: list[str], tmp: Path) -> dict[str, Any]:
+def run_case(case: str, apis: list[str], tmp: Path, repeats: int = 1) -> dict[str, list[dict[str, Any]]]:
+    """Each system's runs of the case, `repeats` of each, the systems interleaved."""
     model, proj, template, marker, images = case_files(case, tmp)
     jinja = TEMPLATES / template
     if template in BUILTIN:
         jinja = tmp / f"{template}.jinja"
         jinja.write_text(BUILTIN[template])
-    out: dict[str, Any] = {}
-    for system in SYSTEMS:
-        setup = Setup(
-            model=str(model),
-            threads=2,
-            workers=1,
-            slots=2,
-            ctx_per_slot=4096,
-            kvroute_flags=("--mmproj", str(proj), "--chat-template", str(jinja)),
-            # (-lv 4: its encodes' log lines)
-            llama_server_flags=("--mmproj", str(proj), "--jinja", "--chat-template-file", str(jinja), "-lv", "4"),
-            turn_marker=marker,
-        )
-        log = tmp / f"{case}-{system}.log"
-        with Server(system, setup, log) as server, httpx.Client(base_url=server.url) as http:
-            before = http.get("/metrics").text if system == "kvroute" else ""
-            results = {api: turns(http, api, images) for api in apis}
-            after = settled_metrics(http) if system == "kvroute" else ""
-        if system == "kvroute":
-            encoded = metric(after, "kvroute_worker_images_encoded_total") - metric(before, "kvroute_worker_images_encoded_total")
-            seconds = metric(after, "kvroute_worker_image_encode_seconds_total") - metric(
-                before, "kvroute_worker_image_encode_seconds_total"
-            )
-            mis = metric(after, "kvroute_reuse_mispredictions_total") - metric(before, "kvroute_reuse_mispredictions_total")
-            extra = {
-                "images_encoded": encoded,
-                "encode_ms_each": round(1e3 * seconds / encoded, 2) if encoded else None,
-                "mispredictions": mis,
-            }
-        else:
-            ms = encode_ms(log.read_text(errors="replace"))
-            extra = {"images_encoded": len(ms), "encode_ms_each": round(sum(ms) / len(ms), 2) if ms else None}
-        out[system] = {"apis": results, **extra}
+    setup = Setup(
+        model=str(model),
+        threads=2,
+        workers=1,
+        slots=2,
+        ctx_per_slot=4096,
+        kvroute_flags=("--mmproj", str(proj), "--chat-template", str(jinja)),
+        # (-lv 4: its encodes' log lines)
+        llama_server_flags=("--mmproj", str(proj), "--jinja", "--chat-template-file", str(jinja), "-lv", "4"),
+        turn_marker=marker,
+    )
+    out: dict[str, list[dict[str, Any]]] = {system: [] for system in SYSTEMS}
+    for rep in range(repeats):
+        for system in SYSTEMS:
+            out[system].append(run_system(system, setup, tmp / f"{case}-{system}-{rep}.log", apis, images))
     return out
 
 
+def run_system(system: str, setup: Setup, log: Path, apis: list[str], images: tuple[bytes, bytes]) -> dict[str, Any]:
+    with Server(system, setup, log) as server, httpx.Client(base_url=server.url) as http:
+        before = http.get("/metrics").text if system == "kvroute" else ""
+        results = {api: turns(http, api, images) for api in apis}
+        after = settled_metrics(http) if system == "kvroute" else ""
+    if system != "kvroute":
+        ms = encode_ms(log.read_text(errors="replace"))
+        return {"apis": results, "images_encoded": len(ms), "encode_ms_each": round(sum(ms) / len(ms), 2) if ms else None}
+    encoded, seconds, mis = (
+        metric(after, name) - metric(before, name)
+        for name in (
+            "kvroute_worker_images_encoded_total",
+            "kvroute_worker_image_encode_seconds_total",
+            "kvroute_reuse_mispredictions_total",
+        )
+    )
+    each = round(1e3 * seconds / encoded, 2) if encoded else None
+    return {"apis": results, "images_encoded": encoded, "encode_ms_each": each, "mispredictions": mis}
+
+
 def table(report: dict[str, Any]) -> str:
+    """Tokens from each system's first run (and whether every repeat gave the same), the encode and the chat turns'
+    prompt ms of every repeat."""
     lines = [
         "| case | API | turn | prompt tokens, kvroute / llama-server | computed (reused), kvroute | llama-server "
-        "| prompt ms, kvroute / llama-server |",
+        "| the same in every repeat |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def cell(r: dict[str, Any]) -> str:
         return f"{r['computed']} ({r['cached']})" if "computed" in r else f"HTTP {r['status']}"
 
-    def ms(r: dict[str, Any]) -> str:
-        return "-" if r.get("prompt_ms") is None else f"{r['prompt_ms']:.1f}"
+    def tokens(run: dict[str, Any]) -> list[Any]:
+        return [(r.get("prompt"), r.get("cached")) for rows in run["apis"].values() for r in rows]
 
     for case, systems in report["cases"].items():
-        ours, theirs = systems["kvroute"]["apis"], systems["llama-server"]["apis"]
-        for api in ours:
-            for a, b in zip(ours[api], theirs.get(api, []), strict=False):
+        ours, theirs = systems["kvroute"], systems["llama-server"]
+        same = all(tokens(r) == tokens(runs[0]) for runs in (ours, theirs) for r in runs)
+        for api in ours[0]["apis"]:
+            for a, b in zip(ours[0]["apis"][api], theirs[0]["apis"].get(api, []), strict=False):
                 prompts = f"{a.get('prompt', '-')} / {b.get('prompt', '-')}"
-                lines.append(f"| {case} | {api} | {a['turn']} | {prompts} | {cell(a)} | {cell(b)} | {ms(a)} / {ms(b)} |")
-        k, ls = systems["kvroute"], systems["llama-server"]
-        encodes = f"encodes: kvroute {k['images_encoded']:g}, {k['encode_ms_each']} ms each"
-        theirs_enc = f"llama-server {ls['images_encoded']:g}, {ls['encode_ms_each']} ms each"
-        lines.append(f"| {case} | {encodes}; {theirs_enc}; kvroute's reuse mispredicted {k['mispredictions']:g} | | | | | |")
+                lines.append(f"| {case} | {api} | {a['turn']} | {prompts} | {cell(a)} | {cell(b)} | {'yes' if same else 'no'} |")
+        enc = ", ".join(f"{k['encode_ms_each']} / {t['encode_ms_each']}" for k, t in zip(ours, theirs, strict=True))
+        lines.append(f"| {case} | encode ms, kvroute / llama-server, each repeat: {enc} | | | | | |")
+        for turn in (1, 3):
+            ms = ", ".join(f"{_ms(k, turn)} / {_ms(t, turn)}" for k, t in zip(ours, theirs, strict=True) if "chat" in k["apis"])
+            lines.append(f"| {case} | chat turn {turn} prompt ms, each repeat: {ms} | | | | | |")
+        mis = sum(k["mispredictions"] for k in ours)
+        lines.append(f"| {case} | kvroute's reuse mispredicted: {mis:g} | | | | | |")
     return "\n".join(lines)
+
+
+def _ms(run: dict[str, Any], turn: int) -> str:
+    r = run["apis"]["chat"][turn - 1]
+    return "-" if r.get("prompt_ms") is None else f"{r['prompt_ms']:.1f}"
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--apis", default=",".join(APIS))
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each system, interleaved")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     apis = [a for a in args.apis.split(",") if a]
     with tempfile.TemporaryDirectory(prefix="kvimages-") as tmp:
-        report = {"cases": {c: run_case(c, apis, Path(tmp)) for c in args.cases.split(",") if c}}
+        report = {"cases": {c: run_case(c, apis, Path(tmp), args.repeats) for c in args.cases.split(",") if c}}
     print(table(report))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -3,7 +3,7 @@ API's usage, and llama-server's encode times from its log."""
 
 from __future__ import annotations
 
-from bench.images import body, encode_ms, usage
+from bench.images import body, encode_ms, table, usage
 
 PNG = b"\x89PNG\r\n\x1a\nfake"
 
@@ -43,3 +43,17 @@ def test_llama_servers_encode_is_from_its_start_to_its_rows() -> None:
         "1.02.040.000 I decoding image batch 2/2, n_tokens_batch = 32",
     ])  # fmt: skip
     assert encode_ms(log) == [2.5, 31.5]
+
+
+def test_the_table_takes_tokens_from_the_first_run_and_every_repeats_times() -> None:
+    def run(ms: float, encode: float, cached: int = 30) -> dict:
+        rows = [{"turn": t, "prompt": 40, "cached": cached, "computed": 40 - cached, "prompt_ms": ms} for t in (1, 2, 3)]
+        return {"apis": {"chat": rows}, "images_encoded": 2, "encode_ms_each": encode, "mispredictions": 0.0}
+
+    report = {"cases": {"c": {"kvroute": [run(10.0, 1.5), run(11.0, 1.6)], "llama-server": [run(9.0, 1.0), run(9.5, 1.1)]}}}
+    text = table(report)
+    assert "| c | chat | 1 | 40 / 40 | 10 (30) | 10 (30) | yes |" in text
+    assert "encode ms, kvroute / llama-server, each repeat: 1.5 / 1.0, 1.6 / 1.1" in text
+    assert "chat turn 3 prompt ms, each repeat: 10.0 / 9.0, 11.0 / 9.5" in text
+    report["cases"]["c"]["kvroute"][1] = run(11.0, 1.6, cached=20)  # (a repeat that reused otherwise: said so)
+    assert "| c | chat | 1 | 40 / 40 | 10 (30) | 10 (30) | no |" in table(report)
