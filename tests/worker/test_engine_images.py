@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
-from worker_helpers import Run, assert_slot_invariant, complete, decodes, job
+from worker_helpers import Run, assert_slot_invariant, complete, decodes, job, prompt_of
 from worker_helpers import start as start_run
 
 from bench.tiny_mmproj import mmproj, png
@@ -33,11 +33,6 @@ def seer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     eng = Engine(cfg).start()
     yield eng
     eng.stop()
-
-
-def prompt_of(engine: Engine, text: str, image: bytes) -> tuple[list[int], list[JobImage]]:
-    tokens, images = engine.call(lambda e: e.projector.tokenize(text, True, [image])).result(30)
-    return tokens.tolist(), [JobImage(start=i.start, n_tokens=i.n_tokens, data=i.data) for i in images]
 
 
 def test_an_image_is_read_and_the_next_turn_reuses_it_exactly(seer: Engine) -> None:

@@ -17,14 +17,14 @@ import llama_cpp
 import llama_cpp.mtmd_cpp as mtmd
 import numpy as np
 import pytest
-from worker_helpers import Run, assert_slot_invariant, complete, job
+from worker_helpers import Run, assert_slot_invariant, complete, job, prompt_of
 from worker_helpers import start as start_run
 
 from bench import tiny_archs
 from bench.tiny_mmproj import png, qwen2vl_grid, qwen2vl_mmproj
 from common.media import mrope_spans
 from common.projector import MARKER, Projector
-from protocol import JobDone, JobImage
+from protocol import JobDone
 from worker.config import WorkerConfig
 from worker.engine import Engine
 
@@ -49,11 +49,6 @@ def seer(files: tuple[Path, Path]) -> Iterator[Engine]:
     eng = Engine(cfg).start()
     yield eng
     eng.stop()
-
-
-def prompt_of(engine: Engine, text: str, image: bytes) -> tuple[list[int], list[JobImage]]:
-    tokens, images = engine.call(lambda e: e.projector.tokenize(text, True, [image])).result(30)
-    return tokens.tolist(), [JobImage(start=i.start, n_tokens=i.n_tokens, data=i.data) for i in images]
 
 
 def seer_text(engine: Engine) -> list[int]:

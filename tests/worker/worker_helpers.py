@@ -125,6 +125,13 @@ def complete(engine: Engine, prompt: list[int], **kw) -> Run:
     return run
 
 
+def prompt_of(engine: Engine, text: str, image: bytes) -> tuple[list[int], list[JobImage]]:
+    """A rendered prompt with one image marker as the router lays it out with the engine's projector: its ids and
+    the job's images."""
+    tokens, images = engine.call(lambda e: e.projector.tokenize(text, True, [image])).result(30)
+    return tokens.tolist(), [JobImage(start=i.start, n_tokens=i.n_tokens, data=i.data) for i in images]
+
+
 def assert_slot_invariant(engine: Engine, run: Run) -> None:
     """The contract: the slot holds the first slot_tokens of prompt + generated, its hash matches, and the KV agrees."""
     done = run.final
