@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import random
+import resource
 import statistics
 import time
 from collections import OrderedDict
@@ -208,14 +209,23 @@ async def replay(url: str, rows: Sequence[Row], mode: str, units: int, clients: 
     return answers
 
 
-def summary(name: str, answers: Sequence[Answer], wall: float) -> str:
+def summary(name: str, answers: Sequence[Answer], wall: float, cpu_s: float | None = None) -> str:
+    """One row of the table; `cpu_s`: the CPU seconds the system's processes used (where it was started here)."""
     ok = [a for a in answers if a.status == 200]
     sent, computed = sum(a.prompt_tokens for a in ok), sum(a.computed for a in ok)
     p50 = statistics.median(a.seconds for a in ok) if ok else float("nan")
+    cpu = f"{cpu_s:.0f} s" if cpu_s is not None else "-"
     return (
         f"| {name} | {computed / sent if sent else float('nan'):.3f} ({computed:,} of {sent:,}) | {wall:.1f} s | "
-        f"{p50:.2f} s | {len(ok)} of {len(answers)} |"
+        f"{p50:.2f} s | {cpu} | {len(ok)} of {len(answers)} |"
     )
+
+
+def children_cpu_s() -> float:
+    """CPU seconds (user and system) of every process this one started and reaped, their own children included (a
+    server reaps its workers): the difference across a system's run is what its processes used."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def main() -> None:
@@ -251,8 +261,8 @@ def main() -> None:
         print(f"oracle, a cache of {args.budget_blocks:,} blocks: computes {budget.share:.3f} ({budget.computed:,} blocks)")
     if args.oracle_only:
         return
-    print("| system | prompt tokens computed / sent | wall | p50 latency | answered |")
-    print("| --- | --- | --- | --- | --- |", flush=True)
+    print("| system | prompt tokens computed / sent | wall | p50 latency | CPU | answered |")
+    print("| --- | --- | --- | --- | --- | --- |", flush=True)
     if args.systems:
         compare(args, rows)
         return
@@ -277,14 +287,16 @@ def compare(args: argparse.Namespace, rows: Sequence[Row]) -> None:
     results: list[dict[str, Any]] = []
     for rep in range(args.repeats):
         for name in names:
+            cpu0 = children_cpu_s()
             with Server(name, setup, logs / f"{name}-{rep}.log") as server:
                 t0 = time.monotonic()
                 answers = asyncio.run(replay(server.url, rows, args.mode, args.block, args.clients, served_model(server.url)))
                 wall = time.monotonic() - t0
-            print(summary(name, answers, wall), flush=True)
+            cpu_s = children_cpu_s() - cpu0  # (its start and stop included: seconds, beside the replay's minutes)
+            print(summary(name, answers, wall, cpu_s), flush=True)
             ok = [a for a in answers if a.status == 200]
             results.append({
-                "system": name, "repeat": rep, "command": server.command_line, "wall_s": round(wall, 2),
+                "system": name, "repeat": rep, "command": server.command_line, "wall_s": round(wall, 2), "cpu_s": round(cpu_s, 1),
                 "prompt_tokens": sum(a.prompt_tokens for a in ok), "computed": sum(a.computed for a in ok),
                 "p50_s": round(statistics.median(a.seconds for a in ok), 3) if ok else None,
                 "answered": len(ok), "rows": len(answers),

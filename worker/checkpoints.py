@@ -23,9 +23,10 @@ A full window cache (`swa_full`) is cut back anywhere, but a state saved from it
 its window layers' last window alone: once restored it can be cut back only within its last window, or to a
 checkpoint. So its slots take checkpoints too (`for_saves`: where the turn's new tokens begin, every `every`, at the
 prompt's end), kept with a saved state that cannot be cut back anywhere itself (worker/prefix.py `save`), and such a
-state gets one more, TAIL tokens before its end, taken as the slot is cut back past it (no prompt chunk ends there).
-Measured on Mooncake's conversation trace (bench/trace_replay.py): without them a restored state longer than the
-window gave nothing of a next turn that shares all but its last few tokens, or its prompt but not its reply.
+state gets more as the slot is cut back past them (`on_save`: no prompt chunk ends there): TAIL tokens before its end,
+and one every window below that. Measured on Mooncake's conversation trace (bench/trace_replay.py): without them a
+restored state longer than the window gave nothing of a next turn that shares all but its last few tokens, its prompt
+but not its reply, or its first blocks only (a prompt sharing 1,161 tokens of a 1,286-token state computed all of them).
 
 Budget: at most `max_count` checkpoints and `slot_bytes` bytes per slot, `total_bytes` for all slots of the worker;
 the oldest go first (the slot's own, then the least recently used slot's). A saved state in host RAM or on disk keeps
@@ -103,6 +104,17 @@ def for_saves(start: int, end: int, every: int, n_batch: int, exact: bool) -> li
     or a client rewrites it). Not before the prompt's end: those need prompt chunks ended early, and the slot itself
     needs none of them."""
     return positions(start, end, every, n_batch, exact, near_end=False)
+
+
+def on_save(keep: int, n: int, window: int, floor: int, taken: Sequence[int]) -> list[int]:
+    """Where a slot of a full window cache holding `n` tokens, about to keep only `keep` of them, takes checkpoints for
+    the state saved from it (no prompt chunk needs to end there: the slot still holds every position, and is cut back
+    past each on the way down), descending: TAIL tokens before its end, and every `window` tokens below that, so that
+    the state, restored, can be cut back to within a window of any position it holds, at about the memory the slot held
+    (each checkpoint is a window's worth). Only above `keep`, from `floor` (where the slot's own memory can be cut back
+    to: a restored state's window begins late) and where it has none (`taken`)."""
+    want = {n - TAIL, *range(window, n - TAIL, window)} if window > 0 else {n - TAIL}
+    return sorted((p for p in want if p > keep and p >= max(floor, 1) and p not in taken), reverse=True)
 
 
 def at(checkpoints: list[Checkpoint], n: int) -> Checkpoint | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from common import logs
 from common.media import image_floor
-from common.slots import COPY_MIN, common_prefix, restore_keep, reused, worth_copy
+from common.slots import common_prefix, restore_keep, reused, worth_copy
 from protocol import EngineCounters
 from worker import checkpoints
 from worker.checkpoints import Budget, Checkpoint
@@ -29,6 +29,8 @@ from worker.task import Task, runnable
 from worker.tier import SavedState
 
 log = logs.get(__name__)
+
+WAIT_MIN = 32  # a job waits for a busy slot computing its prefix only to gain this many tokens (waiting costs latency)
 
 
 @dataclass(frozen=True)
@@ -267,11 +269,10 @@ class Prefixes:
         pos_min = self.llama.state_pos_min(slot.id, n)
         cut = self.entry_min_keep(pos_min, n) > 0  # it cannot be cut back anywhere: its checkpoints go with it
         kept = tuple(slot.checkpoints) if cut else ()
-        tail = n - checkpoints.TAIL  # (and one near its end, taken on the way down to `keep`: checkpoints.TAIL)
-        with_tail = (  # (not below what the slot itself can be cut to: a restored state's window begins late)
-            self.for_saves and cut and keep < tail and tail >= self.min_keep(slot) and not checkpoints.at(list(kept), tail)
-        )
-        extra = self.llama.partial_size(slot.id) if with_tail else 0
+        # (and more, taken on the way down to `keep`: near its end and every window, worker/checkpoints.py `on_save`)
+        taken = [c.n_tokens for c in kept]
+        more = checkpoints.on_save(keep, n, self.llama.info.n_swa, self.min_keep(slot), taken) if self.for_saves and cut else []
+        extra = self.llama.partial_size(slot.id) * len(more)  # (at most a window each)
         if not self.host.make_room(self.llama.state_size(slot.id) + sum(c.nbytes for c in kept) + extra):
             return  # over the whole budget: nothing is allocated
         tokens, n_exact = list(tokens), slot.n_exact  # (the slot is cut back below)
@@ -281,8 +282,11 @@ class Prefixes:
             self.counters.host_save_failures += 1
             log.warning("host_save_failed", slot=slot.id, tokens=n, error=str(exc))
             return
-        if with_tail and (ckpt := self._cut_to_checkpoint(slot, tail)) is not None:
-            kept = tuple(sorted((*kept, ckpt), key=lambda c: c.n_tokens))
+        for p in more:
+            if (ckpt := self._cut_to_checkpoint(slot, p)) is None:
+                break  # (the slot was cleared: it is overwritten next anyway)
+            kept = (*kept, ckpt)
+        kept = tuple(sorted(kept, key=lambda c: c.n_tokens))
         if self.host.put(tokens, n_exact, pos_min, data, salt, slot.id, kept):
             self.counters.host_saves += 1
 
@@ -319,7 +323,7 @@ class Prefixes:
             shared = min(common_prefix(s.task.prompt, prompt), len(prompt) - 1)
             if self.budget is not None and not self.for_saves:  # it is cut back only to where it takes a checkpoint
                 shared = max((p for p in s.task.checkpoint_at if p <= shared), default=0)
-            if s.n_tokens < shared and shared - have >= COPY_MIN:
+            if s.n_tokens < shared and shared - have >= WAIT_MIN:
                 return True
         return False
 

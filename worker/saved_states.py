@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from common import logs
-from common.slots import COPY_MIN
 from common.vocab import Vocab
 from common.weights import GGUFError, weights_fingerprint
 from protocol import MAX_FRAME_BYTES, CacheEntry, pack_tokens, token_hash
@@ -35,8 +34,9 @@ log = logs.get(__name__)
 # refuses would repeat that hello forever. A large disk tier lists its most recently used states up to this much.
 HELLO_LISTING_BYTES = MAX_FRAME_BYTES // 2
 ENTRY_OVERHEAD_BYTES = 160  # a listed entry's fields besides its tokens, about
-# a slot losing fewer tokens than a restore must gain is not worth a copy in host RAM, nor a file on a graceful stop
-SAVE_MIN = COPY_MIN
+# a slot losing fewer tokens than this is not worth a copy in host RAM, nor a file on a graceful stop (each copy is an
+# entry the tier and the router's index keep, and a restore gains what the slot lost at most)
+SAVE_MIN = 16
 
 
 def open_disk_tier(

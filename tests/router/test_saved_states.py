@@ -8,6 +8,7 @@ import time
 import numpy as np
 from test_select import hold, loads, seq
 
+from common.slots import COPY_RATIO
 from protocol import CacheEntry, pack_tokens, token_hash
 from router.mirror import Mirror, Saved, Slot
 from router.select import Dispatch, Params, Wait, expected_reuse, select
@@ -139,8 +140,9 @@ def test_other_policies_still_predict_the_restore_the_worker_will_do():
     prompt = np.concatenate([history, seq(10)])
     d = pick(m, prompt, Params(policy="round-robin"))
     assert isinstance(d, Dispatch) and d.restore and d.reuse == 300
-    # a gain under COPY_MIN is not worth a restore: the worker keeps what the slot gives, and so does the prediction
-    short = np.concatenate([history[:20], seq(10)])
+    # a gain under 1/COPY_RATIO of the cells restored is not worth it: the worker keeps what the slot gives, and so
+    # does the prediction
+    short = np.concatenate([history[: len(history) // COPY_RATIO - 1], seq(10)])
     assert expected_reuse(m.index.match(short), a, Params(), m.saved["w0"]) == (0, False)
 
 

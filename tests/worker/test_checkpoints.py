@@ -12,7 +12,7 @@ from worker_prefix_fakes import FakeLlama, prefixes_for
 
 from common.slots import EXACT_ROWS, restore_keep
 from protocol import Job, Sampling, pack_tokens
-from worker.checkpoints import Budget, Checkpoint, cuts, positions
+from worker.checkpoints import TAIL, Budget, Checkpoint, cuts, on_save, positions
 from worker.prefix import Prefixes
 from worker.saved_states import from_disk, on_disk
 from worker.slots import Slot, SlotTable
@@ -71,6 +71,14 @@ def test_positions_are_where_the_job_began_every_n_tokens_near_the_end_and_the_e
     exact = positions(0, 30, 0, 512, True)  # deterministic mode: every chunk between two at least EXACT_ROWS
     assert exact == [0, 30 - EXACT_ROWS, 30] and all(b - a >= EXACT_ROWS for a, b in itertools.pairwise(exact))
     assert positions(0, 10, 0, 512, True) == [0, 10]
+
+
+def test_a_save_takes_checkpoints_near_the_end_and_every_window_above_what_the_slot_keeps():
+    assert on_save(9, 1286, 512, 0, []) == [1286 - TAIL, 1024, 512]
+    assert on_save(600, 1286, 512, 0, [1024]) == [1286 - TAIL]  # (above `keep`; none twice)
+    assert on_save(0, 1286, 512, 800, []) == [1286 - TAIL, 1024]  # (not below where the slot itself can be cut back to)
+    assert on_save(0, 40, 512, 0, []) == [40 - TAIL] and on_save(0, 20, 512, 0, []) == []
+    assert on_save(0, 1286, 0, 0, []) == [1286 - TAIL]
 
 
 def test_the_budget_drops_the_oldest_checkpoints_of_the_slot_then_of_the_least_recently_used_slot():

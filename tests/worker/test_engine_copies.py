@@ -153,7 +153,7 @@ def test_no_copy_without_prefix_cache_or_for_a_small_gain(copier, vocab):
     complete(copier, doc, slot=0, max_tokens=2)
     off = complete(copier, doc + vocab.tokenize(" More.", add_special=False), slot=1, prefix_cache=False)
     assert isinstance(off.final, JobDone) and off.final.reused_tokens == off.final.restored_tokens == 0
-    short = vocab.tokenize("The lighthouse keeper's log, spring.")  # shares fewer than COPY_MIN tokens
+    short = vocab.tokenize("The lighthouse keeper's log, spring.")  # shares less than a slot copy's worth
     small = complete(copier, short, slot=2)
     assert isinstance(small.final, JobDone) and small.final.restored_tokens == 0 and small.final.reused_tokens == 0
 
@@ -221,7 +221,9 @@ def test_host_ram_entry_longer_than_a_window_is_cut_back_to_its_prompts_end(copi
     evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of bread."), slot=0, max_tokens=2)
     assert isinstance(first.final, JobDone) and isinstance(evict.final, JobDone)
     [saved] = evict.cache_added
-    assert saved.min_keep > len(history) and saved.cuts == sorted([len(history), saved.n_tokens - TAIL])
+    window = copier.llama.info.n_swa
+    assert window < len(history) < 2 * window  # (one more checkpoint, a window in: `on_save`)
+    assert saved.min_keep > len(history) and saved.cuts == sorted([window, len(history), saved.n_tokens - TAIL])
     prompt = history + vocab.tokenize(" Visitor: and what became of the boat with the torn sail?", add_special=False)
     back = complete(copier, prompt, slot=1)
     cold = complete(copier, prompt, slot=2, prefix_cache=False)
@@ -250,6 +252,27 @@ def test_host_ram_entry_longer_than_a_window_is_cut_back_to_a_checkpoint_near_it
     back = complete(copier, prompt, slot=1)
     cold = complete(copier, prompt, slot=2, prefix_cache=False)
     assert isinstance(back.final, JobDone) and back.final.restored_tokens == back.final.reused_tokens == tail
+    assert back.tokens == cold.tokens
+    assert copier.call(lambda e: e.counters.invariant_violations).result(10) == 0
+    assert_slot_invariant(copier, back)
+
+
+def test_host_ram_entry_longer_than_a_window_is_cut_back_to_a_checkpoint_every_window(copier, vocab):
+    """A prompt that shares only the first blocks of a state longer than the window (a conversation branching off an
+    earlier turn, far from its end) resumes from the checkpoint the save took a window in, exactly (worker/checkpoints.py
+    `on_save`)."""
+    clear_all(copier)
+    window = copier.llama.info.n_swa
+    history = vocab.tokenize("Fourth log. " + LONG)
+    complete(copier, history, slot=0, max_tokens=2)
+    evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of malt."), slot=0, max_tokens=2)
+    assert isinstance(evict.final, JobDone)
+    [saved] = evict.cache_added
+    assert window in saved.cuts
+    prompt = history[: window + 40] + vocab.tokenize(" Visitor: and the boats?", add_special=False)
+    back = complete(copier, prompt, slot=1)
+    cold = complete(copier, prompt, slot=2, prefix_cache=False)
+    assert isinstance(back.final, JobDone) and back.final.restored_tokens == back.final.reused_tokens == window
     assert back.tokens == cold.tokens
     assert copier.call(lambda e: e.counters.invariant_violations).result(10) == 0
     assert_slot_invariant(copier, back)

@@ -7,7 +7,7 @@ import ctypes
 
 from worker_prefix_fakes import FakeLlama, prefixes_for
 
-from common.slots import COPY_MIN, SlotPhase
+from common.slots import COPY_MIN, COPY_RATIO, SlotPhase
 from protocol import Job, Sampling, pack_tokens
 from worker.host_cache import HostCache
 from worker.prefix import Prefixes
@@ -61,7 +61,7 @@ def test_a_copy_must_gain_enough_and_never_crosses_tenants():
     prefixes, table, _, _ = setup()
     mine, other, _ = table.slots
     hold(mine, PROMPT[:100])
-    hold(other, PROMPT[: 100 + COPY_MIN - 1])  # not worth a copy
+    hold(other, PROMPT[: 100 + max(COPY_MIN, N_CTX // COPY_RATIO) - 1])  # not worth a copy of the slot's stream
     assert prefixes.source(mine, PROMPT, prefixes.held(mine, PROMPT), seeded=False) is None
     hold(other, PROMPT[:190], salt="tenant-b")
     assert prefixes.source(mine, PROMPT, 100, seeded=False) is None
