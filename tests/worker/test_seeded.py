@@ -119,13 +119,17 @@ def test_deterministic_mode_gives_a_seeded_job_the_same_tokens_whatever_prefix_b
         cold = complete(engine, prompt, slot=0, prefix_cache=False, **kw)
         cached = complete(engine, prompt, slot=0, **kw)  # guesses from the cold run's output, taken whole
         complete(engine, others[0], slot=2, prefix_cache=False, **kw)
-        after_other = complete(engine, prompt, slot=2, **kw)  # reuses the chat template another prompt left there
+        # reuses what it can there: the chat template another prompt left, or, larger, the state the cached run left in
+        # host RAM (any gain is worth a restore: common/slots.py COPY_MIN)
+        after_other = complete(engine, prompt, slot=2, **kw)
         runs = [start(engine, p, slot=s, prefix_cache=False, **kw) for s, p in ((0, others[0]), (2, others[1]))]
         batched = start(engine, prompt, slot=1, prefix_cache=False, **kw)
         for r in [*runs, batched]:
             r.wait()
     after = counters(engine)
-    assert 0 < done(after_other).reused_tokens < len(prompt) - 8 and done(cached).reused_tokens > 0
+    other = done(after_other)
+    assert other.reused_tokens > 0 and (other.reused_tokens < len(prompt) - 8 or other.restored_tokens == other.reused_tokens)
+    assert done(cached).reused_tokens > 0
     assert cached.tokens == cold.tokens
     assert after_other.tokens == cold.tokens
     assert batched.tokens == cold.tokens
