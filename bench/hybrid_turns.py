@@ -2,7 +2,7 @@
 of a slot's checkpoints, and time to first token: kvroute against llama-server with its context checkpoints at their
 defaults (`--ctx-checkpoints 32 --checkpoint-min-step 8192`) and at their best here (`--ctx-checkpoints 256
 --checkpoint-min-step 0`, and `--swa-full` for LFM2's layout, whose attention has a window), both with their
-host-RAM prompt caches on (llama-server `--cache-ram` 8 GiB, its default; kvroute `--host-cache-mb` 2 GiB), on the
+host-RAM prompt caches on (llama-server `--cache-ram` 8 GiB, its default; kvroute `--host-cache-mb` its default), on the
 same tiny random-weight models (bench/tiny_archs.py), 2 slots.
 
 Prompts are token ids (the models have no vocabulary), sent to kvroute over ZMQ and to llama-server's /completion,

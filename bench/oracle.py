@@ -3,7 +3,7 @@
 It sees the whole run at once: every request's prompt as token ids (`[BOS] + tokens of the prompt text`, what the
 server counts as `usage.prompt_tokens`) and what a worker holds once the request is done, its *context*: the
 prompt then the reply's tokens. Its budget is kvroute's: W workers of S slots, and each worker's host RAM
-(`--host-cache-mb`, 2048 MB by default), where evicted slot contents wait and from which a worker restores them.
+(`--host-cache-mb`, gigabytes by default), where evicted slot contents wait and from which a worker restores them.
 On the scale-out sizes the host RAM of one worker holds every session's context several times over (Gemma 3 270M:
 about 18 KB of KV per token, under 20 MB for an 830-token session), so memory never forces a recompute, and slots
 only decide when a request runs, not what it can reuse. What is left is the placement across workers, which do not

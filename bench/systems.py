@@ -14,8 +14,9 @@ Every system gets the same model, the same thread count and the same context per
   (bench/llama_server.py), the server kvroute competes with, at its best settings here: one slot per kvroute
   slot (`--parallel`, `--ctx-size` = slots x ctx per slot; its log says `kv_unified = 'false'`: one KV stream per
   slot, as kvroute's), `--swa-full` (Gemma 3's
-  sliding-window layers kept whole, so any cached prefix can be reused), `--cache-ram 2048` (evicted prompts
-  kept in host RAM, as kvroute's `--host-cache-mb` default), flash attention `auto`, and the same chat template
+  sliding-window layers kept whole, so any cached prefix can be reused), `--cache-ram` what kvroute's
+  `--host-cache-mb` default gives each of its workers here (evicted prompts kept in host RAM: a quarter of RAM shared
+  by the workers, at most llama-server's own default of 8 GiB), flash attention `auto`, and the same chat template
   (`--no-jinja --chat-template gemma`: with Jinja on, as it is by default, llama-server takes the name "gemma" for
   a template's source and renders every conversation as the five characters "gemma"; the start-up check below
   makes sure a conversation is rendered);
@@ -64,7 +65,8 @@ DESCRIPTIONS = {
     "kvroute-ll": "kvroute serve --policy least-loaded",
     "kvroute-nospec": "kvroute serve --spec none",
     "kvroute-noretain": "kvroute serve --tool-wait-s 0",
-    "llama-server": "llama-server --parallel SLOTS --swa-full --cache-ram 2048 -fa auto --no-jinja --chat-template gemma "
+    "llama-server": "llama-server --parallel SLOTS --swa-full --cache-ram (kvroute's host tier) -fa auto --no-jinja "
+    "--chat-template gemma "
     "(llama.cpp of the pinned sdist)",
     "smg-cache-aware": "smg launch --policy cache_aware over one llama-server (as above) per worker",
     "smg-round-robin": "smg launch --policy round_robin over one llama-server (as above) per worker",
@@ -141,13 +143,13 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
             raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
         return [[*serve, *setup.kvroute_flags, "--http", f"127.0.0.1:{port}"]]
     if name == "llama-server":
-        return [_llama_server(setup, port, setup.workers * setup.slots, setup.threads)]
+        return [_llama_server(setup, port, setup.workers * setup.slots, setup.threads, servers=1)]
     if name in SMG_POLICIES:
         from bench.smg import binary as smg
 
         ports = [free_port() for _ in range(setup.workers)]
         threads = max(1, setup.threads // setup.workers)
-        servers = [_llama_server(setup, p, setup.slots, threads) for p in ports]
+        servers = [_llama_server(setup, p, setup.slots, threads, servers=len(ports)) for p in ports]
         gateway = [
             str(smg()), "launch",
             "--host", "127.0.0.1",
@@ -175,9 +177,11 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
     raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
 
 
-def _llama_server(setup: Setup, port: int, slots: int, threads: int) -> list[str]:
-    """One llama-server of `slots` slots and `threads` threads at its best settings here (the module docstring)."""
+def _llama_server(setup: Setup, port: int, slots: int, threads: int, servers: int) -> list[str]:
+    """One llama-server of `slots` slots and `threads` threads at its best settings here (the module docstring), one of
+    `servers` sharing the host RAM kvroute's workers would (`--cache-ram`)."""
     from bench.llama_server import binary
+    from worker.context_size import host_tier_mb
 
     return [
         str(binary()),
@@ -189,7 +193,7 @@ def _llama_server(setup: Setup, port: int, slots: int, threads: int) -> list[str
         "--threads", str(threads),
         "--threads-batch", str(threads),
         "--swa-full",
-        "--cache-ram", "2048",
+        "--cache-ram", str(host_tier_mb(servers)),
         "--flash-attn", "auto",
         "--no-jinja",
         "--chat-template", "gemma",

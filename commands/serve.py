@@ -53,7 +53,7 @@ from worker.config import (
     spec_opt,
     swa_full_opt,
 )
-from worker.context_size import cpu_budget_bytes
+from worker.context_size import cpu_budget_bytes, host_tier_mb
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,11 @@ class LocalWorkers:
     n_gpu_layers: int | None = n_gpu_layers_opt("--gpus")
     threads: int = opt(0, "CPU threads per worker; 0 = the CPU count divided among the CPU workers")
     n_batch: int = opt(512, "most prompt tokens computed in one engine step")
-    host_cache_mb: int = opt(2048, "host RAM per worker for evicted slot contents, restored when they are wanted again")
+    host_cache_mb: int | None = opt(
+        None,
+        "host RAM per worker for evicted slot contents, restored when they are wanted again (0: off; default: a quarter "
+        "of RAM shared by the workers, at most 8192 each as llama-server's --cache-ram)",
+    )
     cache_dir: str | None = opt(
         None,
         "disk tier: each worker keeps saved states in DIR/<worker id>, survives restarts (default: no disk tier)",
@@ -94,7 +98,7 @@ class LocalWorkers:
     checkpoint_every: int = checkpoint_every_opt()
 
     def __post_init__(self) -> None:
-        if self.cpu_workers < 0 or self.slots < 1 or self.threads < 0 or self.host_cache_mb < 0:
+        if self.cpu_workers < 0 or self.slots < 1 or self.threads < 0 or (self.host_cache_mb or 0) < 0:
             raise ValueError("cpu_workers, slots, threads and host_cache_mb must be positive")
         if self.n_gpu_layers is not None and self.n_gpu_layers < 0:
             raise ValueError(f"--n-gpu-layers must be at least 0, got {self.n_gpu_layers}")
@@ -137,6 +141,8 @@ def worker_specs(local: LocalWorkers, model: str, served_as: str | None = None, 
     `served_as`: the router's name of the model, when it serves several (ids start with it: `coder-cpu0`); `mmproj`:
     its vision projector."""
     base = dataclasses.replace(local.worker_config(model), mmproj=mmproj)
+    if local.host_cache_mb is None:  # the auto host-RAM tier is the machine's, shared by its workers
+        base = dataclasses.replace(base, host_cache_mb=host_tier_mb(len(local.gpu_list()) or local.cpu_workers))
     if served_as is not None:
         base = dataclasses.replace(base, model_name=served_as)
     start = "" if served_as is None else worker_prefix(served_as) + "-"

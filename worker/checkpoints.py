@@ -11,6 +11,9 @@ position: `Llama.partial_size`.
 
 Where a slot takes them while it reads a prompt (`positions`), as llama-server places its `--ctx-checkpoints`:
 - where the job's new tokens begin (what it reused: in a conversation, where the turn began);
+- where the prompt parts from the longest prefix a slot or saved state holds, when it could not be given (a slot or
+  state cannot be cut back there): two prompts branch there, a third that does is likely (a shared system prompt
+  followed by another conversation; SGLang's radix tree splits its nodes where they do);
 - every `every` tokens of a long prompt (positions that are multiples of it, the same for every prompt);
 - END_OFFSETS before the prompt's end (llama-server's 4 + n_ubatch and 4: next turn a chat template often renders
   the generation prompt, or the last message, otherwise), in deterministic mode far enough apart for exact chunks;
@@ -79,12 +82,12 @@ def cuts(checkpoints: list[Checkpoint]) -> list[int]:
     return [c.n_tokens for c in checkpoints]
 
 
-def positions(start: int, end: int, every: int, n_batch: int, exact: bool, near_end: bool = True) -> list[int]:
+def positions(start: int, end: int, every: int, n_batch: int, exact: bool, near_end: bool = True, branch: int = 0) -> list[int]:
     """Where a slot reading prompt tokens `start`..`end` takes checkpoints (see the module docstring), ascending. In
     deterministic mode (`exact`) every chunk between two of them is at least EXACT_ROWS tokens (worker/core.py).
-    `near_end` False: none of END_OFFSETS (`for_saves`)."""
+    `near_end` False: none of END_OFFSETS (`for_saves`); `branch`: where the prompt parts from what is held."""
     gap = EXACT_ROWS if exact else 1
-    want: set[int] = set()
+    want: set[int] = {branch}
     if every > 0:
         want.update(range((start // every + 1) * every, end, every))
     for offset in END_OFFSETS if near_end else ():
@@ -97,13 +100,13 @@ def positions(start: int, end: int, every: int, n_batch: int, exact: bool, near_
     return [*out, end]
 
 
-def for_saves(start: int, end: int, every: int, n_batch: int, exact: bool) -> list[int]:
+def for_saves(start: int, end: int, every: int, n_batch: int, exact: bool, branch: int = 0) -> list[int]:
     """Where a slot of a full window cache takes checkpoints: only for the states saved from it, whose window layers
     hold their last window alone (llama.cpp writes no more of them), so that such a state, restored, can still be cut
-    back to where a turn began or ended (the next turn shares the prompt and not the reply, when a template drops it
-    or a client rewrites it). Not before the prompt's end: those need prompt chunks ended early, and the slot itself
-    needs none of them."""
-    return positions(start, end, every, n_batch, exact, near_end=False)
+    back to where a turn began, branched off what was held, or ended (the next turn shares the prompt and not the
+    reply, when a template drops it or a client rewrites it). None of END_OFFSETS: those need prompt chunks ended early
+    in every prompt, and the slot itself needs none of them."""
+    return positions(start, end, every, n_batch, exact, near_end=False, branch=branch)
 
 
 def on_save(keep: int, n: int, window: int, floor: int, taken: Sequence[int]) -> list[int]:

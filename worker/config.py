@@ -167,8 +167,11 @@ class WorkerConfig:
     cache_type_k: str = cache_type_opt("keys")
     cache_type_v: str = cache_type_opt("values")
     flash_attn: str = flash_attn_opt()
-    host_cache_mb: int = opt(
-        2048, "host RAM for copies of evicted slot contents, restored when their conversation returns (0: off)"
+    host_cache_mb: int | None = opt(
+        None,
+        "host RAM for copies of evicted slot contents, restored when their conversation returns (0: off; default: a "
+        "quarter of RAM, at most 8192 as llama-server's --cache-ram; `serve` shares it among its workers: set it where "
+        "workers started apart share a machine)",
     )
     cache_dir: str | None = opt(
         None,
@@ -234,7 +237,7 @@ class WorkerConfig:
             raise ValueError("--ctx-checkpoints, --checkpoint-slot-mb, --checkpoint-mb and --checkpoint-every must be at least 0")
         if self.swa_full not in SWA_FULL:
             raise ValueError(f"--swa-full must be auto, on or off, got {self.swa_full!r}")
-        if self.host_cache_mb < 0:
+        if self.host_cache_mb is not None and self.host_cache_mb < 0:
             raise ValueError(f"host_cache_mb must be at least 0, got {self.host_cache_mb}")
         if self.disk_cache_gb < 0:
             raise ValueError(f"--disk-cache-gb must be at least 0, got {self.disk_cache_gb}")

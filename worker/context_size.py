@@ -18,6 +18,7 @@ ROUND = 256  # an auto size is a multiple of this (llama.cpp allocates KV cells 
 AUTO_FLOOR = 256  # the least auto gives, whatever the budget: a smaller slot would refuse almost every prompt
 UNKNOWN_TRAIN = 4096  # for a model whose GGUF does not say what it was trained for
 RAM_SHARE = 4  # auto budget on CPU: RAM / 4, for all CPU workers of one `serve` together (the rest: weights, host cache)
+HOST_TIER_MAX_MB = 8192  # the auto host-RAM tier is RAM / 4 as well, at most this (llama-server's --cache-ram default)
 GPU_SHARE = 0.75  # auto budget on a GPU: of its free memory after the weights (the rest: compute buffers)
 GGML_GPU_TYPES = (1, 2)  # ggml_backend_dev_type: GPU, then integrated GPU (the devices llama.cpp numbers for main_gpu)
 
@@ -98,6 +99,12 @@ def _cgroup_limit() -> int | None:
     except (OSError, StopIteration):
         return None
     return int(value) if value.isdigit() else None  # "max": no limit
+
+
+def host_tier_mb(workers: int = 1) -> int:
+    """Auto host-RAM tier (`--host-cache-mb`) of each of `workers` workers sharing this machine: a quarter of its RAM
+    (another quarter is the CPU workers' KV budget), at most llama-server's `--cache-ram` default."""
+    return min(HOST_TIER_MAX_MB, ram_bytes() // RAM_SHARE // max(1, workers) >> 20)
 
 
 def cpu_budget_bytes(workers: int = 1) -> int:

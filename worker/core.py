@@ -93,6 +93,7 @@ from worker.admission import Admission
 from worker.batching import Batcher, Planned
 from worker.checkpoints import FOR_SAVES_MAX, Budget
 from worker.config import WorkerConfig
+from worker.context_size import host_tier_mb
 from worker.embed_jobs import EmbedJobs
 from worker.embedder import Embedder
 from worker.failures import Failures, new_error_id
@@ -159,14 +160,15 @@ class EngineCore:
         # slots take context checkpoints where their memory cannot be cut back to any prefix (worker/checkpoints.py);
         # with a full window cache only for the states they save: those hold their window layers' last window alone
         checkpointed = self.uncut or (info.n_swa > 0 and not info.swa_full)
-        for_saves = not checkpointed and info.n_swa > 0 and cfg.host_cache_mb > 0
+        host_mb = host_tier_mb() if cfg.host_cache_mb is None else cfg.host_cache_mb  # (`serve` shares it among its workers)
+        for_saves = not checkpointed and info.n_swa > 0 and host_mb > 0
         budget = None
         if (checkpointed or for_saves) and cfg.ctx_checkpoints > 0:
             count = min(cfg.ctx_checkpoints, FOR_SAVES_MAX) if for_saves else cfg.ctx_checkpoints
             budget = Budget(count, cfg.checkpoint_slot_mb * 2**20, cfg.checkpoint_mb * 2**20)
         memory = f"swa_full={info.swa_full};uncut={self.uncut}"  # (what saved states hold: files must match it)
         disk = open_disk_tier(cfg, self.vocab, memory, self.entry_min_keep)
-        self.saved = SavedStates(cfg.host_cache_mb * 2**20, disk, self.entry_min_keep)
+        self.saved = SavedStates(host_mb * 2**20, disk, self.entry_min_keep)
         self.host, self.disk = self.saved.host, self.saved.disk
         self.exact = cfg.deterministic
         if self.exact:

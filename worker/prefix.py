@@ -82,6 +82,7 @@ class Prefixes:
             self.clear(slot)
         slot.salt = salt
         seeded = task.seeded
+        branch = self.branch(prompt, salt) if task.job.prefix_cache and self.budget is not None else 0
         lcp = self.held(slot, prompt, seeded)
         src = self.source(slot, prompt, lcp, seeded) if task.job.prefix_cache else None
         if src is not None:
@@ -94,7 +95,7 @@ class Prefixes:
         task.reused = slot.n_tokens
         if self.budget is not None:  # where its slot takes checkpoints (the first one now: where its new tokens begin)
             where = checkpoints.for_saves if self.for_saves else checkpoints.positions
-            at = where(task.reused, len(prompt), self.every, self.n_batch, self.exact)
+            at = where(task.reused, len(prompt), self.every, self.n_batch, self.exact, branch=branch)
             task.checkpoint_at = [p for p in at if image_floor(prompt, p) == p]  # (an image is computed whole)
             self.checkpoint(slot)
         task.restored = min(task.restored, task.reused)
@@ -124,6 +125,14 @@ class Prefixes:
         checkpoint within that, or nothing."""
         lcp = image_floor(prompt, reused(common_prefix(slot.tokens, prompt), len(prompt), slot.n_exact, self.exact, seeded))
         return restore_keep(lcp, slot.n_tokens, self.min_keep(slot), checkpoints.cuts(slot.checkpoints))
+
+    def branch(self, prompt: list[int], salt: str) -> int:
+        """The longest prefix of `prompt` a slot or saved state of this tenant holds, whether or not it can be cut back
+        there: where the prompt branches off what is held (a checkpoint there gives it to the next prompt that does)."""
+        held = [common_prefix(s.tokens, prompt) for s in self.table.slots if s.salt == salt]
+        for tier in self.tiers:
+            held += [n for _, n in tier.sharing(prompt, salt)]
+        return max(held, default=0)
 
     def restorable(self, entry: SavedState, prompt: list[int], seeded: bool = False) -> int:
         """Prompt tokens a saved state gives (as `held`)."""

@@ -12,7 +12,7 @@ from worker_prefix_fakes import FakeLlama, prefixes_for
 
 from common.slots import EXACT_ROWS, restore_keep
 from protocol import Job, Sampling, pack_tokens
-from worker.checkpoints import TAIL, Budget, Checkpoint, cuts, on_save, positions
+from worker.checkpoints import TAIL, Budget, Checkpoint, cuts, for_saves, on_save, positions
 from worker.prefix import Prefixes
 from worker.saved_states import from_disk, on_disk
 from worker.slots import Slot, SlotTable
@@ -71,6 +71,10 @@ def test_positions_are_where_the_job_began_every_n_tokens_near_the_end_and_the_e
     exact = positions(0, 30, 0, 512, True)  # deterministic mode: every chunk between two at least EXACT_ROWS
     assert exact == [0, 30 - EXACT_ROWS, 30] and all(b - a >= EXACT_ROWS for a, b in itertools.pairwise(exact))
     assert positions(0, 10, 0, 512, True) == [0, 10]
+    # where the prompt parts from what a slot or saved state holds (when that could not be given: a branch point)
+    assert positions(8, 632, 512, 512, False, branch=248) == [8, 116, 248, 512, 628, 632]
+    assert positions(300, 632, 0, 512, False, branch=248) == [300, 628, 632]  # (before the job began: held already)
+    assert for_saves(8, 632, 512, 512, False, branch=248) == [8, 248, 512, 632]
 
 
 def test_a_save_takes_checkpoints_near_the_end_and_every_window_above_what_the_slot_keeps():
@@ -117,7 +121,9 @@ def test_a_recurrent_slot_is_cut_back_to_its_checkpoint_within_the_shared_prefix
     prefixes.place(again, slot)
     assert again.reused == 96 and llama.restored == [(0, 96)] and slot.tokens == PROMPT[:96]
     assert cuts(slot.checkpoints) == [96] and prefixes.counters.snapshot_restores == 1
-    assert again.checkpoint_at == [96, 100]  # (96 is already held: not taken twice)
+    # (96 is already held: not taken twice; 98 is where this prompt parts from what the slot held: the next one that
+    # does too gets all 98 back)
+    assert again.checkpoint_at == [96, 98, 100]
 
 
 def test_a_recurrent_slot_is_copied_with_its_checkpoints_and_saved_to_host_ram_with_them():

@@ -16,15 +16,19 @@ import zmq
 
 from commands.serve import LocalWorkers, worker_specs
 from protocol import Hello, worker_to_router_decoder
+from router.supervisor import WorkerSpec
 from worker.config import GPU_ENV, WorkerConfig, env_gpu
 from worker.context_size import (
     AUTO_FLOOR,
+    HOST_TIER_MAX_MB,
     CtxChoice,
     auto_ctx_per_slot,
     cpu_budget_bytes,
     gpu_free_bytes,
+    host_tier_mb,
     llama_devices,
     llama_gpus,
+    ram_bytes,
 )
 
 MiB = 2**20
@@ -65,6 +69,22 @@ def test_serve_hands_gpu_layers_to_gpu_workers_and_splits_the_auto_budget_among_
     assert all(s.flags[s.flags.index("--kv-budget-mb") + 1] == str(cpu_budget_bytes(2) // MiB) for s in two)
     fixed = worker_specs(LocalWorkers(cpu_workers=2, ctx_per_slot=1024), "/m.gguf")
     assert all("--kv-budget-mb" not in s.flags for s in fixed)
+
+
+def test_the_host_ram_tier_is_a_quarter_of_ram_shared_by_the_workers_at_most_llama_servers_default() -> None:
+    ram_mb = ram_bytes() // MiB
+    assert host_tier_mb() == min(HOST_TIER_MAX_MB, ram_mb // 4) and HOST_TIER_MAX_MB == 8192  # (--cache-ram's default)
+    assert host_tier_mb(2) == min(HOST_TIER_MAX_MB, ram_mb // 8) and host_tier_mb(0) == host_tier_mb(1)
+
+    def tier(spec: WorkerSpec) -> str:
+        return spec.flags[spec.flags.index("--host-cache-mb") + 1]
+
+    assert [tier(s) for s in worker_specs(LocalWorkers(cpu_workers=2), "/m.gguf")] == [str(host_tier_mb(2))] * 2
+    assert [tier(s) for s in worker_specs(LocalWorkers(gpus="0,1,2"), "/m.gguf")] == [str(host_tier_mb(3))] * 3
+    assert [tier(s) for s in worker_specs(LocalWorkers(cpu_workers=2, host_cache_mb=0), "/m.gguf")] == ["0", "0"]
+    assert WorkerConfig().host_cache_mb is None  # (a worker started alone: host_tier_mb(), worker/core.py)
+    with pytest.raises(ValueError, match="host_cache_mb"):
+        WorkerConfig(host_cache_mb=-1)
 
 
 @contextmanager

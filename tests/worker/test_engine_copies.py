@@ -278,6 +278,35 @@ def test_host_ram_entry_longer_than_a_window_is_cut_back_to_a_checkpoint_every_w
     assert_slot_invariant(copier, back)
 
 
+def test_a_prompt_branching_off_a_saved_state_takes_a_checkpoint_there_for_the_next_one_that_does(copier, vocab):
+    """Two prompts sharing a first part (a system prompt) with a saved state longer than the window, where it has no
+    checkpoint: the first computes that part again and its slot takes a checkpoint where it parted from the state
+    (worker/checkpoints.py `positions`, `branch`), saved with it; the second resumes there, exactly."""
+    clear_all(copier)
+    window = copier.llama.info.n_swa
+    history = vocab.tokenize("Fifth log. " + LONG)
+    complete(copier, history, slot=0, max_tokens=2)
+    evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of spelt."), slot=0, max_tokens=2)
+    assert isinstance(evict.final, JobDone)
+    [saved] = evict.cache_added
+    shared = 100
+    assert not any(0 < c <= shared for c in saved.cuts)  # (nothing of it below the branch can be given)
+    other = vocab.tokenize(" ".join(reversed(LONG.split())), add_special=False)
+    first = complete(copier, history[:shared] + other, slot=1, max_tokens=2)
+    assert isinstance(first.final, JobDone) and first.final.reused_tokens == 0 and shared in first.final.slot_cuts
+    evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of hops."), slot=1, max_tokens=2)
+    assert isinstance(evict.final, JobDone)
+    [branched] = evict.cache_added
+    assert branched.n_tokens > window and branched.min_keep > shared and shared in branched.cuts
+    prompt = history[:shared] + vocab.tokenize(" Visitor: and who kept the other lamp?", add_special=False)
+    second = complete(copier, prompt, slot=2)
+    cold = complete(copier, prompt, slot=0, prefix_cache=False)
+    assert isinstance(second.final, JobDone) and second.final.restored_tokens == second.final.reused_tokens == shared
+    assert second.tokens == cold.tokens
+    assert copier.call(lambda e: e.counters.invariant_violations).result(10) == 0
+    assert_slot_invariant(copier, second)
+
+
 def test_a_restored_state_extended_a_little_is_saved_without_a_tail_it_cannot_give(copier, vocab):
     """A slot holding a restored state has its window layers only from late positions on: cutting it back to TAIL
     tokens before its end, when that is further back than its own window reaches, would take a checkpoint with holes.
