@@ -237,24 +237,35 @@ def test_host_ram_entry_longer_than_a_window_is_cut_back_to_its_prompts_end(copi
     assert [(e.min_keep, e.cuts) for e in gone.cache_added] == [(0, [])]
 
 
+def saved_after(engine: Engine, vocab, history: list[int], evict_text: str, slot: int = 0):
+    """The host-RAM entry saved when `history`, computed on `slot`, is evicted by an unrelated prompt."""
+    complete(engine, history, slot=slot, max_tokens=2)
+    evict = complete(engine, vocab.tokenize(evict_text), slot=slot, max_tokens=2)
+    assert isinstance(evict.final, JobDone)
+    [saved] = evict.cache_added
+    return saved
+
+
+def assert_resumes_exactly(engine: Engine, prompt: list[int], slot: int, cold_slot: int, restored: int) -> None:
+    """`prompt` on `slot` restores `restored` tokens from host RAM and answers as a cold run on `cold_slot` does."""
+    back = complete(engine, prompt, slot=slot)
+    cold = complete(engine, prompt, slot=cold_slot, prefix_cache=False)
+    assert isinstance(back.final, JobDone) and back.final.restored_tokens == back.final.reused_tokens == restored
+    assert back.tokens == cold.tokens
+    assert engine.call(lambda e: e.counters.invariant_violations).result(10) == 0
+    assert_slot_invariant(engine, back)
+
+
 def test_host_ram_entry_longer_than_a_window_is_cut_back_to_a_checkpoint_near_its_end(copier, vocab):
     """A prompt that shares all but the last few tokens of a state longer than the window (a rewritten tail, a
     trace's block boundary) resumes from the checkpoint the save took TAIL tokens before the state's end, exactly."""
     clear_all(copier)
     history = vocab.tokenize("Second log. " + LONG)
-    complete(copier, history, slot=0, max_tokens=2)
-    evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of rye."), slot=0, max_tokens=2)
-    assert isinstance(evict.final, JobDone)
-    [saved] = evict.cache_added
+    saved = saved_after(copier, vocab, history, "Unrelated prompt: the price of rye.")
     tail = saved.n_tokens - TAIL
     assert tail in saved.cuts and tail > len(history) - 8 - TAIL
     prompt = history[:-5] + vocab.tokenize(" Visitor: was the lamp lit early?", add_special=False)
-    back = complete(copier, prompt, slot=1)
-    cold = complete(copier, prompt, slot=2, prefix_cache=False)
-    assert isinstance(back.final, JobDone) and back.final.restored_tokens == back.final.reused_tokens == tail
-    assert back.tokens == cold.tokens
-    assert copier.call(lambda e: e.counters.invariant_violations).result(10) == 0
-    assert_slot_invariant(copier, back)
+    assert_resumes_exactly(copier, prompt, slot=1, cold_slot=2, restored=tail)
 
 
 def test_host_ram_entry_longer_than_a_window_is_cut_back_to_a_checkpoint_every_window(copier, vocab):
@@ -264,18 +275,10 @@ def test_host_ram_entry_longer_than_a_window_is_cut_back_to_a_checkpoint_every_w
     clear_all(copier)
     window = copier.llama.info.n_swa
     history = vocab.tokenize("Fourth log. " + LONG)
-    complete(copier, history, slot=0, max_tokens=2)
-    evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of malt."), slot=0, max_tokens=2)
-    assert isinstance(evict.final, JobDone)
-    [saved] = evict.cache_added
+    saved = saved_after(copier, vocab, history, "Unrelated prompt: the price of malt.")
     assert window in saved.cuts
     prompt = history[: window + 40] + vocab.tokenize(" Visitor: and the boats?", add_special=False)
-    back = complete(copier, prompt, slot=1)
-    cold = complete(copier, prompt, slot=2, prefix_cache=False)
-    assert isinstance(back.final, JobDone) and back.final.restored_tokens == back.final.reused_tokens == window
-    assert back.tokens == cold.tokens
-    assert copier.call(lambda e: e.counters.invariant_violations).result(10) == 0
-    assert_slot_invariant(copier, back)
+    assert_resumes_exactly(copier, prompt, slot=1, cold_slot=2, restored=window)
 
 
 def test_a_prompt_branching_off_a_saved_state_takes_a_checkpoint_there_for_the_next_one_that_does(copier, vocab):
@@ -285,10 +288,7 @@ def test_a_prompt_branching_off_a_saved_state_takes_a_checkpoint_there_for_the_n
     clear_all(copier)
     window = copier.llama.info.n_swa
     history = vocab.tokenize("Fifth log. " + LONG)
-    complete(copier, history, slot=0, max_tokens=2)
-    evict = complete(copier, vocab.tokenize("Unrelated prompt: the price of spelt."), slot=0, max_tokens=2)
-    assert isinstance(evict.final, JobDone)
-    [saved] = evict.cache_added
+    saved = saved_after(copier, vocab, history, "Unrelated prompt: the price of spelt.")
     shared = 100
     assert not any(0 < c <= shared for c in saved.cuts)  # (nothing of it below the branch can be given)
     other = vocab.tokenize(" ".join(reversed(LONG.split())), add_special=False)
@@ -299,12 +299,7 @@ def test_a_prompt_branching_off_a_saved_state_takes_a_checkpoint_there_for_the_n
     [branched] = evict.cache_added
     assert branched.n_tokens > window and branched.min_keep > shared and shared in branched.cuts
     prompt = history[:shared] + vocab.tokenize(" Visitor: and who kept the other lamp?", add_special=False)
-    second = complete(copier, prompt, slot=2)
-    cold = complete(copier, prompt, slot=0, prefix_cache=False)
-    assert isinstance(second.final, JobDone) and second.final.restored_tokens == second.final.reused_tokens == shared
-    assert second.tokens == cold.tokens
-    assert copier.call(lambda e: e.counters.invariant_violations).result(10) == 0
-    assert_slot_invariant(copier, second)
+    assert_resumes_exactly(copier, prompt, slot=2, cold_slot=0, restored=shared)
 
 
 def test_a_restored_state_extended_a_little_is_saved_without_a_tail_it_cannot_give(copier, vocab):
