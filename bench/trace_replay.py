@@ -21,6 +21,10 @@ how many of its prompt tokens were computed.
 llama-server per worker, ...) with the same model, workers, slots, context per slot and threads in all, replays the
 rows on it, stops it, and does that `--repeats` times, the systems interleaved; one row of the table per replay.
 
+`--audit-cuts` runs llama-server with its trace log and counts the prompt tokens it reused by cutting a state
+restored from `--cache-ram` where that state cannot be cut exactly (bench/restored_cuts.py): on a sliding-window
+model those are tokens kvroute computes and llama-server reuses with holes in its window.
+
 The oracle computes, from the rows alone, the share of prompt blocks an infinite cache keyed by blocks computes (a
 block is computed unless the request's whole chain up to it was seen before), and the same with a least recently
 used cache of `--budget-blocks` blocks. What a server computes is measured in tokens, the oracle in blocks: equal
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import resource
@@ -44,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from bench.restored_cuts import TRACE_FLAGS, audit
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake_conversation_trace.jsonl"
 BLOCK_TOKENS = 512  # the trace's block
@@ -248,6 +255,12 @@ def main() -> None:
     ap.add_argument("--budget-blocks", type=int, default=None, help="the oracle's cache size in blocks (default: none)")
     ap.add_argument("--oracle-only", action="store_true")
     ap.add_argument("--token-oracle", action="store_true", help="also the oracle at token granularity (the default model's)")
+    ap.add_argument(
+        "--audit-cuts",
+        action="store_true",
+        help="--systems: run llama-server with its trace log and count the prompt tokens it reused by cutting a restored "
+        "state where that is not exact (bench/restored_cuts.py; the log slows it a little)",
+    )
     args = ap.parse_args()
     rows = load(args.trace, args.rows)
     infinite = oracle(rows)
@@ -283,23 +296,34 @@ def compare(args: argparse.Namespace, rows: Sequence[Row]) -> None:
 
     names = args.systems.split(",")
     setup = Setup(str(default_model_path()), args.threads, args.workers, args.slots, args.ctx)
+    if args.audit_cuts:
+        setup = dataclasses.replace(setup, llama_server_flags=(*setup.llama_server_flags, *TRACE_FLAGS))
     logs = Path(tempfile.mkdtemp(prefix="kvroute-trace-replay-"))
     results: list[dict[str, Any]] = []
     for rep in range(args.repeats):
         for name in names:
             cpu0 = children_cpu_s()
-            with Server(name, setup, logs / f"{name}-{rep}.log") as server:
+            log = logs / f"{name}-{rep}.log"
+            with Server(name, setup, log) as server:
                 t0 = time.monotonic()
                 answers = asyncio.run(replay(server.url, rows, args.mode, args.block, args.clients, served_model(server.url)))
                 wall = time.monotonic() - t0
             cpu_s = children_cpu_s() - cpu0  # (its start and stop included: seconds, beside the replay's minutes)
             print(summary(name, answers, wall, cpu_s), flush=True)
             ok = [a for a in answers if a.status == 200]
+            cuts = audit(log.read_text(errors="replace")) if args.audit_cuts and name == "llama-server" else None
+            if cuts is not None:
+                print(
+                    f"({name}: {cuts.inexact:,} prompt tokens in {cuts.inexact_requests} requests reused by cutting a "
+                    f"restored state below where it is exact; counted as computed: {cuts.computed + cuts.inexact:,})",
+                    flush=True,
+                )
             results.append({
                 "system": name, "repeat": rep, "command": server.command_line, "wall_s": round(wall, 2), "cpu_s": round(cpu_s, 1),
                 "prompt_tokens": sum(a.prompt_tokens for a in ok), "computed": sum(a.computed for a in ok),
                 "p50_s": round(statistics.median(a.seconds for a in ok), 3) if ok else None,
                 "answered": len(ok), "rows": len(answers),
+                **({"inexact_reuse": cuts.inexact, "inexact_requests": cuts.inexact_requests} if cuts is not None else {}),
             })  # fmt: skip
     print(f"(logs in {logs})")
     if args.out:
