@@ -273,12 +273,13 @@ SECOND_ROUND: dict[str, tuple[str, bytes, int, dict[str, str]]] = {  # name -> (
     "foreign-host": (CHAT, js(chat()), 1, {"host": "evil.example", "content-type": "text/plain"}),
 }  # fmt: skip
 OUTSIDE = Path(__file__).with_name("outside.py")
+GAP_MAX_S = 2.0  # longest wait for a token of the stream beside a hostile request
 SERIES_BOUND = 600  # metric series of this server (one worker): the HTTP API's, the router's, each field label once
 
 
 @pytest.mark.parametrize("name", list(SECOND_ROUND))
 def test_a_second_round_request_harms_no_one(served: Serve, name: str, tmp_path: Path) -> None:
-    """Issue 61: beside a normal stream, the stream's longest gap stays under 1 s and its worker is not restarted,
+    """Issue 61: beside a normal stream, the stream's longest gap stays under GAP_MAX_S and its worker is not restarted,
     `/health` answers within 100 ms (99 polls of 100; 500 ms every one), a one-token chat during the tokenize flood
     (the same key's: the flood's texts are not small work) is not queued behind it (under twice its time without it
     plus 0.5 s), the metric series stay under a bound, and a foreign Host is refused. The hostile client is a process
@@ -303,7 +304,9 @@ def test_a_second_round_request_harms_no_one(served: Serve, name: str, tmp_path:
     # (the flood's later tokenizes wait their turn behind the same key's, and may run out of time: 429, come back)
     expected = {"foreign-host": {403}, "tokenize-flood": {200, 429}}.get(name, {200})
     assert set(statuses) <= expected and (name == "foreign-host" or 200 in statuses), statuses
-    assert max(gaps, default=0.0) < 1.0, f"{name}: the stream waited {max(gaps):.2f} s for a token"
+    # (2 s: on a loaded 2-core CI machine a step was once descheduled 1.3 s beside this case, which alone gives gaps of
+    # 0.05 s; a request that stalls the others holds them for seconds)
+    assert max(gaps, default=0.0) < GAP_MAX_S, f"{name}: the stream waited {max(gaps):.2f} s for a token"
     assert served.router.restarts == restarts, f"{name}: the worker was restarted"
     # (99 polls of 100 within 100 ms, every one within 500 ms: on 2 shared cores the OS alone can hold one poll longer;
     # a server that made /health wait for the flood would fail both)
