@@ -21,9 +21,10 @@ how many of its prompt tokens were computed.
 llama-server per worker, ...) with the same model, workers, slots, context per slot and threads in all, replays the
 rows on it, stops it, and does that `--repeats` times, the systems interleaved; one row of the table per replay.
 
-`--audit-cuts` runs llama-server with its trace log and counts the prompt tokens it reused by cutting a state
-restored from `--cache-ram` where that state cannot be cut exactly (bench/restored_cuts.py): on a sliding-window
-model those are tokens kvroute computes and llama-server reuses with holes in its window.
+`--audit-cuts` runs the `llama-server` system (not those behind SMG) with its trace log and counts the prompt tokens
+it reused by cutting a state restored from `--cache-ram` where that state cannot be cut exactly
+(bench/restored_cuts.py): on a sliding-window model those are tokens kvroute computes and llama-server reuses with
+holes in its window.
 
 The oracle computes, from the rows alone, the share of prompt blocks an infinite cache keyed by blocks computes (a
 block is computed unless the request's whole chain up to it was seen before), and the same with a least recently
@@ -296,22 +297,23 @@ def compare(args: argparse.Namespace, rows: Sequence[Row]) -> None:
 
     names = args.systems.split(",")
     setup = Setup(str(default_model_path()), args.threads, args.workers, args.slots, args.ctx)
-    if args.audit_cuts:
-        setup = dataclasses.replace(setup, llama_server_flags=(*setup.llama_server_flags, *TRACE_FLAGS))
+    # (the trace log on the one-box llama-server alone: the audit reads no other, and the log slows a server down)
+    traced = dataclasses.replace(setup, llama_server_flags=(*setup.llama_server_flags, *TRACE_FLAGS))
     logs = Path(tempfile.mkdtemp(prefix="kvroute-trace-replay-"))
     results: list[dict[str, Any]] = []
     for rep in range(args.repeats):
         for name in names:
             cpu0 = children_cpu_s()
             log = logs / f"{name}-{rep}.log"
-            with Server(name, setup, log) as server:
+            audited = args.audit_cuts and name == "llama-server"
+            with Server(name, traced if audited else setup, log) as server:
                 t0 = time.monotonic()
                 answers = asyncio.run(replay(server.url, rows, args.mode, args.block, args.clients, served_model(server.url)))
                 wall = time.monotonic() - t0
             cpu_s = children_cpu_s() - cpu0  # (its start and stop included: seconds, beside the replay's minutes)
             print(summary(name, answers, wall, cpu_s), flush=True)
             ok = [a for a in answers if a.status == 200]
-            cuts = audit(log.read_text(errors="replace")) if args.audit_cuts and name == "llama-server" else None
+            cuts = audit(log.read_text(errors="replace")) if audited else None
             if cuts is not None:
                 print(
                     f"({name}: {cuts.inexact:,} prompt tokens in {cuts.inexact_requests} requests reused by cutting a "

@@ -148,7 +148,8 @@ class EngineCore:
                 f"--mmproj {cfg.mmproj}: this model has sliding-window layers and places image rows with M-RoPE; "
                 "kvroute does not serve the two together"
             )
-        self.wake: Callable[[], None] = lambda: None  # an image's encode ended (worker/engine.py wakes its thread)
+        # an image's encode ended, or an embedder was made, on their threads (worker/engine.py wakes its thread)
+        self.wake: Callable[[], None] = lambda: None
         self.encodings = (
             Encodings(Encoder(self.projector, self.llama.rows, lambda: self.wake())) if self.projector is not None else None
         )
@@ -207,7 +208,9 @@ class EngineCore:
             log.warning("fault_injection_on", faults=self.faults.rules)
         self.progress = 0  # steps completed; a worker whose progress stops while it has jobs is hung
         llama = self.llama  # embed jobs, one input between two steps (worker/engine.py's loop runs them)
-        self.embeds = EmbedJobs(lambda pooling: Embedder(llama.model, pooling, cfg.threads, llama.n_ctx_train))
+        self.embeds = EmbedJobs(
+            lambda pooling: Embedder(llama.model, pooling, cfg.threads, llama.n_ctx_train), wake=lambda: self.wake()
+        )
         self.ends = JobEnds(self.table, self.admission, self.prefixes, self.saved, self.embeds, self.counters)
         self.failures = Failures(self.llama, self.table, self.prefixes, self.ends, self.counters, self.uncut)
 
@@ -251,10 +254,17 @@ class EngineCore:
     def idle(self) -> bool:
         return not self.admission.waiting and not self.table.busy() and not self.embeds
 
+    def waiting_for_embedder(self) -> bool:
+        """Whether the only work left waits for an embedder being made on its thread (which wakes the engine's)."""
+        return not self.admission.waiting and not self.table.busy() and self.embeds.waiting_for_embedder()
+
     def waiting_for_images(self) -> bool:
-        """Whether the slots this step would compute all wait for their image's encode (and no embed job waits): a
-        step then has nothing to compute until one ends (it wakes the engine's thread) or a deadline passes."""
-        if self.encodings is None or not self.encodings.pending or self.embeds:
+        """Whether the slots this step would compute all wait for their image's encode (and no embed job waits but for
+        its embedder): a step then has nothing to compute until one ends (it wakes the engine's thread) or a deadline
+        passes."""
+        if self.encodings is None or not self.encodings.pending:
+            return False
+        if self.embeds and not self.embeds.waiting_for_embedder():
             return False
         return self.encodings.waiting_only([s.id for s in runnable(self.table.busy())])
 

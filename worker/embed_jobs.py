@@ -6,17 +6,21 @@ a long request is not a hang.
 
 Jobs take turns an input at a time, in arrival order (a small request waits for one input of a large one, not for all
 of it), each input decoded alone in the embedder of its pooling (worker/embedder.py, made at its
-first use, which pools an input over its chunks): its vector does not depend on what runs beside it. A job's end goes
+first use, which pools an input over its chunks): its vector does not depend on what runs beside it. An embedder is
+made on a thread of its own (with `wake`): a new context allocates its memory, which took seconds on a loaded 2-core
+machine, and the slots' steps go on meanwhile; its jobs wait for it. A job's end goes
 to its sink: EmbedDone, or JobError (an input over the embedding context `bad_request`, a failure `internal`,
 `cancelled` by its router, `draining` when handed back). Owned by the compute thread.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Collection
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,7 +33,8 @@ from worker.embedder import EmbedInput, InputTooLong, normalized
 log = logs.get(__name__)
 
 STEP_S = 0.25  # embedding work between two steps while slots generate: what their next token waits for it, at most
-FIRST_CHUNK = 32  # tokens of a chunk beside generating slots before the embedder's speed is known
+FIRST_CHUNK = 16  # tokens of a chunk beside generating slots before the embedder's speed is known (~STEP_S here: the
+# default model's embedding context computes its logits for every token too, ~65 tokens/s on one of these cores)
 
 EmbedSink = Callable[[EmbedDone | JobError], None]
 
@@ -66,9 +71,11 @@ class EmbedJobs:
     """The embed jobs waiting or running, the one whose turn it is first; `run_one` computes the next chunk of its
     input."""
 
-    def __init__(self, make: Callable[[str], EmbedderLike]) -> None:
+    def __init__(self, make: Callable[[str], EmbedderLike], wake: Callable[[], None] | None = None) -> None:
         self.make = make  # an embedder for a pooling kind
+        self.wake = wake  # given: embedders are made on a thread, which calls it when one is ready; else made inline
         self.embedders: dict[str, EmbedderLike] = {}  # by pooling, made at first use
+        self.making: dict[str, tuple[Future[EmbedderLike], threading.Thread]] = {}  # by pooling, on their threads
         self.queue: deque[EmbedRun] = deque()
         self.computed = 0  # chunks computed (or failed) so far: part of the engine's progress
         self.tokens_per_s = 0.0  # the embedders' speed, measured (a moving average over chunks)
@@ -87,15 +94,17 @@ class EmbedJobs:
         run = self.queue[0]
         end: EmbedDone | JobError | None
         try:
-            end = self._next(run, self.chunk() if beside else 1 << 30)
+            embedder = self._embedder(run.job.pooling)  # (raises when its context could not be made: this job fails)
+            if embedder is None:
+                return  # (being made on its thread: the slots step on; it wakes the engine when it is ready)
+            end = self._next(run, embedder, self.chunk() if beside else 1 << 30)
         except InputTooLong as exc:
             end = Refusal(ErrorCode.BAD_REQUEST, str(exc)).job_error(run.job.id)
         except Exception as exc:  # a failure of this job's, not the worker's: its router gets the reason
             error_id = uuid.uuid4().hex[:12]
             log.exception("embed_failed", job=run.job.id, error_id=error_id)
             end = JobError(id=run.job.id, code=ErrorCode.INTERNAL, message=f"embeddings failed: {exc}", error_id=error_id)
-        finally:
-            self.computed += 1
+        self.computed += 1
         if end is not None:
             self.queue.popleft()
             _send(run, end)
@@ -106,11 +115,50 @@ class EmbedJobs:
         """Tokens of a chunk beside generating slots: about STEP_S of work at the measured speed."""
         return max(1, int(self.tokens_per_s * STEP_S)) if self.tokens_per_s else FIRST_CHUNK
 
-    def _next(self, run: EmbedRun, most: int) -> EmbedDone | None:
+    def waiting_for_embedder(self) -> bool:
+        """Whether the job whose turn it is waits for its embedder to be made (nothing to compute for it until then)."""
+        if not self.queue:
+            return False
+        making = self.making.get(self.queue[0].job.pooling)
+        return making is not None and not making[0].done()
+
+    def _embedder(self, pooling: str) -> EmbedderLike | None:
+        """The embedder of `pooling`, or None while its thread makes it (started here at its first use). One that could
+        not be made raises here, for the job whose turn it is; the next job of that pooling tries again."""
+        embedder = self.embedders.get(pooling)
+        if embedder is not None:
+            return embedder
+        if self.wake is None:
+            embedder = self.embedders[pooling] = self.make(pooling)
+            return embedder
+        making = self.making.get(pooling)
+        if making is None:
+            self.making[pooling] = self._start_making(pooling)
+            return None
+        if not making[0].done():
+            return None
+        del self.making[pooling]
+        embedder = self.embedders[pooling] = making[0].result()
+        return embedder
+
+    def _start_making(self, pooling: str) -> tuple[Future[EmbedderLike], threading.Thread]:
+        fut: Future[EmbedderLike] = Future()
+        wake = self.wake
+        assert wake is not None
+
+        def make() -> None:
+            try:
+                fut.set_result(self.make(pooling))
+            except BaseException as exc:  # (told to the job whose turn it is, on the compute thread)
+                fut.set_exception(exc)
+            wake()
+
+        thread = threading.Thread(target=make, name=f"kvroute-embedder-{pooling}", daemon=True)
+        thread.start()
+        return fut, thread
+
+    def _next(self, run: EmbedRun, embedder: EmbedderLike, most: int) -> EmbedDone | None:
         job = run.job
-        embedder = self.embedders.get(job.pooling)
-        if embedder is None:
-            embedder = self.embedders[job.pooling] = self.make(job.pooling)
         if run.current is None:
             if not run.vectors:  # refused whole before any work
                 embedder.check([len(t) // 4 for t in job.inputs])  # (4 bytes a token id)
@@ -158,6 +206,12 @@ class EmbedJobs:
         return len(runs)
 
     def close(self) -> None:
+        """Free every embedder, those being made once their thread ends (they read the model, freed after this)."""
+        for fut, thread in self.making.values():
+            thread.join()
+            if fut.exception() is None:
+                fut.result().close()
+        self.making.clear()
         for embedder in self.embedders.values():
             embedder.close()
         self.embedders.clear()

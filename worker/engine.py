@@ -90,7 +90,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._running = False
         self.after_step: Callable[[], None] | None = None  # called on the compute thread after every step
-        core.wake = lambda: self._inbox.put(("wake", None))  # (an image's encode ended: worker/images.py)
+        core.wake = lambda: self._inbox.put(("wake", None))  # (an image's encode ended, an embedder was made)
 
     @property
     def progress(self) -> int:
@@ -232,7 +232,8 @@ class Engine:
             with contextlib.suppress(queue.Empty):  # block only when there is nothing to compute
                 if core.idle():
                     self._handle(*self._inbox.get())
-                elif core.waiting_for_images():  # (an encode that ends wakes it; cancels and deadlines are looked at)
+                elif core.waiting_for_images() or core.waiting_for_embedder():
+                    # (an encode that ends, or an embedder made, wakes it; cancels and deadlines are looked at)
                     self._handle(*self._inbox.get(timeout=ENCODE_POLL_S))
                 else:
                     self._handle(*self._inbox.get_nowait())
@@ -270,6 +271,6 @@ class Engine:
             except Exception as exc:
                 fut.set_exception(exc)
         elif kind == "wake":
-            pass  # (an image's encode ended: worker/images.py)
+            pass  # (an image's encode ended, or an embedder was made: worker/images.py, worker/embed_jobs.py)
         elif kind == "stop":
             self._running = False

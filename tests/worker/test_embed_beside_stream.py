@@ -58,3 +58,41 @@ def test_a_stream_goes_on_beside_an_embed_job_and_progress_moves(fast_engine: En
     # every input is progress: the figure moved while the job ran, input after input
     assert p1 - p0 >= INPUTS
     assert len(set(seen_progress)) >= INPUTS - 1, seen_progress
+
+
+def test_a_stream_goes_on_while_an_embedding_context_is_made(fast_engine: Engine) -> None:
+    """The first embed job of a pooling kind makes its context (memory allocated: seconds on a loaded machine) on a
+    thread of its own: the stream's tokens keep coming while it is made (held here until the stream has gone on),
+    then the job is computed."""
+    engine = fast_engine
+    engine.call(lambda core: [e.close() for e in core.embeds.embedders.values()]).result(30)
+    engine.call(lambda core: core.embeds.embedders.clear()).result(30)  # (the next job makes its context anew)
+    held = threading.Event()
+    real = engine.core.embeds.make
+
+    def held_make(pooling: str):  # type: ignore[no-untyped-def]
+        assert held.wait(30)
+        return real(pooling)
+
+    engine.core.embeds.make = held_make
+    stream = start(engine, [2, *range(1000, 1015)], max_tokens=None, ignore_eos=True)
+    try:
+        while len(stream.deltas) < 3:
+            time.sleep(0.005)
+        ended = threading.Event()
+        ends: list[EmbedDone | JobError] = []
+        engine.embed(EmbedJob(id="first", inputs=[pack_tokens([2, *range(300, 340)])]), lambda e: (ends.append(e), ended.set()))
+        n0, deadline = len(stream.deltas), time.monotonic() + 20
+        while len(stream.deltas) < n0 + 10 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(stream.deltas) >= n0 + 10, "the stream stopped while the embedding context was made"
+        assert not ends, "the job waits for its context"
+        held.set()
+        assert ended.wait(60)
+        (done,) = ends
+        assert isinstance(done, EmbedDone) and len(done.vectors) == 1
+    finally:
+        held.set()
+        engine.core.embeds.make = real
+        engine.cancel(stream.deltas[0].id)
+        stream.wait()

@@ -6,6 +6,7 @@ loop (worker/engine.py) with a fake core: one chunk between two steps, commands 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -144,6 +145,76 @@ def test_close_frees_every_embedder() -> None:
     assert log[-1] == "closed" and not q.embedders
 
 
+def test_with_wake_an_embedder_is_made_on_a_thread_while_run_one_returns() -> None:
+    """A new embedding context allocates its memory (seconds on a loaded machine: a hostile test's stream once waited
+    3 s for its next token): it is made on a thread of its own, `run_one` computing nothing for its job meanwhile (the
+    engine steps the slots on), and the thread wakes the engine when it is ready."""
+    log: list[str] = []
+    release, woken = threading.Event(), threading.Event()
+    threads: list[str] = []
+
+    def make(pooling: str) -> FakeEmbedder:
+        threads.append(threading.current_thread().name)
+        assert release.wait(10)
+        return FakeEmbedder(log)
+
+    q = EmbedJobs(make, wake=woken.set)
+    ends: list[EmbedDone | JobError] = []
+    q.add(embed_job("a", 1, 2), ends.append)
+    q.run_one()
+    assert q.waiting_for_embedder() and not log and q.computed == 0, "nothing computed while it is made"
+    q.run_one()
+    assert not log and len(q.making) == 1, "made once"
+    release.set()
+    assert woken.wait(10) and not q.waiting_for_embedder()
+    q.run_one()
+    q.run_one()
+    assert log == ["input 1", "input 2"] and [type(e) for e in ends] == [EmbedDone]
+    assert threads == ["kvroute-embedder-mean"], threads
+
+
+def test_an_embedder_that_cannot_be_made_fails_its_job_and_the_next_tries_again() -> None:
+    attempts: list[int] = []
+    woken = threading.Event()
+
+    def make(pooling: str) -> FakeEmbedder:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise RuntimeError("llama.cpp could not make an embedding context of 8192 tokens (mean pooling)")
+        return FakeEmbedder([])
+
+    q = EmbedJobs(make, wake=woken.set)
+    ends: list[EmbedDone | JobError] = []
+    q.add(embed_job("a", 1), ends.append)
+    q.add(embed_job("b", 2), ends.append)
+    q.run_one()
+    assert woken.wait(10)
+    q.run_one()
+    (failed,) = ends
+    assert isinstance(failed, JobError) and failed.code is ErrorCode.INTERNAL and "could not make" in failed.message
+    woken.clear()
+    q.run_one()
+    assert woken.wait(10)
+    q.run_one()
+    assert [e.id for e in ends] == ["a", "b"] and isinstance(ends[1], EmbedDone) and len(attempts) == 2
+
+
+def test_close_waits_for_an_embedder_being_made_and_frees_it() -> None:
+    log: list[str] = []
+    release = threading.Event()
+
+    def make(pooling: str) -> FakeEmbedder:
+        assert release.wait(10)
+        return FakeEmbedder(log)
+
+    q = EmbedJobs(make, wake=lambda: None)
+    q.add(embed_job("a", 1), lambda end: None)
+    q.run_one()
+    threading.Timer(0.05, release.set).start()
+    q.close()
+    assert log == ["closed"] and not q.making and not q.embedders
+
+
 # ---- the engine's loop, with a fake core ----
 
 
@@ -161,6 +232,9 @@ class FakeCore:
         return not self.steps and not self.embeds
 
     def waiting_for_images(self) -> bool:
+        return False
+
+    def waiting_for_embedder(self) -> bool:
         return False
 
     def close(self) -> bool:
