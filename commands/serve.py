@@ -71,6 +71,11 @@ class LocalWorkers:
     n_gpu_layers: int | None = n_gpu_layers_opt("--gpus")
     threads: int = opt(0, "CPU threads per worker; 0 = the CPU count divided among the CPU workers")
     n_batch: int = opt(512, "most prompt tokens computed in one engine step")
+    step_target_ms: int = opt(
+        1500,
+        "while jobs generate, a step computes about this long of prompt work at the measured speed (at most --n-batch "
+        "tokens), so their next token waits that long, not for a whole chunk (0: --n-batch tokens always)",
+    )
     host_cache_mb: int | None = opt(
         None,
         "host RAM per worker for evicted slot contents, restored when they are wanted again (0: off; default: a quarter "
@@ -119,6 +124,7 @@ class LocalWorkers:
             ctx_per_slot=self.ctx_per_slot,
             kv_budget_mb=self.kv_budget_mb,
             n_batch=self.n_batch,
+            step_target_ms=self.step_target_ms,
             host_cache_mb=self.host_cache_mb,
             disk_cache_gb=self.disk_cache_gb,
             deterministic=self.deterministic,

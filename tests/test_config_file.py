@@ -78,7 +78,7 @@ def test_local_worker_flags_are_written_from_the_worker_config() -> None:
     from common.config import add_args, from_args
     from worker.config import WorkerConfig
 
-    sizes = {"slots": 3, "ctx_per_slot": 2048, "threads": 4, "n_batch": 256, "host_cache_mb": 0}
+    sizes = {"slots": 3, "ctx_per_slot": 2048, "threads": 4, "n_batch": 256, "step_target_ms": 400, "host_cache_mb": 0}
     local = LocalWorkers(cpu_workers=2, deterministic=True, spec="ngram", spec_max=3, **sizes)
     specs = worker_specs(local, "/m.gguf")
     assert [s.worker_id for s in specs] == ["cpu0", "cpu1"]

@@ -129,6 +129,11 @@ class WorkerConfig:
     kv_budget_mb: int = kv_budget_opt("")
     threads: int = opt(os.cpu_count() or 1, "CPU threads for llama.cpp")
     n_batch: int = opt(512, "most prompt tokens computed in one engine step (chunked prefill)")
+    step_target_ms: int = opt(
+        1500,
+        "while jobs generate, a step computes about this long of prompt work at the measured speed (at most n_batch "
+        "tokens), so their next token waits that long, not for a whole chunk (0: n_batch tokens always)",
+    )
     gpu: int | None = opt(
         None, f"GPU index to pin the model and context to (one GPU); default: ${GPU_ENV}, else CPU", metavar="I"
     )
@@ -223,6 +228,8 @@ class WorkerConfig:
             raise ValueError(f"--n-gpu-layers {self.n_gpu_layers} needs --gpu (without it the worker runs on CPU)")
         if self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if self.step_target_ms < 0:
+            raise ValueError(f"--step-target-ms must be 0 or more, got {self.step_target_ms}")
         if self.n_batch < 1:
             raise ValueError(f"n_batch must be at least 1, got {self.n_batch}")
         if self.spec not in SPEC:

@@ -102,6 +102,7 @@ from worker.guide import GuideTokenizer
 from worker.images import Encoder, Encodings, ImageRows
 from worker.job_ends import JobEnds, send
 from worker.llama import Llama
+from worker.pace import PrefillPace
 from worker.prefix import Prefixes
 from worker.saved_states import SavedStates, open_disk_tier
 from worker.slots import Slot, SlotTable
@@ -156,6 +157,7 @@ class EngineCore:
         self.guide_tokenizer = GuideTokenizer(self.vocab)  # built on its own thread, ready long before a grammar is
         self.n_ctx = self.llama.ctx_per_slot
         self.n_batch = cfg.n_batch
+        self.pace = PrefillPace(cfg.n_batch, cfg.step_target_ms / 1000)
         info = self.llama.info
         self.uncut = cfg.snapshots or info.recurrent  # the memory cannot be cut back: only to a context checkpoint
         # slots take context checkpoints where their memory cannot be cut back to any prefix (worker/checkpoints.py);
@@ -291,10 +293,14 @@ class EngineCore:
         self.failures.check(busy)
         if self.projector is not None:
             self._images(runnable(self.table.busy()))
-        budget = self.n_batch
-        for group in self.batcher.groups(self._runnable()):  # (one llama_decode each: worker/batching.py)
+        running = self._runnable()
+        # (while a job generates, a step's prompt work is paced: worker/pace.py)
+        budget = first = self.n_batch if self.exact else self.pace.budget(any(s.task.generated for s in running))
+        t1 = time.perf_counter()
+        for group in self.batcher.groups(running):  # (one llama_decode each: worker/batching.py)
             left = self._run(group.slots, budget)
             budget = left if group.budgeted else budget
+        self.pace.measured(first - budget, time.perf_counter() - t1)
         self.counters.step_s += time.perf_counter() - t0
 
     def _runnable(self) -> list[Slot]:

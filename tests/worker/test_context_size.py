@@ -50,7 +50,8 @@ def test_the_trained_length_unless_the_slots_would_exceed_the_budget() -> None:
 @pytest.mark.parametrize(
     ("fields", "flag"),
     [({"ctx_per_slot": 8}, "--ctx-per-slot"), ({"ctx_per_slot": -1}, "--ctx-per-slot"), ({"kv_budget_mb": -1}, "--kv-budget-mb"),
-     ({"n_gpu_layers": 10}, "--n-gpu-layers 10 needs --gpu"), ({"n_gpu_layers": -2, "gpu": 0}, "--n-gpu-layers")],
+     ({"n_gpu_layers": 10}, "--n-gpu-layers 10 needs --gpu"), ({"n_gpu_layers": -2, "gpu": 0}, "--n-gpu-layers"),
+     ({"step_target_ms": -1}, "--step-target-ms")],
 )  # fmt: skip
 def test_impossible_sizes_are_refused_naming_the_flag(fields: dict, flag: str) -> None:
     with pytest.raises(ValueError, match=flag):

@@ -1,0 +1,36 @@
+"""How many prompt tokens an engine step computes (its prefill budget): `n_batch`, or, while other jobs generate, about
+`target_s` of work at the prefill speed measured on recent steps, so that their next token waits for that, not for
+a whole chunk. A chunk of 512 tokens deep in an agent's 12,000-token prompt took 3.5 s on 2 cores (its attention reads
+the whole prompt so far): a stream beside it got a token every 3.5 s for a minute. llama-server's batch (2,048 tokens)
+holds a stream longer still; vLLM and SGLang bound a step's tokens, not its time.
+
+The speed is a moving average over steps that computed at least MIN_TOKENS prompt tokens (their decode rows
+included: what the step cost), so it follows a prompt growing slower as it goes. Deterministic mode keeps its chunks
+(their sizes are part of what it computes the same way every time).
+
+The target (`--step-target-ms`, 1.5 s) is where pacing costs throughput no more than the noise: smaller steps are
+more steps, each with its fixed costs. On 2 cores, 300 rows of the public trace (bench/trace_replay.py, one worker of 4
+slots): 0.5 s took 3-9 % more wall time than no pacing, 1.5 s 1 % (bench/README.md)."""
+
+from __future__ import annotations
+
+MIN_TOKENS = 32  # fewest prompt tokens a paced step computes (below, a step's fixed costs dominate)
+
+
+class PrefillPace:
+    def __init__(self, n_batch: int, target_s: float) -> None:
+        self.n_batch, self.target_s = n_batch, target_s
+        self.tokens_per_s = 0.0  # prompt tokens a second, measured (0: not yet)
+
+    def budget(self, generating: bool) -> int:
+        """The step's prefill budget: `generating`, whether a job of the step is past its prompt (its next token waits
+        for the step)."""
+        if not generating or self.target_s <= 0 or not self.tokens_per_s:
+            return self.n_batch
+        return max(min(MIN_TOKENS, self.n_batch), min(self.n_batch, int(self.tokens_per_s * self.target_s)))
+
+    def measured(self, prompt_tokens: int, seconds: float) -> None:
+        """A step computed `prompt_tokens` of prompts in `seconds`."""
+        if prompt_tokens >= MIN_TOKENS and seconds > 0:
+            rate = prompt_tokens / seconds
+            self.tokens_per_s = rate if not self.tokens_per_s else 0.5 * self.tokens_per_s + 0.5 * rate
