@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -356,9 +357,15 @@ def test_an_agents_tool_calls_through_the_http_api_keep_its_slot_awaited(served:
         assert r.status_code == 200, r.text
         reply = r.json()["choices"][0]
         assert reply["finish_reason"] == "tool_calls", reply
-        slots = [slot for w in http.get("/slots").json()["workers"] for slot in w["slots"]]
-        (ran,) = [slot for slot in slots if slot["session"] == session]
-        assert ran["awaited_s"] > 0
+        # (the router marks it when the worker's JobDone reaches it, which may be just after the gateway's reply)
+        deadline = time.monotonic() + 10
+        while True:
+            slots = [slot for w in http.get("/slots").json()["workers"] for slot in w["slots"]]
+            (ran,) = [slot for slot in slots if slot["session"] == session]
+            if ran["awaited_s"] > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert ran["awaited_s"] > 0, ran
         call = reply["message"]["tool_calls"][0]
         messages += [reply["message"], {"role": "tool", "tool_call_id": call["id"], "content": '{"temp_c": 21}'}]
         r = http.post("/v1/chat/completions", json={"messages": messages, "tools": tools, "max_tokens": 4, "temperature": 0},
