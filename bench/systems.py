@@ -10,6 +10,7 @@ Every system gets the same model, the same thread count and the same context per
   idle slot, the one with the fewest busy slots and queued prefill; prefixes ignored), likewise;
 - `kvroute-nospec`: `--spec none` (no speculative decoding, which is on by default);
 - `kvroute-noretain`: `--tool-wait-s 0` (no slot kept for a conversation waiting on its tool calls: issue 65);
+- `kvroute-nopreempt`: `--no-preempt` (a request of a higher priority that finds every slot taken waits for one);
 - `llama-server`: llama.cpp's own server, built from the llama.cpp vendored in the pinned llama-cpp-python sdist
   (bench/llama_server.py), the server kvroute competes with, at its best settings here: one slot per kvroute
   slot (`--parallel`, `--ctx-size` = slots x ctx per slot; its log says `kv_unified = 'false'`: one KV stream per
@@ -51,6 +52,7 @@ SYSTEMS = (
     "kvroute-ll",
     "kvroute-nospec",
     "kvroute-noretain",
+    "kvroute-nopreempt",
     "llama-server",
     "smg-cache-aware",
     "smg-round-robin",
@@ -65,6 +67,7 @@ DESCRIPTIONS = {
     "kvroute-ll": "kvroute serve --policy least-loaded",
     "kvroute-nospec": "kvroute serve --spec none",
     "kvroute-noretain": "kvroute serve --tool-wait-s 0",
+    "kvroute-nopreempt": "kvroute serve --no-preempt",
     "llama-server": "llama-server --parallel SLOTS --swa-full --cache-ram (kvroute's host tier) -fa auto --no-jinja "
     "--chat-template gemma "
     "(llama.cpp of the pinned sdist)",
@@ -139,6 +142,8 @@ def commands(name: str, setup: Setup, port: int) -> list[list[str]]:
             serve += ["--policy", "prefix", "--spec", "none"]
         elif name == "kvroute-noretain":
             serve += ["--policy", "prefix", "--tool-wait-s", "0"]
+        elif name == "kvroute-nopreempt":
+            serve += ["--policy", "prefix", "--no-preempt"]
         else:
             raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
         return [[*serve, *setup.kvroute_flags, "--http", f"127.0.0.1:{port}"]]

@@ -102,6 +102,7 @@ class EngineCounters(Struct, kw_only=True):
     generated_tokens: int | float = 0
     jobs_done: int | float = 0
     jobs_failed: int | float = 0
+    jobs_suspended: int | float = 0  # jobs that gave their slot to one of higher priority after their output began
     invariant_violations: int | float = 0
     decode_errors: int | float = 0
     decode_retries: int | float = 0
@@ -183,6 +184,10 @@ class JobDone(Message, tag="job_done", kw_only=True):
     timings: Timings
     stop: str | None = None
     restored_tokens: NonNeg = 0  # of reused_tokens: copied into the slot from another slot or host RAM
+    # a resumed job (Job.resume): the figures above count from its first placing; these are its last placing's (its
+    # prompt then held its earlier output), which the router predicted
+    resumed_reused: NonNeg | None = None
+    resumed_restored: NonNeg = 0
     cache_added: list[CacheEntry] = []  # saved states added since the worker's previous JobDone/JobError
     cache_dropped: list[NonNeg] = []  # ids of saved states (host RAM) dropped since then
     disk_dropped: list[NonNeg] = []  # ids of disk-tier entries dropped since then
@@ -209,7 +214,10 @@ class JobError(Message, tag="job_error", kw_only=True):
     cache_added: list[CacheEntry] = []  # as in JobDone
     cache_dropped: list[NonNeg] = []
     disk_dropped: list[NonNeg] = []
-    tokens: TokenBytes = b""  # a job with reply_to: the tokens it generated
+    tokens: TokenBytes = b""  # a job with reply_to, or a suspended one: the tokens it generated
+    # `preempted` after its output began: the job waits on the worker, its sampler, grammar and text as they were, for
+    # the router to place it again (`Job.resume`); its slot holds its prompt and all it generated but the last token
+    suspended: bool = False
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens)
@@ -356,6 +364,9 @@ class Job(Message, tag="job", kw_only=True):
     priority: Priority = 0
     # a state another worker saved (`state_copy`): kept in this worker's host-RAM tier before the job is placed
     state: StateBlob | None = None
+    # go on with the job of this id that this worker suspended (JobError.suspended): `tokens` are its prompt and every
+    # token it generated; it samples on where it stopped (its own sampling and grammar: this job's are not read)
+    resume: bool = False
 
     def __post_init__(self) -> None:
         check_token_bytes("tokens", self.tokens, empty_ok=False)
@@ -378,8 +389,9 @@ class EmbedJob(Message, tag="embed_job", kw_only=True):
 
 
 class JobCancel(Message, tag="job_cancel", kw_only=True):
-    """Stop a job. `preempt`: only if it has not sampled a token yet, and then hand it back (`job_error` `preempted`,
-    its slot keeping what it computed) for the router to place again; a job that has begun its output runs on."""
+    """Stop a job. `preempt`: hand it back (`job_error` `preempted`, its slot keeping what it computed) for the router
+    to place again: at once if it has not sampled a token yet; else suspended (`JobError.suspended`) where the worker
+    can take it up again exactly (not a seeded job, none with images, not in deterministic mode), or it runs on."""
 
     id: RequestId
     preempt: bool = False

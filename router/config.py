@@ -73,8 +73,9 @@ class RouterConfig:
     )
     preempt: bool = opt(
         True,
-        "a waiting request of a higher priority that finds no idle slot has a running job of a lower priority that has "
-        "not begun its output handed back (kept KV, placed again): each request takes one slot so, and loses one at most",
+        "a waiting request of a higher priority that finds no idle slot has a running job of a lower priority handed "
+        "back (kept KV, placed again; one already streaming is suspended and resumed where it stopped): each request "
+        "takes one slot so, and loses one at most",
     )
     state_copies: bool = opt(
         True,

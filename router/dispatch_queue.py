@@ -95,6 +95,8 @@ class DispatchQueue:
         """The loads of the workers this request may go to (router/workers.py `loads_for`); under --policy
         round-robin, the one it is pinned to."""
         conns = self.workers.loads_for(req)
+        if req.suspended is not None:  # (its job waits on that worker to go on)
+            return [w.load for w in conns if w.id == req.suspended.worker]
         if self.cfg.policy == "round-robin":
             self.pin(req, conns)
             conns = [w for w in conns if w.id == req.pinned]
@@ -139,7 +141,7 @@ class DispatchQueue:
         if not any(w.busy < len(w.slots) for w in loads):
             return None  # none of the workers it may go to has an idle slot
         t0 = time.perf_counter()
-        match = self.mirror.match(req.tokens, req.salt)  # afresh: a dispatch just before may have changed the mirror
+        match = self.mirror.match(req.place_tokens, req.salt)  # afresh: a dispatch just before may have changed the mirror
         if req.index > 0:  # another choice of a request: beside its first choice, which computes the prompt
             lead = req.choices[0]
             if lead.state in (ReqState.QUEUED, ReqState.TOKENIZING):
@@ -180,7 +182,7 @@ def job_message(
     """The Job that dispatches `req` as `job` to the slot `d` names (logged, with its session and what its placing did
     to an awaited slot: `awaited`, router/mirror.py `Sessions.placed`); `sampling`: the request's as this slot runs it
     (its open output cap bounded), else `req.sampling`."""
-    slot = d.slot
+    slot, tokens = d.slot, req.place_tokens
     more: dict[str, object] = {}
     if req.session:
         more["session"] = req.session[:16]
@@ -190,6 +192,8 @@ def job_message(
         more["priority"] = req.priority
     if awaited:
         more["awaited"] = awaited
+    if req.suspended is not None:
+        more["resumed"] = len(tokens) - len(req.tokens)
     log.info(
         "slot_assigned",
         request_id=req.rid,
@@ -197,7 +201,7 @@ def job_message(
         worker=slot.worker,
         slot=slot.index,
         predicted_reuse=d.reuse,
-        prefill=len(req.tokens) - d.reuse,
+        prefill=len(tokens) - d.reuse,
         cost=round(d.cost, 1),
         affinity=d.affinity,
         restore=d.restore,
@@ -206,7 +210,7 @@ def job_message(
     return Job(
         id=job,
         slot=slot.index,
-        tokens=pack_tokens(req.tokens),
+        tokens=pack_tokens(tokens),
         sampling=sampling or req.sampling,
         deadline_ms=None if req.deadline is None else max(1, int((req.deadline - now) * 1000)),
         predicted_reuse=d.reuse,
@@ -217,4 +221,5 @@ def job_message(
         reply_key=req.direct_key,
         images=list(req.images),
         priority=req.priority,
+        resume=req.suspended is not None,
     )

@@ -26,6 +26,7 @@ WORKER_COUNTERS = {
     "decode_s": ("kvroute_worker_decode_seconds", "Time spent in llama_decode"),
     "jobs_done": ("kvroute_worker_jobs_done", "Jobs that ended with a result"),
     "jobs_failed": ("kvroute_worker_jobs_failed", "Jobs that ended with an error"),
+    "jobs_suspended": ("kvroute_worker_jobs_suspended", "Jobs that gave their slot to one of higher priority mid-output"),
     "invariant_violations": ("kvroute_worker_invariant_violations", "Slots whose KV disagreed with their tokens (a bug)"),
     "decode_errors": ("kvroute_worker_decode_errors", "llama_decode failures"),
     "host_saves": ("kvroute_worker_host_cache_saves", "Evicted slot contents kept in host RAM"),
@@ -101,8 +102,9 @@ class _Collector:
         )  # fmt: skip
         yield _counter("kvroute_requests_by_priority", "Requests accepted, by priority (1, 0, -1)", m.priorities, "priority")
         yield _counter(
-            "kvroute_preemptions", "Jobs of a lower priority asked back before their first token for a waiting request "
-            "of a higher priority (asked), and handed back (handed)", m.preemptions, "outcome"
+            "kvroute_preemptions", "Jobs of a lower priority asked back for a waiting request of a higher priority "
+            "(asked); handed back before their first token (handed), or suspended after it (suspended) and resumed "
+            "(resumed)", m.preemptions, "outcome"
         )  # fmt: skip
         yield _counter(
             "kvroute_state_copies", "Jobs placed with a state copied from another worker: it came (copied), was gone "

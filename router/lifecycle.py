@@ -134,17 +134,24 @@ class Lifecycle:
 
     def _dispatch(self, req: Req, d: Dispatch) -> None:
         conn = self.workers[d.slot.worker]
-        slot = d.slot
-        job = f"{req.rid[:100]}.{self.router_id[:8]}.{next(self._job_ids)}"  # (unique among routers side by side)
+        slot, tokens, resumed = d.slot, req.place_tokens, req.suspended
+        # (a suspended job goes on under its own id, on the worker that holds it)
+        job = resumed.job if resumed is not None else f"{req.rid[:100]}.{self.router_id[:8]}.{next(self._job_ids)}"
         prefix_cache = self.cfg.prefix_cache and not slot.dirty
         now = time.monotonic()
         awaited = self.sessions.placed(req.conv if req.index == 0 else None, slot, now)
-        self.mirror.assign(slot, job, req.tokens, req.salt, req.session)
+        self.mirror.assign(slot, job, tokens, req.salt, req.session)
         self.queue.remove(req)
-        req.queue_ms += (now - req.queued_at) * 1000
-        self.metrics.queue_wait_ms.observe((now - req.queued_at) * 1000)
+        if resumed is None:  # (a suspended job's wait is not queueing: its output had begun; its total time has it)
+            req.queue_ms += (now - req.queued_at) * 1000
+            self.metrics.queue_wait_ms.observe((now - req.queued_at) * 1000)
         req.state, req.attempts = ReqState.RUNNING, req.attempts + 1
-        req.attempt = Attempt(job, conn.id, slot, d.reuse, len(req.tokens) - d.reuse, req.output.parser())
+        req.attempt = Attempt(job, conn.id, slot, d.reuse, len(tokens) - d.reuse, req.output.parser())
+        if resumed is not None:  # (its reply so far goes on: what was streamed and parsed)
+            req.attempt.parser, req.attempt.streamed = resumed.parser, resumed.streamed
+            req.attempt.logprobs, req.attempt.delivered = resumed.logprobs, resumed.delivered
+            req.attempt.resumed = len(tokens) - len(req.tokens)
+            self.metrics.preemptions["resumed"] += 1
         if not conn.jobs:
             conn.progress_at = now  # progress is expected from now on
         self.jobs[job] = req
@@ -154,6 +161,7 @@ class Lifecycle:
         self.metrics.decisions[kind] += 1
         sampling = admission.open_capped(req.sampling, self.cfg.default_max_tokens, conn.hello.ctx_per_slot - len(req.tokens))
         message = job_message(req, d, job, prefix_cache, now, sampling, awaited=",".join(awaited))
+        req.suspended = None
         source = self.workers.get(d.copy_from.worker) if d.copy_from is not None else None
         if d.copy_from is not None and source is not None:  # the job goes once the state's copy has come
             self.copies.wait(PendingCopy(message, conn.id, source.id, d.without_copy, now))
@@ -240,6 +248,12 @@ class Lifecycle:
         self.queue.remove(req)
         if req.job:
             self.jobs.pop(req.job, None)
+        if (suspended := req.suspended) is not None:  # (its job, waiting on its worker to go on, ends there too)
+            req.suspended = None
+            self.jobs.pop(suspended.job, None)
+            conn = self.table.get(suspended.worker)
+            if conn is not None:
+                self._to_worker(conn, JobCancel(id=suspended.job))
 
     def _leave_worker(self, req: Req) -> None:
         conn = self.table.get(req.worker)
@@ -303,12 +317,15 @@ class Lifecycle:
 
     def _preempt(self) -> None:
         """Priority's last step: the first waiting request of the highest priority, when no worker it may go to has an
-        idle slot, has a running job of a lower priority that has not begun its output handed back (JobCancel.preempt:
-        its worker ends it before its first token, its slot keeping what it computed, or lets it run on); the job's
-        request goes back to the queue, behind it, and is placed again, reusing what it computed (a client reading its
-        output from the worker is told where: `Placed` again). One at a time; a request takes one slot so and loses one
-        at most, so nothing churns. Not for a request whose owner holds its share of the slots while another owner's
-        request waits (--queue-share)."""
+        idle slot, has a running job of a lower priority handed back (JobCancel.preempt): one that has not begun its
+        output is ended before its first token, its slot keeping what it computed (a client reading its output from
+        the worker is told where it goes: `Placed` again); one that has is suspended where its worker can resume it
+        exactly (`suspendable`), its slot keeping its prompt and output, and goes on later on that worker, from that
+        slot or what its worker saved of it in host RAM (`Job.resume`), its stream paused meanwhile. Either way the
+        job's request goes back to the queue, behind it, and is placed again, reusing what it computed; a job that
+        has not begun its output is taken first, then the one with the most prompt left. One at a time; a request
+        takes one slot so and loses one at most, so nothing churns. Not for a request whose owner holds its share of
+        the slots while another owner's request waits (--queue-share)."""
         top = max(self.queue, key=lambda r: r.priority)  # (the first of the highest: the queue is oldest first)
         if top.priority <= -1 or top.took_slot or any(r.preempting for r in self.jobs.values()):
             return
@@ -321,7 +338,8 @@ class Lifecycle:
         pending = {r: r.attempt.prefill_pending for c in conns for r in c.jobs.values() if r.attempt is not None}
         victims = [
             r for r, left in pending.items()
-            if r.state is ReqState.RUNNING and r.priority < top.priority and left > 0 and not r.preempted and r.n == 1
+            if r.state is ReqState.RUNNING and r.priority < top.priority and not r.preempted and r.n == 1
+            and (left > 0 or self._suspendable(r))
         ]  # fmt: skip
         if not victims:
             return
@@ -334,6 +352,14 @@ class Lifecycle:
         log.info("preempt", request_id=victim.rid, job=victim.job, worker=conn.id, priority=victim.priority,
                  for_request=top.rid, for_priority=top.priority)  # fmt: skip
         self._to_worker(conn, JobCancel(id=victim.job, preempt=True))
+
+    def _suspendable(self, req: Req) -> bool:
+        """Whether a job that has begun its output can be suspended and resumed exactly (worker/admission.py
+        `suspendable`): not a seeded one, none with images, none whose client reads its output from the worker, and
+        not on a worker in deterministic mode."""
+        conn = self.table.get(req.worker)
+        deterministic = conn is None or conn.hello.deterministic
+        return req.sampling.seed is None and not req.images and not req.direct and not deterministic
 
     def _place_embeds(self) -> None:
         """The waiting embed and rerank requests to ready workers, in order; with none ready they fail when a queued

@@ -119,13 +119,16 @@ def record_done(metrics: Metrics, worker: str, req: Req, msg: JobDone, timings: 
     attempt = req.attempt
     assert attempt is not None
     slot = attempt.slot
-    if mispredicted(attempt.predicted, msg.reused_tokens, msg.restored_tokens):
-        log.warning("reuse_mispredicted", request_id=req.rid, job=msg.id, predicted=attempt.predicted, actual=msg.reused_tokens)
+    prompt, reused, restored = msg.prompt_tokens, msg.reused_tokens, msg.restored_tokens
+    if msg.resumed_reused is not None:  # (a resumed job: the record is of its last placing, the one predicted)
+        prompt, reused, restored = prompt + attempt.resumed, msg.resumed_reused, msg.resumed_restored
+    if mispredicted(attempt.predicted, reused, restored):
+        log.warning("reuse_mispredicted", request_id=req.rid, job=msg.id, predicted=attempt.predicted, actual=reused)
     metrics.finished(
         RequestRecord(
-            req.rid, worker, slot.index, msg.prompt_tokens, attempt.predicted, msg.reused_tokens,
+            req.rid, worker, slot.index, prompt, attempt.predicted, reused,
             msg.generated_tokens, msg.finish_reason, timings.ttft_ms, timings.queue_ms, req.attempts,
-            msg.restored_tokens,
+            restored,
         ),
         count_outcome=not req.ended,
     )  # fmt: skip
@@ -137,9 +140,10 @@ def record_done(metrics: Metrics, worker: str, req: Req, msg: JobDone, timings: 
         slot=slot.index,
         finish_reason=msg.finish_reason,
         predicted_reuse=attempt.predicted,
-        reused=msg.reused_tokens,
-        restored=msg.restored_tokens,
+        reused=reused,
+        restored=restored,
         prefilled=msg.prefilled_tokens,
         generated=msg.generated_tokens,
         ttft_ms=round(timings.ttft_ms, 1),
+        **({"resumed": attempt.resumed} if attempt.resumed else {}),
     )

@@ -48,6 +48,7 @@ class Attempt:
     streamed: list[int] = field(default_factory=list)  # token ids received from the worker
     logprobs: list[TokenLogprob] = field(default_factory=list)
     delivered: int = 0  # deltas sent to the client: once any is, the choice cannot be dispatched again
+    resumed: int = 0  # a suspended job's going on (Job.resume): the tokens of its earlier output its prompt holds
 
 
 @dataclass(eq=False)
@@ -97,6 +98,9 @@ class Req:
     preempting: bool = False  # its worker was asked to hand its job back for one of higher priority (JobCancel.preempt)
     preempted: int = 0  # times it was handed back so: once is all (router/lifecycle.py `_preempt`)
     took_slot: bool = False  # it had a job of lower priority handed back for it (once is all)
+    # its job, suspended on that attempt's worker after its output began (JobError.suspended), waits to go on there
+    # (Job.resume): queued meanwhile, its output so far in the attempt (`place_tokens`)
+    suspended: Attempt | None = None
 
     def __post_init__(self) -> None:
         self.reply_to = self.client
@@ -120,7 +124,14 @@ class Req:
     @property
     def started(self) -> bool:
         """Output reached the client: the request can no longer be sent to another worker."""
-        return self.attempt is not None and self.attempt.delivered > 0
+        attempt = self.attempt or self.suspended
+        return attempt is not None and attempt.delivered > 0
+
+    @property
+    def place_tokens(self) -> np.ndarray:
+        """The prompt its next job computes: its prompt, and for a suspended job the output it has generated too."""
+        s = self.suspended
+        return self.tokens if s is None else np.concatenate([self.tokens, np.asarray(s.streamed, dtype=np.int32)])
 
     @property
     def choices(self) -> list[Req]:

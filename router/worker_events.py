@@ -35,7 +35,7 @@ from protocol import (
 from router import handshake, outcomes
 from router.client_replies import choice_of, delta_of
 from router.lifecycle import Lifecycle, Out
-from router.requests import ReqState, WorkerConn, WorkerState
+from router.requests import Req, ReqState, WorkerConn, WorkerState
 
 WorkerReport = Heartbeat | JobDelta | JobDeltas | JobDone | JobError | SlotTaken | SlotUpdate | EmbedDone | StateCopy
 
@@ -169,6 +169,9 @@ class WorkerEvents(Lifecycle):
             self._embed_reply(self.embeds.failed(msg.id, msg.code, msg.message, msg.error_id))
             return
         req = conn.jobs.get(msg.id)
+        if req is None and (waiting := self.jobs.get(msg.id)) is not None and waiting.suspended is not None:
+            self._suspended_lost(waiting, msg)  # (a suspended job ended on its worker: draining, its deadline)
+            return
         if req is None or req.attempt is None:
             return
         self._leave_worker(req)
@@ -180,6 +183,8 @@ class WorkerEvents(Lifecycle):
         if msg.code == ErrorCode.DRAINING and req.state is ReqState.RUNNING and not req.started:
             conn.state = WorkerState.DRAINING
             self._requeue(req)
+        elif msg.code == ErrorCode.PREEMPTED and msg.suspended and req.state is ReqState.RUNNING:
+            self._suspend(req, conn, msg)
         elif msg.code == ErrorCode.PREEMPTED and req.state is ReqState.RUNNING and not req.started:
             req.preempting, req.preempted = False, req.preempted + 1  # (its slot keeps what it computed: reused)
             self.metrics.preemptions["handed"] += 1
@@ -198,6 +203,39 @@ class WorkerEvents(Lifecycle):
             self._fail(req, Refusal(msg.code, msg.message, overflow=msg.overflow, error_id=msg.error_id))
         self._pump()
 
+    def _suspend(self, req: Req, conn: WorkerConn, msg: JobError) -> None:
+        """Its job was suspended after its output began (a job of higher priority has its slot): back to the queue, at
+        the front, to go on on the same worker (router/dispatch_queue.py), its output so far kept in its attempt."""
+        attempt = req.attempt
+        assert attempt is not None
+        req.preempting, req.preempted = False, req.preempted + 1
+        if unpack_tokens(msg.tokens) != attempt.streamed:  # (what the worker holds is not what the client has: a bug)
+            self.metrics.mirror_mismatches += 1
+            log.error("suspended_output_mismatch", request_id=req.rid, job=msg.id, worker=conn.id,
+                      streamed=len(attempt.streamed), held=len(msg.tokens) // 4)  # fmt: skip
+            req.suspended = attempt  # (so that its job is cancelled there)
+            self._fail(req, Refusal(ErrorCode.INTERNAL, "the worker's record of this request's output is not the router's"))
+            return
+        self.metrics.preemptions["suspended"] += 1
+        req.suspended = attempt
+        self._enqueue(req, front=True)
+        log.info("request_suspended", request_id=req.rid, job=msg.id, worker=conn.id, slot=attempt.slot.index,
+                 generated=len(attempt.streamed), kept=msg.slot_tokens)  # fmt: skip
+
+    def _suspended_lost(self, req: Req, msg: JobError) -> None:
+        """A suspended job ended on its worker before it was resumed (the worker drains, or its deadline passed): its
+        request fails, or ends as cancelled when the client cancelled it; one whose client has seen none of its output
+        (not streamed) waits on to be placed anew, on any worker, when its worker drains."""
+        started, req.suspended = req.started, None
+        self.jobs.pop(msg.id, None)
+        if msg.code == ErrorCode.DRAINING and not started:
+            log.info("request_suspended_lost", request_id=req.rid, job=msg.id, placed_anew=True)
+        elif msg.code == ErrorCode.CANCELLED:
+            self._finish_empty(req, "cancelled")
+        else:
+            self._fail(req, Refusal(msg.code, f"{msg.message} (its job was suspended for one of higher priority)"))
+        self._pump()
+
     def worker_dead(self, worker: str, reason: str) -> None:
         """A worker is gone: purge its slots now, re-dispatch what it had not streamed, fail the rest."""
         conn = self.table.remove(worker, reason)
@@ -206,6 +244,14 @@ class WorkerEvents(Lifecycle):
         for answer in self.embeds.lost(worker, reason):
             self._to_worker(conn, JobCancel(id=answer[0].job))  # in case it is only slow
             self._embed_reply(answer)
+        for req in list(self.queue):
+            if (held := req.suspended) is None or held.worker != worker:
+                continue
+            started, req.suspended = req.started, None  # (its job died with the worker)
+            self.jobs.pop(held.job, None)
+            if started:  # (its client has some of its output: it goes nowhere else; else it is placed anew)
+                lost = f"worker {worker} died ({reason}) while this request's job was suspended there"
+                self._fail(req, Refusal(ErrorCode.WORKER_LOST, lost))
         for req in list(conn.jobs.values()):
             self._to_worker(conn, JobCancel(id=req.job or ""))  # in case it is only slow
             del conn.jobs[req.job or ""]

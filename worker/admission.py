@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import time
 
+import msgspec
 import numpy as np
 
 from common.media import digest, image_n_pos, image_tokens
@@ -24,6 +25,13 @@ from worker.stopping import TextStream
 from worker.task import Sink, Task
 
 MS = 1000.0
+
+
+def suspendable(task: Task) -> bool:
+    """Whether a job whose output has begun can be suspended and resumed with nothing changed: a seeded job's tokens
+    depend on how its rows are computed (worker/core.py), a job with images would compute them again from their bytes
+    when its KV is gone, and a client reading a job's output from the worker follows it by its placing."""
+    return not task.seeded and not task.images and not task.job.reply_to
 
 
 class Admission:
@@ -43,11 +51,14 @@ class Admission:
         self.n_ctx = n_ctx
         self.waiting: collections.deque[Task] = collections.deque()
         self.by_id: dict[str, Task] = {}
+        self.parked: dict[str, Task] = {}  # suspended jobs (in `by_id` too), until the router resumes them (`resume`)
         self.draining = False
         self.vision = False  # the worker has a projector (--mmproj): it takes jobs with images
 
     def accept(self, job: Job, sink: Sink, t_arrival: float) -> JobError | None:
         """Queue a job; or the error that answers it before any work."""
+        if job.resume:
+            return self.resume(job)
         prompt = unpack_tokens(job.tokens)
         refusal = self.refusal(job, prompt)
         if refusal is not None:
@@ -65,6 +76,34 @@ class Admission:
             return Refusal(ErrorCode.BAD_REQUEST, str(exc)).job_error(job.id)
         self.by_id[job.id] = task
         self.waiting.append(task)
+        return None
+
+    def resume(self, job: Job) -> JobError | None:
+        """A suspended job goes on (Job.resume): it waits for its slot first in line, its prompt now its prompt and what
+        it generated (the last of which its slot computes as a prompt token, giving the logits it samples on from)."""
+        task = self.parked.pop(job.id, None)
+        if task is None:
+            return Refusal(ErrorCode.BAD_REQUEST, f"job {job.id!r} is not suspended on this worker").job_error(job.id)
+        if job.slot >= len(self.table):
+            self.parked[job.id] = task
+            return Refusal(
+                ErrorCode.BAD_REQUEST, f"slot {job.slot} does not exist (this worker has slots 0..{len(self.table) - 1})"
+            ).job_error(job.id)
+        prompt = unpack_tokens(job.tokens)
+        if prompt != task.prompt + task.generated:  # (the router's record of it is not the job's: a bug, failed with an id)
+            self.counters.invariant_violations += 1
+            raise RuntimeError(f"resumed with {len(prompt)} tokens that are not its prompt and output")
+        if not task.earlier:  # (its first suspension: what it reports counts from its first placing)
+            task.n_prompt, task.first_reuse = len(task.prompt), (task.reused, task.restored)
+        task.job = msgspec.structs.replace(
+            task.job, slot=job.slot, predicted_reuse=job.predicted_reuse, prefix_cache=job.prefix_cache
+        )
+        task.earlier = task.earlier + task.generated
+        task.max_gen -= len(task.generated)
+        task.prompt, task.generated = prompt, []
+        task.drafter, task.draft, task.withheld, task.checkpoint_at = None, [], False, []
+        task.paused, task.paused_at, task.passed_over = 0, 0.0, 0
+        self.waiting.appendleft(task)
         return None
 
     def refusal(self, job: Job, prompt: list[int]) -> Refusal | None:
@@ -109,11 +148,17 @@ class Admission:
         if task is not None:
             task.cancelled = True
 
-    def preempt(self, job_id: str) -> None:
-        """Hand the job back (ErrorCode.PREEMPTED) unless it has sampled a token by the next step (worker/core.py)."""
+    def preempt(self, job_id: str, suspend: bool) -> None:
+        """Hand the job back (ErrorCode.PREEMPTED) unless it has sampled a token by the next step; with `suspend`, one
+        that has is suspended instead where it can be resumed exactly (`suspendable`; worker/core.py `_expire`)."""
         task = self.by_id.get(job_id)
-        if task is not None and not task.generated:
+        if task is not None and task.id not in self.parked and (not task.generated or (suspend and suspendable(task))):
             task.preempt = True
+
+    def park(self, task: Task) -> None:
+        """A job suspended (its slot released): it waits here, held as it is, for the router to resume it."""
+        task.slot, task.preempt = -1, False
+        self.parked[task.id] = task
 
     def expired(self) -> list[tuple[Task, ErrorCode]]:
         """Take the waiting jobs that were cancelled or ran past their deadline (the engine ends them)."""
@@ -121,6 +166,7 @@ class Admission:
         gone = [t for t in self.waiting if t.cancelled or t.preempt or (t.deadline is not None and now >= t.deadline)]
         for task in gone:
             self.waiting.remove(task)
+        gone += [t for t in self.parked.values() if t.cancelled or (t.deadline is not None and now >= t.deadline)]
 
         def code(t: Task) -> ErrorCode:
             return ErrorCode.CANCELLED if t.cancelled else ErrorCode.PREEMPTED if t.preempt else ErrorCode.DEADLINE_EXCEEDED
@@ -169,9 +215,16 @@ class Admission:
         """Jobs taken out by `take_waiting` wait again, first, in their order."""
         self.waiting.extendleft(reversed(tasks))
 
+    def take_parked(self) -> list[Task]:
+        """Every suspended job, no longer waiting to be resumed (still held by id until forgotten)."""
+        tasks = list(self.parked.values())
+        self.parked.clear()
+        return tasks
+
     def forget(self, task: Task) -> None:
         """The job has ended: let go of it and its sampler."""
         self.by_id.pop(task.id, None)
+        self.parked.pop(task.id, None)
         if task.sampler is not None:
             task.sampler.free()
             task.sampler = None

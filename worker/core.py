@@ -239,9 +239,13 @@ class EngineCore:
             self.counters.jobs_failed += 1
 
     def cancel(self, job_id: str, preempt: bool = False) -> None:
-        """Stop a job; `preempt`: hand it back if it has not sampled a token yet (`_expire`), else let it run on."""
+        """Stop a job; `preempt`: hand it back if it has not sampled a token yet, else suspend it where it can be resumed
+        exactly (`_expire`; not in deterministic mode, whose exactness a prompt pass over its output would not keep), or
+        let it run on."""
         if preempt:
-            self.admission.preempt(job_id)
+            self.admission.preempt(job_id, suspend=not self.exact)
+        elif (parked := self.admission.parked.get(job_id)) is not None:  # (no step may come for it: it ends now)
+            self.ends.error(parked, ErrorCode.CANCELLED, "job cancelled while suspended")
         elif not self.embeds.cancel(job_id):
             self.admission.cancel(job_id)
 
@@ -281,7 +285,7 @@ class EngineCore:
         t0 = time.perf_counter()
         self._expire()
         for task, code in self.admission.expired():
-            self.ends.error(task, code, f"job {code.value} while waiting for a slot")
+            self.ends.error(task, code, f"job {code.value} while {'suspended' if task.generated else 'waiting for a slot'}")
         placed = self.admission.admit()
         if placed:
             self.ends.saved_changed(placed[-1])
@@ -561,7 +565,7 @@ class EngineCore:
     ) -> None:
         """Take one sampled token. `complete`: whether the grammar was complete right after it (given by `_verify`,
         whose sampler has already gone through the later rows; otherwise read from the guide now)."""
-        if not task.generated:
+        if not task.generated and not task.earlier:
             task.t_first = now
         task.generated.append(tok)
         if task.drafter is not None:
@@ -577,7 +581,7 @@ class EngineCore:
             guide = task.sampler.guide
             complete = guide is not None and guide.done  # the grammar allows nothing more
         delta = JobDelta(id=task.id, text=text, tokens=pack_tokens([tok]), logprobs=[] if logprob is None else [logprob])
-        if len(task.generated) == 1:
+        if len(task.generated) == 1 and not task.earlier:
             delta.reused_tokens = task.reused
         if stream.stop is not None:
             send(task.sink, delta)
@@ -590,15 +594,17 @@ class EngineCore:
             send(task.sink, delta)
 
     def _expire(self) -> None:
-        """End running jobs that were cancelled or ran past their deadline, and hand back those preempted before their
-        first token; their slots keep the valid KV."""
+        """End running jobs that were cancelled or ran past their deadline, hand back those preempted before their first
+        token and suspend those preempted after it; their slots keep the valid KV."""
         now = time.monotonic()
         for slot in self.table.busy():
             task: Task = slot.task
-            if task.preempt and not task.generated:
-                self.ends.error(task, ErrorCode.PREEMPTED, "handed back before its first token for a job of higher priority")
-            elif task.cancelled:
+            if task.cancelled:  # (before a preemption: the client's end is the job's)
                 self._flush_and_done(task, slot, FinishReason.CANCELLED)
+            elif task.preempt and not task.generated:
+                self.ends.error(task, ErrorCode.PREEMPTED, "handed back before its first token for a job of higher priority")
+            elif task.preempt:
+                self.ends.suspend(task, slot)
             elif task.deadline is not None and now >= task.deadline:
                 self._flush_and_done(task, slot, FinishReason.DEADLINE_EXCEEDED)
 
@@ -612,7 +618,7 @@ class EngineCore:
 
     def _done(self, task: Task, slot: Slot, reason: FinishReason) -> None:
         if self.pool is not None:  # (recent outputs: guesses across requests)
-            self.pool.add(task.job.cache_salt, task.generated)
+            self.pool.add(task.job.cache_salt, task.output)
         self.ends.done(task, slot, reason)
 
     def _hand_back(self, running: bool) -> int:

@@ -67,17 +67,21 @@ class JobEnds:
         held = len(task.prompt) + len(task.generated)
         if slot.n_tokens > held:  # guessed tokens past where the job ended (it stopped mid-guess)
             self.prefixes.unguess(slot, held)
+        n_prompt, (reused, restored) = (
+            (task.n_prompt, task.first_reuse) if task.earlier else (len(task.prompt), (task.reused, task.restored))
+        )
+        output = task.output
         done = JobDone(
             id=task.id,
             slot=slot.id,
             finish_reason=reason.value,
             text=task.stream.full_text(),
-            tokens=pack_tokens(task.generated),
-            prompt_tokens=len(task.prompt),
-            reused_tokens=task.reused,
-            restored_tokens=task.restored,
-            prefilled_tokens=len(task.prompt) - task.reused,
-            generated_tokens=len(task.generated),
+            tokens=pack_tokens(output),
+            prompt_tokens=n_prompt,
+            reused_tokens=reused,
+            restored_tokens=restored,
+            prefilled_tokens=n_prompt - reused,
+            generated_tokens=len(output),
             slot_tokens=slot.n_tokens,
             slot_hash=token_hash(slot.tokens),
             slot_min_keep=self.prefixes.min_keep(slot),
@@ -86,6 +90,8 @@ class JobEnds:
             timings=task.timings(now),
             stop=task.stream.stop,
         )
+        if task.earlier:
+            done.resumed_reused, done.resumed_restored = task.reused, task.restored
         if not task.silent:
             done.cache_added, done.cache_dropped, done.disk_dropped = self.saved.changes()
         self.release(task, slot)
@@ -110,7 +116,7 @@ class JobEnds:
         slot = self.table[task.slot] if task.slot >= 0 else None
         msg = JobError(id=task.id, code=code, message=message, error_id=error_id)
         if task.job.reply_to:  # (its router saw none of the output: the mirror needs it)
-            msg.tokens = pack_tokens(task.generated)
+            msg.tokens = pack_tokens(task.output)
         if not task.silent:
             msg.cache_added, msg.cache_dropped, msg.disk_dropped = self.saved.changes()
         if slot is not None:
@@ -123,13 +129,40 @@ class JobEnds:
         self.counters.jobs_failed += 1
         send(task.sink, msg, task.silent)
 
+    def suspend(self, task: Task, slot: Slot) -> None:
+        """A job whose output has begun gives its slot to one of higher priority (JobCancel.preempt): the slot keeps what
+        it computed (its prompt and output but the last token, whose KV the next step would have computed), the router
+        is told so (JobError `preempted`, `suspended`, with its output's tokens) and the job waits, its sampler, grammar
+        and text held as they are, until the router places it again (Job.resume: worker/admission.py `resume`)."""
+        output = task.output
+        msg = JobError(
+            id=task.id,
+            code=ErrorCode.PREEMPTED,
+            message=f"suspended after {len(output)} tokens for a job of higher priority",
+            tokens=pack_tokens(output),
+            suspended=True,
+            slot=slot.id,
+            slot_tokens=slot.n_tokens,
+            slot_hash=token_hash(slot.tokens),
+            slot_min_keep=self.prefixes.min_keep(slot),
+            slot_cuts=cuts(slot.checkpoints),
+            slot_n_exact=slot.n_exact,
+        )
+        if not task.silent:
+            msg.cache_added, msg.cache_dropped, msg.disk_dropped = self.saved.changes()
+        self.table.release(slot)
+        self.admission.park(task)
+        self.counters.jobs_suspended += 1
+        log.info("job_suspended", request_id=task.id, slot=slot.id, generated=len(output), slot_tokens=slot.n_tokens)
+        send(task.sink, msg, task.silent)
+
     def release(self, task: Task, slot: Slot) -> None:
         self.table.release(slot)
         self.admission.forget(task)
 
     def hand_back(self, running: bool) -> int:
         """End waiting jobs (and running ones when `running`) with `draining`; how many, embed jobs too."""
-        reqs = self.admission.take_waiting()
+        reqs = self.admission.take_waiting() + self.admission.take_parked()  # (a draining worker resumes none)
         if running:
             reqs += [slot.task for slot in self.table.busy() if slot.task is not None]
         for task in reqs:
@@ -138,13 +171,16 @@ class JobEnds:
 
     def forget(self, only: Collection[str] | None = None) -> int:
         """End jobs (every one, or those `only` names) without a word; their slots keep the KV they computed."""
-        waiting = self.admission.take_waiting()
+        waiting, parked = self.admission.take_waiting(), self.admission.take_parked()
         if only is not None:  # the others wait on, in their order
             waiting, kept = [t for t in waiting if t.id in only], [t for t in waiting if t.id not in only]
             self.admission.put_back(kept)
+            parked, still = [t for t in parked if t.id in only], [t for t in parked if t.id not in only]
+            for task in still:
+                self.admission.park(task)
         running = [s for s in self.table.busy() if s.task is not None and (only is None or s.task.id in only)]
-        reqs = [*waiting, *(slot.task for slot in running)]
-        for task in waiting:
+        reqs = [*waiting, *parked, *(slot.task for slot in running)]
+        for task in waiting + parked:
             self.admission.forget(task)
         for slot in running:
             self.release(slot.task, slot)  # the slot keeps the KV its job computed
@@ -157,7 +193,7 @@ class JobEnds:
 
     def reset(self) -> None:
         """Forget every job without a word and clear every slot and the host-RAM tier (a router with an empty mirror)."""
-        for task in self.admission.take_waiting():
+        for task in self.admission.take_waiting() + self.admission.take_parked():
             self.orphaned(task)
             self.admission.forget(task)
         for slot in self.table.slots:

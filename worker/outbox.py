@@ -62,7 +62,8 @@ class Outbox:
         if isinstance(msg, EmbedDone):
             link.jobs.discard(msg.id)
         elif isinstance(msg, JobDone | JobError):
-            link.jobs.discard(msg.id)
+            if not (isinstance(msg, JobError) and msg.suspended):  # (a suspended job is still its router's)
+                link.jobs.discard(msg.id)
             if self.side_by_side:  # (before its router hears of the end: the slot is free for its next job then)
                 self._tell_others(link, msg)
         self.push_out(link, encode(msg))

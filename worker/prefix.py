@@ -75,7 +75,7 @@ class Prefixes:
     def place(self, task: Task, slot: Slot) -> None:
         """`task` has `slot` now: keep the slot's longest reusable prefix of the prompt, or copy a longer one in from
         another slot or a saved state (`source`); cut the rest, saving it first when it is worth keeping."""
-        task.slot, task.t_assigned = slot.id, time.monotonic()
+        task.slot, task.t_assigned = slot.id, task.t_assigned or time.monotonic()  # (a resumed job's: its first)
         prompt, salt = task.prompt, task.job.cache_salt
         if not task.job.prefix_cache or slot.salt != salt:  # (another tenant's KV is never reused: its timing would tell)
             self.save(slot, 0)

@@ -55,11 +55,22 @@ class Task:
     paused_at: float = 0.0  # when its current pause began (0: running)
     preempt: bool = False  # the router asks for it back, if it has sampled no token yet (JobCancel.preempt)
     aged: bool = False  # paused PRIORITY_MAX_PAUSE_S in all: computed beside the jobs of higher priority from now on
+    # Suspended after its output began, for a job of higher priority (JobCancel.preempt), then resumed (Job.resume):
+    # its prompt now ends with the tokens it generated before (`earlier`), and its report counts from its first placing
+    # (`n_prompt`, `first_reuse`: the prompt as it came, and what that reused and restored)
+    earlier: list[int] = field(default_factory=list)
+    n_prompt: int = 0
+    first_reuse: tuple[int, int] = (0, 0)
 
     @property
     def seeded(self) -> bool:
         """A seed asks for the same tokens every time the same job comes (worker/core.py's docstring)."""
         return self.job.sampling.seed is not None
+
+    @property
+    def output(self) -> list[int]:
+        """Every token it generated, before a suspension too."""
+        return self.earlier + self.generated if self.earlier else self.generated
 
     @property
     def priority(self) -> int:

@@ -370,6 +370,44 @@ def test_an_interactive_request_finding_every_slot_computing_takes_one_and_the_j
     c.close()
 
 
+def test_an_interactive_request_finding_every_slot_generating_suspends_one_which_goes_on_losing_nothing(system):
+    """Four streams take the four slots and begin their output; an interactive request then has one of them suspended
+    (JobCancel.preempt, JobError.suspended): it ends first, and the suspended job goes on on its worker from what it
+    kept (Job.resume), predicted exactly; its client's stream paused meanwhile and holds the text it gives alone, nothing
+    lost or repeated."""
+    rt, cep = system
+    router = rt.router
+    c = RawClient(cep)
+    time.sleep(router.cfg.hold_ms / 1000)  # (slots the earlier tests used may be held for their conversations)
+    before = dict(router.metrics.preemptions)
+    mispredicted, mismatches = router.metrics.reuse_mispredictions, router.metrics.mirror_mismatches
+    sampling = Sampling(max_tokens=48, temperature=0.0, ignore_eos=True)
+    log = " ".join(f"Line {k} says the tide was {k % 5} feet." for k in range(20))  # (long enough to be worth saving)
+    stories = {f"story{i}": f"Log {i}. {log} Story {i}: the lighthouse keeper climbed the stairs and" for i in range(4)}
+    out: Replies = {rid: ([], None) for rid in [*stories, "urgent"]}
+    for rid, prompt in stories.items():
+        c.send(Submit(id=rid, prompt=prompt, sampling=sampling))
+    end = time.monotonic() + 120
+    while not all(out[rid][0] for rid in stories):  # (every one's output has begun)
+        _receive(c, out, end)
+    c.send(Submit(id="urgent", prompt="Say hello.", sampling=Sampling(max_tokens=4, temperature=0.0), priority=1))
+    finals: list[str] = []
+    while any(v[1] is None for v in out.values()):
+        _receive(c, out, end)
+        finals += [rid for rid, v in out.items() if v[1] is not None and rid not in finals]
+    assert all(isinstance(v[1], Result) for v in out.values()), out
+    after = router.metrics.preemptions
+    assert (after["suspended"], after["resumed"]) == (before.get("suspended", 0) + 1, before.get("resumed", 0) + 1)
+    (again,) = [r for r in router.metrics.recent if r.id in stories and r.attempts == 2]
+    assert finals.index("urgent") < finals.index(again.id)  # it went first
+    deltas, result = out[again.id]
+    assert "".join(d.text for d in deltas) == result.text and result.usage.completion_tokens == 48
+    # it computed again only its last token (whose KV its step had not computed yet), from its slot or host RAM
+    assert again.reused_tokens == again.predicted_reuse == again.prompt_tokens - 1
+    assert router.metrics.reuse_mispredictions == mispredicted and router.metrics.mirror_mismatches == mismatches
+    c.close()
+
+
 def test_bad_client_input_gets_errors_while_others_complete(system):
     _, cep = system
     good, bad = RawClient(cep), RawClient(cep)

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
-from protocol import Error, ErrorCode, JobCancel, JobError, Sampling, unpack_tokens
+from protocol import Delta, Error, ErrorCode, JobCancel, JobDelta, JobError, Result, Sampling, pack_tokens, unpack_tokens
 from router import exposition
 from router.config import RouterConfig
 from router.mirror import CONVERSATION_HEAD, TTL_CAP_S, Mirror, Sessions, conversation_of, token_hash
 from router.queue_order import in_order
 from router.requests import Req
 from router.select import AWAITED_COST, Dispatch, Params, WorkerLoad, select
-from tests.router.scheduler_helpers import core, delta, done, hello, jobs, submit, to_client
+from tests.router.scheduler_helpers import CLIENT, core, delta, done, hello, jobs, submit, to_client
 from tests.router.test_queue_order import HISTORY, setup
 from tests.router.test_select import hold, seq
 
@@ -288,13 +289,103 @@ def test_an_interactive_request_with_no_idle_slot_takes_one_from_a_job_not_yet_g
     assert again.id.startswith("bg.") and unpack_tokens(again.tokens) == list(range(500, 900))
 
 
-def test_no_preemption_of_a_job_whose_output_began_nor_of_the_same_priority_nor_twice() -> None:
+def _suspended(s, job, output: list[int], worker: str = "w0"):
+    """The worker suspends `job` after its output began (`output` so far): its slot keeps its prompt and all of that
+    output but the last token."""
+    held = np.asarray(unpack_tokens(job.tokens) + output[:-1], dtype=np.int32)
+    s.worker_message(
+        worker.encode(),
+        JobError(
+            id=job.id, code=ErrorCode.PREEMPTED, message="suspended", suspended=True, tokens=pack_tokens(output),
+            slot=job.slot, slot_tokens=len(held), slot_hash=token_hash(held),
+        ),
+    )  # fmt: skip
+    return s.take()
+
+
+BG = np.arange(500, 900, dtype=np.int32)
+
+
+def test_an_interactive_request_suspends_a_job_whose_output_began_which_then_goes_on_where_it_stopped() -> None:
     s = core(queue_order="fifo")
     hello(s, slots=1)
-    (bg,) = jobs(submit(s, "bg", np.arange(500, 900, dtype=np.int32)))
-    delta(s, bg, [7])  # its output began: it cannot be placed again
+    (bg,) = jobs(submit(s, "bg", BG, sampling=Sampling(max_tokens=20, temperature=0.0)))
+    assert to_client(delta(s, bg, [7, 8, 9]), Delta)  # its output began (streamed to its client)
+    out = submit(s, "fg", np.arange(1000, 1040, dtype=np.int32), priority=1)
+    (cancel,) = [o.msg for o in out if isinstance(o.msg, JobCancel)]
+    assert cancel.id == bg.id and cancel.preempt
+    out = _suspended(s, bg, [7, 8, 9])
+    (fg,) = jobs(out)
+    assert fg.id.startswith("fg.") and fg.slot == bg.slot and not to_client(out, Error)
+    assert s.metrics.preemptions == {"asked": 1, "suspended": 1}
+    assert [r.rid for r in s.queue] == ["bg"]  # (it waits, its stream paused)
+    # when a slot of its worker is free it goes on there, under its own id, its prompt now holding its output
+    (resumed,) = jobs(done(s, fg, [1, 2]))
+    assert resumed.id == bg.id and resumed.resume and resumed.slot == bg.slot
+    assert unpack_tokens(resumed.tokens) == [*BG.tolist(), 7, 8, 9]
+    assert s.metrics.preemptions == {"asked": 1, "suspended": 1, "resumed": 1}
+    s.worker_message(b"w0", JobDelta(id=resumed.id, text="x", tokens=pack_tokens([10, 11])))  # (no usage: it came first)
+    (more,) = to_client(s.take(), Delta)
+    assert unpack_tokens(more.tokens) == [10, 11]  # the stream goes on
+    final = done(s, msgspec.structs.replace(bg, slot=resumed.slot), [7, 8, 9, 10, 11])  # (the worker's end: all of it)
+    (result,) = to_client(final, Result)
+    assert unpack_tokens(result.tokens) == [7, 8, 9, 10, 11] and result.slot == bg.slot
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(BG), 5)
+    assert s.metrics.mirror_mismatches == 0 and not s.jobs and not s.requests
+
+
+def test_a_suspended_request_cancelled_or_whose_worker_dies_ends_and_its_job_with_it() -> None:
+    for ending in ("cancel", "death", "deadline"):
+        s = core(queue_order="fifo")
+        hello(s, slots=1)
+        (bg,) = jobs(submit(s, "bg", BG))
+        delta(s, bg, [7, 8])
+        submit(s, "fg", np.arange(1000, 1040, dtype=np.int32), priority=1)
+        _suspended(s, bg, [7, 8])
+        if ending == "cancel":
+            s.cancel(CLIENT, "bg")
+            out = s.take()
+            assert [o.msg.id for o in out if isinstance(o.msg, JobCancel)] == [bg.id], "its job ends on its worker"
+            (result,) = to_client(out, Result)
+            assert result.finish_reason == "cancelled"
+        elif ending == "death":
+            s.worker_dead("w0", "test")
+            (error,) = to_client(s.take(), Error)
+            assert error.code == ErrorCode.WORKER_LOST and "suspended" in error.message
+        else:  # its worker ended it (its deadline passed there while it waited)
+            lost = JobError(id=bg.id, code=ErrorCode.DEADLINE_EXCEEDED, message="job deadline_exceeded while suspended")
+            s.worker_message(b"w0", lost)
+            (error,) = to_client(s.take(), Error)
+            assert error.code == ErrorCode.DEADLINE_EXCEEDED
+        assert all(r.rid != "bg" for r in s.queue) and bg.id not in s.jobs, ending
+
+
+def test_a_suspended_request_whose_client_saw_none_of_its_output_is_placed_anew_when_its_worker_dies() -> None:
+    s = core(queue_order="fifo")
+    hello(s, slots=1)
+    (bg,) = jobs(submit(s, "bg", BG, stream=False))  # (its output reaches its client only in the result)
+    delta(s, bg, [7, 8])
+    submit(s, "fg", np.arange(1000, 1040, dtype=np.int32), priority=1)
+    assert jobs(_suspended(s, bg, [7, 8]))  # (fg)
+    s.worker_dead("w0", "test")
+    assert not to_client(s.take(), Error)
+    placed = {j.id.split(".")[0]: j for j in jobs(hello(s, "w1", slots=2))}  # (fg too: it died before its first token)
+    again = placed["bg"]
+    assert again.id != bg.id and not again.resume and unpack_tokens(again.tokens) == BG.tolist()
+
+
+def test_no_preemption_of_a_seeded_job_whose_output_began_nor_of_the_same_priority_nor_twice() -> None:
+    s = core(queue_order="fifo")
+    hello(s, slots=1)
+    (bg,) = jobs(submit(s, "bg", np.arange(500, 900, dtype=np.int32), sampling=Sampling(max_tokens=8, seed=3)))
+    delta(s, bg, [7])  # its output began, and its tokens depend on how its rows are computed: it is not suspended
     out = submit(s, "fg", np.arange(1000, 1040, dtype=np.int32), priority=1)
     assert not [o for o in out if isinstance(o.msg, JobCancel)]
+    sd = core(queue_order="fifo")
+    hello(sd, slots=1, deterministic=True)
+    (bg,) = jobs(submit(sd, "bg", np.arange(500, 900, dtype=np.int32)))
+    delta(sd, bg, [7])  # (nor on a worker in deterministic mode)
+    assert not [o for o in submit(sd, "fg", np.arange(1000, 1040, dtype=np.int32), priority=1) if isinstance(o.msg, JobCancel)]
     s2 = core(queue_order="fifo")
     hello(s2, slots=1)
     jobs(submit(s2, "a", np.arange(500, 900, dtype=np.int32), priority=1))
