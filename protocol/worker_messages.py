@@ -391,7 +391,8 @@ class EmbedJob(Message, tag="embed_job", kw_only=True):
 class JobCancel(Message, tag="job_cancel", kw_only=True):
     """Stop a job. `preempt`: hand it back (`job_error` `preempted`, its slot keeping what it computed) for the router
     to place again: at once if it has not sampled a token yet; else suspended (`JobError.suspended`) where the worker
-    can take it up again exactly (not a seeded job, none with images, not in deterministic mode), or it runs on."""
+    can take it up again exactly (not a seeded job, none with images, not in deterministic mode), or it runs on; a
+    `reply_to` client reads on from the same job once it is resumed."""
 
     id: RequestId
     preempt: bool = False

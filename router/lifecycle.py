@@ -172,7 +172,9 @@ class Lifecycle:
             if d.copy_from is not None:
                 self._reuse_is(req, d.without_copy)
             self._to_worker(conn, message)
-        if req.direct:  # the client reads the job's output from the worker: it learns where, and how to read it
+        # the client reads the job's output from the worker: it learns where, and how to read it (a resumed job's client
+        # reads on: the same job, on the same worker)
+        if req.direct and resumed is None:
             self.metrics.direct_jobs += 1
             shift = req.shift
             self._to_client(
@@ -355,11 +357,11 @@ class Lifecycle:
 
     def _suspendable(self, req: Req) -> bool:
         """Whether a job that has begun its output can be suspended and resumed exactly (worker/admission.py
-        `suspendable`): not a seeded one, none with images, none whose client reads its output from the worker, and
-        not on a worker in deterministic mode."""
+        `suspendable`): not a seeded one, none with images, and not on a worker in deterministic mode (a client reading
+        its output from the worker reads on: the job keeps its id and its worker)."""
         conn = self.table.get(req.worker)
         deterministic = conn is None or conn.hello.deterministic
-        return req.sampling.seed is None and not req.images and not req.direct and not deterministic
+        return req.sampling.seed is None and not req.images and not deterministic
 
     def _place_embeds(self) -> None:
         """The waiting embed and rerank requests to ready workers, in order; with none ready they fail when a queued

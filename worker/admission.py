@@ -29,9 +29,9 @@ MS = 1000.0
 
 def suspendable(task: Task) -> bool:
     """Whether a job whose output has begun can be suspended and resumed with nothing changed: a seeded job's tokens
-    depend on how its rows are computed (worker/core.py), a job with images would compute them again from their bytes
-    when its KV is gone, and a client reading a job's output from the worker follows it by its placing."""
-    return not task.seeded and not task.images and not task.job.reply_to
+    depend on how its rows are computed (worker/core.py), and a job with images would compute them again from their
+    bytes when its KV is gone. (A client reading the output itself reads on: the job keeps its id and its worker.)"""
+    return not task.seeded and not task.images
 
 
 class Admission:

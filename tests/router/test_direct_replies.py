@@ -81,3 +81,28 @@ def test_several_choices_keep_their_replies_on_the_router() -> None:
     for job in jobs(out):
         result = to_client(done(s, job, [5, 6]), Result)
     assert result and len(result[0].choices) == 2
+
+
+def test_a_suspended_job_whose_client_reads_its_output_goes_on_under_the_same_placing() -> None:
+    """Its client keeps reading the same job from the same worker: no second `placed` (which would tell it that its
+    job's worker stopped after output began), and the mirror settles from the tokens the worker reports."""
+    s = core(queue_order="fifo")
+    hello(s, slots=1)
+    (bg,) = jobs(submit(s, "bg", PROMPT, reply_to=REPLY))
+    s.worker_message(b"w0", JobDelta(id=bg.id, text="", tokens=b"", reused_tokens=0))  # output began
+    s.take()
+    out = submit(s, "fg", PROMPT + 1000, priority=1)
+    assert [o.msg.preempt for o in out if o.worker and type(o.msg).__name__ == "JobCancel"] == [True]
+    held = [*PROMPT.tolist(), 7]
+    suspended = JobError(
+        id=bg.id, code=ErrorCode.PREEMPTED, message="suspended", suspended=True, tokens=pack_tokens([7, 8]),
+        slot=bg.slot, slot_tokens=len(held), slot_hash=token_hash(held),
+    )  # fmt: skip
+    s.worker_message(b"w0", suspended)
+    (fg,) = jobs(s.take())
+    out = done(s, fg, [1])
+    (resumed,) = jobs(out)
+    assert resumed.id == bg.id and resumed.resume and resumed.reply_to == REPLY
+    assert unpack_tokens(resumed.tokens) == [*PROMPT.tolist(), 7, 8] and not to_client(out, Placed)
+    done(s, bg, [7, 8, 9])  # (the worker's end: all it generated)
+    assert s.metrics.mirror_mismatches == 0 and not s.requests and s.metrics.direct_jobs == 1  # (one job)
