@@ -292,20 +292,13 @@ def main() -> None:
         results.append({"system": args.name, **run_once(args.url.rstrip("/"), traffic, args.model)})
         print(row(args.name, results[-1]))
     else:
-        import tempfile
-
-        from bench.systems import Server, Setup
+        from bench.systems import Setup, interleaved
         from common.model import default_model_path
 
         setup = Setup(str(default_model_path()), args.threads, args.workers, args.slots, args.ctx)
-        logs = Path(tempfile.mkdtemp(prefix="kvroute-agent-sessions-"))
-        for rep in range(args.repeats):
-            for name in args.systems.split(","):
-                with Server(name, setup, logs / f"{name}-{rep}.log") as server:
-                    results.append({"system": name, "repeat": rep, "command": server.command_line,
-                                    **run_once(server.url, traffic)})  # fmt: skip
-                print(row(name, results[-1]), flush=True)
-        print(f"(logs in {logs})")
+        results = interleaved(
+            args.systems.split(","), setup, args.repeats, lambda url: run_once(url, traffic), row, "kvroute-agent-sessions-"
+        )
     if args.out:
         args.out.write_text(json.dumps({"traffic": asdict(traffic), "results": results}, indent=1) + "\n")
 

@@ -152,20 +152,15 @@ def main() -> None:
         results.append({"system": args.name, **asyncio.run(run(url, served_model(url), traffic))})
         print(row(args.name, results[-1]))
     else:
-        import tempfile
-
-        from bench.systems import Server, Setup
+        from bench.systems import Setup, interleaved
         from common.model import default_model_path
 
         setup = Setup(str(default_model_path()), args.threads, 1, args.slots, args.ctx)
-        logs = Path(tempfile.mkdtemp(prefix="kvroute-priority-wait-"))
-        for rep in range(args.repeats):
-            for name in args.systems.split(","):
-                with Server(name, setup, logs / f"{name}-{rep}.log") as server:
-                    got = asyncio.run(run(server.url, served_model(server.url), traffic))
-                    results.append({"system": name, "repeat": rep, "command": server.command_line, **got})
-                print(row(name, results[-1]), flush=True)
-        print(f"(logs in {logs})")
+
+        def measure(url: str) -> dict[str, Any]:
+            return asyncio.run(run(url, served_model(url), traffic))
+
+        results = interleaved(args.systems.split(","), setup, args.repeats, measure, row, "kvroute-priority-wait-")
     if args.out:
         args.out.write_text(json.dumps({"traffic": asdict(traffic), "results": results}, indent=1) + "\n")
 

@@ -39,9 +39,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -330,3 +333,24 @@ class Server:
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
+
+
+def interleaved(
+    names: Sequence[str],
+    setup: Setup,
+    repeats: int,
+    measure: Callable[[str], dict[str, Any]],
+    show: Callable[[str, dict[str, Any]], str],
+    prefix: str = "kvroute-bench-",
+) -> list[dict[str, Any]]:
+    """Each system started in turn, `repeats` times with the systems interleaved (machines drift): `measure(url)` its
+    figures, each printed as `show(name, figures)` as it comes; every server's log in a new folder (printed)."""
+    logs = Path(tempfile.mkdtemp(prefix=prefix))
+    results: list[dict[str, Any]] = []
+    for rep in range(repeats):
+        for name in names:
+            with Server(name, setup, logs / f"{name}-{rep}.log") as server:
+                results.append({"system": name, "repeat": rep, "command": server.command_line, **measure(server.url)})
+            print(show(name, results[-1]), flush=True)
+    print(f"(logs in {logs})")
+    return results
