@@ -5,6 +5,7 @@ without the keys."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,19 @@ def text(reply: dict[str, Any]) -> str:
     return str(reply["choices"][0]["message"]["content"])
 
 
+def props(s: Served, model: str) -> dict[str, Any]:
+    """`GET /props` of `model` once its worker has said hello (a model's slots count from then: several models' workers
+    start side by side, and a loaded CI machine once read 0 slots just after the server said it was ready)."""
+    end = time.monotonic() + 60
+    while True:
+        got = dict(httpx.get(f"{s.url}/props", params={"model": model}, timeout=10).json())
+        if got["total_slots"] or time.monotonic() > end:
+            return got
+        time.sleep(0.2)
+
+
 def test_props_show_each_models_defaults_and_where_they_come_from(served: Served) -> None:
-    greedy = httpx.get(f"{served.url}/props", params={"model": "greedy"}, timeout=10).json()
+    greedy = props(served, "greedy")
     params, sources = greedy["default_generation_settings"]["params"], greedy["sampling_sources"]
     assert (params["top_k"], params["temperature"], params["top_p"], params["min_p"]) == (1, 0.6, 0.9, 0.05)
     assert (sources["top_k"], sources["temperature"], sources["top_p"], sources["min_p"]) == (
