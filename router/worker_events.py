@@ -118,7 +118,8 @@ class WorkerEvents(Lifecycle):
         if req.direct:  # (its worker sends the router only the job's first delta, without text: output has begun)
             outcomes.output_began(conn, req)
             return
-        req.preempting = False  # (its output began: a preemption asked for comes too late, and it runs on)
+        if req.preempting and not self._suspendable(req):
+            req.preempting = False  # (its output began and it cannot be suspended: a preemption comes too late, it runs on)
         piece = outcomes.delta_taken(conn, req, msg)
         if req.stream and req.reply_to is not None:
             delta = delta_of(req, piece, msg.tokens, msg.logprobs)
@@ -226,8 +227,7 @@ class WorkerEvents(Lifecycle):
         """A suspended job ended on its worker before it was resumed (the worker drains, or its deadline passed): its
         request fails, or ends as cancelled when the client cancelled it; one whose client has seen none of its output
         (not streamed) waits on to be placed anew, on any worker, when its worker drains."""
-        started, req.suspended = req.started, None
-        self.jobs.pop(msg.id, None)
+        started = self._let_go_suspended(req, msg.id)
         if msg.code == ErrorCode.DRAINING and not started:
             log.info("request_suspended_lost", request_id=req.rid, job=msg.id, placed_anew=True)
         elif msg.code == ErrorCode.CANCELLED:
@@ -235,6 +235,13 @@ class WorkerEvents(Lifecycle):
         else:
             self._fail(req, Refusal(msg.code, f"{msg.message} (its job was suspended for one of higher priority)"))
         self._pump()
+
+    def _let_go_suspended(self, req: Req, job: str) -> bool:
+        """Forget a suspended request's job (it ended on its worker, or its worker died): whether its client has seen
+        any of its output (then it goes nowhere else; else it waits on in the queue to be placed anew)."""
+        started, req.suspended = req.started, None
+        self.jobs.pop(job, None)
+        return started
 
     def worker_dead(self, worker: str, reason: str) -> None:
         """A worker is gone: purge its slots now, re-dispatch what it had not streamed, fail the rest."""
@@ -247,9 +254,7 @@ class WorkerEvents(Lifecycle):
         for req in list(self.queue):
             if (held := req.suspended) is None or held.worker != worker:
                 continue
-            started, req.suspended = req.started, None  # (its job died with the worker)
-            self.jobs.pop(held.job, None)
-            if started:  # (its client has some of its output: it goes nowhere else; else it is placed anew)
+            if self._let_go_suspended(req, held.job):  # (its job died with the worker; a request not started waits on)
                 lost = f"worker {worker} died ({reason}) while this request's job was suspended there"
                 self._fail(req, Refusal(ErrorCode.WORKER_LOST, lost))
         for req in list(conn.jobs.values()):

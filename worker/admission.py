@@ -84,11 +84,9 @@ class Admission:
         task = self.parked.pop(job.id, None)
         if task is None:
             return Refusal(ErrorCode.BAD_REQUEST, f"job {job.id!r} is not suspended on this worker").job_error(job.id)
-        if job.slot >= len(self.table):
+        if (missing := self.no_slot(job)) is not None:
             self.parked[job.id] = task
-            return Refusal(
-                ErrorCode.BAD_REQUEST, f"slot {job.slot} does not exist (this worker has slots 0..{len(self.table) - 1})"
-            ).job_error(job.id)
+            return missing.job_error(job.id)
         prompt = unpack_tokens(job.tokens)
         if prompt != task.prompt + task.generated:  # (the router's record of it is not the job's: a bug, failed with an id)
             self.counters.invariant_violations += 1
@@ -111,10 +109,8 @@ class Admission:
             return Refusal(ErrorCode.DRAINING, "this worker is draining and takes no new jobs")
         if job.id in self.by_id:
             return Refusal(ErrorCode.BAD_REQUEST, f"job id {job.id!r} is already running on this worker")
-        if job.slot >= len(self.table):
-            return Refusal(
-                ErrorCode.BAD_REQUEST, f"slot {job.slot} does not exist (this worker has slots 0..{len(self.table) - 1})"
-            )
+        if (missing := self.no_slot(job)) is not None:
+            return missing
         if job.images and (problem := self.image_problem(job, prompt)) is not None:
             return Refusal(ErrorCode.BAD_REQUEST, problem)
         texts = [t for t in prompt if t >= 0] if job.images else prompt  # (an image's ids are checked above)
@@ -123,6 +119,12 @@ class Admission:
         if (numbers := Overflow.of(len(prompt), job.sampling.max_tokens, self.n_ctx)) is not None:  # (protocol `fits`)
             return Refusal(ErrorCode.CONTEXT_OVERFLOW, numbers.slot_message(), overflow=numbers)
         return None
+
+    def no_slot(self, job: Job) -> Refusal | None:
+        """The refusal of a job naming a slot this worker does not have."""
+        if job.slot < len(self.table):
+            return None
+        return Refusal(ErrorCode.BAD_REQUEST, f"slot {job.slot} does not exist (this worker has slots 0..{len(self.table) - 1})")
 
     def image_problem(self, job: Job, prompt: list[int]) -> str | None:
         """Why the job's images cannot be computed here: no projector, or ids that are not its images' (common/media.py:

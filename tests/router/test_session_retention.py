@@ -334,6 +334,26 @@ def test_an_interactive_request_suspends_a_job_whose_output_began_which_then_goe
     assert s.metrics.mirror_mismatches == 0 and not s.jobs and not s.requests
 
 
+def test_a_streaming_victim_stays_asked_until_its_suspension_comes_so_one_preemption_is_in_flight() -> None:
+    """Its deltas keep coming until its worker reads the preemption: they do not lift the one-in-flight guard, so a
+    request of a higher priority still, arriving meanwhile, does not ask another job back too."""
+    s = core(queue_order="fifo")
+    hello(s, slots=2)
+    (a,) = jobs(submit(s, "a", BG, priority=-1))
+    (b,) = jobs(submit(s, "b", np.arange(1500, 1900, dtype=np.int32), priority=-1))
+    delta(s, a, [7])
+    delta(s, b, [5])
+    out = submit(s, "normal", np.arange(1000, 1040, dtype=np.int32))
+    (cancel,) = [o.msg for o in out if isinstance(o.msg, JobCancel)]
+    victim, other = (a, b) if cancel.id == a.id else (b, a)
+    delta(s, victim, [8])  # (streamed before its worker read the preemption)
+    out = submit(s, "interactive", np.arange(2000, 2040, dtype=np.int32), priority=1)
+    assert not [o for o in out if isinstance(o.msg, JobCancel)], "a second preemption while one is in flight"
+    (placed,) = jobs(_suspended(s, victim, [7, 8] if victim is a else [5, 8]))
+    assert placed.id.startswith("interactive.")  # (the highest priority takes the slot handed back)
+    assert s.metrics.preemptions["asked"] == 1 and other.id in s.jobs  # (the normal one took its one slot: it waits)
+
+
 def test_a_suspended_request_cancelled_or_whose_worker_dies_ends_and_its_job_with_it() -> None:
     for ending in ("cancel", "death", "deadline"):
         s = core(queue_order="fifo")
