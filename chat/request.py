@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,11 +61,19 @@ class Prepared:
 
 
 class ChatFormat:
-    """A chat template with what it implies: the tool-call family and the thinking tags."""
+    """A chat template with what it implies: the tool-call family and the thinking tags.
 
-    def __init__(self, template: ChatTemplate) -> None:
+    A template without tool syntax (the generic family) means a model its authors did not teach to call tools: its
+    requests' tools are a hint (not shown to the model, counted in `tools_not_offered`), as llama-server renders them,
+    unless the request requires a call (tool_choice `required` or a named function: the grammar writes it), its
+    history holds calls already, or the operator asks for the generic JSON format (`generic_tools`, `--generic-tools`)."""
+
+    def __init__(self, template: ChatTemplate, *, generic_tools: bool = False) -> None:
         self.template = template
         self.family: Family = detect(template)
+        self.generic_tools = generic_tools
+        self.tools_not_offered = 0  # requests whose tools this model was not shown
+        self._count_lock = threading.Lock()
         # (a family whose thinking is part of its syntax has its own pair: gpt-oss's channel, Muse's message)
         self.reasoning: tuple[str, str] | None = (
             self.family.reasoning or derive_reasoning(template, self.family.triggers) or reasoning_tags(template.source)
@@ -81,6 +90,27 @@ class ChatFormat:
     @property
     def name(self) -> str:
         return self.template.name
+
+    @property
+    def tool_format(self) -> str:
+        """How tools reach the model: its family's syntax, or the generic JSON format (always, or only for a call the
+        request requires)."""
+        if not isinstance(self.family, Generic):
+            return self.family.name
+        return "generic" if self.generic_tools else "generic, only where a call is required (--generic-tools: always)"
+
+    def offers(self, sub: Submit) -> bool:
+        """Whether the model is shown the request's tools (False: they are a hint; `not_offered` counts them)."""
+        required = sub.tool_choice not in ("auto", "none")
+        if not sub.tools or not isinstance(self.family, Generic) or self.generic_tools or required:
+            return True
+        # (a conversation that has called tools keeps them in view, and its prompt's prefix)
+        return any(m.tool_calls or m.role == "tool" for m in sub.messages or ())
+
+    def not_offered(self) -> None:
+        """Count one request whose tools this model was not shown (requests are prepared on several threads)."""
+        with self._count_lock:
+            self.tools_not_offered += 1
 
     def render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]
@@ -100,7 +130,7 @@ class ChatFormat:
     def prepare(self, sub: Submit) -> Prepared:
         """Render `sub.messages` with its tools; the constraint and output spec its fields ask for."""
         assert sub.messages is not None
-        tools = sub.tools or []
+        tools = (sub.tools or []) if self.offers(sub) else []
         use_tools = bool(tools) and sub.tool_choice != "none"
         messages = template_messages(sub.messages)
         if self.thinking_field:

@@ -21,6 +21,8 @@ The models file is TOML, one table per model:
     temp = 0.6                          # sampling for requests that leave it to the server: temp, top_k, top_p,
     top_k = 20                          # min_p, repeat_penalty, repeat_last_n, seed (else the flag's, else the GGUF's
                                         # general.sampling.*, else llama-server's)
+    generic_tools = true                # its template has no tool syntax: show it tools in a generic JSON format
+                                        # (else the flag's, --generic-tools; off: tools are a hint for such a model)
 
 A key a model does not give is the `serve` flag's value (`--slots`, `--workers`, ...).
 """
@@ -41,7 +43,7 @@ WORKER_KEYS = {"workers": "cpu_workers", "gpus": "gpus", "slots": "slots", "ctx_
                "kv_budget_mb": "kv_budget_mb", "threads": "threads", "n_gpu_layers": "n_gpu_layers",
                "host_cache_mb": "host_cache_mb", "cache_type_k": "cache_type_k", "cache_type_v": "cache_type_v",
                "flash_attn": "flash_attn"}  # fmt: skip
-MODEL_KEYS = {"path", "aliases", "pinned", "keep_alive", "load", "default", "memory_mb", "mmproj"}
+MODEL_KEYS = {"path", "aliases", "pinned", "keep_alive", "load", "default", "memory_mb", "mmproj", "generic_tools"}
 # per-model sampling defaults (router/sampling_defaults.py), named as the `serve` flags are -> the `Sampling` field
 SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",
                  "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n"}  # fmt: skip
@@ -121,7 +123,7 @@ def from_file(path: str, keep_alive: float) -> list[ModelEntry]:
         load = table.get("load", "start")
         if load not in ("start", "on_demand"):
             raise ConfigFileError(f'{where}: `load` must be "start" or "on_demand", got {load!r}')
-        for key in ("pinned", "default"):
+        for key in ("pinned", "default", "generic_tools"):
             if not isinstance(table.get(key, False), bool):
                 raise ConfigFileError(f"{where}: `{key}` must be true or false")
         memory = table.get("memory_mb", 0)
@@ -138,6 +140,7 @@ def from_file(path: str, keep_alive: float) -> list[ModelEntry]:
             memory_given=memory > 0,
             sampling=sampling_of(table, where),
             mmproj=mmproj_of(table, where),
+            generic_tools=table.get("generic_tools"),
         )
         workers = {WORKER_KEYS[k]: v for k, v in table.items() if k in WORKER_KEYS}
         if "gpus" in workers:  # (gpus = 0, gpus = [0, 1] or gpus = "0,1")

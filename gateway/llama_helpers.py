@@ -81,7 +81,8 @@ def props_body(status: StatusReply, model: str | None) -> dict[str, Any]:
     """llama-server's /props for one model (`?model=NAME`, else the default): the generation settings a request that
     sets nothing gets (`params`: the sampling defaults, `n_predict` its output cap, -1 the slot's context), its slots,
     and where each sampling default came from (`sampling_sources`: flag, models file, gguf, llama-server) and the
-    GGUF's samplers kvroute does not run (`sampling_not_applied`). Raises RequestError for a model not served."""
+    GGUF's samplers kvroute does not run (`sampling_not_applied`), and how tools reach the model (`tool_format`).
+    Raises RequestError for a model not served."""
     name = model or status.model
     found = [m for m in status.models if name in (m.name, *m.aliases)]
     if not found:
@@ -103,4 +104,5 @@ def props_body(status: StatusReply, model: str | None) -> dict[str, Any]:
         "modalities": {"vision": False, "audio": False},
         "sampling_sources": m.sampling_from,
         "sampling_not_applied": m.sampling_not_applied,
+        "tool_format": m.tool_format,
     }

@@ -366,6 +366,10 @@ class ModelStatus(Struct, kw_only=True):
     sampling_from: dict[str, str] = {}
     sampling_not_applied: dict[str, str] = {}
     default_max_tokens: NonNeg = 0  # the output cap of a request that sets none (0: the slot's context)
+    # how tools reach the model: its template's tool-call family ("hermes", ...), or "generic" (a JSON format
+    # described in a system message; for a template without tool syntax, only where a call is required unless the
+    # operator said --generic-tools); "" not known
+    tool_format: str = ""
 
 
 class StatusReply(Message, tag="status_reply", kw_only=True):

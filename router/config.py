@@ -46,6 +46,13 @@ class RouterConfig:
     chat_template: str | None = opt(
         None, "a Jinja chat template file, or a built-in name (gemma, chatml), used instead of the GGUF's", metavar="FILE|NAME"
     )
+    generic_tools: bool = opt(
+        False,
+        "show tools to a model whose chat template has no tool-call syntax, in a generic JSON format (a system message "
+        'describing them; replies constrained to `{"tool_calls": [...]}` or `{"response": "..."}`). Off: as '
+        "llama-server does, such a model is not shown them (a hint, counted) unless the request requires a call "
+        "(tool_choice `required` or a named function); `generic_tools` in the models file, per model",
+    )
     prefix_cache: bool = opt(True, "reuse cached prefixes; --no-prefix-cache sends every job with a cleared slot")
     min_match: int = opt(16, "fewest matching prompt tokens before a slot's cached prefix counts as affinity")
     busy_slot_cost: int = opt(32, "cost of each busy slot on a worker, in prompt-token equivalents")

@@ -151,7 +151,7 @@ class _Collector:
 
 
 def _per_model(models: Models) -> Iterator[Metric]:
-    """Where each model is loaded, and how often it was loaded and unloaded."""
+    """Where each model is loaded, how often it was loaded and unloaded, and its requests' tools it was not shown."""
     state = GaugeMetricFamily("kvroute_model_loaded", "1 while a model has a ready worker, by model", labels=["model"])
     workers = GaugeMetricFamily("kvroute_model_workers", "Workers connected for each model", labels=["model"])
     loads = CounterMetricFamily("kvroute_model_loads", "Models started on demand (or at start), by model", labels=["model"])
@@ -159,13 +159,19 @@ def _per_model(models: Models) -> Iterator[Metric]:
     memory = GaugeMetricFamily(
         "kvroute_model_worker_memory_mib", "What one worker of each model takes, as the memory budget counts it", labels=["model"]
     )
+    unoffered = CounterMetricFamily(
+        "kvroute_tools_not_offered",
+        "Requests whose tools a model without tool-call syntax was not shown (a hint; --generic-tools shows them)",
+        labels=["model"],
+    )
     for mc in models:
+        unoffered.add_metric([mc.name], mc.chat.tools_not_offered)
         state.add_metric([mc.name], 1.0 if mc.ready() else 0.0)
         workers.add_metric([mc.name], len(mc.core.workers))
         loads.add_metric([mc.name], models.loads.get(mc.name, 0))
         unloads.add_metric([mc.name], models.unloads.get(mc.name, 0))
         memory.add_metric([mc.name], mc.need_mb())
-    yield from (state, workers, loads, unloads, memory)
+    yield from (state, workers, loads, unloads, memory, unoffered)
 
 
 def _counter(name: str, doc: str, value: Any, label: str | None = None) -> Metric:

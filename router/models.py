@@ -67,6 +67,7 @@ class ServedModel:
     memory_given: bool = False  # memory_mb is the operator's: what its workers say does not replace it
     mmproj: str | None = None  # its vision projector (the router's --mmproj for a single model)
     sampling: tuple[tuple[str, float | int], ...] = ()  # its sampling defaults, by `Sampling` field (router/sampling_defaults.py)
+    generic_tools: bool | None = None  # tools in the generic JSON format for a template without tool syntax (None: the flag)
 
 
 def from_flag(value: str, keep_alive_s: float = -1.0) -> ServedModel:
@@ -328,6 +329,7 @@ def status(models: Models, rid: str | None, cache_salt: str | None) -> StatusRep
             sampling_from=dict(m.core.sampling.sources),
             sampling_not_applied=dict(m.core.sampling.not_applied),
             default_max_tokens=m.core.cfg.default_max_tokens,
+            tool_format=m.chat.tool_format,
         )
         for m in models
     ]

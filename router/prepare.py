@@ -22,6 +22,7 @@ from chat.limits import MAX_NESTING, Deadline, DeadlinePassed, nesting
 from chat.output import OutputSpec
 from chat.request import ChatFormat, prompt_constraint, shift_points, shifted
 from chat.template import TemplateError
+from common import logs
 from common.projector import Projector, ProjectorError, PromptImage
 from common.vocab import Vocab
 from protocol import (
@@ -41,6 +42,8 @@ from protocol import (
     vocab_message,
 )
 from router.prompt_tokens import PromptTokenizer, TokenizeCost
+
+log = logs.get(__name__)
 
 PLAIN = OutputSpec()
 
@@ -179,6 +182,10 @@ def prepare(
 
 
 def _chat(msg: Submit, chat: ChatFormat, tokenize: TokenizeFn, ctx: int | None) -> Prepared:
+    if not chat.offers(msg):
+        chat.not_offered()
+        log.info("tools_not_offered", template=chat.name, why="the chat template has no tool-call syntax (--generic-tools)")
+
     def build(m: Submit) -> Prepared:
         p = chat.prepare(m)
         Deadline.check_running("messages")

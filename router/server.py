@@ -174,7 +174,8 @@ class Router:
         # (PromptTokenizer: a conversation's next prompt, only its new part tokenized)
         prompts = PromptTokenizer(vocab)
         core.remember_reply = prompts.remember  # (a chat reply's tokens, for the next turn's prompt)
-        chat = ChatFormat(template)
+        generic = cfg.generic_tools if spec.generic_tools is None else spec.generic_tools
+        chat = ChatFormat(template, generic_tools=generic)
         mmproj = spec.mmproj or cfg.mmproj
         if mmproj:  # (images placed in prompts as the workers will compute them: common/projector.py)
             chat.vision = Projector(mmproj, vocab.model_ptr)

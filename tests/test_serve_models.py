@@ -42,9 +42,10 @@ def test_a_models_file_gives_each_model_its_workers_and_keep_alive(tmp_path: Pat
     path.write_text(
         '[models.coder]\npath = "/m/coder.gguf"\naliases = ["gpt-4o"]\ngpus = [0, 1]\nslots = 8\npinned = true\n'
         'default = true\nmemory_mb = 9000\n\n[models.small]\npath = "/m/small.gguf"\nkeep_alive = "10m"\n'
-        'load = "on_demand"\n'
+        'load = "on_demand"\ngeneric_tools = true\n'
     )
     coder, small = from_file(str(path), -1.0)
+    assert coder.served.generic_tools is None and small.served.generic_tools is True  # (None: the --generic-tools flag's)
     assert coder.served.aliases == ("gpt-4o",) and coder.served.pinned and coder.default
     assert coder.workers == {"gpus": "0,1", "slots": 8} and coder.served.keep_alive_s == -1.0
     assert coder.served.memory_mb == 9000 and coder.served.memory_given and not small.served.memory_given
@@ -78,6 +79,7 @@ def test_a_workers_footprint_is_its_file_and_its_kv() -> None:
         ('[models.a]\npath = "x"\nkeep_alive = "soon"\n', "keep_alive: expected seconds"),
         ('[models.a]\npath = "x"\naliases = "b"\n', "`aliases` must be a list"),
         ('[models.a]\npath = "x"\nmemory_mb = "lots"\n', "`memory_mb` must be a number of MiB"),
+        ('[models.a]\npath = "x"\ngeneric_tools = "yes"\n', "`generic_tools` must be true or false"),
         ("[serve]\nslots = 2\n", "no [models.NAME] table"),
     ],
 )

@@ -50,11 +50,13 @@ API_KEY = "sk-kvroute-agents"
 # sampled at 1.0, the small model sometimes calls tools until the context is full. Its output cap leaves room for the
 # long tool call (test_long_tool_call.py runs on the same server, so it shares the agents' prompts); every other reply
 # is capped at REPLY_CAP tokens by the proxy (`capped`): the agents ask for 32k, and the default model seldom ends one.
+# The default model's template has no tool syntax: --generic-tools shows it the agents' tools, so that their tool round
+# trips run here (a default `kvroute serve` does not: codex_runs.py runs Codex against one).
 SERVER_CAP = 2048
 REPLY_CAP = 64
 SERVE_FLAGS = (
     *("--workers", "1", "--slots", "2", "--ctx-per-slot", "32768"),
-    *("--max-tokens", str(SERVER_CAP), "--temp", "0", "--threads", "2"),
+    *("--max-tokens", str(SERVER_CAP), "--temp", "0", "--threads", "2", "--generic-tools"),
 )
 
 

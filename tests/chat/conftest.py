@@ -16,9 +16,10 @@ from worker.guide import GuideTokenizer
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
 
 
-def chat_format(name: str) -> ChatFormat:
-    """A vendored template by file stem, with Llama-style BOS/EOS texts."""
-    return ChatFormat(ChatTemplate((TEMPLATES / f"{name}.jinja").read_text(), name, bos_text="<s>", eos_text="</s>"))
+def chat_format(name: str, *, generic_tools: bool = False) -> ChatFormat:
+    """A vendored template by file stem, with Llama-style BOS/EOS texts (`generic_tools`: as `--generic-tools`)."""
+    template = ChatTemplate((TEMPLATES / f"{name}.jinja").read_text(), name, bos_text="<s>", eos_text="</s>")
+    return ChatFormat(template, generic_tools=generic_tools)
 
 
 @pytest.fixture(scope="session")

@@ -76,12 +76,13 @@ STABLE = {
 
 
 def fmt_for(name: str) -> Any:
+    """A template's format, templates without tool syntax offered tools in the generic format (`--generic-tools`)."""
     if name.startswith("builtin:"):
         from chat.request import ChatFormat
         from chat.template import ChatTemplate
 
-        return ChatFormat(ChatTemplate.choose(None, None, name.split(":")[1]))
-    return chat_format(name)
+        return ChatFormat(ChatTemplate.choose(None, None, name.split(":")[1]), generic_tools=True)
+    return chat_format(name, generic_tools=True)
 
 
 def one_call(fmt: Any, args: str = ARGS, call_id: str = "abcDEF123") -> str:
