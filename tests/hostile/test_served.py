@@ -181,7 +181,12 @@ HOSTILE: dict[str, tuple[str, bytes, set[int]]] = {  # name -> (path, body, the 
     "angles-1MB": (CHAT, js(chat(messages=[{"role": "user", "content": "<" * 1_000_000}])), {400}),
     "tools-256": (
         CHAT,
-        js(chat(tools=[{"type": "function", "function": {"name": f"t{i}", "parameters": TOOL}} for i in range(256)])),
+        js(
+            chat(
+                tools=[{"type": "function", "function": {"name": f"t{i}", "parameters": TOOL}} for i in range(256)],
+                tool_choice="required",
+            )
+        ),  # (a call required: the default model is shown them, as bench/hostile.py's)
         {400},  # (their descriptions do not fit a 2,048-token slot: context_overflow, after one compile of them all)
     ),
     "detokenize-1M": ("/detokenize", js({"tokens": [107] * 1_000_000}), {200}),
