@@ -115,7 +115,7 @@ def test_a_model_without_tool_syntax_is_shown_tools_only_where_asked(served: Ser
     reply = chat(served, "untaught", tools=TOOLS, temperature=0)
     assert reply["choices"][0]["finish_reason"] != "tool_calls" and not reply["choices"][0]["message"].get("tool_calls")
     assert not_offered(served, "untaught") == 1
-    forced = chat(served, "untaught", tools=TOOLS, tool_choice="required", temperature=0)
+    forced = chat(served, "untaught", tools=TOOLS, tool_choice="required", temperature=0, max_tokens=200)
     assert forced["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert not_offered(served, "untaught") == 1
     chat(served, "generic", tools=TOOLS, temperature=0)
