@@ -184,13 +184,14 @@ HEADER = """# What kvroute makes of each vendored chat template
 
 Written by `.venv/bin/python tests/chat/template_table.py` (no model); tests/chat/test_template_table.py checks it is
 current. One row per template of llama.cpp's `models/templates/` in the pinned sdist: the tool-call family detected
-(hand-written, `derived` from renderings of probe calls, or `generic`: tools described in a system message and the
-reply a JSON document); whether the template renders (`renders`); for templates that write calls, whether kvroute reads
-back the calls the template writes (two, or one where it takes one) and streams their arguments while they are written;
-for templates that write `reasoning_content` (thinking switched on), whether it reads that back; and whether the next
-turn's prompt (the calls as read, then their results) starts with this turn's prompt and the model's text, so that the
-slot reuses its KV whole (`no` where the template writes the turn otherwise in the history than the model wrote it,
-such as dropping the thinking it opened).
+(hand-written, `derived` from renderings of probe calls, or `generic`: no tool syntax, so tools are shown only where a
+call is required or with `--generic-tools`, described in a system message, the reply a JSON document); whether the
+template renders (`renders`); for templates that write calls, whether kvroute reads back the calls the template writes
+(two, or one where it takes one) and streams their arguments while they are written; for templates that write
+`reasoning_content` (thinking switched on), whether it reads that back; and whether the next turn's prompt (the calls
+as read, then their results) starts with this turn's prompt and the model's text, so that the slot reuses its KV whole
+(`no` where the template writes the turn otherwise in the history than the model wrote it, such as dropping the
+thinking it opened).
 
 """
 
