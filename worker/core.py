@@ -102,7 +102,7 @@ from worker.guide import GuideTokenizer
 from worker.images import Encoder, Encodings, ImageRows
 from worker.job_ends import JobEnds, send
 from worker.llama import Llama
-from worker.pace import PrefillPace
+from worker.pace import PrefillPace, Urgency
 from worker.prefix import Prefixes
 from worker.saved_states import SavedStates, open_disk_tier
 from worker.slots import Slot, SlotTable
@@ -158,6 +158,7 @@ class EngineCore:
         self.n_ctx = self.llama.ctx_per_slot
         self.n_batch = cfg.n_batch
         self.pace = PrefillPace(cfg.n_batch, cfg.step_target_ms / 1000)
+        self.urgency = Urgency()
         info = self.llama.info
         self.uncut = cfg.snapshots or info.recurrent  # the memory cannot be cut back: only to a context checkpoint
         # slots take context checkpoints where their memory cannot be cut back to any prefix (worker/checkpoints.py);
@@ -298,8 +299,11 @@ class EngineCore:
         if self.projector is not None:
             self._images(runnable(self.table.busy()))
         running = self._runnable()
-        # (while a job generates, a step's prompt work is paced: worker/pace.py)
-        budget = first = self.n_batch if self.exact else self.pace.budget(any(s.task.generated for s in running))
+        top, now = top_priority(running), time.monotonic()
+        self.urgency.ran(top, now)
+        # (while a job generates, or one of higher priority may come back, a step's prompt work is paced: worker/pace.py)
+        generating = any(s.task.generated for s in running)
+        budget = first = self.n_batch if self.exact else self.pace.budget(generating, self.urgency.hurry(top, now))
         t1 = time.perf_counter()
         for group in self.batcher.groups(running):  # (one llama_decode each: worker/batching.py)
             left = self._run(group.slots, budget)

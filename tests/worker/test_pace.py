@@ -4,7 +4,7 @@ fewer than MIN_TOKENS nor more than n_batch; steps of few prompt tokens do not m
 
 from __future__ import annotations
 
-from worker.pace import MIN_TOKENS, PrefillPace
+from worker.pace import HURRY_S, HURRY_TARGET_S, MIN_TOKENS, PrefillPace, Urgency
 
 
 def test_n_batch_until_a_job_generates_and_the_speed_is_known() -> None:
@@ -45,3 +45,19 @@ def test_steps_of_few_prompt_tokens_do_not_move_the_speed() -> None:
     pace.measured(MIN_TOKENS - 1, 0.001)
     pace.measured(0, 0.03)
     assert pace.tokens_per_s == 0
+
+
+def test_a_step_holds_little_prompt_work_while_a_higher_priority_may_come_back() -> None:
+    """Issue 65: an interactive turn that comes back waits for the step in flight; while one ran within HURRY_S,
+    lower-priority steps hold HURRY_TARGET_S of prompt work, generating or not."""
+    pace = PrefillPace(512, 1.5)
+    pace.measured(512, 1.6)  # (320 tokens/s: 2 cores)
+    assert pace.budget(generating=False) == 512 and pace.budget(generating=True) == 480
+    assert pace.budget(generating=False, hurry=True) == int(320 * HURRY_TARGET_S)
+    assert PrefillPace(512, 0.0).budget(generating=False, hurry=True) == 512, "pacing off: n_batch"
+    urgency, t = Urgency(), 1000.0
+    assert not urgency.hurry(0, t)
+    urgency.ran(1, t)  # an interactive job ran
+    assert urgency.hurry(0, t + 1) and urgency.hurry(-1, t + 1) and not urgency.hurry(1, t + 1)
+    urgency.ran(0, t + 2)
+    assert urgency.hurry(0, t + HURRY_S - 1) and not urgency.hurry(0, t + HURRY_S + 1), "it is gone after HURRY_S"
