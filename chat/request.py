@@ -127,10 +127,12 @@ class ChatFormat:
             log.info("reasoning_effort %r refused by template %s: rendered without it", kwargs["reasoning_effort"], self.name)
             return text
 
-    def prepare(self, sub: Submit) -> Prepared:
-        """Render `sub.messages` with its tools; the constraint and output spec its fields ask for."""
+    def prepare(self, sub: Submit, offered: bool | None = None) -> Prepared:
+        """Render `sub.messages` with its tools; the constraint and output spec its fields ask for. `offered`: whether
+        the model is shown the tools, decided once for the request (None: `offers(sub)`), so that a --context-shift
+        attempt that drops the turns holding calls renders as the whole did."""
         assert sub.messages is not None
-        tools = (sub.tools or []) if self.offers(sub) else []
+        tools = (sub.tools or []) if (self.offers(sub) if offered is None else offered) else []
         use_tools = bool(tools) and sub.tool_choice != "none"
         messages = template_messages(sub.messages)
         if self.thinking_field:

@@ -182,12 +182,13 @@ def prepare(
 
 
 def _chat(msg: Submit, chat: ChatFormat, tokenize: TokenizeFn, ctx: int | None) -> Prepared:
-    if not chat.offers(msg):
+    offered = chat.offers(msg)  # (once: a shifted attempt may have dropped the turns that decide it)
+    if not offered:
         chat.not_offered()
         log.info("tools_not_offered", template=chat.name, why="the chat template has no tool-call syntax (--generic-tools)")
 
     def build(m: Submit) -> Prepared:
-        p = chat.prepare(m)
+        p = chat.prepare(m, offered)
         Deadline.check_running("messages")
         if isinstance(chat.vision, Projector) and first_image(m.messages) is not None:
             return _with_images(m, chat.vision, p.text, p.add_bos, p.constraint, p.output)

@@ -132,7 +132,8 @@ class WorkerConfig:
     step_target_ms: int = opt(
         1500,
         "while jobs generate, a step computes about this long of prompt work at the measured speed (at most n_batch "
-        "tokens), so their next token waits that long, not for a whole chunk (0: n_batch tokens always)",
+        "tokens), so their next token waits that long, not for a whole chunk; 250 ms at most while a job of higher "
+        "priority may come back (0: n_batch tokens always)",
     )
     gpu: int | None = opt(
         None, f"GPU index to pin the model and context to (one GPU); default: ${GPU_ENV}, else CPU", metavar="I"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import mmap
 import os
 import threading
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import llama_cpp
 from common import logs
 from common.model import ModelError
 from common.vocab import Vocab, init_backend
+from worker.buffers import BufferPool
 from worker.context_size import (
     CtxChoice,
     SwaChoice,
@@ -29,7 +29,7 @@ from worker.context_size import (
 )
 
 if TYPE_CHECKING:
-    StateData = ctypes.Array[ctypes.c_uint8]  # one sequence's saved state (its KV cells), as llama.cpp wrote it
+    from worker.buffers import StateData
 
 
 KV_GGML_TYPES = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "q4_0": llama_cpp.GGML_TYPE_Q4_0}
@@ -52,7 +52,6 @@ def alone_rows(n: int) -> int:
 _PARTIAL = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
 log = logs.get(__name__)
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 
 
 @dataclass(frozen=True)
@@ -185,6 +184,7 @@ class Llama:
         can for the architecture (`n_rs_seq`: it keeps that many more copies of the state); 0: none."""
         init_backend()
         self.path = Path(path)
+        self.buffers = BufferPool()  # what saved states and checkpoints are copied into (worker/buffers.py)
         mp = _model_params(gpu, n_gpu_layers, deterministic)
         self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self.model:
@@ -351,9 +351,10 @@ class Llama:
         return int(llama_cpp.llama_state_seq_get_size(self.ctx, seq))
 
     def state_get(self, seq: int) -> StateData:
-        """A copy of what `seq` holds (its KV cells and their positions), kept in one ctypes buffer (no extra copy)."""
+        """A copy of what `seq` holds (its KV cells and their positions), kept in one ctypes buffer (no extra copy) of
+        `buffers` (worker/buffers.py)."""
         size = llama_cpp.llama_state_seq_get_size(self.ctx, seq)
-        buf = mapped_buffer(size)
+        buf = self.buffers.take(size)
         n = llama_cpp.llama_state_seq_get_data(self.ctx, buf, size, seq)
         if n != size:
             raise RuntimeError(f"llama.cpp wrote {n} bytes of state for sequence {seq}, announced {size}")
@@ -371,7 +372,7 @@ class Llama:
         """A copy of the part of what `seq` holds that cannot be cut back (worker/checkpoints.py): a recurrent state,
         or the sliding-window layers' window; not the full-attention KV."""
         size = llama_cpp.llama_state_seq_get_size_ext(self.ctx, seq, _PARTIAL)
-        buf = mapped_buffer(size)
+        buf = self.buffers.take(size)
         n = llama_cpp.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, _PARTIAL)
         if n != size:
             raise RuntimeError(f"llama.cpp wrote {n} bytes of partial state for sequence {seq}, announced {size}")
@@ -390,16 +391,3 @@ class Llama:
             self.vocab.close()
             llama_cpp.llama_model_free(self.model)
             self.model = None
-
-
-def mapped_buffer(size: int) -> StateData:
-    """`size` zeroed bytes whose pages are mapped up front (MAP_POPULATE, one call) instead of one fault per page as
-    llama.cpp writes: measured here in a process that maps the model, 7 ms per 10 MB against 14-65 ms for a fresh
-    malloc'd buffer, paid on the compute thread by every save of a slot to host RAM (`python -m bench.warm_restart`)."""
-    if not _POPULATE or size <= 0:
-        return (ctypes.c_uint8 * size)()
-    try:
-        mapped = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
-    except OSError as exc:
-        raise MemoryError(f"cannot map {size} bytes for a saved state: {exc}") from exc
-    return (ctypes.c_uint8 * size).from_buffer(mapped)  # (the array keeps the mapping alive; freed with it)

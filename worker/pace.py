@@ -15,6 +15,9 @@ slots): 0.5 s took 3-9 % more wall time than no pacing, 1.5 s 1 % (bench/README.
 from __future__ import annotations
 
 MIN_TOKENS = 32  # fewest prompt tokens a paced step computes (below, a step's fixed costs dominate)
+HURRY_S = 60.0  # a job of higher priority that ran this recently may come back (an agent between tool calls: the
+# router keeps its slot --tool-wait-s, 60 s by default)
+HURRY_TARGET_S = 0.25  # the prefill of lower-priority work a step then holds: what such a job waits for a step to end
 
 
 class PrefillPace:
@@ -35,11 +38,6 @@ class PrefillPace:
         if prompt_tokens >= MIN_TOKENS and seconds > 0:
             rate = prompt_tokens / seconds
             self.tokens_per_s = rate if not self.tokens_per_s else 0.5 * self.tokens_per_s + 0.5 * rate
-
-
-HURRY_S = 60.0  # a job of higher priority that ran this recently may come back (an agent between tool calls: the
-# router keeps its slot --tool-wait-s, 60 s by default)
-HURRY_TARGET_S = 0.25  # the prefill of lower-priority work a step then holds: what such a job waits for a step to end
 
 
 class Urgency:

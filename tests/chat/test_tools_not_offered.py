@@ -51,6 +51,19 @@ def test_a_history_with_calls_keeps_the_tools_in_view() -> None:
     assert after.text.startswith(forced.text) and after.output.tool_names == frozenset({"get_weather"})
 
 
+def test_the_decision_made_for_the_whole_request_holds_for_a_shifted_attempt() -> None:
+    """--context-shift renders attempts that drop old turns: one without the turns holding calls still shows the tools
+    the whole request was shown (the router decides once: router/prepare.py `_chat`)."""
+    fmt = gemma()
+    call = ToolCall(id="c1", name="get_weather", arguments='{"city": "Paris"}')
+    answer = ChatMessage(role="tool", tool_call_id="c1", content="21 C")
+    whole = Submit(messages=[*ASK, ChatMessage(role="assistant", tool_calls=[call]), answer, *ASK], tools=TOOLS)
+    shifted = Submit(messages=ASK, tools=TOOLS)  # (the turns with the call dropped)
+    assert fmt.offers(whole) and not fmt.offers(shifted)
+    assert "get_weather" in fmt.prepare(shifted, fmt.offers(whole)).text
+    assert "get_weather" not in fmt.prepare(shifted).text
+
+
 def test_generic_tools_offers_them_to_every_request() -> None:
     fmt = gemma(generic_tools=True)
     p = fmt.prepare(Submit(messages=ASK, tools=TOOLS))
