@@ -32,6 +32,11 @@ WORKER_COUNTERS = {
     "host_saves": ("kvroute_worker_host_cache_saves", "Evicted slot contents kept in host RAM"),
     "copy_failures": ("kvroute_worker_copy_failures", "State copies llama.cpp refused"),
     "host_save_failures": ("kvroute_worker_host_save_failures", "Copies to host RAM that failed (nothing else did)"),
+    "state_buffers_mapped": ("kvroute_worker_state_buffers_mapped", "Saved states and checkpoints copied into new memory"),
+    "state_buffers_reused": (
+        "kvroute_worker_state_buffers_reused",
+        "Saved states and checkpoints copied into freed memory",
+    ),
     "spec_proposed": ("kvroute_worker_spec_proposed", "Guessed tokens verified (--spec ngram)"),
     "spec_accepted": ("kvroute_worker_spec_accepted", "Guessed tokens the sampler took"),
     "spec_withheld": ("kvroute_worker_spec_withheld", "Guesses not computed: taken too rarely to pay in their batch"),

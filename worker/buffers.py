@@ -3,12 +3,12 @@ earlier ones where one fits, so that their pages are not asked of the kernel aga
 
 Why: fresh pages can cost far more than the copy into them. A virtual machine that hands freed memory back to its
 host (free page reporting, a balloon) faults every page in again: on the 2-core VM of 2026-12-04, 18 MB of fresh
-memory took 200-290 ms to map (90 MB/s) and a copy into mapped memory 2 ms; a worker saved a slot or took a
-checkpoint on its compute thread at that price (a returning agent turn waited 0.67 s for a save and a restore, and
-each 7.9 MB window checkpoint of Gemma 3 took 0.1 s). Saved states and checkpoints come and go all the time (a state
-superseded by a longer one of the same conversation, evicted for a new one, a slot's checkpoints dropped as it is
-overwritten), in sizes that repeat (a model's window checkpoints are all one size): so a freed buffer is kept, up to
-`keep` bytes in all, and handed out again.
+memory took 200-290 ms to map at times (90 MB/s; 7 ms at others), a copy into mapped memory 2 ms; a worker saved a
+slot or took a checkpoint on its compute thread at that price (a returning agent turn waited 0.67 s for a save and a
+restore, each 7.9 MB window checkpoint of Gemma 3 took 0.1 s). Saved states and checkpoints come and go all the time
+(a state superseded by a longer one of the same conversation, evicted for a new one, a slot's checkpoints dropped as
+it is overwritten), in sizes that repeat (a model's window checkpoints are all one size): so a freed buffer is kept, up
+to `keep` bytes in all, and handed out again.
 
 A buffer goes back to the pool when the last reference to what it held goes (a weakref finalizer), on whichever
 thread drops it; the pool is locked. A reused buffer is not zeroed: llama.cpp writes every byte of what it is given.

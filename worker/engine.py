@@ -205,10 +205,17 @@ class Engine:
         return [SlotState(slot=s.id, busy=s.phase is busy, n_tokens=s.n_tokens, job_id=s.job_id) for s in slots]
 
     def figures(self) -> EngineCounters:
-        """The counters, the host-RAM cache's size and the context checkpoints' bytes, for the heartbeat."""
+        """The counters, the host-RAM cache's size, the context checkpoints' bytes and the state buffers' counts, for
+        the heartbeat."""
         snapshots = sum(c.nbytes for s in list(self.core.table.slots) for c in list(s.checkpoints))
+        buffers = self.core.llama.buffers
         return msgspec.structs.replace(
-            self.counters, host_cache_bytes=self.host.nbytes, host_cache_entries=len(self.host), snapshot_bytes=snapshots
+            self.counters,
+            host_cache_bytes=self.host.nbytes,
+            host_cache_entries=len(self.host),
+            snapshot_bytes=snapshots,
+            state_buffers_mapped=buffers.mapped,
+            state_buffers_reused=buffers.reused,
         )
 
     def working(self) -> bool:

@@ -85,12 +85,15 @@ def test_evicted_conversation_is_restored_from_host_ram(copier, vocab):
     assert len(history) > SAVE_MIN + COPY_MIN
     fills = [complete(copier, history, slot=i, max_tokens=2) for i in range(3)]  # every slot holds this history
     before = counters(copier)
+    buffers = copier.figures()
     overwrites = [
         complete(copier, vocab.tokenize(f"Unrelated prompt number {i}: the price of bread."), slot=i, max_tokens=2)
         for i in range(3)
     ]
     saved = counters(copier)
     assert saved["host_saves"] == before["host_saves"] + 1  # three equal contents, one copy
+    taken = copier.figures()  # (the heartbeat's: the save's buffer, new memory or one freed before)
+    assert taken.state_buffers_mapped + taken.state_buffers_reused > buffers.state_buffers_mapped + buffers.state_buffers_reused
     # the router is told: the JobDone of the job that overwrote it names the slot and what it held (length, hash)
     (entry,) = [e for o in overwrites for e in o.cache_added]
     fill = fills[entry.slot].final
