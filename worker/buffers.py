@@ -12,6 +12,8 @@ to `keep` bytes in all, and handed out again.
 
 A buffer goes back to the pool when the last reference to what it held goes (a weakref finalizer), on whichever
 thread drops it; the pool is locked. A reused buffer is not zeroed: llama.cpp writes every byte of what it is given.
+The tiers count the bytes a state holds, not its buffer's: what a buffer has beyond them (a sixteenth for rounding, an
+eighth more where it served a smaller state) and what the pool keeps free are memory beside `--host-cache-mb`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     StateData = ctypes.Array[ctypes.c_uint8]  # one sequence's saved state (its KV cells), as llama.cpp wrote it
 
 KEEP_BYTES = 256 * 2**20  # freed buffers kept for reuse, at least (and twice the largest buffer taken)
-FIT = 1.25  # a kept buffer serves a request this much smaller than it at most (the rest of it is idle meanwhile)
+FIT = 1.125  # a kept buffer serves a request this much smaller than it at most (the rest of it is idle meanwhile)
 GRANULE_MIN = 64 * 2**10
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 
