@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -173,6 +174,7 @@ class Router:
                  not_applied=core.sampling.not_applied or None)  # fmt: skip
         # (PromptTokenizer: a conversation's next prompt, only its new part tokenized)
         prompts = PromptTokenizer(vocab)
+        threading.Thread(target=prompts.warm, name="kvroute-prompt-index", daemon=True).start()  # (beside the workers' start)
         core.remember_reply = prompts.remember  # (a chat reply's tokens, for the next turn's prompt)
         generic = cfg.generic_tools if spec.generic_tools is None else spec.generic_tools
         chat = ChatFormat(template, generic_tools=generic)

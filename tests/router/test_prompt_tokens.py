@@ -166,3 +166,22 @@ def test_which_special_texts_overlap_others_as_a_pairwise_comparison_says() -> N
     assert True in verdicts and False in verdicts
     assert not index.alone("<start_of_turn>")  # "<start" is inside it
     assert index.alone("<|im_end|>") is pairwise("<|im_end|>", texts)
+
+
+def test_the_checks_a_remembered_reply_needs_agree_with_the_special_texts_one_by_one(vocab: Vocab) -> None:
+    """`_ends_before_special` and `_before_control` read indexes made once (a finished reply used to compare every
+    special text's heads on the router's loop, 15-18 ms); they answer as the texts compared one by one do."""
+    pt = PromptTokenizer(vocab)
+    specials = [t for t in pt._text.values() if t]
+    controls = sorted((t for t in pt._control_texts if pt._alone(t)), key=len, reverse=True)
+    rng = random.Random(7)
+    ends = ["plain reply", "reply ending in <", "reply ending in <start_of", "<end_of_turn>", "x\n\n", "", "naïve 🚀"]
+    ends += [rng.choice(specials)[: rng.randrange(1, 8)] for _ in range(200)]
+    for text in ("prompt " + e for e in ends):
+        one_by_one = not any(text.endswith(s[:k]) for s in specials for k in range(1, len(s)))
+        assert pt._ends_before_special(text) == one_by_one
+    texts = [turn("user", "a question") + "<start_of_turn>model\n", "text <b>bold</b> and <unused3> here"]
+    texts += ["".join(rng.choice(specials[:400] + ["a", " ", "\n"]) for _ in range(30)) for _ in range(30)]
+    for text in texts:
+        for c in range(len(text)):
+            assert pt._before_control(text, c) == any(text.startswith(t, c) for t in controls), (text, c)
