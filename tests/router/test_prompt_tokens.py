@@ -181,7 +181,7 @@ def test_the_checks_a_remembered_reply_needs_agree_with_the_special_texts_one_by
         one_by_one = not any(text.endswith(s[:k]) for s in specials for k in range(1, len(s)))
         assert pt._ends_before_special(text) == one_by_one
     texts = [turn("user", "a question") + "<start_of_turn>model\n", "text <b>bold</b> and <unused3> here"]
-    texts += ["".join(rng.choice(specials[:400] + ["a", " ", "\n"]) for _ in range(30)) for _ in range(30)]
+    texts += ["".join(rng.choice([*specials[:400], "a", " ", "\n"]) for _ in range(30)) for _ in range(30)]
     for text in texts:
         for c in range(len(text)):
             assert pt._before_control(text, c) == any(text.startswith(t, c) for t in controls), (text, c)
