@@ -74,7 +74,8 @@ class LocalWorkers:
     step_target_ms: int = opt(
         1500,
         "while jobs generate, a step computes about this long of prompt work at the measured speed (at most --n-batch "
-        "tokens), so their next token waits that long, not for a whole chunk (0: --n-batch tokens always)",
+        "tokens), so their next token waits that long, not for a whole chunk; 250 ms at most while a job of higher "
+        "priority may come back (0: --n-batch tokens always)",
     )
     host_cache_mb: int | None = opt(
         None,
